@@ -1,0 +1,52 @@
+// The one TORCH_LIBRARY(shardkit, m): every operator schema of the project lives here.
+// Backends register implementations in cpu/<family>_cpu.cpp and cuda/<family>_cuda.cu;
+// Python adds fake kernels and autograd in python/shardkit/ops/.
+//
+// Each op family keeps its schemas in its own section below, so the families can
+// evolve independently.
+
+#include <Python.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(shardkit, m) {
+  // ---- ema: fused exponential moving average of model weights -------------------
+  // ema[i] <- ema[i] + (1 - decay) * (model[i] - ema[i]), fp32 arithmetic, in place.
+  // Floating-point pairs only; dtypes may differ between ema and model.
+  m.def("ema_update_(Tensor(a!)[] ema, Tensor[] model, float decay) -> ()");
+  // ---- end ema ----
+
+  // ---- sharded cross-entropy ----------------------------------------------------
+  // ---- end sharded cross-entropy ----
+
+  // ---- parallel -----------------------------------------------------------------
+  // ---- end parallel ----
+
+  // ---- normalize ----------------------------------------------------------------
+  // ---- end normalize ----
+}
+
+namespace {
+
+PyObject* cuda_built(PyObject*, PyObject*) {
+#ifdef SHARDKIT_WITH_CUDA
+  Py_RETURN_TRUE;
+#else
+  Py_RETURN_FALSE;
+#endif
+}
+
+PyMethodDef methods[] = {
+    {"cuda_built", cuda_built, METH_NOARGS, "Whether the CUDA kernels were compiled into this build."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "_C",
+    "shardkit's compiled operators; import shardkit to register them as torch.ops.shardkit.*", -1, methods,
+};
+
+}  // namespace
+
+// Importing shardkit._C loads this shared library, which runs the static
+// registrations above (TORCH_LIBRARY and every backend's TORCH_LIBRARY_IMPL).
+extern "C" PyObject* PyInit__C(void) { return PyModule_Create(&module_def); }

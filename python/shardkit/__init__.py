@@ -1,0 +1,44 @@
+"""shardkit: million-class sharded softmax losses, balanced data parallelism and a fused
+model-weight EMA for PyTorch, as a C++/CUDA extension.
+
+Public names only; see the README for usage.
+"""
+
+import torch  # noqa: F401  (loads libtorch before our extension)
+
+from shardkit import _C  # noqa: F401  (loads the library: registers torch.ops.shardkit.*)
+from shardkit import ops  # noqa: F401
+
+__version__ = "0.1.0"
+
+
+def cuda_built() -> bool:
+    """Whether this build of shardkit contains the CUDA kernels.
+
+    ``False`` means every op runs on the CPU only; CUDA tensors passed to an op
+    then fail with torch's "no kernel for CUDA" error.
+    """
+    return bool(_C.cuda_built())
+
+
+# ---- ema ----
+# ---- end ema ----
+
+# ---- sharded cross-entropy ----
+# ---- end sharded cross-entropy ----
+
+# ---- parallel ----
+# ---- end parallel ----
+
+# ---- normalize ----
+# ---- end normalize ----
+
+__all__ = [
+    "cuda_built",
+    "ops",
+    # ---- public classes and functions, one block per family ----
+    # ema
+    # sharded cross-entropy
+    # parallel
+    # normalize
+]
