@@ -56,7 +56,13 @@ def _extension():
     with_cuda, reason = _choose_backend()
     debug = _flag("SHARDKIT_DEBUG")
     opt = ["-O0", "-g"] if debug else ["-O3"]
-    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
+    # csrc/*.cpp (schemas), csrc/cpu/ (CPU kernels), csrc/composite/ (device-generic ops
+    # written with ATen calls); csrc/cuda/ only in CUDA builds.
+    sources = sorted(
+        glob.glob(os.path.join("csrc", "*.cpp"))
+        + glob.glob(os.path.join("csrc", "cpu", "*.cpp"))
+        + glob.glob(os.path.join("csrc", "composite", "*.cpp"))
+    )
     cxx = opt + ["-std=c++17", "-fopenmp", "-Wall", "-Wno-unused-function"]
     define_macros = []
     extra_link = ["-fopenmp"]
