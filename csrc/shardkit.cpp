@@ -13,6 +13,11 @@ TORCH_LIBRARY(shardkit, m) {
   // ema[i] <- ema[i] + (1 - decay) * (model[i] - ema[i]), fp32 arithmetic, in place.
   // Floating-point pairs only; dtypes may differ between ema and model.
   m.def("ema_update_(Tensor(a!)[] ema, Tensor[] model, float decay) -> ()");
+  // ema.swap(model): same-dtype pairs exchange contents; a float32 EMA of a bfloat16
+  // model packs (model <- bf16(ema), ema <- model bits | low ema bits). ema_unswap_
+  // restores both bit-exactly (for same-dtype pairs it is the same exchange).
+  m.def("ema_swap_(Tensor(a!)[] ema, Tensor(b!)[] model) -> ()");
+  m.def("ema_unswap_(Tensor(a!)[] ema, Tensor(b!)[] model) -> ()");
   // ---- end ema ----
 
   // ---- sharded cross-entropy ----------------------------------------------------

@@ -22,6 +22,7 @@ def cuda_built() -> bool:
 
 
 # ---- ema ----
+from shardkit.ema import ModelEMA  # noqa: E402
 # ---- end ema ----
 
 # ---- sharded cross-entropy ----
@@ -38,6 +39,7 @@ __all__ = [
     "ops",
     # ---- public classes and functions, one block per family ----
     # ema
+    "ModelEMA",
     # sharded cross-entropy
     # parallel
     # normalize

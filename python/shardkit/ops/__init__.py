@@ -5,6 +5,7 @@ One private module per op family; this module re-exports the public functions.
 """
 
 # ---- ema ----
+from shardkit.ops._ema import ema_swap_, ema_unswap_, ema_update_  # noqa: F401
 # ---- end ema ----
 
 # ---- sharded cross-entropy ----

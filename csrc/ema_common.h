@@ -1,0 +1,130 @@
+// Backend-independent pieces of the ema op family: argument checks, the classification
+// of (ema, model) pairs, and the ATen fallbacks for tensor pairs whose memory cannot be
+// walked as two flat arrays in the same order. Both csrc/cpu/ema_cpu.cpp and
+// csrc/cuda/ema_cuda.cu include this header, so both backends accept exactly the same
+// inputs and raise exactly the same errors.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <c10/macros/Macros.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+namespace shardkit {
+namespace ema {
+
+// Whether `a` and `b` can be processed as flat arrays of numel() elements starting at
+// data_ptr(), element k of one matching element k of the other. True for contiguous
+// pairs and for dense pairs with identical strides (e.g. two channels_last tensors).
+inline bool flat_compatible(const at::Tensor& a, const at::Tensor& b) {
+  if (a.is_contiguous() && b.is_contiguous()) return true;
+  return a.is_non_overlapping_and_dense() && b.is_non_overlapping_and_dense() && a.strides() == b.strides();
+}
+
+// Checks shared by every ema op: equal list lengths, equal shapes, one device for all.
+inline void check_lists(const char* op, at::TensorList ema, at::TensorList model) {
+  TORCH_CHECK(ema.size() == model.size(), op, ": arguments `ema` and `model` must have the same length, got ",
+              ema.size(), " and ", model.size());
+  if (ema.empty()) return;
+  const auto device = ema[0].device();
+  for (size_t i = 0; i < ema.size(); ++i) {
+    TORCH_CHECK(ema[i].sizes() == model[i].sizes(), op, ": `ema[", i, "]` and `model[", i,
+                "]` must have the same shape, got ", ema[i].sizes(), " and ", model[i].sizes());
+    TORCH_CHECK(ema[i].device() == device, op, ": every tensor of `ema` must be on one device, `ema[0]` is on ",
+                device, " but `ema[", i, "]` is on ", ema[i].device());
+    TORCH_CHECK(model[i].device() == device, op, ": `model[", i, "]` is on ", model[i].device(),
+                " but `ema` is on ", device, "; move the model tensors (or use ModelEMA(device=...))");
+  }
+}
+
+inline bool is_supported_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+}
+
+inline void check_update_args(at::TensorList ema, at::TensorList model, double decay) {
+  check_lists("ema_update_", ema, model);
+  TORCH_CHECK(std::isfinite(decay) && decay >= 0.0 && decay <= 1.0,
+              "ema_update_: argument `decay` must lie in [0, 1], got ", decay);
+  for (size_t i = 0; i < ema.size(); ++i) {
+    TORCH_CHECK(is_supported_float(ema[i].scalar_type()), "ema_update_: argument `ema` must hold floating-point ",
+                "tensors (float32/float64/float16/bfloat16), got ", ema[i].scalar_type(), " at index ", i);
+    TORCH_CHECK(is_supported_float(model[i].scalar_type()), "ema_update_: argument `model` must hold floating-point ",
+                "tensors (float32/float64/float16/bfloat16), got ", model[i].scalar_type(), " at index ", i);
+  }
+}
+
+// The weight of the model in the update, in the arithmetic type of the kernels. Computed
+// once in double so that 1 - decay keeps its precision for decay close to 1.
+inline double model_weight(double decay) { return 1.0 - decay; }
+
+// The update in the kernels' form: e + w (m - e) for w < 0.5, else m - (1 - w)(m - e)
+// (the two forms of torch.lerp: decay 1 keeps e and decay 0 copies m exactly).
+// This function: the update for a pair that is not flat-compatible (arbitrary strides). Uses the
+// same formula and arithmetic type as the kernels, at the cost of temporaries.
+inline void fallback_update(const at::Tensor& e, const at::Tensor& m, double decay) {
+  const bool wide = e.scalar_type() == at::kDouble || m.scalar_type() == at::kDouble;
+  const auto acc = wide ? at::kDouble : at::kFloat;
+  auto rounded = [&](double x) { return wide ? x : static_cast<double>(static_cast<float>(x)); };
+  const double w = model_weight(decay);
+  at::Tensor ea = e.to(acc);
+  at::Tensor ma = m.to(acc);
+  at::Tensor diff = ma.sub(ea);
+  if (w < 0.5) {
+    ea.add_(diff.mul_(rounded(w)));
+  } else {
+    ea = ma.sub_(diff.mul_(rounded(1.0 - w)));
+  }
+  e.copy_(ea);
+}
+
+// ---- The bfloat16 packing of ema.swap for a float32 EMA of a bfloat16 model ----------
+// swap:   model <- bf16(e), rounding the 32-bit pattern half-up on its low 16 bits
+//         (ties away from zero in magnitude); ema <- (old model bits << 16) | (e & 0xFFFF).
+// unswap: lo = ema & 0xFFFF; the high half of e is the model's current bits minus the
+//         carry the rounding added (1 exactly when lo >= 0x8000), modulo 2^16.
+// Pure integer arithmetic, so unswap(swap(x)) == x bit for bit for every pattern,
+// including negative values, infinities and NaNs. What the model sees while swapped:
+// finite values rounded to nearest; a value within half a bf16 ulp of the bf16 maximum
+// rounds to infinity; a NaN EMA value may show as another NaN or, for payloads with all
+// high mantissa bits set, wrap to a signed zero (the restore is still exact).
+C10_HOST_DEVICE inline void bf16_pack(uint32_t& ema_bits, uint16_t& model_bits) {
+  const uint32_t e = ema_bits;
+  const uint32_t m = model_bits;
+  model_bits = static_cast<uint16_t>((e + 0x8000u) >> 16);
+  ema_bits = (m << 16) | (e & 0xFFFFu);
+}
+
+C10_HOST_DEVICE inline void bf16_unpack(uint32_t& ema_bits, uint16_t& model_bits) {
+  const uint32_t p = ema_bits;
+  const uint32_t lo = p & 0xFFFFu;
+  const uint32_t hi = (static_cast<uint32_t>(model_bits) - (lo >> 15)) & 0xFFFFu;
+  model_bits = static_cast<uint16_t>(p >> 16);
+  ema_bits = (hi << 16) | lo;
+}
+
+// The kinds of (ema, model) pair the swap ops handle.
+enum class SwapKind { kExchange, kPackBF16 };
+
+inline SwapKind check_swap_pair(const char* op, const at::Tensor& e, const at::Tensor& m, size_t i) {
+  if (e.scalar_type() == m.scalar_type()) return SwapKind::kExchange;
+  TORCH_CHECK(e.scalar_type() == at::kFloat && m.scalar_type() == at::kBFloat16, op, ": `ema[", i, "]` (",
+              e.scalar_type(), ") and `model[", i, "]` (", m.scalar_type(),
+              ") must have the same dtype, or be float32 EMA with a bfloat16 model; ",
+              "ModelEMA.swap stashes other combinations in host memory");
+  TORCH_CHECK(flat_compatible(e, m), op, ": the bfloat16 packing needs `ema[", i, "]` and `model[", i,
+              "]` contiguous (or dense with the same strides)");
+  return SwapKind::kPackBF16;
+}
+
+// Exchange for a same-dtype pair that is not flat-compatible: one temporary of that tensor.
+inline void fallback_exchange(const at::Tensor& e, const at::Tensor& m) {
+  at::Tensor tmp = m.clone();
+  m.copy_(e);
+  e.copy_(tmp);
+}
+
+}  // namespace ema
+}  // namespace shardkit

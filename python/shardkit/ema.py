@@ -1,0 +1,351 @@
+"""``shardkit.ModelEMA``: an exponential moving average of a model's weights, updated by
+the fused :func:`shardkit.ops.ema_update_` (one pass over memory for all tensors).
+
+Drop-in for the ModelEMA of yolov3/ultralytics (``ema.update(model)``, ``ema.ema``,
+``ema.updates``, ramp ``decay * (1 - exp(-updates / tau))``) and for timm's ModelEmaV3
+(``ema.module``, ``ema.update(model, step=...)``, warmup ``1 - (1 + step / gamma) **
+-power`` clamped to ``[min_decay, decay]``, ``update_after_step``).
+"""
+
+import contextlib
+import copy
+import math
+import weakref
+from typing import Optional
+
+import torch
+from torch import nn
+
+from shardkit.ops._ema import ema_swap_, ema_unswap_, ema_update_
+from shardkit._ema_stage import HostStage
+
+__all__ = ["ModelEMA"]
+
+_FORMAT = "shardkit.ModelEMA/1"
+
+
+def _unwrap(model):
+    """The user's module inside DataParallel / DistributedDataParallel (and so shardkit's
+    DataParallelModel, a DataParallel subclass) and torch.compile wrappers."""
+    while True:
+        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def _slots(root: nn.Module):
+    """(name, owner dict, key, is_param) for every parameter and buffer, once per tensor
+    (tied weights appear once, so they are averaged once), in a fixed order."""
+    out, seen = [], set()
+    for prefix, mod in root.named_modules():
+        for is_param, table in ((True, mod._parameters), (False, mod._buffers)):
+            for key, t in table.items():
+                if t is None or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                out.append((f"{prefix}.{key}" if prefix else key, table, key, is_param))
+    return out
+
+
+def _flat_ok(e: torch.Tensor, m: torch.Tensor) -> bool:
+    if e.is_contiguous() and m.is_contiguous():
+        return True
+    return e.dim() == 4 and e.stride() == m.stride() and e.is_contiguous(memory_format=torch.channels_last)
+
+
+def _check_int(name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"argument `{name}` must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+class ModelEMA:
+    """Exponential moving average of a model's parameters and buffers.
+
+    Every ``update(model)``: ``e <- e + (1 - d) * (m - e)`` for every floating parameter
+    (and floating buffer, unless ``copy_float_buffers``), one fused kernel for all of
+    them; integer buffers (e.g. BatchNorm's ``num_batches_tracked``) are copied.
+
+    Args:
+        model: the ``nn.Module`` to average (DataParallel, DistributedDataParallel and
+            torch.compile wrappers are unwrapped). ``self.module`` starts as a copy of it.
+        decay: float in [0, 1], the (final) decay.
+        tau: ramp time constant (> 0): ``d = decay * (1 - exp(-t / tau))`` (ultralytics).
+            ``None`` gives a constant decay (timm ModelEmaV3 without warmup).
+        warmup_gamma, warmup_power: giving either selects timm's warmup
+            ``d = clamp(1 - (1 + s / gamma) ** -power, min_decay, decay)`` with
+            ``s = t - update_after_step - 1`` (defaults gamma 1.0, power 2/3); tau is
+            then unused.
+        min_decay: float in [0, decay], lower clamp of the ramp and the warmup.
+        update_after_step: int >= 0. The first updates copy the model (d = 0): for
+            t <= update_after_step with the ramp, t <= update_after_step + 1 with the
+            warmup and the constant decay (exactly timm's rule); the ramp then runs on
+            ``t - update_after_step``.
+        update_every: int >= 1: only every N-th call of ``update`` does anything.
+        dtype: floating dtype of the EMA's floating tensors (e.g. ``torch.float32`` for a
+            bfloat16 model); ``None`` keeps the model's.
+        device: device of the EMA; ``None`` keeps the model's. A CPU EMA of a CUDA model
+            is fed by non-blocking copies into pinned staging buffers (two sets, model
+            dtype) and averaged on the CPU once the copy's CUDA event has completed, so
+            the training step never waits on it; pending updates are applied before
+            ``module``, ``state_dict()`` and ``swap`` are used.
+        copy_float_buffers: copy floating buffers (e.g. BatchNorm running stats) instead
+            of averaging them (timm's ``exclude_buffers``).
+        updates: initial update count (ultralytics' resume argument).
+
+    ``t`` is ``step`` when ``update(model, step=...)`` gives one (timm), else the count of
+    applied updates including this one (``self.updates``, 1 on the first update).
+
+    Attributes: ``module`` (the averaged module, eval mode, ``requires_grad=False``;
+    ``ema`` is an alias), ``updates``, ``enabled`` (False makes ``update`` a no-op).
+    """
+
+    def __init__(self, model: nn.Module, decay: float = 0.9999, *, tau: Optional[float] = 2000,
+                 warmup_gamma: Optional[float] = None, warmup_power: Optional[float] = None,
+                 min_decay: float = 0.0, update_after_step: int = 0, update_every: int = 1,
+                 dtype: Optional[torch.dtype] = None, device=None, copy_float_buffers: bool = False,
+                 updates: int = 0):
+        src = _unwrap(model)
+        if not isinstance(src, nn.Module):
+            raise TypeError(f"argument `model` must be an nn.Module, got {type(model).__name__}")
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"argument `dtype` must be a floating torch.dtype or None, got {dtype!r}")
+        self._set_schedule(decay, tau, warmup_gamma, warmup_power, min_decay, update_after_step, update_every)
+        self.copy_float_buffers = bool(copy_float_buffers)
+        self.updates = _check_int("updates", updates, 0)
+        self._calls = 0
+        self.enabled = True
+        self._swapped = False
+        self._model_ref = weakref.ref(model)
+        device = torch.device(device) if device is not None else None
+
+        # Copy with the tensors converted on the way (a memo entry per tensor), so a CPU
+        # EMA of a GPU model never holds a second copy on the GPU, even transiently.
+        memo = {}
+        for _, table, key, is_param in _slots(src):
+            t = table[key].detach()
+            t = t.to(device=device or t.device, dtype=dtype if dtype and t.is_floating_point() else t.dtype,
+                     copy=True)
+            memo[id(table[key])] = nn.Parameter(t, requires_grad=False) if is_param else t
+        self._module = copy.deepcopy(src, memo).eval()
+        self._module.requires_grad_(False)
+
+        self._names, self._ema, self._avg = [], [], []
+        for name, table, key, is_param in _slots(self._module):
+            t = table[key]
+            self._names.append(name)
+            self._ema.append(t)
+            self._avg.append(t.is_floating_point() and (is_param or not self.copy_float_buffers))
+        self._src = None  # (weakref to the last model seen, its (owner, key) slots)
+        self._stage = None
+
+    # ---- schedule --------------------------------------------------------------------
+    def _set_schedule(self, decay, tau, warmup_gamma, warmup_power, min_decay, update_after_step, update_every):
+        decay, min_decay = float(decay), float(min_decay)
+        if not 0.0 <= decay <= 1.0:
+            raise ValueError(f"argument `decay` must lie in [0, 1], got {decay}")
+        if not 0.0 <= min_decay <= decay:
+            raise ValueError(f"argument `min_decay` must lie in [0, decay={decay}], got {min_decay}")
+        if tau is not None and not float(tau) > 0:
+            raise ValueError(f"argument `tau` must be > 0 or None, got {tau}")
+        for name, v in (("warmup_gamma", warmup_gamma), ("warmup_power", warmup_power)):
+            if v is not None and not float(v) > 0:
+                raise ValueError(f"argument `{name}` must be > 0 or None, got {v}")
+        self.decay, self.min_decay = decay, min_decay
+        self.tau = None if tau is None else float(tau)
+        self.warmup_gamma = None if warmup_gamma is None else float(warmup_gamma)
+        self.warmup_power = None if warmup_power is None else float(warmup_power)
+        self.update_after_step = _check_int("update_after_step", update_after_step, 0)
+        self.update_every = _check_int("update_every", update_every, 1)
+
+    def get_decay(self, step: int) -> float:
+        """The decay used at schedule step ``step`` (see the class docstring)."""
+        uas = self.update_after_step
+        if self.warmup_gamma is not None or self.warmup_power is not None:
+            s = max(0, step - uas - 1)
+            if s <= 0:
+                return 0.0
+            gamma = 1.0 if self.warmup_gamma is None else self.warmup_gamma
+            power = 2.0 / 3.0 if self.warmup_power is None else self.warmup_power
+            return max(min(1.0 - (1.0 + s / gamma) ** -power, self.decay), self.min_decay)
+        if self.tau is None:
+            return 0.0 if step - uas - 1 <= 0 else self.decay
+        s = step - uas
+        if s <= 0:
+            return 0.0
+        return max(self.decay * (1.0 - math.exp(-s / self.tau)), self.min_decay)
+
+    # ---- the averaged module -----------------------------------------------------------
+    @property
+    def module(self) -> nn.Module:
+        """The averaged module (pending CPU-side updates applied first)."""
+        self._flush()
+        return self._module
+
+    ema = module  # ultralytics' name
+
+    def _flush(self):
+        if self._stage is not None:
+            self._stage.drain(self._apply)
+
+    def _model_tensors(self, model, where):
+        src = _unwrap(model)
+        if self._src is None or self._src[0]() is not src:
+            if not isinstance(src, nn.Module):
+                raise TypeError(f"{where}: argument `model` must be an nn.Module, got {type(model).__name__}")
+            slots = _slots(src)
+            names = [s[0] for s in slots]
+            if names != self._names:
+                missing = sorted(set(self._names) - set(names))
+                extra = sorted(set(names) - set(self._names))
+                raise ValueError(f"{where}: argument `model` does not have the EMA's structure "
+                                 f"(missing {missing[:5]}, unexpected {extra[:5]})")
+            for (name, table, key, _), e in zip(slots, self._ema):
+                if table[key].shape != e.shape:
+                    raise ValueError(f"{where}: argument `model` has {name} of shape {tuple(table[key].shape)}, "
+                                     f"the EMA has {tuple(e.shape)}")
+            self._src = (weakref.ref(src), [(table, key) for _, table, key, _ in slots])
+        return [table[key] for table, key in self._src[1]]
+
+    # ---- update ------------------------------------------------------------------------
+    @torch.no_grad()
+    def update(self, model: nn.Module, step: Optional[int] = None) -> None:
+        """Averages ``model`` (same structure as the EMA) into the EMA.
+
+        ``step``: the schedule step (timm's ``step``); ``None`` uses ``self.updates``.
+        """
+        if self._swapped:
+            raise RuntimeError("ModelEMA.update: called inside `with ema.swap(model)`; update after the block")
+        if not self.enabled:
+            return
+        self._calls += 1
+        if self._calls % self.update_every:
+            return
+        src = self._model_tensors(model, "ModelEMA.update")
+        self.updates += 1
+        d = self.get_decay(self.updates if step is None else int(step))
+        ema_dev = self._ema[0].device if self._ema else None
+        if ema_dev is not None and ema_dev.type == "cpu" and any(t.is_cuda for t in src):
+            if self._stage is None:
+                self._stage = HostStage(src)
+            self._stage.push(src, d, self._apply)
+        else:
+            self._apply(src, d)
+
+    def _apply(self, src, d):
+        avg_e, avg_m, cp_e, cp_m = [], [], [], []
+        for e, m, avg in zip(self._ema, src, self._avg):
+            if m.device != e.device:
+                m = m.to(e.device, non_blocking=True)
+            if avg:
+                avg_e.append(e)
+                avg_m.append(m)
+            else:
+                cp_e.append(e)
+                cp_m.append(m)
+        ema_update_(avg_e, avg_m, d)
+        if cp_e:
+            torch._foreach_copy_(cp_e, cp_m)
+
+    # ---- swap --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def swap(self, model: nn.Module):
+        """``with ema.swap(model): evaluate(model)``: the model holds the EMA weights inside
+        the block and its own weights, bit-exactly, after it (also on an exception).
+
+        Same device and dtype: the tensors are exchanged in place. float32 EMA of a
+        bfloat16 model: packed in place (the model sees the EMA rounded to bfloat16; see
+        :func:`shardkit.ops.ema_swap_`). Any other pair (e.g. float16 model with a float32
+        EMA, or EMA and model on different devices): the model's tensor is stashed in
+        host memory for the duration. No second full copy of the model on its device.
+        Do not modify the model or the EMA inside the block.
+        """
+        if self._swapped:
+            raise RuntimeError("ModelEMA.swap: already swapped; swap blocks do not nest")
+        self._flush()
+        src = self._model_tensors(model, "ModelEMA.swap")
+        ex_e, ex_m, stash = [], [], []
+        for e, m in zip(self._ema, src):
+            if e.device == m.device and (e.dtype == m.dtype or (
+                    e.dtype == torch.float32 and m.dtype == torch.bfloat16 and _flat_ok(e, m))):
+                ex_e.append(e)
+                ex_m.append(m)
+            else:
+                stash.append((e, m, m.detach().to("cpu", copy=True)))
+        with torch.no_grad():
+            ema_swap_(ex_e, ex_m)
+            for e, m, _ in stash:
+                m.copy_(e)
+        self._swapped = True
+        try:
+            yield model
+        finally:
+            with torch.no_grad():
+                ema_unswap_(ex_e, ex_m)
+                for _, m, host in stash:
+                    m.copy_(host)
+            self._swapped = False
+
+    # ---- checkpoints -------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Everything to resume: EMA weights (``module``, a plain module state_dict), the
+        counters and the schedule. Only tensors, numbers, None and strings, so
+        ``torch.load(..., weights_only=True)`` reads it."""
+        if self._swapped:
+            raise RuntimeError("ModelEMA.state_dict: called inside `with ema.swap(model)`")
+        return {
+            "format": _FORMAT, "module": self.module.state_dict(), "updates": self.updates, "calls": self._calls,
+            "decay": self.decay, "tau": self.tau, "warmup_gamma": self.warmup_gamma,
+            "warmup_power": self.warmup_power, "min_decay": self.min_decay,
+            "update_after_step": self.update_after_step, "update_every": self.update_every,
+            "copy_float_buffers": self.copy_float_buffers, "enabled": self.enabled,
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restores what :meth:`state_dict` saved (weights copied into the EMA's tensors,
+        keeping its dtype and device)."""
+        if not isinstance(state_dict, dict) or state_dict.get("format") != _FORMAT:
+            raise ValueError(f"argument `state_dict` is not a ModelEMA state_dict (expected format {_FORMAT!r})")
+        if bool(state_dict["copy_float_buffers"]) != self.copy_float_buffers:
+            raise ValueError("argument `state_dict` was saved with copy_float_buffers="
+                             f"{state_dict['copy_float_buffers']}, this ModelEMA has {self.copy_float_buffers}")
+        self._flush()
+        self._set_schedule(state_dict["decay"], state_dict["tau"], state_dict["warmup_gamma"],
+                           state_dict["warmup_power"], state_dict["min_decay"], state_dict["update_after_step"],
+                           state_dict["update_every"])
+        self._module.load_state_dict(state_dict["module"])
+        self.updates = int(state_dict["updates"])
+        self._calls = int(state_dict["calls"])
+        self.enabled = bool(state_dict["enabled"])
+
+    # ---- conveniences ------------------------------------------------------------------
+    def attach(self, optimizer: torch.optim.Optimizer, model: Optional[nn.Module] = None):
+        """Updates the EMA after every ``optimizer.step()`` (an optimizer step post-hook)
+        from ``model`` (default: the model given to the constructor). Returns the hook's
+        handle; ``handle.remove()`` detaches."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"argument `optimizer` must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        ref = weakref.ref(model) if model is not None else self._model_ref
+
+        def hook(opt, args, kwargs):
+            m = ref()
+            if m is None:
+                raise RuntimeError("ModelEMA.attach: the model was garbage-collected; attach(optimizer, model)")
+            self.update(m)
+
+        return optimizer.register_step_post_hook(hook)
+
+    def update_attr(self, model, include=(), exclude=("process_group", "reducer")):
+        """Copies public non-module attributes of ``model`` to the EMA module (ultralytics)."""
+        for k, v in _unwrap(model).__dict__.items():
+            if (include and k not in include) or k.startswith("_") or k in exclude or k == "training":
+                continue
+            setattr(self._module, k, v)
+
+    def __repr__(self):
+        sched = ("warmup" if self.warmup_gamma is not None or self.warmup_power is not None
+                 else "constant" if self.tau is None else f"ramp(tau={self.tau})")
+        return f"ModelEMA(decay={self.decay}, schedule={sched}, updates={self.updates}, tensors={len(self._ema)})"

@@ -1,0 +1,114 @@
+"""The ema op family: the fused in-place EMA update and the swap/unswap pair used by
+``ModelEMA.swap``. The kernels live in csrc/cpu/ema_cpu.cpp and csrc/cuda/ema_cuda.cu;
+this module adds the fake (meta) kernels so ``torch.compile`` traces the ops, and the
+Python entry points with their argument checks.
+"""
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["ema_update_", "ema_swap_", "ema_unswap_"]
+
+
+def _as_list(name: str, tensors) -> list:
+    if isinstance(tensors, torch.Tensor):
+        raise TypeError(f"argument `{name}` must be a list or tuple of tensors, got a single Tensor")
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"argument `{name}` must hold tensors, got {type(t).__name__} at index {i}")
+    return tensors
+
+
+def ema_update_(ema_tensors: Sequence[torch.Tensor], model_tensors: Sequence[torch.Tensor], decay: float) -> None:
+    """In place, for every i: ``ema[i] <- ema[i] + (1 - decay) * (model[i] - ema[i])``.
+
+    One pass over memory (read ema, read model, write ema) for all tensors together: one
+    multi-tensor kernel family on CUDA, one multi-threaded vectorized loop on the CPU.
+
+    Args:
+        ema_tensors: list of N floating tensors (float32, float64, float16 or bfloat16),
+            updated in place.
+        model_tensors: list of N floating tensors, ``model_tensors[i].shape ==
+            ema_tensors[i].shape``, on the same device as the EMA; the dtype may differ
+            from the EMA's (e.g. a float32 EMA of a bfloat16 model).
+        decay: float in [0, 1]; 0 copies the model, 1 leaves the EMA unchanged.
+
+    Arithmetic is float32 (float64 when either side of a pair is float64), with one
+    rounding to the EMA dtype at the store. Contiguous pairs, and dense pairs with equal
+    strides (e.g. both channels_last), are fused; other strided pairs are still updated
+    correctly, through ATen temporaries (slower). Any number of tensors; empty lists are
+    a no-op.
+
+    Raises:
+        RuntimeError naming the argument: lengths, shapes or devices that do not match, a
+        non-floating tensor, ``decay`` outside [0, 1].
+    """
+    ema_tensors = _as_list("ema_tensors", ema_tensors)
+    model_tensors = _as_list("model_tensors", model_tensors)
+    decay = float(decay)
+    if not 0.0 <= decay <= 1.0:  # also rejects NaN
+        raise ValueError(f"argument `decay` must lie in [0, 1], got {decay}")
+    if len(ema_tensors) != len(model_tensors):
+        raise ValueError(
+            f"arguments `ema_tensors` and `model_tensors` must have the same length, "
+            f"got {len(ema_tensors)} and {len(model_tensors)}"
+        )
+    if not ema_tensors:
+        return  # the dispatcher needs a tensor to pick a backend
+    torch.ops.shardkit.ema_update_(ema_tensors, model_tensors, decay)
+
+
+def ema_swap_(ema_tensors: Sequence[torch.Tensor], model_tensors: Sequence[torch.Tensor]) -> None:
+    """Puts the EMA weights into the model in place; :func:`ema_unswap_` undoes it exactly.
+
+    Per pair (same shape, same device): equal dtypes exchange contents; a float32 EMA of
+    a bfloat16 model is *packed*: the model gets the EMA value rounded to bfloat16 (half
+    up on the low 16 bits of the float32 pattern, i.e. ties away from zero), and the
+    float32 EMA buffer keeps the model's 16 bits plus the EMA's low 16 bits. While
+    swapped the EMA buffer holds no meaningful values and the model must not be written.
+    Other dtype pairs raise (``ModelEMA.swap`` stashes those in host memory instead).
+    Non-finite values: restore is bit-exact for every bit pattern; while swapped a NaN
+    EMA value may show in the model as another NaN or a signed zero, and a value within
+    half a bfloat16 ulp of its maximum as infinity.
+    """
+    ema_tensors = _as_list("ema_tensors", ema_tensors)
+    model_tensors = _as_list("model_tensors", model_tensors)
+    if len(ema_tensors) != len(model_tensors):
+        raise ValueError(
+            f"arguments `ema_tensors` and `model_tensors` must have the same length, "
+            f"got {len(ema_tensors)} and {len(model_tensors)}"
+        )
+    if ema_tensors:
+        torch.ops.shardkit.ema_swap_(ema_tensors, model_tensors)
+
+
+def ema_unswap_(ema_tensors: Sequence[torch.Tensor], model_tensors: Sequence[torch.Tensor]) -> None:
+    """Inverse of :func:`ema_swap_` on the same lists: restores both bit-exactly."""
+    ema_tensors = _as_list("ema_tensors", ema_tensors)
+    model_tensors = _as_list("model_tensors", model_tensors)
+    if len(ema_tensors) != len(model_tensors):
+        raise ValueError(
+            f"arguments `ema_tensors` and `model_tensors` must have the same length, "
+            f"got {len(ema_tensors)} and {len(model_tensors)}"
+        )
+    if ema_tensors:
+        torch.ops.shardkit.ema_unswap_(ema_tensors, model_tensors)
+
+
+# Fake kernels: the ops mutate their inputs in place and return nothing, so the fake
+# implementations only need to exist (shapes and dtypes do not change).
+@torch.library.register_fake("shardkit::ema_update_")
+def _ema_update_fake(ema, model, decay):
+    return None
+
+
+@torch.library.register_fake("shardkit::ema_swap_")
+def _ema_swap_fake(ema, model):
+    return None
+
+
+@torch.library.register_fake("shardkit::ema_unswap_")
+def _ema_unswap_fake(ema, model):
+    return None
