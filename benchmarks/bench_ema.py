@@ -1,0 +1,312 @@
+"""Benchmark of shardkit.ModelEMA.update against the usual EMA implementations.
+
+Compared, in the same run, on the same model and EMA dtype:
+  shardkit     shardkit.ModelEMA (one fused ema_update_ for all floating tensors)
+  loop         the per-tensor Python loop of yolov3/ultralytics' ModelEMA
+               (v *= d; v += (1 - d) * model_v for every state_dict entry)
+  foreach      timm ModelEmaV3's foreach path: torch._foreach_lerp_ over the floating
+               state_dict entries, copy_ for the others (timm itself if importable)
+  swa          torch.optim.swa_utils.AveragedModel(multi_avg_fn=get_ema_multi_avg_fn)
+
+Models: "resnet50" (the 320 state_dict tensors of torchvision's ResNet-50, 25.6M
+parameters; torchvision's model when installed, else the same shapes) and "350m"
+(a GPT-2-medium-shaped list: 24 layers, d=1024, 50257-token vocabulary, 355M
+parameters). Dtypes: "fp32" (fp32 model and EMA) and "bf16" (bf16 model, fp32 EMA).
+
+Figures: median ms per update; GB/s counting read ema + read model + write ema of the
+floating tensors; the floor = those bytes at the measured device copy bandwidth
+(a clone of a tensor of the same total size, read + write), and the % of it reached.
+
+    python benchmarks/bench_ema.py --device cpu
+    python benchmarks/bench_ema.py --device cuda
+"""
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import time
+
+import torch
+from torch import nn
+
+import shardkit
+
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+
+
+# ---- models ---------------------------------------------------------------------------
+def resnet50_shapes():
+    """(name, shape, is_param) of torchvision's ResNet-50 state_dict, in order."""
+    out = []
+
+    def conv(name, cout, cin, k):
+        out.append((f"{name}.weight", (cout, cin, k, k), True))
+
+    def bn(name, c):
+        out.extend([(f"{name}.weight", (c,), True), (f"{name}.bias", (c,), True),
+                    (f"{name}.running_mean", (c,), False), (f"{name}.running_var", (c,), False),
+                    (f"{name}.num_batches_tracked", (), False)])
+
+    conv("conv1", 64, 3, 7)
+    bn("bn1", 64)
+    cin = 64
+    for li, (blocks, width) in enumerate(zip((3, 4, 6, 3), (64, 128, 256, 512)), start=1):
+        for b in range(blocks):
+            p = f"layer{li}.{b}"
+            conv(f"{p}.conv1", width, cin, 1)
+            bn(f"{p}.bn1", width)
+            conv(f"{p}.conv2", width, width, 3)
+            bn(f"{p}.bn2", width)
+            conv(f"{p}.conv3", width * 4, width, 1)
+            bn(f"{p}.bn3", width * 4)
+            if b == 0:
+                conv(f"{p}.downsample.0", width * 4, cin, 1)
+                bn(f"{p}.downsample.1", width * 4)
+            cin = width * 4
+    out.extend([("fc.weight", (1000, 2048), True), ("fc.bias", (1000,), True)])
+    return out
+
+
+def gpt_350m_shapes(layers=24, d=1024, vocab=50257, ctx=1024):
+    out = [("wte", (vocab, d), True), ("wpe", (ctx, d), True)]
+    for i in range(layers):
+        p = f"h{i}"
+        out += [(f"{p}.ln1.w", (d,), True), (f"{p}.ln1.b", (d,), True),
+                (f"{p}.attn.w", (d, 3 * d), True), (f"{p}.attn.b", (3 * d,), True),
+                (f"{p}.proj.w", (d, d), True), (f"{p}.proj.b", (d,), True),
+                (f"{p}.ln2.w", (d,), True), (f"{p}.ln2.b", (d,), True),
+                (f"{p}.fc.w", (d, 4 * d), True), (f"{p}.fc.b", (4 * d,), True),
+                (f"{p}.out.w", (4 * d, d), True), (f"{p}.out.b", (d,), True)]
+    return out + [("lnf.w", (d,), True), ("lnf.b", (d,), True)]
+
+
+class ShapeModel(nn.Module):
+    """A module holding parameters/buffers of the given shapes (names with '_' for '.')."""
+
+    def __init__(self, shapes, dtype, device):
+        super().__init__()
+        for name, shape, is_param in shapes:
+            name = name.replace(".", "_")
+            if name.endswith("num_batches_tracked"):
+                self.register_buffer(name, torch.zeros(shape, dtype=torch.long, device=device))
+            elif is_param:
+                self.register_parameter(name, nn.Parameter(torch.randn(shape, dtype=dtype, device=device)))
+            else:
+                self.register_buffer(name, torch.rand(shape, dtype=dtype, device=device))
+
+
+def build_model(which, dtype, device):
+    if which == "resnet50":
+        try:
+            import torchvision
+
+            return torchvision.models.resnet50().to(device=device, dtype=dtype), "torchvision resnet50"
+        except ImportError:
+            return ShapeModel(resnet50_shapes(), dtype, device), "resnet50 shapes (no torchvision)"
+    return ShapeModel(gpt_350m_shapes(), dtype, device), "GPT-2-medium shapes"
+
+
+# ---- the implementations compared ---------------------------------------------------
+class LoopEMA:
+    """yolov3/ultralytics ModelEMA.update's per-tensor loop (constant decay here)."""
+
+    def __init__(self, model, dtype):
+        self.ema = copy.deepcopy(model).to(dtype=dtype).eval()
+
+    @torch.no_grad()
+    def update(self, model, d=0.9999):
+        msd = model.state_dict()
+        for k, v in self.ema.state_dict().items():
+            if v.dtype.is_floating_point:
+                v *= d
+                v += (1 - d) * msd[k].detach()
+
+
+class ForeachEMA:
+    """timm ModelEmaV3.apply_update_ (foreach path), or timm's own class if importable."""
+
+    def __init__(self, model, dtype):
+        self.ema = copy.deepcopy(model).to(dtype=dtype).eval()
+        self.timm = None
+        try:
+            from timm.utils.model_ema import ModelEmaV3
+
+            self.timm = ModelEmaV3(model, decay=0.9999)
+            self.timm.module.to(dtype=dtype)
+            self.ema = None
+        except ImportError:
+            pass
+
+    @torch.no_grad()
+    def update(self, model, d=0.9999):
+        if self.timm is not None:
+            return self.timm.update(model)
+        ema_v, model_v = [], []
+        for e, m in zip(self.ema.state_dict().values(), model.state_dict().values()):
+            if e.is_floating_point():
+                ema_v.append(e)
+                model_v.append(m if m.dtype == e.dtype else m.to(e.dtype))  # foreach needs one dtype
+            else:
+                e.copy_(m)
+        torch._foreach_lerp_(ema_v, model_v, weight=1.0 - d)
+
+
+class SwaEMA:
+    def __init__(self, model, dtype):
+        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+        self.avg = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9999), use_buffers=True)
+        self.avg.module.to(dtype=dtype)
+        self.avg.update_parameters(model)  # the first call only copies
+
+    def update(self, model):
+        self.avg.update_parameters(model)
+
+
+class OursEMA:
+    def __init__(self, model, dtype):
+        self.ema = shardkit.ModelEMA(model, 0.9999, tau=None, dtype=dtype)
+
+    def update(self, model):
+        self.ema.update(model)
+
+
+METHODS = {"shardkit": OursEMA, "loop": LoopEMA, "foreach": ForeachEMA, "swa": SwaEMA}
+
+
+# ---- timing ---------------------------------------------------------------------------
+def timed(fn, device, warmup, reps):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run_case(which, dtype_name, device, methods, reps, loop_max_params):
+    model_dtype = torch.float32 if dtype_name == "fp32" else torch.bfloat16
+    model, source = build_model(which, model_dtype, device)
+    n_params = sum(p.numel() for p in model.parameters())
+    floats = [t for t in model.state_dict().values() if t.is_floating_point()]
+    n_tensors = len(model.state_dict())
+    nbytes = sum(t.numel() * (2 * 4 + t.element_size()) for t in floats)  # EMA is fp32
+    # All implementations live at once and are timed round-robin, one update each per
+    # round, so load changes on a shared machine hit them alike.
+    impls, errors = {}, {}
+    for name in methods:
+        if name == "loop" and device.type == "cpu" and n_params > loop_max_params:
+            errors[name] = f"skipped on CPU above {loop_max_params / 1e6:.0f}M params (--loop-max-params)"
+            continue
+        try:
+            impls[name] = METHODS[name](model, torch.float32)
+            for _ in range(1 if which == "350m" else 2):
+                impls[name].update(model)
+        except Exception as exc:  # report, do not hide
+            errors[name] = f"{type(exc).__name__}: {exc}"[:110]
+            impls.pop(name, None)
+    # The floor: a device copy (clone-like, read + write) of the EMA's size, timed in the
+    # same rounds.
+    copy_src = torch.empty(sum(t.numel() for t in floats), dtype=torch.float32, device=device).uniform_()
+    copy_dst = torch.empty_like(copy_src)
+    for _ in range(2):
+        copy_dst.copy_(copy_src)
+    copy_times = []
+    times = {name: [] for name in impls}
+    for _ in range(reps):
+        copy_times.append(timed(lambda: copy_dst.copy_(copy_src), device, 0, 1))
+        for name, impl in impls.items():
+            times[name].append(timed(lambda: impl.update(model), device, 0, 1))
+    bw = 2 * copy_src.numel() * 4 / statistics.median(copy_times)
+    floor = nbytes / bw
+    copy_src = copy_dst = None
+    rows = []
+    for name in methods:
+        if name in errors:
+            rows.append({"method": name, "error": errors[name]})
+            continue
+        t = statistics.median(times[name])
+        rows.append({"method": name, "ms": t * 1e3, "GBps": nbytes / t / 1e9, "pct_floor": 100 * floor / t})
+    impls = None
+    del model
+    return {"model": which, "source": source, "dtype": dtype_name, "params": n_params, "tensors": n_tensors,
+            "bytes": nbytes, "copy_GBps": bw / 1e9, "floor_ms": floor * 1e3, "rows": rows}
+
+
+def print_case(c):
+    print(f"\n{c['model']} ({c['source']}): {c['params'] / 1e6:.1f}M params, {c['tensors']} tensors, "
+          f"{c['dtype']} model / fp32 EMA, {c['bytes'] / 1e9:.3f} GB per update")
+    print(f"  copy bandwidth {c['copy_GBps']:.1f} GB/s -> floor {c['floor_ms']:.2f} ms")
+    ours = next((r["ms"] for r in c["rows"] if r["method"] == "shardkit" and "ms" in r), None)
+    print(f"  {'method':<10}{'ms/update':>11}{'GB/s':>8}{'% floor':>9}{'shardkit speed-up':>19}")
+    for r in c["rows"]:
+        if "error" in r:
+            print(f"  {r['method']:<10} error: {r['error']}")
+            continue
+        ratio = f"{r['ms'] / ours:.2f}x" if ours else "-"
+        print(f"  {r['method']:<10}{r['ms']:>11.2f}{r['GBps']:>8.1f}{r['pct_floor']:>8.0f}%{ratio:>19}")
+
+
+def plot(cases, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    labels = [f"{c['model']}\n{c['dtype']}" for c in cases]
+    methods = list(METHODS)
+    for i, m in enumerate(methods):
+        vals = [next((r.get("GBps", 0) for r in c["rows"] if r["method"] == m), 0) for c in cases]
+        ax.bar([x + i * 0.2 for x in range(len(cases))], vals, 0.2, label=m)
+    ax.plot([x + 0.3 for x in range(len(cases))], [c["bytes"] / c["floor_ms"] / 1e6 for c in cases], "k_",
+            markersize=40, label="copy-bandwidth floor")
+    ax.set_xticks([x + 0.3 for x in range(len(cases))], labels)
+    ax.set_ylabel("GB/s (read ema + model, write ema)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--models", default="resnet50,350m")
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--reps", type=int, default=0, help="timed repetitions (default: 5 on CPU, 50 on CUDA)")
+    ap.add_argument("--loop-max-params", type=float, default=1e8,
+                    help="on CPU, skip the (very slow) per-tensor loop for larger models")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    reps = args.reps or (5 if device.type == "cpu" else 50)
+    print(f"torch {torch.__version__}, device {device}"
+          f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, "
+          f"threads {torch.get_num_threads()}, shardkit CUDA kernels: {shardkit.cuda_built()}")
+    cases = []
+    for which in args.models.split(","):
+        for dt in args.dtypes.split(","):
+            cases.append(run_case(which, dt, device, args.methods.split(","), reps, args.loop_max_params))
+            print_case(cases[-1])
+    os.makedirs(OUT, exist_ok=True)
+    stem = os.path.join(OUT, f"bench_ema_{device.type}")
+    with open(stem + ".json", "w") as f:
+        json.dump({"torch": torch.__version__, "device": str(device), "cases": cases}, f, indent=1)
+    plot(cases, stem + ".png")
+    print(f"\nwrote {stem}.json and {stem}.png")
+
+
+if __name__ == "__main__":
+    main()
