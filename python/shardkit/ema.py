@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from shardkit.ops._ema import ema_swap_, ema_unswap_, ema_update_
+from shardkit.ops._ema import ema_swap_, ema_unswap_
 from shardkit._ema_stage import HostStage
 
 __all__ = ["ModelEMA"]
@@ -139,6 +139,10 @@ class ModelEMA:
             self._names.append(name)
             self._ema.append(t)
             self._avg.append(t.is_floating_point() and (is_param or not self.copy_float_buffers))
+        self._avg_idx = [i for i, a in enumerate(self._avg) if a]
+        self._cp_idx = [i for i, a in enumerate(self._avg) if not a]
+        self._avg_e = [self._ema[i] for i in self._avg_idx]
+        self._cp_e = [self._ema[i] for i in self._cp_idx]
         self._src = None  # (weakref to the last model seen, its (owner, key) slots)
         self._stage = None
 
@@ -210,6 +214,10 @@ class ModelEMA:
             self._src = (weakref.ref(src), [(table, key) for _, table, key, _ in slots])
         return [table[key] for table, key in self._src[1]]
 
+    def _feeds_host(self, src) -> bool:
+        """Whether this update goes through the pinned host staging (CPU EMA, CUDA model)."""
+        return bool(self._ema) and self._ema[0].device.type == "cpu" and src[0].is_cuda
+
     # ---- update ------------------------------------------------------------------------
     @torch.no_grad()
     def update(self, model: nn.Module, step: Optional[int] = None) -> None:
@@ -227,8 +235,7 @@ class ModelEMA:
         src = self._model_tensors(model, "ModelEMA.update")
         self.updates += 1
         d = self.get_decay(self.updates if step is None else int(step))
-        ema_dev = self._ema[0].device if self._ema else None
-        if ema_dev is not None and ema_dev.type == "cpu" and any(t.is_cuda for t in src):
+        if self._feeds_host(src):
             if self._stage is None:
                 self._stage = HostStage(src)
             self._stage.push(src, d, self._apply)
@@ -236,19 +243,14 @@ class ModelEMA:
             self._apply(src, d)
 
     def _apply(self, src, d):
-        avg_e, avg_m, cp_e, cp_m = [], [], [], []
-        for e, m, avg in zip(self._ema, src, self._avg):
-            if m.device != e.device:
-                m = m.to(e.device, non_blocking=True)
-            if avg:
-                avg_e.append(e)
-                avg_m.append(m)
-            else:
-                cp_e.append(e)
-                cp_m.append(m)
-        ema_update_(avg_e, avg_m, d)
-        if cp_e:
-            torch._foreach_copy_(cp_e, cp_m)
+        # The hot path: two list comprehensions and one fused op call (plus one foreach
+        # copy for integer buffers); devices are compared once, on the first tensor.
+        if src and src[0].device != self._ema[0].device:
+            src = [m.to(e.device, non_blocking=True) for e, m in zip(self._ema, src)]
+        if self._avg_e:
+            torch.ops.shardkit.ema_update_(self._avg_e, [src[i] for i in self._avg_idx], d)
+        if self._cp_e:
+            torch._foreach_copy_(self._cp_e, [src[i] for i in self._cp_idx])
 
     # ---- swap --------------------------------------------------------------------------
     @contextlib.contextmanager
