@@ -25,6 +25,8 @@ def cuda_built() -> bool:
 # ---- end ema ----
 
 # ---- sharded cross-entropy ----
+from shardkit.loss import ShardedLossOutput, ShardedSoftmaxLoss, sharded_cross_entropy  # noqa: E402
+from shardkit.margins import ArcFace, CombinedMargin, CosFace  # noqa: E402
 # ---- end sharded cross-entropy ----
 
 # ---- parallel ----
@@ -39,6 +41,12 @@ __all__ = [
     # ---- public classes and functions, one block per family ----
     # ema
     # sharded cross-entropy
+    "ShardedSoftmaxLoss",
+    "ShardedLossOutput",
+    "sharded_cross_entropy",
+    "CosFace",
+    "ArcFace",
+    "CombinedMargin",
     # parallel
     # normalize
 ]
