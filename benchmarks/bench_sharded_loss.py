@@ -70,12 +70,17 @@ def build_step(method, batch, classes, dim, dtype, device):
     x = torch.randn(batch, dim, device=device, dtype=dtype, requires_grad=True)
     y = torch.randint(0, classes, (batch,), device=device)
     if method.startswith("shardkit"):
-        head = shardkit.ShardedSoftmaxLoss(dim, classes, devices=[device], dtype=dtype,
-                                           check_inputs=method == "shardkit+checks")
+        # Built on "meta" and initialized on the device: the default init draws nn.Linear's
+        # numbers on the CPU, which takes seconds per million classes.
+        head = shardkit.ShardedSoftmaxLoss(dim, classes, devices=["meta"], dtype=dtype,
+                                           check_inputs=method == "shardkit+checks").to_empty(device=device)
+        with torch.no_grad():
+            head.weight_shards[0].uniform_(-dim ** -0.5, dim ** -0.5)
         params = [x, *head.weight_shards]
         fwd = lambda: head(x, y)  # noqa: E731
     else:
-        weight = (torch.randn(classes, dim, device=device, dtype=dtype) / dim ** 0.5).requires_grad_(True)
+        weight = torch.empty(classes, dim, device=device, dtype=dtype).uniform_(-dim ** -0.5, dim ** -0.5)
+        weight.requires_grad_(True)
         params = [x, weight]
         if method == "linear+cross_entropy":
             fwd = lambda: F.cross_entropy(F.linear(x, weight).float(), y)  # noqa: E731
