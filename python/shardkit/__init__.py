@@ -26,6 +26,8 @@ from shardkit.ema import ModelEMA  # noqa: E402
 # ---- end ema ----
 
 # ---- sharded cross-entropy ----
+from shardkit.loss import ShardedLossOutput, ShardedSoftmaxLoss, sharded_cross_entropy  # noqa: E402
+from shardkit.margins import ArcFace, CombinedMargin, CosFace  # noqa: E402
 # ---- end sharded cross-entropy ----
 
 # ---- parallel ----
@@ -41,6 +43,12 @@ __all__ = [
     # ema
     "ModelEMA",
     # sharded cross-entropy
+    "ShardedSoftmaxLoss",
+    "ShardedLossOutput",
+    "sharded_cross_entropy",
+    "CosFace",
+    "ArcFace",
+    "CombinedMargin",
     # parallel
     # normalize
 ]

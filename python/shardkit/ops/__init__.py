@@ -9,6 +9,7 @@ from shardkit.ops._ema import ema_swap_, ema_unswap_, ema_update_  # noqa: F401
 # ---- end ema ----
 
 # ---- sharded cross-entropy ----
+from shardkit.ops._sharded_ce import ce_shard_stats, chunk_classes_for_budget  # noqa: F401
 # ---- end sharded cross-entropy ----
 
 # ---- parallel ----
