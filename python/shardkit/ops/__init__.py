@@ -11,6 +11,7 @@ One private module per op family; this module re-exports the public functions.
 # ---- end sharded cross-entropy ----
 
 # ---- parallel ----
+from shardkit.ops._parallel import split_to_devices, weighted_loss_reduce  # noqa: F401
 # ---- end parallel ----
 
 # ---- normalize ----
