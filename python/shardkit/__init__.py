@@ -28,6 +28,7 @@ def cuda_built() -> bool:
 # ---- end sharded cross-entropy ----
 
 # ---- parallel ----
+from shardkit import parallel  # noqa: F401  (shardkit.parallel.DataParallelModel, ...)
 # ---- end parallel ----
 
 # ---- normalize ----
@@ -40,5 +41,6 @@ __all__ = [
     # ema
     # sharded cross-entropy
     # parallel
+    "parallel",
     # normalize
 ]
