@@ -58,9 +58,17 @@ at::Tensor weighted_loss_reduce(at::TensorList losses, at::TensorList weights, c
   at::Tensor numerator = at::zeros(shape, acc_opts);
   at::Tensor denominator;
   for (size_t k = 0; k < losses.size(); ++k) {
-    auto loss = losses[k].to(output_device, acc_dtype, non_blocking_to(output_device));
     auto w = place_weight(weights[k]);
-    numerator.add_(loss * w);
+    // A device whose chunk has nothing to count (every target ignored) reports a NaN mean
+    // with weight 0; it must add nothing, as those elements add nothing on one device.
+    if (w.device().is_cpu()) {
+      if (w.item<double>() != 0.0) {  // a host scalar: reading it needs no device sync
+        numerator.add_(losses[k].to(output_device, acc_dtype, non_blocking_to(output_device)) * w);
+      }
+    } else {
+      auto loss = losses[k].to(output_device, acc_dtype, non_blocking_to(output_device));
+      numerator.add_(at::where(w != 0, loss * w, at::zeros({}, acc_opts)));
+    }
     if (normalize) {
       // Keep the sum of host weights on the host (cheap, no device work) until it must
       // meet a device weight.

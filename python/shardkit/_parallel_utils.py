@@ -6,8 +6,9 @@ caller's grad mode, autocast state and CUDA streams.
 from __future__ import annotations
 
 import contextlib
+import functools
+import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 import torch
@@ -158,19 +159,37 @@ def to_device(obj: Any, device: torch.device) -> Any:
 
 # ---- running per-device calls in threads --------------------------------------------
 
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
+_slots: list["_Slot"] = []
+_slots_lock = threading.Lock()
 _worker = threading.local()
 
 
-def _get_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            # Threads are created on demand and reused across steps: starting K threads per
-            # step costs more than the criterion itself for small losses.
-            _pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="shardkit-parallel")
-        return _pool
+class _Slot:
+    """A long-lived worker thread for chunk k. One thread per chunk index (rather than a
+    shared pool) guarantees the K chunks really run concurrently; starting K threads per
+    step would cost more than a small criterion itself."""
+
+    def __init__(self, k: int):
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name=f"shardkit-parallel-{k}", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            fn, done = self.queue.get()
+            fn()
+            done.set()
+
+    def submit(self, fn: Callable[[], None]) -> threading.Event:
+        done = threading.Event()
+        self.queue.put((fn, done))
+        return done
+
+
+def _slot(k: int) -> _Slot:
+    with _slots_lock:
+        while len(_slots) <= k:
+            _slots.append(_Slot(len(_slots)))
+        return _slots[k]
 
 
 class ThreadState:
@@ -224,10 +243,10 @@ def run_parallel(calls: Sequence[Callable[[], Any]], devices: Sequence[torch.dev
         for k in range(len(calls)):
             work(k)
     else:
-        futures = [_get_pool().submit(work, k) for k in range(1, len(calls))]
+        pending = [_slot(k).submit(functools.partial(work, k)) for k in range(1, len(calls))]
         work(0)
-        for f in futures:
-            f.result()
+        for done in pending:
+            done.wait()
     for k, e in enumerate(errors):
         if e is not None:
             e.add_note(f"(raised in the {owner} call for chunk {k} of {len(calls)}, on device {devices[k]})")

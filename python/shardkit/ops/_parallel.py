@@ -132,7 +132,9 @@ def _reduce_backward(ctx, grad):
             total = total + w
     grads = []
     for (device, dtype), w in zip(ctx.loss_meta, weights):
-        scale = w / total if ctx.normalize else w
+        # 0/0 (every weight zero: a NaN loss, as on one device) sends zero gradients, as
+        # the single-device loss does when every target is ignored.
+        scale = (w / total).nan_to_num(nan=0.0) if ctx.normalize else w
         g = grad * scale
         grads.append(g.to(device=device, dtype=dtype, non_blocking=device.type == "cuda"))
     return grads, [None] * len(weights), None, None
