@@ -201,9 +201,11 @@ class DataParallelCriterion(nn.DataParallel):
             devices, sizes = self._input_layout(inputs)
             per_device = U.split_args(targets, kwargs, sizes, devices, self.dim,
                                       f"DataParallelCriterion (targets for model outputs of {sum(sizes)} samples)")
-            stateful = any(True for _ in chain(self.module.parameters(), self.module.buffers()))
-            replicas = (self.replicate(self.module, [d.index for d in devices]) if stateful and not self._shared
-                        else [self.module] * len(devices))
+            # Replicate only a criterion with state on one device; a parameter-free one, or one
+            # already spread over several devices (a class-sharded head), is shared by the threads.
+            state_devices = {t.device for t in chain(self.module.parameters(), self.module.buffers())}
+            replicas = (self.replicate(self.module, [d.index for d in devices])
+                        if len(state_devices) == 1 and not self._shared else [self.module] * len(devices))
             calls = [functools.partial(_call, m, out, t, k) for m, out, (t, k) in zip(replicas, inputs, per_device)]
             results = U.run_parallel(calls, devices, "DataParallelCriterion")
             return self._reduce(results, replicas, per_device, sizes)
