@@ -208,6 +208,21 @@ def test_criterion_reported_weights():
     assert set(got) == {"loss"} and rel(got["loss"], ref) <= 1e-6
 
 
+def test_ignore_index_attribute_rule():
+    class RowLoss(nn.Module):  # like ShardedSoftmaxLoss: mean over rows whose label is not ignored
+        reduction, ignore_index = "mean", -1
+
+        def forward(self, out, labels):
+            valid = labels != self.ignore_index
+            return nn.functional.cross_entropy(out[valid], labels[valid], reduction="sum") / valid.sum()
+
+    net = DataParallelModel(Net(), device_ids=["cpu"] * 3)
+    x, y = torch.randn(14, 7), torch.randint(0, 5, (14,))
+    y[:4] = -1
+    ref = RowLoss()(net.module(x), y)
+    assert rel(DataParallelCriterion(RowLoss(), device_ids=["cpu"] * 3)(net(x), y), ref) <= 1e-6
+
+
 def test_legacy_mean_is_unweighted():
     net = DataParallelModel(Net(), device_ids=["cpu"] * 3, chunk_sizes=[2, 4, 5])
     x, y = torch.randn(11, 7), torch.randint(0, 5, (11,))

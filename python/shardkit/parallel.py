@@ -179,7 +179,9 @@ class DataParallelCriterion(nn.DataParallel):
     results are reduced on ``output_device``: ``sum_k w_k loss_k / sum_k w_k`` with
     ``w_k`` the samples on device k; for ``nn.CrossEntropyLoss``/``nn.NLLLoss`` with
     ``reduction='mean'`` the valid elements (targets != ignore_index, class-weighted when
-    the criterion has ``weight``); or the weight the criterion reports by returning
+    the criterion has ``weight``; all positions for probability targets); for any other
+    criterion with ``reduction='mean'`` and an int ``ignore_index`` attribute, the integer
+    target elements != ignore_index; or the weight the criterion reports by returning
     :class:`WeightedLoss` or a dict with a ``"weight"`` entry. ``reduction='sum'``
     criteria are summed; ``reduction='none'`` results are concatenated along ``dim``.
     A dict or tuple of losses is reduced entry by entry (non-tensor entries come back as
@@ -298,6 +300,9 @@ def _auto_weight(criterion: nn.Module, targets: tuple, samples: int) -> Any:
             return valid.sum()
         class_weight = criterion.weight.to(target.device)[target.masked_fill(~valid, 0)]
         return (class_weight * valid).sum()
+    if (getattr(criterion, "reduction", None) == "mean" and isinstance(getattr(criterion, "ignore_index", None), int)
+            and targets and isinstance(targets[0], torch.Tensor) and not targets[0].is_floating_point()):
+        return (targets[0] != criterion.ignore_index).sum()  # e.g. ShardedSoftmaxLoss: mean over valid rows
     return samples
 
 
