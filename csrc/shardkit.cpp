@@ -36,6 +36,14 @@ TORCH_LIBRARY(shardkit, m) {
   // ---- end sharded cross-entropy ----
 
   // ---- parallel -----------------------------------------------------------------
+  // Device-generic (CompositeExplicitAutograd, csrc/composite/parallel.cpp); autograd and
+  // fake kernels in python/shardkit/ops/_parallel.py.
+  // sum_k weights[k] * losses[k] (/ sum_k weights[k] when normalize) on output_device;
+  // losses: same shape, floating, any devices; weights: one-element tensors.
+  m.def("weighted_loss_reduce(Tensor[] losses, Tensor[] weights, Device output_device, bool normalize) -> Tensor");
+  // Splits each tensor along dim by split_sizes and copies piece k to devices[k];
+  // returns the pieces device-major (out[k * len(tensors) + i]), fresh and contiguous.
+  m.def("split_to_devices(Tensor[] tensors, int[] split_sizes, int dim, Device[] devices) -> Tensor[]");
   // ---- end parallel ----
 
   // ---- normalize ----------------------------------------------------------------

@@ -31,6 +31,7 @@ from shardkit.margins import ArcFace, CombinedMargin, CosFace  # noqa: E402
 # ---- end sharded cross-entropy ----
 
 # ---- parallel ----
+from shardkit import parallel  # noqa: F401  (shardkit.parallel.DataParallelModel, ...)
 # ---- end parallel ----
 
 # ---- normalize ----
@@ -50,5 +51,6 @@ __all__ = [
     "ArcFace",
     "CombinedMargin",
     # parallel
+    "parallel",
     # normalize
 ]

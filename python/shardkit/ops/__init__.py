@@ -13,6 +13,7 @@ from shardkit.ops._sharded_ce import ce_shard_stats, chunk_classes_for_budget  #
 # ---- end sharded cross-entropy ----
 
 # ---- parallel ----
+from shardkit.ops._parallel import split_to_devices, weighted_loss_reduce  # noqa: F401
 # ---- end parallel ----
 
 # ---- normalize ----

@@ -1,0 +1,254 @@
+"""Internals of ``shardkit.parallel``: device lists, balanced chunk sizes, splitting nested
+arguments with one operator call, and running per-device calls in threads that carry the
+caller's grad mode, autocast state and CUDA streams.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import queue
+import threading
+from typing import Any, Callable, Sequence
+
+import torch
+
+from shardkit.ops import split_to_devices
+
+
+# ---- devices ------------------------------------------------------------------------
+
+def as_device(d: Any) -> torch.device:
+    """torch.device with an explicit CUDA index (ints are CUDA indices, like DataParallel)."""
+    if isinstance(d, int):
+        return torch.device("cuda", d)
+    dev = torch.device(d)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def parse_device_ids(device_ids: Sequence[Any]) -> list[torch.device]:
+    """Normalizes a user device list; every entry must be of one type, "cpu" or "cuda"."""
+    if isinstance(device_ids, (str, int, torch.device)):
+        raise TypeError(f"argument `device_ids` must be a list of devices, got {device_ids!r}")
+    devices = [as_device(d) for d in device_ids]
+    if not devices:
+        raise ValueError("argument `device_ids` must not be empty; pass None to use every visible GPU")
+    types = {d.type for d in devices}
+    if len(types) > 1:
+        raise ValueError(f"argument `device_ids` mixes device types {sorted(types)}; use only CUDA devices "
+                         f"or only repeated 'cpu' entries")
+    if types - {"cpu", "cuda"}:
+        raise ValueError(f"argument `device_ids` must hold CUDA or 'cpu' devices, got {devices[0]}")
+    return devices
+
+
+# ---- chunk sizes --------------------------------------------------------------------
+
+def balanced_chunk_sizes(batch: int, n: int, chunk_sizes: Sequence[int] | None = None,
+                         gpu0_bsz: int | None = None) -> list[int]:
+    """Samples per device for a batch of ``batch`` over ``n`` devices (zeros allowed).
+
+    * default: as even as possible, the first ``batch % n`` devices get one more; with
+      ``batch < n`` the last devices get nothing.
+    * ``chunk_sizes``: used as given when they sum to ``batch``; otherwise treated as
+      proportions (largest-remainder rounding), so the last, smaller batch of an epoch
+      still splits in the same ratio.
+    * ``gpu0_bsz``: device 0 gets ``gpu0_bsz`` samples, the others share the rest evenly
+      (the extra samples go to devices 1, 2, ...). As in BalancedDataParallel, when
+      ``gpu0_bsz`` is not below the others' share (a small last batch), the split is even.
+    """
+    if chunk_sizes is not None:
+        total = sum(chunk_sizes)
+        if total == batch:
+            return list(chunk_sizes)
+        exact = [batch * c / total for c in chunk_sizes]
+        sizes = [int(e) for e in exact]
+        order = sorted(range(n), key=lambda k: (-(exact[k] - sizes[k]), k))
+        for k in order[: batch - sum(sizes)]:
+            sizes[k] += 1
+        return sizes
+    if gpu0_bsz is not None and n > 1:
+        share, extra = divmod(batch - gpu0_bsz, n - 1)
+        if gpu0_bsz < share:
+            return [gpu0_bsz] + [share + (1 if k < extra else 0) for k in range(n - 1)]
+    q, r = divmod(batch, n)
+    return [q + (1 if k < r else 0) for k in range(n)]
+
+
+def check_split_options(n: int, chunk_sizes: Sequence[int] | None, gpu0_bsz: int | None) -> list[int] | None:
+    if chunk_sizes is not None and gpu0_bsz is not None:
+        raise ValueError("arguments `chunk_sizes` and `gpu0_bsz` are exclusive; pass one of them")
+    if chunk_sizes is not None:
+        sizes = [int(c) for c in chunk_sizes]
+        if len(sizes) != n:
+            raise ValueError(f"argument `chunk_sizes` must hold one size per device: got {len(sizes)} sizes "
+                             f"for {n} devices")
+        if any(c < 0 for c in sizes) or sum(sizes) == 0:
+            raise ValueError(f"argument `chunk_sizes` must be non-negative with a positive sum, got {sizes}")
+        return sizes
+    if gpu0_bsz is not None and (int(gpu0_bsz) != gpu0_bsz or gpu0_bsz < 0):
+        raise ValueError(f"argument `gpu0_bsz` must be a non-negative int, got {gpu0_bsz!r}")
+    return None
+
+
+# ---- nested arguments ---------------------------------------------------------------
+
+def flatten(obj: Any, leaves: list[torch.Tensor]) -> Any:
+    """Collects the tensors of a nest of tuples/lists/dicts into ``leaves``; returns a spec."""
+    if isinstance(obj, torch.Tensor):
+        leaves.append(obj)
+        return None
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return ("namedtuple", type(obj), [flatten(x, leaves) for x in obj])
+    if isinstance(obj, (tuple, list)):
+        return ("seq", type(obj), [flatten(x, leaves) for x in obj])
+    if isinstance(obj, dict):
+        return ("dict", type(obj), list(obj.keys()), [flatten(v, leaves) for v in obj.values()])
+    return ("const", obj)
+
+
+def unflatten(spec: Any, leaves: Any) -> Any:
+    """Inverse of :func:`flatten`; ``leaves`` is an iterator over the replacement tensors."""
+    if spec is None:
+        return next(leaves)
+    kind = spec[0]
+    if kind == "namedtuple":
+        return spec[1](*[unflatten(s, leaves) for s in spec[2]])
+    if kind == "seq":
+        return spec[1](unflatten(s, leaves) for s in spec[2])
+    if kind == "dict":
+        return spec[1](zip(spec[2], [unflatten(s, leaves) for s in spec[3]]))
+    return spec[1]
+
+
+def first_batched_tensor(obj: Any, dim: int) -> torch.Tensor | None:
+    leaves: list[torch.Tensor] = []
+    flatten(obj, leaves)
+    for t in leaves:
+        if t.dim() > (dim if dim >= 0 else -dim - 1):
+            return t
+    return None
+
+
+def split_args(args: tuple, kwargs: dict, sizes: Sequence[int], devices: Sequence[torch.device], dim: int,
+               what: str) -> list[tuple[tuple, dict]]:
+    """Splits every tensor of (args, kwargs) by ``sizes`` along ``dim`` onto ``devices`` in one
+    ``shardkit::split_to_devices`` call; non-tensors are passed to every device as they are."""
+    leaves: list[torch.Tensor] = []
+    spec = flatten((args, kwargs), leaves)
+    batch = sum(sizes)
+    for t in leaves:
+        if t.dim() == 0 or t.size(dim) != batch:
+            got = "a 0-dim tensor" if t.dim() == 0 else f"size {t.size(dim)} along dim {dim}"
+            raise ValueError(f"{what}: every tensor argument must have the batch size {batch} along dim {dim} "
+                             f"(per device {list(sizes)}), got {got} (shape {tuple(t.shape)})")
+    if not leaves:
+        return [(args, kwargs) for _ in devices]
+    pieces = split_to_devices(leaves, list(sizes), list(devices), dim)
+    return [unflatten(spec, iter(p)) for p in pieces]
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    leaves: list[torch.Tensor] = []
+    spec = flatten(obj, leaves)
+    nb = device.type == "cuda"
+    return unflatten(spec, iter([t.to(device, non_blocking=nb) for t in leaves]))
+
+
+# ---- running per-device calls in threads --------------------------------------------
+
+_slots: list["_Slot"] = []
+_slots_lock = threading.Lock()
+_worker = threading.local()
+
+
+class _Slot:
+    """A long-lived worker thread for chunk k. One thread per chunk index (rather than a
+    shared pool) guarantees the K chunks really run concurrently; starting K threads per
+    step would cost more than a small criterion itself."""
+
+    def __init__(self, k: int):
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name=f"shardkit-parallel-{k}", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            fn, done = self.queue.get()
+            fn()
+            done.set()
+
+    def submit(self, fn: Callable[[], None]) -> threading.Event:
+        done = threading.Event()
+        self.queue.put((fn, done))
+        return done
+
+
+def _slot(k: int) -> _Slot:
+    with _slots_lock:
+        while len(_slots) <= k:
+            _slots.append(_Slot(len(_slots)))
+        return _slots[k]
+
+
+class ThreadState:
+    """The caller's thread-local state that a worker thread must see: grad mode, inference
+    mode, autocast (per device type: enabled, dtype, cache) and the current CUDA streams."""
+
+    def __init__(self, devices: Sequence[torch.device]):
+        self.grad = torch.is_grad_enabled()
+        self.inference = torch.is_inference_mode_enabled()
+        self.autocast = [(dt, torch.get_autocast_dtype(dt)) for dt in ("cpu", "cuda") if torch.is_autocast_enabled(dt)]
+        self.autocast_cache = torch.is_autocast_cache_enabled()
+        self.streams = {d: torch.cuda.current_stream(d) for d in set(devices) if d.type == "cuda"}
+
+    @contextlib.contextmanager
+    def applied(self, device: torch.device):
+        with contextlib.ExitStack() as stack:
+            if self.inference:
+                stack.enter_context(torch.inference_mode())
+            stack.enter_context(torch.set_grad_enabled(self.grad))
+            for device_type, dtype in self.autocast:
+                stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=self.autocast_cache))
+            if device.type == "cuda":
+                stack.enter_context(torch.cuda.device(device))
+                stack.enter_context(torch.cuda.stream(self.streams[device]))
+            yield
+
+
+def run_parallel(calls: Sequence[Callable[[], Any]], devices: Sequence[torch.device], owner: str) -> list[Any]:
+    """Runs ``calls[k]()`` for every k concurrently, call k on ``devices[k]`` under the caller's
+    thread state; returns the results in order. Call 0 runs in the calling thread. A failing
+    call's exception is re-raised here, same type and message, with its original traceback
+    and a note naming the device."""
+    state = ThreadState(devices)
+    results: list[Any] = [None] * len(calls)
+    errors: list[BaseException | None] = [None] * len(calls)
+
+    def work(k: int) -> None:
+        nested = getattr(_worker, "active", False)
+        _worker.active = True
+        try:
+            with state.applied(devices[k]):
+                results[k] = calls[k]()
+        except BaseException as e:  # noqa: BLE001 (re-raised in the caller)
+            errors[k] = e
+        finally:
+            _worker.active = nested
+
+    if len(calls) == 1 or getattr(_worker, "active", False):
+        # Inside a worker already (nested data parallelism): run in order rather than wait
+        # on the pool from one of its own threads.
+        for k in range(len(calls)):
+            work(k)
+    else:
+        pending = [_slot(k).submit(functools.partial(work, k)) for k in range(1, len(calls))]
+        work(0)
+        for done in pending:
+            done.wait()
+    for k, e in enumerate(errors):
+        if e is not None:
+            e.add_note(f"(raised in the {owner} call for chunk {k} of {len(calls)}, on device {devices[k]})")
+            raise e.with_traceback(e.__traceback__)
+    return results

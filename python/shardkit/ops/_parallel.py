@@ -1,0 +1,177 @@
+"""Functional ops of ``shardkit.parallel``: the cross-device weighted loss reduction and the
+coalesced split of tensors onto devices, with fake kernels and autograd.
+
+Both ops are device-generic C++ (``csrc/composite/parallel.cpp``, registered for
+CompositeExplicitAutograd): they move data between devices and do a few multiply-adds,
+which ATen does on every backend, and their inputs span several devices at once.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["weighted_loss_reduce", "split_to_devices"]
+
+DeviceLike = torch.device | str | int
+
+
+def _device(d: DeviceLike) -> torch.device:
+    """A torch.device with an explicit index for CUDA (an int means a CUDA index)."""
+    dev = torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def weighted_loss_reduce(
+    losses: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor | float | int],
+    output_device: DeviceLike,
+    normalize: bool = True,
+) -> torch.Tensor:
+    """Weighted mean (or sum) of per-device losses, on one device.
+
+    ``result = sum_k w_k * losses[k] / sum_k w_k`` (``normalize=True``), or
+    ``sum_k w_k * losses[k]`` (``normalize=False``), computed on ``output_device``.
+
+    Args:
+        losses: K floating tensors of one shape (usually 0-dim), each on any device.
+        weights: K weights: one-element tensors on any device (sample or valid-element
+            counts computed on the loss's device need no host sync) or Python numbers.
+        output_device: where the result lives.
+        normalize: divide by ``sum_k w_k``.
+
+    Returns:
+        Tensor of the losses' shape and promoted dtype on ``output_device``.
+        Differentiable in ``losses``: loss k receives ``grad * w_k / sum w`` on its own
+        device and dtype. Weights get no gradient.
+    """
+    ws = [w if isinstance(w, torch.Tensor) else torch.tensor(float(w)) for w in weights]
+    return torch.ops.shardkit.weighted_loss_reduce(list(losses), ws, _device(output_device), normalize)
+
+
+def split_to_devices(
+    tensors: Sequence[torch.Tensor],
+    split_sizes: Sequence[int],
+    devices: Sequence[DeviceLike],
+    dim: int = 0,
+) -> list[list[torch.Tensor]]:
+    """Splits several tensors by the same sizes and copies piece k of each to ``devices[k]``.
+
+    One operator call for all tensors (inputs, targets and keyword tensors of a step):
+    copies to GPUs are non-blocking (ordered on the destination's current stream).
+
+    Args:
+        tensors: N tensors (any dtypes, any one source device each) whose size along
+            ``dim`` equals ``sum(split_sizes)``.
+        split_sizes: K non-negative ints.
+        devices: K devices (repeats allowed, e.g. ``["cpu"] * 3``).
+        dim: the dimension to split.
+
+    Returns:
+        ``pieces[k][i]``: piece k of ``tensors[i]`` on ``devices[k]``, a fresh contiguous
+        tensor of size ``split_sizes[k]`` along ``dim``. Differentiable: the gradient of
+        ``tensors[i]`` is the pieces' gradients concatenated back on its device.
+    """
+    devs = [_device(d) for d in devices]
+    flat = torch.ops.shardkit.split_to_devices(list(tensors), [int(s) for s in split_sizes], dim, devs)
+    n = len(tensors)
+    return [flat[k * n:(k + 1) * n] for k in range(len(devs))]
+
+
+# ---- fake kernels (shapes, dtypes and devices only) for torch.compile / FakeTensor ----
+
+@torch.library.register_fake("shardkit::weighted_loss_reduce")
+def _weighted_loss_reduce_fake(losses, weights, output_device, normalize):
+    torch._check(len(losses) > 0, lambda: "argument `losses` must hold at least one tensor")
+    torch._check(len(weights) == len(losses), lambda: "argument `weights` must hold one weight per loss")
+    dtype = losses[0].dtype
+    for t in losses[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return losses[0].new_empty(losses[0].shape, dtype=dtype, device=output_device)
+
+
+@torch.library.register_fake("shardkit::split_to_devices")
+def _split_to_devices_fake(tensors, split_sizes, dim, devices):
+    out = []
+    for k, dev in enumerate(devices):
+        for t in tensors:
+            shape = list(t.shape)
+            shape[dim] = split_sizes[k]
+            out.append(t.new_empty(shape, device=dev))
+    return out
+
+
+# ---- autograd ----
+
+def _place_weight(w: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # One-element host weights act as scalars in device arithmetic (no copy, no sync).
+    w = w.reshape(())
+    if not w.is_floating_point():
+        w = w.to(torch.float32)
+    if w.device == device or w.device.type == "cpu":
+        return w
+    return w.to(device, non_blocking=device.type == "cuda")
+
+
+def _reduce_setup(ctx, inputs, output):
+    losses, weights, _output_device, normalize = inputs
+    ctx.loss_meta = [(t.device, t.dtype) for t in losses]
+    ctx.normalize = normalize
+    ctx.save_for_backward(*weights)
+
+
+def _reduce_backward(ctx, grad):
+    weights = [_place_weight(w, grad.device) for w in ctx.saved_tensors]
+    total = None
+    if ctx.normalize:
+        total = weights[0]
+        for w in weights[1:]:
+            total = total + w
+    grads = []
+    for (device, dtype), w in zip(ctx.loss_meta, weights):
+        # 0/0 (every weight zero: a NaN loss, as on one device) sends zero gradients, as
+        # the single-device loss does when every target is ignored.
+        scale = (w / total).nan_to_num(nan=0.0) if ctx.normalize else w
+        g = grad * scale
+        grads.append(g.to(device=device, dtype=dtype, non_blocking=device.type == "cuda"))
+    return grads, [None] * len(weights), None, None
+
+
+torch.library.register_autograd("shardkit::weighted_loss_reduce", _reduce_backward, setup_context=_reduce_setup)
+
+
+def _split_setup(ctx, inputs, output):
+    tensors, split_sizes, dim, _devices = inputs
+    ctx.meta = [(t.device, t.dtype, t.shape, t.is_floating_point() or t.is_complex()) for t in tensors]
+    ctx.split_sizes = list(split_sizes)
+    ctx.dim = dim
+
+
+def _split_backward(ctx, grads):
+    n = len(ctx.meta)
+    out = []
+    for i, (device, dtype, shape, differentiable) in enumerate(ctx.meta):
+        if not differentiable:
+            out.append(None)
+            continue
+        dim = ctx.dim % len(shape)
+        parts = []
+        for k, size in enumerate(ctx.split_sizes):
+            g = grads[k * n + i]
+            if g is None:
+                piece_shape = list(shape)
+                piece_shape[dim] = size
+                g = torch.zeros(piece_shape, dtype=dtype, device=device)
+            else:
+                # Host destinations stay synchronous: an async device-to-host copy could
+                # be read before it lands.
+                g = g.to(device=device, dtype=dtype, non_blocking=device.type == "cuda")
+            parts.append(g)
+        out.append(torch.cat(parts, dim))
+    return out, None, None, None
+
+
+torch.library.register_autograd("shardkit::split_to_devices", _split_backward, setup_context=_split_setup)

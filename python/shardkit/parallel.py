@@ -1,0 +1,403 @@
+"""Balanced data parallelism: a drop-in for ``encoding.parallel`` (PyTorch-Encoding).
+
+``DataParallelModel`` returns the per-device outputs instead of gathering them on device 0,
+and ``DataParallelCriterion`` computes the loss on every device and reduces the per-device
+losses EXACTLY (weighted by samples or valid elements), so the result equals the loss of
+the whole batch on one device. Change ``from encoding.parallel import ...`` to
+``from shardkit.parallel import ...``; nothing else in a training script changes.
+
+Device modes (the same code path in all of them):
+
+* CUDA device lists (default: every visible GPU): the module is replicated per step with
+  ``torch.nn.parallel.replicate``, as ``nn.DataParallel`` does.
+* Repeated devices, e.g. ``device_ids=["cpu"] * 3`` (what the tests use without a GPU) or
+  ``[0, 0]``: there is nothing to replicate onto, so every chunk runs the ONE module object
+  in its own thread; gradients accumulate into the same parameters. Modules that update
+  state in forward (BatchNorm running statistics) race in this mode.
+* ``device_ids=None`` with no GPU, or a single device: the module is called directly and
+  its output returned as it is (not in a list), as ``encoding.parallel`` does; the
+  criterion then also calls its module directly.
+
+Per-device criterion calls follow ``encoding.parallel``: a tuple output is unpacked
+(``criterion(*output_k, *targets_k)``), a tensor or dict is passed as one argument. We
+unpack tuples in the direct (0/1 device) mode too, so one criterion works in every mode.
+"""
+
+from __future__ import annotations
+
+import functools
+from itertools import chain
+from typing import Any, NamedTuple, Sequence
+
+import torch
+from torch import nn
+from torch.nn.parallel import replicate as _torch_replicate
+
+from shardkit import _parallel_utils as U
+from shardkit.ops import weighted_loss_reduce
+
+__all__ = ["allreduce", "DataParallelModel", "DataParallelCriterion", "patch_replication_callback",
+           "execute_replication_callbacks", "CallbackContext", "WeightedLoss", "gather"]
+
+
+class WeightedLoss(NamedTuple):
+    """What a criterion may return to set its own weight in the cross-device reduction.
+
+    ``loss``: a tensor (or a dict/tuple of tensors) already averaged over this device's
+    chunk; ``weight``: what that average was divided by (valid elements, a weight sum):
+    a number or a one-element tensor on any device (no host sync needed).
+    """
+    loss: Any
+    weight: Any
+
+
+def _init_parallel(self: nn.DataParallel, module: nn.Module, device_ids, output_device, dim: int) -> None:
+    """nn.DataParallel.__init__ for CUDA lists of distinct devices; for repeated devices
+    (``["cpu"] * k``, ``[0, 0]``), which nn.DataParallel rejects, the same public
+    attributes (module, device_ids, output_device, dim) are set here."""
+    if device_ids is None and not torch.cuda.is_available():
+        nn.Module.__init__(self)
+        self.module, self.device_ids, self.output_device, self.dim = module, [], None, dim
+        self._devices, self._shared = [], False
+        return
+    devices = U.parse_device_ids(device_ids if device_ids is not None
+                                 else list(range(torch.cuda.device_count())))
+    shared = devices[0].type == "cpu" or len(set(devices)) < len(devices)
+    if not shared:
+        nn.DataParallel.__init__(self, module, [d.index for d in devices], output_device, dim)
+    else:
+        nn.Module.__init__(self)
+        out = U.as_device(output_device if output_device is not None else devices[0])
+        if out.type != devices[0].type:
+            raise ValueError(f"argument `output_device` ({out}) must be of the type of `device_ids` ({devices[0]})")
+        self.module, self.dim = module, dim
+        self.device_ids = [d.index for d in devices] if out.type == "cuda" else devices
+        self.output_device = out.index if out.type == "cuda" else out
+        self.src_device_obj = devices[0]
+        if len(devices) == 1:
+            module.to(devices[0])
+    self._devices, self._shared = devices, shared
+
+
+def _call(module: nn.Module, output: Any, targets: tuple, kwargs: dict) -> Any:
+    if isinstance(output, tuple):
+        return module(*output, *targets, **kwargs)
+    return module(output, *targets, **kwargs)
+
+
+class DataParallelModel(nn.DataParallel):
+    """Data parallelism that leaves the outputs on their devices (no gather).
+
+    Args:
+        module: the model; its parameters live on ``device_ids[0]``.
+        device_ids: CUDA devices (ints, "cuda:k" or torch.device; default every GPU), or
+            repeated ``"cpu"`` entries (see the module notes).
+        output_device: kept for API compatibility (outputs are not gathered).
+        dim: the batch dimension of every tensor argument.
+        chunk_sizes: samples per device, one int per device (exact when they sum to the
+            batch, else proportions); zeros leave a device out.
+        gpu0_bsz: samples for device 0 (the rest split evenly), as BalancedDataParallel.
+
+    Forward: ``model(*inputs, **kwargs)`` splits every tensor (positional and keyword,
+    nested in tuples/lists/dicts) along ``dim`` and returns a list with one output per
+    device that got samples (fewer than ``len(device_ids)`` when the batch is smaller);
+    each output is whatever the module returns (tensor, tuple, dict) on its device.
+    With no device (no GPU, ``device_ids=None``) or one device: the module's output as is.
+    """
+
+    def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0, *,
+                 chunk_sizes: Sequence[int] | None = None, gpu0_bsz: int | None = None):
+        _init_parallel(self, module, device_ids, output_device, dim)
+        self.chunk_sizes = U.check_split_options(max(len(self._devices), 1), chunk_sizes, gpu0_bsz)
+        self.gpu0_bsz = gpu0_bsz
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        with torch.autograd.profiler.record_function("shardkit.DataParallelModel.forward"):
+            if not self.device_ids:
+                return self.module(*inputs, **kwargs)
+            src = self._devices[0]
+            for t in chain(self.module.parameters(), self.module.buffers()):
+                if t.device != src:
+                    raise RuntimeError(f"DataParallelModel: the module must have its parameters and buffers on "
+                                       f"device_ids[0] ({src}), found one on {t.device}")
+            if len(self._devices) == 1:
+                inputs, kwargs = U.to_device((inputs, kwargs), src)
+                return self.module(*inputs, **kwargs)
+            devices, per_device = self._split(inputs, kwargs)
+            replicas = self.replicate(self.module, [d.index if d.type == "cuda" else d for d in devices])
+            outputs = self.parallel_apply(replicas, [a for a, _ in per_device], [k for _, k in per_device],
+                                          devices=devices)
+            return self.gather(outputs, self.output_device)
+
+    def _split(self, inputs: tuple, kwargs: dict):
+        first = U.first_batched_tensor((inputs, kwargs), self.dim)
+        if first is None:
+            raise ValueError("DataParallelModel: the inputs hold no tensor with a batch dimension to split")
+        sizes = U.balanced_chunk_sizes(first.size(self.dim), len(self._devices), self.chunk_sizes, self.gpu0_bsz)
+        used = [k for k, s in enumerate(sizes) if s > 0]
+        devices = [self._devices[k] for k in used]
+        return devices, U.split_args(inputs, kwargs, [sizes[k] for k in used], devices, self.dim,
+                                     "DataParallelModel")
+
+    def scatter(self, inputs: tuple, kwargs: dict | None, device_ids) -> tuple[tuple, tuple]:
+        """Per-device (args, kwargs) with the balanced split (nn.DataParallel's hook)."""
+        _, per_device = self._split(inputs, kwargs or {})
+        return tuple(a for a, _ in per_device), tuple(k for _, k in per_device)
+
+    def replicate(self, module: nn.Module, device_ids) -> list[nn.Module]:
+        """Replicas for ``device_ids`` (the same object for repeated devices), then the
+        ``__data_parallel_replicate__`` callbacks, as encoding.parallel does."""
+        modules = [module] * len(device_ids) if self._shared else _torch_replicate(
+            module, device_ids, not torch.is_grad_enabled())
+        execute_replication_callbacks(modules)
+        return modules
+
+    def parallel_apply(self, replicas, inputs, kwargs, devices=None) -> list[Any]:
+        devices = devices if devices is not None else self._devices[: len(replicas)]
+        calls = [functools.partial(m, *a, **k) for m, a, k in zip(replicas, inputs, kwargs)]
+        return U.run_parallel(calls, devices, "DataParallelModel")
+
+    def gather(self, outputs: list[Any], output_device) -> list[Any]:
+        """No gather: the per-device outputs, for DataParallelCriterion."""
+        return outputs
+
+
+class DataParallelCriterion(nn.DataParallel):
+    """Computes the loss on every device and reduces it exactly.
+
+    Args:
+        module: the criterion (e.g. ``nn.CrossEntropyLoss(ignore_index=255)``).
+        device_ids, output_device, dim: as for :class:`DataParallelModel`; use the same
+            ``device_ids`` for both. The loss is returned on ``output_device``.
+        legacy_mean: reduce with encoding.parallel's unweighted mean of the per-device
+            losses (differs from the single-device loss when chunks are uneven).
+
+    Forward: ``criterion(outputs, *targets, **kwargs)`` with ``outputs`` the list returned by
+    DataParallelModel. Targets (and tensor keyword arguments) are split with the chunk
+    sizes of the outputs (their sizes along ``dim``), the criterion runs on each device in
+    its own thread (grad mode, autocast and CUDA streams carried over), and per-device
+    results are reduced on ``output_device``: ``sum_k w_k loss_k / sum_k w_k`` with
+    ``w_k`` the samples on device k; for ``nn.CrossEntropyLoss``/``nn.NLLLoss`` with
+    ``reduction='mean'`` the valid elements (targets != ignore_index, class-weighted when
+    the criterion has ``weight``; all positions for probability targets); for any other
+    criterion with ``reduction='mean'`` and an int ``ignore_index`` attribute, the integer
+    target elements != ignore_index; or the weight the criterion reports by returning
+    :class:`WeightedLoss` or a dict with a ``"weight"`` entry. ``reduction='sum'``
+    criteria are summed; ``reduction='none'`` results are concatenated along ``dim``.
+    A dict or tuple of losses is reduced entry by entry (non-tensor entries come back as
+    the list of per-device values).
+    """
+
+    def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0, *,
+                 legacy_mean: bool = False):
+        _init_parallel(self, module, device_ids, output_device, dim)
+        self.legacy_mean = legacy_mean
+
+    def forward(self, inputs: Any, *targets: Any, **kwargs: Any) -> Any:
+        with torch.autograd.profiler.record_function("shardkit.DataParallelCriterion.forward"):
+            if not self.device_ids:
+                return _strip_weight(_call(self.module, inputs, targets, kwargs))
+            if len(self._devices) == 1:
+                targets, kwargs = U.to_device((targets, kwargs), self._devices[0])
+                return _strip_weight(_call(self.module, inputs, targets, kwargs))
+            devices, sizes = self._input_layout(inputs)
+            per_device = U.split_args(targets, kwargs, sizes, devices, self.dim,
+                                      f"DataParallelCriterion (targets for model outputs of {sum(sizes)} samples)")
+            # Replicate only a criterion with state on one device; a parameter-free one, or one
+            # already spread over several devices (a class-sharded head), is shared by the threads.
+            state_devices = {t.device for t in chain(self.module.parameters(), self.module.buffers())}
+            replicas = (self.replicate(self.module, [d.index for d in devices])
+                        if len(state_devices) == 1 and not self._shared else [self.module] * len(devices))
+            calls = [functools.partial(_call, m, out, t, k) for m, out, (t, k) in zip(replicas, inputs, per_device)]
+            results = U.run_parallel(calls, devices, "DataParallelCriterion")
+            return self._reduce(results, replicas, per_device, sizes)
+
+    def _input_layout(self, inputs: Any) -> tuple[list[torch.device], list[int]]:
+        n_dev = len(self._devices)
+        if not isinstance(inputs, (list, tuple)):
+            raise TypeError(f"DataParallelCriterion over {n_dev} devices expects the list of per-device outputs "
+                            f"that DataParallelModel returns, got {type(inputs).__name__}")
+        if not 1 <= len(inputs) <= n_dev:
+            raise ValueError(f"DataParallelCriterion got {len(inputs)} per-device outputs but has {n_dev} devices "
+                             f"in device_ids; use the same device_ids for DataParallelModel and DataParallelCriterion")
+        devices, sizes = [], []
+        for k, out in enumerate(inputs):
+            t = U.first_batched_tensor(out, self.dim)
+            if t is None:
+                raise ValueError(f"DataParallelCriterion: model output {k} holds no tensor with a batch dimension")
+            if t.device not in self._devices:
+                raise ValueError(f"DataParallelCriterion: model output {k} is on {t.device}, which is not in its "
+                                 f"device_ids {self._devices}; use the same device_ids for DataParallelModel and "
+                                 f"DataParallelCriterion")
+            devices.append(t.device)
+            sizes.append(t.size(self.dim))
+        if not self._shared and len(set(devices)) < len(devices):
+            raise ValueError(f"DataParallelCriterion: two model outputs are on one device ({devices}); "
+                             f"use the same device_ids for DataParallelModel and DataParallelCriterion")
+        return devices, sizes
+
+    def _reduce(self, results: list[Any], replicas: list[nn.Module], per_device, sizes: list[int]) -> Any:
+        reduction = getattr(self.module, "reduction", "mean")
+        values, weights = [], []
+        for k, r in enumerate(results):
+            value, weight = _split_weight(r)
+            if weight is None:
+                weight = sizes[k] if self.legacy_mean or reduction == "sum" else _auto_weight(
+                    replicas[k], per_device[k][0], sizes[k])
+            values.append(value)
+            weights.append(1 if self.legacy_mean or reduction == "sum" else weight)
+        out_dev = U.as_device(self.output_device)
+        normalize = reduction != "sum"
+
+        def combine(leaves: list[Any]) -> Any:
+            if reduction == "none":
+                return torch.cat([x.to(out_dev, non_blocking=out_dev.type == "cuda") for x in leaves], self.dim)
+            if len({tuple(x.shape) for x in leaves}) > 1:
+                raise ValueError(f"DataParallelCriterion: the criterion returned losses of different shapes on "
+                                 f"different devices ({[tuple(x.shape) for x in leaves]}); give per-sample "
+                                 f"criteria reduction='none'")
+            return weighted_loss_reduce(leaves, weights, out_dev, normalize)
+
+        def combine_nested(vals: list[Any]) -> Any:
+            v0 = vals[0]
+            if isinstance(v0, torch.Tensor) and all(isinstance(v, torch.Tensor) for v in vals):
+                return combine(vals)
+            if isinstance(v0, (tuple, list)) and all(type(v) is type(v0) and len(v) == len(v0) for v in vals):
+                parts = [combine_nested([v[i] for v in vals]) for i in range(len(v0))]
+                return type(v0)(*parts) if hasattr(v0, "_fields") else type(v0)(parts)
+            if isinstance(v0, dict) and all(isinstance(v, dict) and v.keys() == v0.keys() for v in vals):
+                return type(v0)((key, combine_nested([v[key] for v in vals])) for key in v0)
+            if isinstance(v0, (torch.Tensor, tuple, list, dict)):
+                raise ValueError("DataParallelCriterion: the criterion returned different structures on "
+                                 "different devices")
+            return list(vals)
+
+        return combine_nested(values)
+
+
+def _split_weight(result: Any) -> tuple[Any, Any]:
+    if isinstance(result, WeightedLoss):
+        return result.loss, result.weight
+    if isinstance(result, dict) and "weight" in result:
+        rest = type(result)((k, v) for k, v in result.items() if k != "weight")
+        return rest, result["weight"]
+    return result, None
+
+
+def _strip_weight(result: Any) -> Any:
+    return _split_weight(result)[0]
+
+
+def _auto_weight(criterion: nn.Module, targets: tuple, samples: int) -> Any:
+    """The denominator of a mean-reduced criterion on one chunk, without a host sync."""
+    if (isinstance(criterion, (nn.CrossEntropyLoss, nn.NLLLoss)) and criterion.reduction == "mean"
+            and targets and isinstance(targets[0], torch.Tensor)):
+        target = targets[0]
+        if target.is_floating_point():  # class probabilities: the mean is over every position
+            return target.numel() // target.size(1) if target.dim() > 1 else 1
+        valid = target != criterion.ignore_index
+        if criterion.weight is None:
+            return valid.sum()
+        class_weight = criterion.weight.to(target.device)[target.masked_fill(~valid, 0)]
+        return (class_weight * valid).sum()
+    if (getattr(criterion, "reduction", None) == "mean" and isinstance(getattr(criterion, "ignore_index", None), int)
+            and targets and isinstance(targets[0], torch.Tensor) and not targets[0].is_floating_point()):
+        return (targets[0] != criterion.ignore_index).sum()  # e.g. ShardedSoftmaxLoss: mean over valid rows
+    return samples
+
+
+def gather(outputs: Sequence[Any], target_device: Any, dim: int = 0) -> Any:
+    """Concatenates per-device outputs (tensors, or tuples/lists/dicts of them, as
+    DataParallelModel returns) along ``dim`` on ``target_device``; differentiable.
+    E.g. embeddings ``[b_k, D]`` from K devices -> ``[B, D]`` on one device."""
+    if isinstance(outputs, torch.Tensor):
+        raise TypeError("argument `outputs` must be the list of per-device outputs, got a Tensor")
+    dev = U.as_device(target_device)
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat([o.to(dev, non_blocking=dev.type == "cuda") for o in outputs], dim)
+    if isinstance(first, dict):
+        return type(first)((k, gather([o[k] for o in outputs], dev, dim)) for k in first)
+    if isinstance(first, (tuple, list)):
+        parts = [gather([o[i] for o in outputs], dev, dim) for i in range(len(first))]
+        return type(first)(*parts) if hasattr(first, "_fields") else type(first)(parts)
+    return list(outputs)
+
+
+# ---- SyncBN support: allreduce and replication callbacks (encoding.parallel's API) ----
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, num_inputs: int, *inputs: torch.Tensor):
+        ctx.num_inputs = num_inputs
+        return _allreduce_sum(num_inputs, inputs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        return (None,) + _allreduce_sum(ctx.num_inputs, grads)
+
+
+def _allreduce_sum(num_inputs: int, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    if num_inputs < 1 or len(tensors) % num_inputs:
+        raise ValueError(f"allreduce: expected groups of `num_inputs`={num_inputs} tensors, got {len(tensors)}")
+    groups = [tensors[i:i + num_inputs] for i in range(0, len(tensors), num_inputs)]
+    root = groups[0][0].device
+    totals = []
+    for j in range(num_inputs):
+        total = groups[0][j].clone()
+        for g in groups[1:]:
+            total += g[j].to(root, non_blocking=root.type == "cuda")
+        totals.append(total)
+    out = []
+    for gi, g in enumerate(groups):
+        for j in range(num_inputs):
+            dev = g[j].device
+            out.append(totals[j] if gi == 0 else totals[j].to(dev, non_blocking=dev.type == "cuda", copy=True))
+    return tuple(out)
+
+
+def allreduce(*inputs: Any) -> tuple[torch.Tensor, ...]:
+    """``allreduce(num_inputs, *tensors)``: cross-device all-reduce (sum), differentiable.
+
+    ``tensors`` are K groups of ``num_inputs`` tensors, group k on device k (e.g. each
+    replica's ``(sum, square_sum)`` in SyncBN). Returns K * num_inputs tensors: tensor j
+    of group k is the sum over groups of tensor j, on group k's device. The backward is
+    the same all-reduce of the gradients.
+    """
+    return _AllReduce.apply(*inputs)
+
+
+class CallbackContext:
+    """Shared by the copies of one sub-module during one replication."""
+
+
+def execute_replication_callbacks(modules: Sequence[nn.Module]) -> None:
+    """Calls ``m.__data_parallel_replicate__(ctx, copy_id)`` on every sub-module of every
+    replica that defines it; copy j of a sub-module gets copy_id j and the context shared
+    by all copies of that sub-module; the master copy (copy 0) is called first."""
+    n_sub = len(list(modules[0].modules()))
+    ctxs = [CallbackContext() for _ in range(n_sub)]
+    for copy_id, module in enumerate(modules):
+        for j, m in enumerate(module.modules()):
+            if hasattr(m, "__data_parallel_replicate__"):
+                m.__data_parallel_replicate__(ctxs[j], copy_id)
+
+
+def patch_replication_callback(data_parallel: nn.DataParallel) -> None:
+    """Makes an existing ``nn.DataParallel`` (or a customised one) run the replication
+    callbacks after each replication. A no-op for DataParallelModel, which runs them
+    already, and for an object patched before (callbacks never run twice)."""
+    if not isinstance(data_parallel, nn.DataParallel):
+        raise TypeError(f"argument `data_parallel` must be an nn.DataParallel, got {type(data_parallel).__name__}")
+    if isinstance(data_parallel, DataParallelModel) or getattr(data_parallel, "_replication_callbacks_patched", False):
+        return
+    old_replicate = data_parallel.replicate
+
+    @functools.wraps(old_replicate)
+    def new_replicate(module, device_ids):
+        modules = old_replicate(module, device_ids)
+        execute_replication_callbacks(modules)
+        return modules
+
+    data_parallel.replicate = new_replicate
+    data_parallel._replication_callbacks_patched = True
