@@ -31,6 +31,7 @@ def cuda_built() -> bool:
 # ---- end parallel ----
 
 # ---- normalize ----
+from shardkit.transforms import Normalize  # noqa: E402
 # ---- end normalize ----
 
 __all__ = [
@@ -41,4 +42,5 @@ __all__ = [
     # sharded cross-entropy
     # parallel
     # normalize
+    "Normalize",
 ]

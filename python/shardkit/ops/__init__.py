@@ -14,4 +14,5 @@ One private module per op family; this module re-exports the public functions.
 # ---- end parallel ----
 
 # ---- normalize ----
+from shardkit.ops._normalize import normalize_images  # noqa: F401
 # ---- end normalize ----
