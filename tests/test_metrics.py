@@ -46,7 +46,8 @@ def test_kfold_accuracy_matches_manual_folds():
         train = torch.cat([parts[j] for j in range(10) if j != k])
         cands = [-math.inf] + sorted(set(scores[train].tolist()))
         train_acc = [brute_accuracy(scores[train], is_same[train], t) for t in cands]
-        t = cands[max(range(len(cands)), key=lambda i: (train_acc[i], -i))]  # first best
+        i = max(range(len(cands)), key=lambda i: (train_acc[i], -i))  # first best
+        t = (cands[i] + cands[i + 1]) / 2 if i + 1 < len(cands) else cands[i]
         accs.append(brute_accuracy(scores[parts[k]], is_same[parts[k]], t))
     ref = torch.tensor(accs, dtype=torch.float64)
     assert mean == pytest.approx(float(ref.mean()), abs=1e-12)

@@ -70,14 +70,17 @@ def _candidates(scores):
 def best_threshold_accuracy(scores: torch.Tensor, is_same: torch.Tensor) -> Tuple[float, float]:
     """Best accuracy of ``score > threshold`` over all thresholds, and that threshold.
 
-    Args: scores ``[P]`` float, is_same ``[P]`` bool. Returns ``(accuracy, threshold)``;
-    ties between thresholds go to the smallest.
+    Args: scores ``[P]`` float, is_same ``[P]`` bool. Returns ``(accuracy, threshold)``:
+    among equally good decisions the one accepting the most pairs, its threshold placed
+    midway between the last rejected and the first accepted score.
     """
     scores, is_same = _check_pairs(scores, is_same)
     cand = _candidates(scores)
     acc = _accuracy_at_candidates(scores, is_same, cand)
     i = int(torch.argmax(acc))
-    return float(acc[i]), float(cand[i])
+    # Midway to the next distinct score: same accuracy here, more margin on unseen pairs.
+    thr = cand[i] if i + 1 == cand.numel() else (cand[i] + cand[i + 1]) / 2
+    return float(acc[i]), float(thr)
 
 
 def kfold_accuracy(scores: torch.Tensor, is_same: torch.Tensor, folds: int = 10, seed: int = 0) -> Tuple[float, float]:
