@@ -22,6 +22,17 @@ using normalize::Plan;
 // batch of small images still spreads over the cores.
 constexpr int64_t kGrainElements = 32768;
 
+// One image row of NHWC uint8 to CT channel rows (plane stride HW) of NCHW output.
+template <typename T, typename acc_t, int CT>
+inline void transpose_row(const uint8_t* __restrict__ src, T* __restrict__ dst, int64_t W, int64_t HW,
+                          const acc_t* scale, const acc_t* shift) {
+  for (int c = 0; c < CT; ++c) {
+    T* __restrict__ d = dst + c * HW;
+    const acc_t s = scale[c], b = shift[c];
+    for (int64_t w = 0; w < W; ++w) d[w] = static_cast<T>(static_cast<acc_t>(src[w * CT + c]) * s + b);
+  }
+}
+
 template <typename T, typename acc_t>
 void normalize_rows(const Plan& p, const acc_t* scale, const acc_t* shift) {
   const uint8_t* __restrict__ in = p.input.data_ptr<uint8_t>();
@@ -53,11 +64,21 @@ void normalize_rows(const Plan& p, const acc_t* scale, const acc_t* shift) {
         for (int64_t i = 0; i < WC; ++i) dst[i] = static_cast<T>(static_cast<acc_t>(src[i]) * rs[i] + rb[i]);
       } else if (in_cl) {  // NHWC -> NCHW: the transpose; reads stride C within one cached row
         const uint8_t* __restrict__ src = in + r * WC;
-        for (int64_t c = 0; c < C; ++c) {
-          T* __restrict__ dst = out + ((n * C + c) * H + h) * W;
-          const acc_t s = scale[c], b = shift[c];
-          const uint8_t* __restrict__ sc = src + c;
-          for (int64_t w = 0; w < W; ++w) dst[w] = static_cast<T>(static_cast<acc_t>(sc[w * C]) * s + b);
+        T* __restrict__ dst0 = out + (n * C * H + h) * W;  // channel c's row is dst0 + c * H * W
+        // Compile-time channel counts let the compiler vectorize the strided reads.
+        if (C == 3) {
+          transpose_row<T, acc_t, 3>(src, dst0, W, H * W, scale, shift);
+        } else if (C == 1) {
+          transpose_row<T, acc_t, 1>(src, dst0, W, H * W, scale, shift);
+        } else if (C == 4) {
+          transpose_row<T, acc_t, 4>(src, dst0, W, H * W, scale, shift);
+        } else {
+          for (int64_t c = 0; c < C; ++c) {
+            T* __restrict__ dst = dst0 + c * H * W;
+            const acc_t s = scale[c], b = shift[c];
+            const uint8_t* __restrict__ sc = src + c;
+            for (int64_t w = 0; w < W; ++w) dst[w] = static_cast<T>(static_cast<acc_t>(sc[w * C]) * s + b);
+          }
         }
       } else if (!out_cl) {  // NCHW -> NCHW: elementwise per channel plane row
         for (int64_t c = 0; c < C; ++c) {
