@@ -47,6 +47,13 @@ TORCH_LIBRARY(shardkit, m) {
   // ---- end parallel ----
 
   // ---- normalize ----------------------------------------------------------------
+  // uint8 images -> normalized float images in one pass: out = (x / 255 - mean[c]) / std[c]
+  // (mean/std in the 0-1 scale, as torchvision documents them). images: [N, H, W, C] or
+  // [H, W, C] when channels_last_input, else [N, C, H, W] or [C, H, W]; any strides.
+  // out: [N, C, H, W] (or [C, H, W]) of out_dtype (float32/float64/bfloat16/float16),
+  // contiguous, or in torch.channels_last memory format when channels_last_output.
+  m.def("normalize_images(Tensor images, float[] mean, float[] std, bool channels_last_input, "
+        "ScalarType out_dtype, bool channels_last_output) -> Tensor");
   // ---- end normalize ----
 }
 

@@ -35,6 +35,7 @@ from shardkit import parallel  # noqa: F401  (shardkit.parallel.DataParallelMode
 # ---- end parallel ----
 
 # ---- normalize ----
+from shardkit.transforms import Normalize  # noqa: E402
 # ---- end normalize ----
 
 __all__ = [
@@ -53,4 +54,5 @@ __all__ = [
     # parallel
     "parallel",
     # normalize
+    "Normalize",
 ]

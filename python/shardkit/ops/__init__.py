@@ -17,4 +17,5 @@ from shardkit.ops._parallel import split_to_devices, weighted_loss_reduce  # noq
 # ---- end parallel ----
 
 # ---- normalize ----
+from shardkit.ops._normalize import normalize_images  # noqa: F401
 # ---- end normalize ----

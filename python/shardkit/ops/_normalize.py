@@ -1,0 +1,93 @@
+"""``shardkit.ops.normalize_images``: uint8 images to normalized float images in one pass.
+
+The op (``torch.ops.shardkit.normalize_images``) has CPU and CUDA kernels; this module adds
+its fake kernel (so ``torch.compile`` traces it) and the Python-friendly wrapper. It is not
+differentiable: its input is uint8.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["normalize_images"]
+
+_LAYOUTS = ("NHWC", "NCHW")
+_OUT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+@torch.library.register_fake("shardkit::normalize_images")
+def _normalize_images_fake(images, mean, std, channels_last_input, out_dtype, channels_last_output):
+    torch._check(images.dtype == torch.uint8, lambda: f"normalize_images: argument `images` must be uint8, got {images.dtype}")
+    torch._check(images.dim() in (3, 4), lambda: f"normalize_images: argument `images` must be 4-D or 3-D, got {images.dim()}-D")
+    x4 = images.unsqueeze(0) if images.dim() == 3 else images
+    if channels_last_input:
+        n, h, w, c = x4.shape
+    else:
+        n, c, h, w = x4.shape
+    fmt = torch.channels_last if channels_last_output else torch.contiguous_format
+    out = torch.empty((n, c, h, w), dtype=out_dtype, device=x4.device, memory_format=fmt)
+    return out.squeeze(0) if images.dim() == 3 else out
+
+
+def _as_floats(name: str, values) -> list[float]:
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().double().flatten().tolist()  # setup time, not the hot path
+    try:
+        out = [float(v) for v in values]
+    except TypeError as e:
+        raise TypeError(f"argument `{name}` must be a sequence of numbers, got {type(values).__name__}") from e
+    return out
+
+
+def normalize_images(
+    images: torch.Tensor,
+    mean: Sequence[float],
+    std: Sequence[float],
+    *,
+    input_layout: str = "NHWC",
+    dtype: torch.dtype = torch.float32,
+    memory_format: torch.memory_format = torch.contiguous_format,
+) -> torch.Tensor:
+    """Converts uint8 images to normalized floating-point NCHW images in one pass.
+
+    ``out[n, c, h, w] = (images[n, h, w, c] / 255 - mean[c]) / std[c]``, computed as one
+    fused multiply-add in fp32 (fp64 for ``dtype=torch.float64``) and rounded once to ``dtype``.
+
+    Args:
+        images: uint8 tensor on CPU or CUDA. ``input_layout="NHWC"``: ``[N, H, W, C]`` or a
+            single image ``[H, W, C]``; ``"NCHW"``: ``[N, C, H, W]`` or ``[C, H, W]``. Any
+            strides: a permuted view of dense memory (e.g. an HWC array permuted to CHW) is
+            read in place; other non-contiguous inputs are copied once first.
+        mean, std: ``C`` per-channel values in the **0-1 scale** (torchvision's convention,
+            e.g. ``mean=(0.485, 0.456, 0.406)``, ``std=(0.229, 0.224, 0.225)``); for values
+            in the 0-255 scale divide them by 255. ``std`` entries must be non-zero.
+        input_layout: ``"NHWC"`` (channels last, what image decoders produce) or ``"NCHW"``.
+        dtype: output dtype: float32, float64, bfloat16 or float16.
+        memory_format: ``torch.contiguous_format`` (default) or ``torch.channels_last``; the
+            output's logical shape is NCHW either way.
+
+    Returns:
+        ``[N, C, H, W]`` (``[C, H, W]`` for a single image) tensor of ``dtype`` on the
+        input's device.
+
+    Raises:
+        ValueError: bad ``input_layout``/``memory_format``/``dtype``, or mean/std lengths.
+        RuntimeError (from the op): images not uint8, wrong rank, channel count not matching
+        ``len(mean)``, zero or non-finite std, more than 64 channels.
+    """
+    if input_layout not in _LAYOUTS:
+        raise ValueError(f"argument `input_layout` must be one of {_LAYOUTS}, got {input_layout!r}")
+    if memory_format not in (torch.contiguous_format, torch.channels_last):
+        raise ValueError(
+            f"argument `memory_format` must be torch.contiguous_format or torch.channels_last, got {memory_format}"
+        )
+    if dtype not in _OUT_DTYPES:
+        raise ValueError(f"argument `dtype` must be one of float32, float64, bfloat16, float16, got {dtype}")
+    if not isinstance(images, torch.Tensor):
+        raise TypeError(f"argument `images` must be a torch.Tensor, got {type(images).__name__}")
+    mean_l, std_l = _as_floats("mean", mean), _as_floats("std", std)
+    return torch.ops.shardkit.normalize_images(
+        images, mean_l, std_l, input_layout == "NHWC", dtype, memory_format == torch.channels_last
+    )

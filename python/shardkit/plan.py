@@ -1,0 +1,351 @@
+"""Memory planner for a large-class softmax head: ``python -m shardkit.plan``.
+
+Per device, the bytes held by the classification head (weights, gradients, fp32 master
+weights, optimizer state) and by the loss's working set, for three ways of training it:
+
+* ``shardkit``: :class:`shardkit.ShardedSoftmaxLoss`, classes split over ``devices``
+  contiguously (device k holds ``C // N`` or ``C // N + 1`` classes), logits computed chunk
+  by chunk and never held whole;
+* ``partial_fc``: InsightFace's PartialFC_V2, as its published code allocates (per rank);
+* ``naive``: one ``nn.Linear(D, C)`` + ``F.cross_entropy`` on one device.
+
+Conventions (all figures are lower bounds of what the allocator will hold):
+
+* ``batch`` is the per-device batch; the loss sees the global batch ``B = batch * devices``
+  (gathered embeddings in the distributed mode, every embedding on every shard).
+* ``dtype`` is the storage dtype of the head's weight and gradient. For fp16/bf16 the
+  optimizer keeps fp32 master weights (``master_weights=True``, mixed-precision training
+  as apex O2 does); its state is then fp32. Without master weights the state is in ``dtype``.
+* Optimizer state per weight element: sgd 0, sgd-momentum 1, adam/adamw 2 (exp_avg,
+  exp_avg_sq).
+* Logits and softmax statistics are fp32 whatever ``dtype`` is (s = 64 logits overflow fp16).
+* Sampling (``sample_rate < 1``): shardkit keeps the whole weight and its optimizer state
+  but computes only the sampled rows (``S = ceil(rate * C_k)``, at least the batch's
+  positives); the gradient is a dense weight-sized buffer (``sparse_grad=False``) or
+  only the sampled rows plus their indices (``sparse_grad=True``).
+* Not counted: the backbone, activations, the CUDA context (~0.5-1 GiB) and allocator
+  fragmentation; pass ``reserve`` to set memory aside for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Union
+
+__all__ = ["DeviceMemory", "MemoryPlan", "parse_size", "format_size", "plan_memory", "main"]
+
+MiB = 1 << 20
+GiB = 1 << 30
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+OPTIMIZER_STATES = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
+#: Chunk working-set budget of ShardedSoftmaxLoss when no chunk size is given.
+DEFAULT_CHUNK_BUDGET = 64 * MiB
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
+    "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+    "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
+    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
+}
+
+
+def parse_size(text: Union[str, int, float]) -> int:
+    """Bytes in a human size: ``"80GiB"``, ``"81920MiB"``, ``"80GB"`` (10^9), ``"1.5 TiB"``.
+
+    KiB/MiB/GiB/TiB and the bare letters K/M/G/T are powers of 1024; KB/MB/GB/TB powers of
+    1000; a bare number is bytes. Case-insensitive. Raises ValueError on anything else.
+    """
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value, unit = float(text), ""
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"cannot parse size {text!r}: use a number with a unit such as 80GiB, 80GB or 81920MiB")
+        value, unit = float(m.group(1)), m.group(2).lower()
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"size must be a finite non-negative number, got {text!r}")
+    return int(round(value * _UNITS[unit]))
+
+
+def format_size(nbytes: int) -> str:
+    """``"1,953.1 MiB"`` below 1 TiB's worth of MiB columns, GiB for 100 GiB and more."""
+    if nbytes >= 100 * GiB:
+        return f"{nbytes / GiB:,.1f} GiB"
+    return f"{nbytes / MiB:,.1f} MiB"
+
+
+def _short_size(nbytes: int) -> str:
+    """``"80 GiB"`` for whole GiB, else :func:`format_size`."""
+    return f"{nbytes // GiB} GiB" if nbytes and nbytes % GiB == 0 else format_size(nbytes)
+
+
+@dataclass
+class DeviceMemory:
+    """Bytes held on one device by one approach; ``total`` sums the five parts.
+
+    ``loss_parts`` breaks ``loss_working_set`` down (names -> bytes); ``fits`` is None when
+    no ``gpu_memory`` was given.
+    """
+
+    approach: str
+    classes: int
+    weights: int
+    master_weights: int
+    gradients: int
+    optimizer_state: int
+    loss_working_set: int
+    loss_parts: Dict[str, int] = field(default_factory=dict)
+    fits: Optional[bool] = None
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.master_weights + self.gradients + self.optimizer_state + self.loss_working_set
+
+
+@dataclass
+class MemoryPlan:
+    """Result of :func:`plan_memory`: the inputs, one :class:`DeviceMemory` per shardkit
+    device (``devices[k]`` holds ``devices[k].classes`` classes), the largest PartialFC_V2
+    rank and the naive single-device head."""
+
+    classes: int
+    dim: int
+    num_devices: int
+    batch: int
+    global_batch: int
+    dtype: str
+    optimizer: str
+    sample_rate: float
+    master_weights: bool
+    chunk_classes: int
+    gpu_memory: Optional[int]
+    reserve: int
+    devices: List[DeviceMemory]
+    partial_fc: DeviceMemory
+    naive: DeviceMemory
+
+    @property
+    def shardkit_max(self) -> DeviceMemory:
+        """The most loaded shardkit device (the one that decides whether the plan fits)."""
+        return max(self.devices, key=lambda d: d.total)
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"argument `{name}` must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _head_parts(rows: int, dim: int, elem: int, states: int, master: bool):
+    """(weights, master weights, optimizer state) bytes of a [rows, dim] parameter."""
+    n = rows * dim
+    state_elem = 4 if master else elem
+    return n * elem, (n * 4 if master else 0), n * states * state_elem
+
+
+def plan_memory(
+    classes: int,
+    dim: int,
+    devices: int,
+    batch: int,
+    dtype: str = "fp32",
+    optimizer: str = "sgd-momentum",
+    sample_rate: float = 1.0,
+    gpu_memory: Union[None, int, str] = None,
+    *,
+    master_weights: Optional[bool] = None,
+    sparse_grad: bool = False,
+    chunk_budget: Union[int, str] = DEFAULT_CHUNK_BUDGET,
+    reserve: Union[int, str] = 0,
+) -> MemoryPlan:
+    """Bytes per device of a ``classes`` x ``dim`` softmax head trained three ways.
+
+    Args:
+        classes: C, total number of classes (int >= 1).
+        dim: D, embedding size (int >= 1).
+        devices: N, devices the classes are sharded over (int >= 1).
+        batch: images per device per step (int >= 1); the loss sees ``batch * devices``.
+        dtype: head weight/gradient storage: ``"fp32"``, ``"fp16"`` or ``"bf16"``.
+        optimizer: ``"sgd"``, ``"sgd-momentum"``, ``"adam"`` or ``"adamw"``.
+        sample_rate: PartialFC rate in (0, 1].
+        gpu_memory: bytes per device (int or size string such as ``"80GiB"``), or None.
+        master_weights: fp32 master copy for fp16/bf16 (default: True unless fp32).
+        sparse_grad: sampled mode keeps gradients of sampled rows only (else a dense buffer).
+        chunk_budget: ShardedSoftmaxLoss's chunk working-set budget (default 64 MiB).
+        reserve: bytes set aside per device for everything not counted here.
+
+    Returns:
+        MemoryPlan. Raises ValueError on invalid arguments.
+    """
+    classes = _check_int("classes", classes, 1)
+    dim = _check_int("dim", dim, 1)
+    n_dev = _check_int("devices", devices, 1)
+    batch = _check_int("batch", batch, 1)
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"argument `dtype` must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"argument `optimizer` must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}")
+    if not (isinstance(sample_rate, (int, float)) and 0.0 < float(sample_rate) <= 1.0):
+        raise ValueError(f"argument `sample_rate` must be in (0, 1], got {sample_rate!r}")
+    sample_rate = float(sample_rate)
+    gpu = None if gpu_memory is None else parse_size(gpu_memory)
+    budget, reserve = parse_size(chunk_budget), parse_size(reserve)
+    if budget <= 0:
+        raise ValueError(f"argument `chunk_budget` must be > 0, got {chunk_budget!r}")
+    elem = DTYPE_BYTES[dtype]
+    master = (dtype != "fp32") if master_weights is None else bool(master_weights)
+    states = OPTIMIZER_STATES[optimizer]
+    B = batch * n_dev
+    sampled = sample_rate < 1.0
+
+    def n_sampled(rows: int) -> int:
+        # Every positive class of the batch is kept, so at least min(rows, B) rows are used.
+        return min(rows, max(math.ceil(sample_rate * rows), min(rows, B))) if sampled else rows
+
+    # Per class of a chunk: B fp32 logits (+ B gradient values in a 16-bit dtype) and two
+    # fp32 weight rows (converted/normalized weights and their gradient).
+    per_class = B * (4 + (elem if elem < 4 else 0)) + 2 * dim * 4
+    chunk = max(1, budget // per_class)
+    if chunk >= 64:
+        chunk -= chunk % 64
+
+    def fits(d: DeviceMemory) -> DeviceMemory:
+        d.fits = None if gpu is None else d.total + reserve <= gpu
+        return d
+
+    shard_rows = [classes // n_dev + (1 if k < classes % n_dev else 0) for k in range(n_dev)]
+    per_device = []
+    for rows in shard_rows:
+        w, mw, opt = _head_parts(rows, dim, elem, states, master)
+        used = n_sampled(rows)
+        c = min(chunk, max(used, 1))
+        parts = {
+            "chunk logits + weight rows": c * per_class if rows else 0,
+            "gathered embeddings + grad (fp32)": B * dim * (elem + 4),
+            "per-row statistics": B * 4 * 8,
+        }
+        grad = rows * dim * elem
+        if sampled:
+            parts["sampled row indices"] = used * 8
+            if sparse_grad:
+                grad = used * dim * elem
+        ws = sum(parts.values())
+        per_device.append(fits(DeviceMemory("shardkit", rows, w, mw, grad, opt, ws, parts)))
+
+    # PartialFC_V2 (per rank, largest shard): an fp32 Parameter whatever the AMP setting,
+    # dense fp32 gradient (indexing's backward scatters into a weight-sized buffer),
+    # optimizer state on the whole weight, and [B, S] fp32 logits held for the backward.
+    rows = shard_rows[0]
+    used = n_sampled(rows)
+    half = dtype != "fp32"
+    pfc_parts = {
+        "logits [B, S] fp32 (held, backward grad, one-hot)": 3 * B * used * 4 + (B * used * 2 if half else 0),
+        "sampled/normalized weight rows + grad": used * dim * (4 + 4 + (2 if half else 0)) + (used * dim * 4 if sampled else 0),
+        "gathered embeddings (+ normalized, grad)": 3 * B * dim * 4,
+    }
+    pfc = DeviceMemory("partial_fc", rows, rows * dim * 4, 0, rows * dim * 4, rows * dim * 4 * states,
+                       sum(pfc_parts.values()), pfc_parts)
+
+    # Naive: nn.Linear + F.cross_entropy on one device: logits [B, C] in dtype, fp32
+    # log-softmax saved for backward, fp32 gradient of the logits.
+    w, mw, opt = _head_parts(classes, dim, elem, states, master)
+    naive_parts = {
+        "logits [B, C]": B * classes * elem,
+        "log-softmax [B, C] fp32": B * classes * 4,
+        "grad of logits [B, C] fp32": B * classes * 4,
+        "embeddings + grad": B * dim * (elem + 4),
+    }
+    naive = DeviceMemory("naive", classes, w, mw, classes * dim * elem, opt, sum(naive_parts.values()), naive_parts)
+
+    return MemoryPlan(classes, dim, n_dev, batch, B, dtype, optimizer, sample_rate, master,
+                      min(chunk, max(shard_rows)), gpu, reserve, per_device, fits(pfc), fits(naive))
+
+
+def format_plan(p: MemoryPlan) -> str:
+    """The plan as the table ``python -m shardkit.plan`` prints."""
+    sk = p.shardkit_max
+    lines = [
+        f"shardkit memory plan: {p.classes:,} classes x {p.dim}-d head, {p.num_devices} device(s), "
+        f"batch {p.batch} per device (global {p.global_batch})",
+        f"dtype {p.dtype}" + (" + fp32 master weights" if p.master_weights else "")
+        + f", optimizer {p.optimizer}, sample rate {p.sample_rate:g}"
+        + (f", chunk {p.chunk_classes:,} classes" if p.chunk_classes else ""),
+        "",
+    ]
+    cols = [("shardkit / device", sk), ("PartialFC_V2 / rank", p.partial_fc), ("naive, 1 device", p.naive)]
+    rows = [
+        ("classes held", [f"{d.classes:,}" for _, d in cols]),
+        ("weights", [format_size(d.weights) for _, d in cols]),
+        ("master weights (fp32)", [format_size(d.master_weights) for _, d in cols]),
+        ("gradients", [format_size(d.gradients) for _, d in cols]),
+        ("optimizer state", [format_size(d.optimizer_state) for _, d in cols]),
+        ("loss working set", [format_size(d.loss_working_set) for _, d in cols]),
+        ("total", [format_size(d.total) for _, d in cols]),
+        ("total (GiB)", [f"{d.total / GiB:,.2f} GiB" for _, d in cols]),
+    ]
+    if p.gpu_memory is not None:
+        label = f"fits in {_short_size(p.gpu_memory)}" + (f" - {_short_size(p.reserve)} reserve" if p.reserve else "")
+        rows.append((label, ["yes" if d.fits else "NO" for _, d in cols]))
+    w0 = max(len(r[0]) for r in rows) + 2
+    widths = [max(len(name), *(len(r[1][i]) for r in rows)) + 2 for i, (name, _) in enumerate(cols)]
+    lines.append(" " * w0 + "".join(name.rjust(w) for (name, _), w in zip(cols, widths)))
+    for label, vals in rows:
+        lines.append(label.ljust(w0) + "".join(v.rjust(w) for v, w in zip(vals, widths)))
+    lines.append("")
+    lines.append("loss working set, shardkit: " + ", ".join(f"{k} {format_size(v)}" for k, v in sk.loss_parts.items()))
+    lines.append("loss working set, naive: " + ", ".join(f"{k} {format_size(v)}" for k, v in p.naive.loss_parts.items()))
+    lines.append("Not counted: backbone, activations, CUDA context, allocator slack (use --reserve).")
+    return "\n".join(lines)
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m shardkit.plan",
+        description="Memory per device of a large softmax head: shardkit vs PartialFC_V2 vs one naive device.",
+    )
+    ap.add_argument("--classes", type=int, required=True, help="number of classes C")
+    ap.add_argument("--dim", type=int, required=True, help="embedding size D")
+    ap.add_argument("--devices", type=int, default=1, help="devices the classes are sharded over (default 1)")
+    ap.add_argument("--batch", type=int, required=True, help="images per device per step")
+    ap.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="fp32", help="head weight dtype")
+    ap.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="sgd-momentum")
+    ap.add_argument("--sample-rate", type=float, default=1.0, help="PartialFC sampling rate in (0, 1]")
+    ap.add_argument("--gpu-memory", type=_size_arg, default=None, help="memory per device, e.g. 80GiB, 80GB, 81920MiB")
+    ap.add_argument("--reserve", type=_size_arg, default=0, help="memory per device kept for the rest (backbone, context)")
+    ap.add_argument("--chunk-budget", type=_size_arg, default=DEFAULT_CHUNK_BUDGET, help="ShardedSoftmaxLoss chunk budget (default 64MiB)")
+    ap.add_argument("--no-master-weights", action="store_true", help="fp16/bf16 without fp32 master weights")
+    ap.add_argument("--sparse-grad", action="store_true", help="sampled mode keeps gradients of sampled rows only")
+    return ap
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """CLI entry point (``shardkit-plan``). Returns 0; bad flags exit with status 2."""
+    ap = _parser()
+    args = ap.parse_args(argv)
+    try:
+        plan = plan_memory(
+            args.classes, args.dim, args.devices, args.batch, args.dtype, args.optimizer, args.sample_rate,
+            args.gpu_memory, master_weights=False if args.no_master_weights else None,
+            sparse_grad=args.sparse_grad, chunk_budget=args.chunk_budget, reserve=args.reserve,
+        )
+    except ValueError as e:
+        # plan_memory names its Python arguments (`sample_rate`); say the flag instead.
+        msg = re.sub(r"argument `(\w+)`", lambda m: "--" + m.group(1).replace("_", "-"), str(e))
+        ap.error(msg)  # prints usage + message, exits with status 2
+    print(format_plan(plan))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Device-side image transforms: keep images uint8 through the DataLoader and the host-to-
+device copy (4x fewer bytes than float32) and convert them on the device in one pass."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from shardkit.ops._normalize import _as_floats, normalize_images
+
+__all__ = ["Normalize"]
+
+
+class Normalize(nn.Module):
+    """uint8 images in, normalized float NCHW images out, in one pass on the images' device.
+
+    ``out[n, c, h, w] = (x[n, h, w, c] / 255 - mean[c]) / std[c]`` (see
+    :func:`shardkit.ops.normalize_images`).
+
+    Args:
+        mean, std: ``C`` per-channel values in the 0-1 scale (e.g. ImageNet's
+            ``(0.485, 0.456, 0.406)`` / ``(0.229, 0.224, 0.225)``; ``(0.5,) * 3`` twice maps
+            [0, 255] to [-1, 1], the usual face-recognition input range).
+        input_layout: ``"NHWC"`` (default: ``[N, H, W, C]``, as decoded images and
+            :func:`shardkit.data.collate_uint8` deliver them) or ``"NCHW"``; single images
+            (3-D) are accepted too.
+        dtype: output dtype (float32, bfloat16, float16 or float64). Under autocast keep
+            float32 or pass the autocast dtype explicitly; the op does not consult autocast.
+        memory_format: ``torch.contiguous_format`` or ``torch.channels_last`` (faster
+            convolutions on recent GPUs).
+
+    Shapes: input uint8 ``[N, H, W, C]`` (or as ``input_layout`` says) -> ``[N, C, H, W]`` of ``dtype``.
+    """
+
+    def __init__(
+        self,
+        mean: Sequence[float],
+        std: Sequence[float],
+        *,
+        input_layout: str = "NHWC",
+        dtype: torch.dtype = torch.float32,
+        memory_format: torch.memory_format = torch.contiguous_format,
+    ):
+        super().__init__()
+        self.mean = _as_floats("mean", mean)
+        self.std = _as_floats("std", std)
+        if len(self.mean) != len(self.std):
+            raise ValueError(f"`mean` and `std` must have the same length, got {len(self.mean)} and {len(self.std)}")
+        for i, s in enumerate(self.std):
+            if s == 0.0:
+                raise ValueError(f"`std[{i}]` must be non-zero, got {s}")
+        if input_layout not in ("NHWC", "NCHW"):
+            raise ValueError(f"argument `input_layout` must be 'NHWC' or 'NCHW', got {input_layout!r}")
+        self.input_layout = input_layout
+        self.dtype = dtype
+        self.memory_format = memory_format
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return normalize_images(
+            images, self.mean, self.std, input_layout=self.input_layout, dtype=self.dtype, memory_format=self.memory_format
+        )
+
+    def extra_repr(self) -> str:
+        return f"mean={self.mean}, std={self.std}, input_layout={self.input_layout!r}, dtype={self.dtype}"

@@ -1,0 +1,76 @@
+"""shardkit.models: shapes, presets, checkpointing equivalence, errors, a learning smoke test."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shardkit
+from shardkit.data import SyntheticIdentities
+from shardkit.models import Backbone, build_backbone
+
+
+@pytest.mark.parametrize("name", ["tiny", "small"])
+@pytest.mark.parametrize("size", [16, 32, 37])
+def test_presets_shapes(name, size):
+    m = build_backbone(name, embedding_dim=24)
+    out = m(torch.randn(3, 3, size, size))
+    assert out.shape == (3, 24) and out.dtype == torch.float32
+
+
+def test_r18_and_flatten_head():
+    m = build_backbone("r18", 64, head="flatten", image_size=32).eval()
+    assert m(torch.randn(2, 3, 32, 32)).shape == (2, 64)
+    with pytest.raises(ValueError, match=r"built for 2x2 final feature maps"):
+        m(torch.randn(2, 3, 64, 64))
+
+
+def test_grayscale_relu_bf16():
+    m = Backbone((8, 16), (1, 2), 10, in_channels=1, act="relu").to(torch.bfloat16)
+    assert m(torch.randn(4, 1, 20, 20, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_checkpointing_matches_plain():
+    torch.manual_seed(0)
+    a = Backbone((8, 16), (1, 2), 16)
+    b = Backbone((8, 16), (1, 2), 16, checkpointing=True)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(6, 3, 16, 16)
+    ya, yb = a(x), b(x)
+    assert torch.allclose(ya, yb, rtol=1e-5, atol=1e-6)
+    ya.square().sum().backward()
+    yb.square().sum().backward()
+    for (n, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.allclose(pa.grad, pb.grad, rtol=1e-4, atol=1e-6), n
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(act="gelu"), r"argument `act` must be 'prelu' or 'relu'"),
+    (dict(head="gdc"), r"argument `head` must be 'pool' or 'flatten'"),
+    (dict(widths=(8, 16), depths=(1,)), r"`widths` and `depths` must be non-empty and of equal length"),
+    (dict(head="flatten"), r"head='flatten' needs `image_size`"),
+])
+def test_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Backbone(**kwargs)
+    with pytest.raises(ValueError, match=r"unknown backbone 'r999'"):
+        build_backbone("r999")
+
+
+def test_learns_synthetic_identities():
+    # uint8 NHWC -> Normalize -> tiny backbone -> linear softmax: the loss must fall.
+    torch.manual_seed(0)
+    ds = SyntheticIdentities(6, 16, 16, seed=int(torch.randint(0, 1000, ()).item()))
+    images, labels = ds.get_batch(range(len(ds)))
+    norm = shardkit.Normalize([0.5] * 3, [0.5] * 3)
+    model = Backbone((16, 32), (1, 1), 32, stem_stride=2)
+    head = torch.nn.Linear(32, 6)
+    opt = torch.optim.SGD(list(model.parameters()) + list(head.parameters()), lr=0.1, momentum=0.9)
+    losses = []
+    for step in range(25):
+        idx = torch.randperm(len(ds))[:32]
+        loss = F.cross_entropy(head(model(norm(images[idx]))), labels[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5

@@ -1,0 +1,186 @@
+"""shardkit.plan: figures against hand-computed cases (computed here from first principles)."""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from shardkit.plan import format_size, main, parse_size, plan_memory
+
+MiB, GiB = 2**20, 2**30
+
+
+def test_million_classes_write_up():
+    # The write-up: 1M classes x 512-d fp32 weights = 1953 MB (MiB): 10^6 * 512 * 4 bytes.
+    p = plan_memory(10**6, 512, devices=1, batch=64, dtype="fp32")
+    assert p.naive.weights == 10**6 * 512 * 4
+    assert p.naive.weights / MiB == pytest.approx(1953.125)
+    assert p.devices[0].weights == p.naive.weights
+    # and 2M / 5M classes: 3906 / 9765 MiB
+    for millions, mib in [(2, 3906), (5, 9765)]:
+        assert int(plan_memory(millions * 10**6, 512, 1, 64).naive.weights / MiB) == mib
+
+
+def test_fp16_master_weights_sgd_momentum_two_devices():
+    c, d, n, b = 2_000_000, 512, 2, 64
+    p = plan_memory(c, d, n, b, dtype="fp16", optimizer="sgd-momentum")
+    rows = c // n
+    for dev in p.devices:
+        assert dev.classes == rows
+        assert dev.weights == rows * d * 2  # fp16 storage
+        assert dev.gradients == rows * d * 2
+        assert dev.master_weights == rows * d * 4  # fp32 master copy
+        assert dev.optimizer_state == rows * d * 4  # one fp32 momentum buffer
+    assert p.global_batch == n * b
+    # Naive: the whole head on one device, logits [B, C] fp16 + fp32 log-softmax + fp32 grad.
+    B = n * b
+    assert p.naive.loss_parts["logits [B, C]"] == B * c * 2
+    assert p.naive.loss_working_set >= B * c * (2 + 4 + 4)
+
+
+@pytest.mark.parametrize("optimizer,states", [("sgd", 0), ("sgd-momentum", 1), ("adam", 2), ("adamw", 2)])
+def test_optimizer_states_fp32(optimizer, states):
+    p = plan_memory(1000, 64, 1, 8, optimizer=optimizer)
+    assert p.devices[0].optimizer_state == states * 1000 * 64 * 4
+    assert p.devices[0].master_weights == 0
+
+
+def test_no_master_weights_keeps_state_in_dtype():
+    p = plan_memory(1000, 64, 1, 8, dtype="bf16", optimizer="adam", master_weights=False)
+    assert p.devices[0].master_weights == 0
+    assert p.devices[0].optimizer_state == 2 * 1000 * 64 * 2
+
+
+def test_uneven_shards_cover_all_classes():
+    p = plan_memory(10, 16, 3, 4)
+    assert [d.classes for d in p.devices] == [4, 3, 3]
+    assert sum(d.weights for d in p.devices) == 10 * 16 * 4
+    assert p.shardkit_max.classes == 4
+
+
+def test_shardkit_working_set_independent_of_classes():
+    # Chunked logits: the working set depends on the batch and the budget, not on C.
+    small = plan_memory(10**6, 512, 1, 128).devices[0]
+    large = plan_memory(10**7, 512, 1, 128).devices[0]
+    assert small.loss_working_set == large.loss_working_set
+    assert small.loss_parts["chunk logits + weight rows"] <= 64 * MiB
+    # The naive working set grows linearly with C: B * C * (4 + 4 + 4) bytes in fp32.
+    n1, n2 = plan_memory(10**6, 512, 1, 128).naive, plan_memory(2 * 10**6, 512, 1, 128).naive
+    assert n2.loss_working_set - n1.loss_working_set == 128 * 10**6 * 12
+
+
+def test_sampling():
+    c, d, n, b, rate = 1_000_000, 128, 4, 32, 0.1
+    full = plan_memory(c, d, n, b)
+    p = plan_memory(c, d, n, b, sample_rate=rate)
+    rows = c // n
+    s = math.ceil(rate * rows)
+    # shardkit keeps the whole weight and its optimizer state under sampling.
+    assert p.devices[0].weights == full.devices[0].weights
+    assert p.devices[0].optimizer_state == full.devices[0].optimizer_state
+    assert p.devices[0].gradients == rows * d * 4  # dense gradient buffer by default
+    assert plan_memory(c, d, n, b, sample_rate=rate, sparse_grad=True).devices[0].gradients == s * d * 4
+    # PartialFC_V2 keeps [B_global, S] fp32 logits (held, grad, one-hot).
+    B = n * b
+    assert p.partial_fc.loss_parts["logits [B, S] fp32 (held, backward grad, one-hot)"] == 3 * B * s * 4
+    assert p.partial_fc.weights == rows * d * 4 and p.partial_fc.gradients == rows * d * 4
+
+
+def test_sampling_keeps_every_positive():
+    # 100 classes, 64 labels in the batch: at least 64 rows are used even at rate 0.01.
+    p = plan_memory(100, 8, 1, 64, sample_rate=0.01, sparse_grad=True)
+    assert p.devices[0].gradients == 64 * 8 * 4
+
+
+def test_fits_and_reserve():
+    p = plan_memory(1000, 64, 1, 8)
+    total = p.devices[0].total
+    assert plan_memory(1000, 64, 1, 8, gpu_memory=total).devices[0].fits is True
+    assert plan_memory(1000, 64, 1, 8, gpu_memory=total - 1).devices[0].fits is False
+    assert plan_memory(1000, 64, 1, 8, gpu_memory=total, reserve=1).devices[0].fits is False
+    assert p.devices[0].fits is None
+    # 2M classes fp32, 128 global batch: the naive head does not fit an 11 GB card, sharded does.
+    q = plan_memory(2_000_000, 512, 2, 64, gpu_memory="11178MiB")
+    assert q.naive.fits is False and all(d.fits for d in q.devices)
+
+
+def test_total_is_sum_of_parts():
+    d = plan_memory(12345, 77, 3, 5, dtype="bf16", optimizer="adamw", sample_rate=0.3).devices[1]
+    assert d.total == d.weights + d.master_weights + d.gradients + d.optimizer_state + d.loss_working_set
+    assert d.loss_working_set == sum(d.loss_parts.values())
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [("80GiB", 80 * 2**30), ("80GB", 80 * 10**9), ("81920MiB", 80 * 2**30), ("1.5 TiB", 3 * 2**39),
+     ("512", 512), ("64m", 64 * 2**20), ("2kb", 2000), (1024, 1024)],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["80XB", "GiB", "-1GiB", "", "1e400GiB"])
+def test_parse_size_errors(text):
+    with pytest.raises(ValueError, match=r"cannot parse size|must be a finite non-negative"):
+        parse_size(text)
+
+
+def test_format_size():
+    assert format_size(10**6 * 512 * 4) == "1,953.1 MiB"
+    assert format_size(200 * GiB) == "200.0 GiB"
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [(dict(classes=0), r"argument `classes` must be an integer >= 1"),
+     (dict(dim=2.5), r"argument `dim` must be an integer"),
+     (dict(dtype="fp8"), r"argument `dtype` must be one of"),
+     (dict(optimizer="lamb"), r"argument `optimizer` must be one of"),
+     (dict(sample_rate=1.5), r"argument `sample_rate` must be in \(0, 1\]"),
+     (dict(chunk_budget=0), r"argument `chunk_budget` must be > 0")],
+)
+def test_plan_errors(kwargs, match):
+    args = dict(classes=10, dim=4, devices=1, batch=2)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        plan_memory(**args)
+
+
+def test_cli_table(capsys):
+    assert main(["--classes", "2000000", "--dim", "512", "--devices", "2", "--batch", "64", "--dtype", "fp16",
+                 "--optimizer", "sgd-momentum", "--sample-rate", "0.1", "--gpu-memory", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    for text in ["2,000,000 classes", "global 128", "shardkit / device", "naive, 1 device", "fits in 80 GiB",
+                 "optimizer state", "loss working set"]:
+        assert text in out
+    # fp16 weights of one shard: 10^6 * 512 * 2 bytes = 976.6 MiB
+    assert f"{10**6 * 512 * 2 / MiB:,.1f} MiB" in out
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [(["--classes", "0", "--dim", "4", "--batch", "2"], r"--classes must be an integer >= 1"),
+     (["--classes", "10", "--dim", "4", "--batch", "2", "--gpu-memory", "80XB"], r"argument --gpu-memory: cannot parse size"),
+     (["--classes", "10", "--dim", "4", "--batch", "2", "--sample-rate", "0"], r"--sample-rate must be in \(0, 1\]"),
+     (["--classes", "10", "--dim", "4", "--batch", "2", "--dtype", "fp8"], r"argument --dtype: invalid choice"),
+     (["--dim", "4", "--batch", "2"], r"the following arguments are required: --classes")],
+)
+def test_cli_errors_exit_2(argv, match, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert __import__("re").search(match, capsys.readouterr().err)
+
+
+def test_module_entry_point():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "python"),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-m", "shardkit.plan", "--classes", "1000000", "--dim", "512", "--batch", "8"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "1,953.1 MiB" in r.stdout
+    bad = subprocess.run([sys.executable, "-m", "shardkit.plan", "--classes", "x"], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert bad.returncode == 2 and "invalid int value" in bad.stderr
