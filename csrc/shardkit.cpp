@@ -21,6 +21,16 @@ TORCH_LIBRARY(shardkit, m) {
   // ---- parallel -----------------------------------------------------------------
   // ---- end parallel ----
 
+  // ---- distributed --------------------------------------------------------------
+  // PartialFC sampling for one class shard: all positive classes of the (global) batch plus
+  // uniform negatives, num_sample in all. Returns (index [num_sample] int64: sorted local
+  // class ids kept, remapped_labels [B] int64: each row's position in index, -1 if its class
+  // is not in this shard). Random, not differentiable.
+  m.def(
+      "partial_fc_sample(Tensor labels, int class_offset, int num_local, int num_sample, "
+      "Generator? generator=None) -> (Tensor index, Tensor remapped_labels)");
+  // ---- end distributed ----
+
   // ---- normalize ----------------------------------------------------------------
   // ---- end normalize ----
 }

@@ -30,6 +30,12 @@ def cuda_built() -> bool:
 # ---- parallel ----
 # ---- end parallel ----
 
+# ---- distributed ----
+from shardkit import distributed  # noqa: F401,E402  (torch.distributed mode, see its docstring)
+from shardkit.checkpoint import export_full_weight, import_full_weight, load_sharded, save_sharded  # noqa: E402
+from shardkit.optim import SparseRowSGD  # noqa: E402
+# ---- end distributed ----
+
 # ---- normalize ----
 # ---- end normalize ----
 
@@ -40,5 +46,7 @@ __all__ = [
     # ema
     # sharded cross-entropy
     # parallel
+    # distributed
+    "distributed", "SparseRowSGD", "save_sharded", "load_sharded", "export_full_weight", "import_full_weight",
     # normalize
 ]

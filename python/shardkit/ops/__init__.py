@@ -13,5 +13,9 @@ One private module per op family; this module re-exports the public functions.
 # ---- parallel ----
 # ---- end parallel ----
 
+# ---- distributed ----
+from shardkit.ops._sampling import partial_fc_sample  # noqa: F401
+# ---- end distributed ----
+
 # ---- normalize ----
 # ---- end normalize ----
