@@ -16,6 +16,18 @@ TORCH_LIBRARY(shardkit, m) {
   // ---- end ema ----
 
   // ---- sharded cross-entropy ----------------------------------------------------
+  // Per-shard softmax statistics of the logits x @ w^T (or scale * cosine with margins),
+  // computed chunk by chunk over the shard's classes so [B, C_k] is never materialized.
+  // lse/target_logit/logit_sum: fp32 [B] (fp64 for fp64 inputs); greater_count: int64 [B].
+  m.def(
+      "ce_shard_stats(Tensor x, Tensor w, Tensor labels, Tensor? target_ref, int class_offset, "
+      "float scale, float m1, float m2, float m3, bool normalize, int chunk_classes) "
+      "-> (Tensor lse, Tensor target_logit, Tensor logit_sum, Tensor greater_count)");
+  // Gradients of ce_shard_stats w.r.t. the raw x and w, recomputing each chunk's logits.
+  m.def(
+      "ce_shard_stats_backward(Tensor grad_lse, Tensor grad_target, Tensor grad_sum, Tensor x, "
+      "Tensor w, Tensor labels, Tensor lse, int class_offset, float scale, float m1, float m2, "
+      "float m3, bool normalize, int chunk_classes) -> (Tensor grad_x, Tensor grad_w)");
   // ---- end sharded cross-entropy ----
 
   // ---- parallel -----------------------------------------------------------------

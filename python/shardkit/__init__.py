@@ -25,6 +25,8 @@ def cuda_built() -> bool:
 # ---- end ema ----
 
 # ---- sharded cross-entropy ----
+from shardkit.loss import ShardedLossOutput, ShardedSoftmaxLoss, sharded_cross_entropy  # noqa: E402
+from shardkit.margins import ArcFace, CombinedMargin, CosFace  # noqa: E402
 # ---- end sharded cross-entropy ----
 
 # ---- parallel ----
@@ -45,6 +47,12 @@ __all__ = [
     # ---- public classes and functions, one block per family ----
     # ema
     # sharded cross-entropy
+    "ShardedSoftmaxLoss",
+    "ShardedLossOutput",
+    "sharded_cross_entropy",
+    "CosFace",
+    "ArcFace",
+    "CombinedMargin",
     # parallel
     # distributed
     "distributed", "SparseRowSGD", "save_sharded", "load_sharded", "export_full_weight", "import_full_weight",

@@ -8,6 +8,7 @@ One private module per op family; this module re-exports the public functions.
 # ---- end ema ----
 
 # ---- sharded cross-entropy ----
+from shardkit.ops._sharded_ce import ce_shard_stats, chunk_classes_for_budget  # noqa: F401
 # ---- end sharded cross-entropy ----
 
 # ---- parallel ----

@@ -1,0 +1,134 @@
+// Shared by the CPU and CUDA kernels of the sharded cross-entropy: argument checks and the
+// margin function psi with its exact derivative.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <cstdint>
+
+#ifdef __CUDACC__
+#define SCE_HD __host__ __device__ __forceinline__
+#else
+#define SCE_HD inline
+#endif
+
+namespace shardkit {
+namespace sce {
+
+// Margin parameters, pre-digested on the host so kernels do no per-element branching on them.
+struct Margin {
+  double scale;
+  double m1, m2, m3;
+  bool normalize;
+  bool plain_target;  // m1 == 1 and m2 == 0: psi(c) = c - m3 (CosFace / plain), no acos
+  double c_max;       // psi is linear in c below c_max (where m1*theta + m2 > pi); -2 if never
+};
+
+inline Margin make_margin(double scale, double m1, double m2, double m3, bool normalize) {
+  Margin mg{scale, m1, m2, m3, normalize, m1 == 1.0 && m2 == 0.0, -2.0};
+  const double pi = 3.14159265358979323846;
+  const double theta_max = (pi - m2) / m1;
+  // theta lies in [0, pi]: only a threshold below pi gives a linear region.
+  if (!mg.plain_target && theta_max < pi) mg.c_max = std::cos(theta_max);
+  return mg;
+}
+
+// psi(c) = cos(m1*acos(c) + m2) - m3 with theta from c clamped to [-1+1e-7, 1-1e-7] (acos is
+// not differentiable at +-1), continued linearly with slope 1 below c_max so the target logit
+// stays monotone in c when m1*theta + m2 passes pi. dpsi is the exact derivative of that
+// function (0 where the clamp is active, as autograd through torch.clamp gives).
+template <typename T>
+SCE_HD void margin_psi(T c, bool plain, T m1, T m2, T m3, T c_max, T* psi, T* dpsi) {
+  if (plain) {
+    *psi = c - m3;
+    *dpsi = T(1);
+    return;
+  }
+  if (c < c_max) {
+    *psi = T(-1) - m3 + (c - c_max);
+    *dpsi = T(1);
+    return;
+  }
+  const T lo = T(-1) + T(1e-7), hi = T(1) - T(1e-7);
+  const bool inside = c >= lo && c <= hi;
+  const T cc = c < lo ? lo : (c > hi ? hi : c);
+  const T th = acos(cc);
+  const T a = m1 * th + m2;
+  *psi = cos(a) - m3;
+  *dpsi = inside ? m1 * sin(a) / sin(th) : T(0);
+}
+
+// Dtype of the statistics and of the internal accumulation: fp64 for fp64 inputs (so that
+// gradcheck works), fp32 otherwise.
+inline at::ScalarType acc_dtype(at::ScalarType t) {
+  return t == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+inline void check_common(const at::Tensor& x, const at::Tensor& w, const at::Tensor& labels,
+                         int64_t class_offset, double scale, double m1, double m2, double m3,
+                         bool normalize, int64_t chunk_classes) {
+  TORCH_CHECK(x.dim() == 2, "argument `x` must be 2-D [B, D], got shape ", x.sizes());
+  const auto xt = x.scalar_type();
+  TORCH_CHECK(xt == at::kFloat || xt == at::kDouble || xt == at::kHalf || xt == at::kBFloat16,
+              "argument `x` must be float32, float64, float16 or bfloat16, got ", xt);
+  TORCH_CHECK(w.dim() == 2, "argument `w` must be 2-D [C_k, D], got shape ", w.sizes());
+  TORCH_CHECK(w.scalar_type() == xt, "argument `w` must have the dtype of `x` (", xt, "), got ",
+              w.scalar_type());
+  TORCH_CHECK(w.device() == x.device(), "argument `w` must be on the device of `x` (", x.device(),
+              "), got ", w.device());
+  TORCH_CHECK(w.size(1) == x.size(1), "argument `w` has embedding dim ", w.size(1), " but `x` has ",
+              x.size(1));
+  TORCH_CHECK(labels.dim() == 1 && labels.size(0) == x.size(0), "argument `labels` must have shape [",
+              x.size(0), "] (one label per row of `x`), got ", labels.sizes());
+  TORCH_CHECK(labels.scalar_type() == at::kLong, "argument `labels` must be int64, got ",
+              labels.scalar_type());
+  TORCH_CHECK(labels.device() == x.device(), "argument `labels` must be on the device of `x` (",
+              x.device(), "), got ", labels.device());
+  TORCH_CHECK(class_offset >= 0, "argument `class_offset` must be >= 0, got ", class_offset);
+  TORCH_CHECK(chunk_classes >= 1, "argument `chunk_classes` must be >= 1, got ", chunk_classes);
+  TORCH_CHECK(std::isfinite(scale), "argument `scale` must be finite, got ", scale);
+  TORCH_CHECK(normalize || (m1 == 1.0 && m2 == 0.0 && m3 == 0.0),
+              "margins (m1, m2, m3) = (", m1, ", ", m2, ", ", m3,
+              ") require normalize=True; without normalization use m1=1, m2=0, m3=0");
+  TORCH_CHECK(m1 > 0.0 && std::isfinite(m1), "argument `m1` must be a finite number > 0, got ", m1);
+}
+
+inline void check_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& labels,
+                          const c10::optional<at::Tensor>& target_ref, int64_t class_offset,
+                          double scale, double m1, double m2, double m3, bool normalize,
+                          int64_t chunk_classes) {
+  check_common(x, w, labels, class_offset, scale, m1, m2, m3, normalize, chunk_classes);
+  if (target_ref.has_value() && target_ref->defined()) {
+    const auto& t = *target_ref;
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == x.size(0), "argument `target_ref` must have shape [",
+                x.size(0), "], got ", t.sizes());
+    TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble,
+                "argument `target_ref` must be float32 (or float64), got ", t.scalar_type());
+    TORCH_CHECK(t.device() == x.device(), "argument `target_ref` must be on the device of `x` (",
+                x.device(), "), got ", t.device());
+  }
+}
+
+inline void check_backward(const at::Tensor& grad_lse, const at::Tensor& grad_target,
+                           const at::Tensor& grad_sum, const at::Tensor& x, const at::Tensor& w,
+                           const at::Tensor& labels, const at::Tensor& lse, int64_t class_offset,
+                           double scale, double m1, double m2, double m3, bool normalize,
+                           int64_t chunk_classes) {
+  check_common(x, w, labels, class_offset, scale, m1, m2, m3, normalize, chunk_classes);
+  const int64_t B = x.size(0);
+  const std::pair<const at::Tensor*, const char*> vecs[] = {
+      {&grad_lse, "grad_lse"}, {&grad_target, "grad_target"}, {&grad_sum, "grad_sum"}, {&lse, "lse"}};
+  for (const auto& p : vecs) {
+    const at::Tensor& t = *p.first;
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == B, "argument `", p.second, "` must have shape [", B,
+                "], got ", t.sizes());
+    TORCH_CHECK(at::isFloatingType(t.scalar_type()), "argument `", p.second,
+                "` must be floating point, got ", t.scalar_type());
+    TORCH_CHECK(t.device() == x.device(), "argument `", p.second, "` must be on the device of `x` (",
+                x.device(), "), got ", t.device());
+  }
+}
+
+}  // namespace sce
+}  // namespace shardkit

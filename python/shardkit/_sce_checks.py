@@ -1,0 +1,178 @@
+"""Argument checks and small parsers for the sharded cross-entropy (private).
+
+Shape, dtype and device checks are free (no device sync) and always run. The value
+checks (labels in range, finite embeddings) need the device's answer: they are fused into
+one tiny flag tensor and one host sync, and run only when ``check_inputs`` asks.
+"""
+
+import re
+from numbers import Integral
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from shardkit.margins import Margin
+
+REDUCTIONS = ("none", "sum", "mean")
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_memory(value, name: str = "chunk_memory") -> int:
+    """Bytes from an int or a string like ``"64MiB"``, ``"512 KiB"``, ``"1GB"``."""
+    if isinstance(value, bool):
+        raise TypeError(f"argument `{name}` must be a number of bytes or a string like '64MiB', got bool")
+    if isinstance(value, Integral):
+        nbytes = int(value)
+    elif isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*", value)
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"argument `{name}` must look like '64MiB', '512KiB', '1GB' or be an int, got {value!r}")
+        nbytes = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    else:
+        raise TypeError(f"argument `{name}` must be a number of bytes or a string like '64MiB', got {type(value).__name__}")
+    if nbytes <= 0:
+        raise ValueError(f"argument `{name}` must be positive, got {value!r}")
+    return nbytes
+
+
+def check_options(margin, label_smoothing, ignore_index, reduction, check_inputs) -> None:
+    if margin is not None and not isinstance(margin, Margin):
+        raise TypeError(
+            "argument `margin` must be None or a shardkit margin (CosFace, ArcFace, CombinedMargin), "
+            f"got {type(margin).__name__}"
+        )
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
+        raise TypeError(f"argument `label_smoothing` must be a float, got {type(label_smoothing).__name__}")
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"argument `label_smoothing` must be in [0, 1], got {label_smoothing}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, Integral):
+        raise TypeError(f"argument `ignore_index` must be an int, got {type(ignore_index).__name__}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"argument `reduction` must be one of {REDUCTIONS}, got {reduction!r}")
+    if check_inputs not in (True, False, "async"):
+        raise ValueError(f"argument `check_inputs` must be True, False or 'async', got {check_inputs!r}")
+
+
+def check_shards(weight_shards, class_offsets) -> Tuple[List[torch.Tensor], List[int], int]:
+    """Returns (shards, offsets, num_classes); shards must tile [0, num_classes)."""
+    if isinstance(weight_shards, torch.Tensor):
+        weight_shards = [weight_shards]
+    shards = list(weight_shards)
+    if not shards:
+        raise ValueError("argument `weight_shards` must hold at least one [C_k, D] tensor")
+    dim = None
+    for k, w in enumerate(shards):
+        if not isinstance(w, torch.Tensor):
+            raise TypeError(f"argument `weight_shards[{k}]` must be a tensor, got {type(w).__name__}")
+        if w.dim() != 2:
+            raise ValueError(f"argument `weight_shards[{k}]` must be 2-D [C_k, D], got shape {tuple(w.shape)}")
+        if not w.is_floating_point():
+            raise TypeError(f"argument `weight_shards[{k}]` must be floating point, got {w.dtype}")
+        if dim is None:
+            dim = w.shape[1]
+        elif w.shape[1] != dim:
+            raise ValueError(
+                f"argument `weight_shards[{k}]` has embedding dim {w.shape[1]}, shard 0 has {dim}"
+            )
+        if w.dtype != shards[0].dtype:
+            raise TypeError(f"argument `weight_shards[{k}]` has dtype {w.dtype}, shard 0 has {shards[0].dtype}")
+    sizes = [w.shape[0] for w in shards]
+    num_classes = sum(sizes)
+    if num_classes == 0:
+        raise ValueError("argument `weight_shards` holds no classes (all shards have 0 rows)")
+    if class_offsets is None:
+        offsets, acc = [], 0
+        for size in sizes:
+            offsets.append(acc)
+            acc += size
+        return shards, offsets, num_classes
+    offsets = [int(o) for o in class_offsets]
+    if len(offsets) != len(shards):
+        raise ValueError(f"argument `class_offsets` has {len(offsets)} entries for {len(shards)} weight shards")
+    ranges = sorted(zip(offsets, sizes))
+    expected = 0
+    for start, size in ranges:
+        if start != expected:
+            raise ValueError(
+                f"argument `class_offsets` {offsets} with shard sizes {sizes} must tile [0, {num_classes}) "
+                "without gaps or overlaps"
+            )
+        expected += size
+    return shards, offsets, num_classes
+
+
+def check_tensors(embeddings, labels, dim: int) -> torch.Tensor:
+    """Free checks of embeddings [B, D] and labels [B]; returns labels as int64."""
+    if not isinstance(embeddings, torch.Tensor):
+        raise TypeError(f"argument `embeddings` must be a tensor, got {type(embeddings).__name__}")
+    if embeddings.dim() != 2:
+        raise ValueError(f"argument `embeddings` must be 2-D [batch, dim], got shape {tuple(embeddings.shape)}")
+    if not embeddings.is_floating_point():
+        raise TypeError(f"argument `embeddings` must be floating point, got {embeddings.dtype}")
+    if embeddings.shape[0] == 0:
+        raise ValueError("argument `embeddings` is an empty batch (0 rows); the loss of no samples is undefined")
+    if embeddings.shape[1] != dim:
+        raise ValueError(
+            f"argument `embeddings` has dim {embeddings.shape[1]}, but the weights have embedding dim {dim}"
+        )
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"argument `labels` must be a tensor, got {type(labels).__name__}")
+    if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex():
+        raise TypeError(f"argument `labels` must be an integer tensor (int64 or int32) of class ids, got {labels.dtype}")
+    if labels.dim() != 1 or labels.shape[0] != embeddings.shape[0]:
+        raise ValueError(
+            f"argument `labels` must be 1-D with {embeddings.shape[0]} entries (one per embedding row), "
+            f"got shape {tuple(labels.shape)}"
+        )
+    if labels.device != embeddings.device:
+        raise ValueError(
+            f"argument `labels` is on {labels.device} but `embeddings` is on {embeddings.device}; "
+            "put them on the same device"
+        )
+    return labels if labels.dtype == torch.int64 else labels.long()
+
+
+def check_values(embeddings, labels, num_classes: int, ignore_index: int, mode) -> None:
+    """Labels in [0, num_classes) or == ignore_index; embeddings finite.
+
+    One fused flag tensor; ``mode=True`` syncs once (``.tolist()``) and raises a
+    ValueError naming the argument; ``mode="async"`` uses ``torch._assert_async`` (no
+    sync: on CUDA a failure surfaces later as a device-side assert that ends the process's
+    CUDA context; on the CPU it raises at once).
+    """
+    with torch.no_grad():
+        ignored = labels == ignore_index
+        negative = ((labels < 0) & ~ignored).any()
+        too_big = ((labels >= num_classes) & ~ignored).any()
+        not_finite = ~torch.isfinite(embeddings).all()
+        flags = torch.stack([negative, too_big, not_finite])
+        if mode == "async":
+            torch._assert_async(
+                ~flags.any(),
+                "sharded cross-entropy: `labels` out of [0, num_classes) (and not ignore_index) "
+                "or non-finite `embeddings`",
+            )
+            return
+        negative, too_big, not_finite = flags.tolist()
+    if negative:
+        raise ValueError(
+            f"argument `labels` has negative class ids other than ignore_index={ignore_index}"
+        )
+    if too_big:
+        raise ValueError(
+            f"argument `labels` has class ids >= num_classes={num_classes} (other than ignore_index={ignore_index})"
+        )
+    if not_finite:
+        raise ValueError("argument `embeddings` contains NaN or infinite values")
+
+
+def check_topk(topk: Optional[Sequence[int]]) -> Tuple[int, ...]:
+    if topk is None:
+        return ()
+    if isinstance(topk, Integral):
+        topk = (topk,)
+    ks = tuple(int(k) for k in topk)
+    if any(isinstance(k, bool) or k < 1 for k in topk):
+        raise ValueError(f"argument `topk` must hold positive ints, got {topk!r}")
+    return ks

@@ -1,0 +1,167 @@
+"""The three steps of the sharded cross-entropy (private; the public API is shardkit.loss).
+
+:func:`shard_statistics` (fused op per shard, on the shard's device) ->
+:func:`combine_statistics` (here: copy the [B] stats to one device and reduce; the
+distributed mode replaces this step by all-reduces of the same packed stats) ->
+:func:`loss_from_statistics` (F.cross_entropy semantics). All three are ordinary
+differentiable torch code around the op, so autograd runs each shard's fused backward on
+the shard's own device.
+"""
+
+from typing import List, NamedTuple, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from shardkit import ops
+from shardkit.margins import Margin
+
+DEFAULT_CHUNK_MEMORY = 64 * 2**20  # bytes of working set per shard
+
+
+class ShardStatistics(NamedTuple):
+    """Per-row statistics over a set of classes (one shard, or all after combining).
+
+    lse, target_logit, logit_sum: [B] float32 (float64 for float64 inputs);
+    greater_count: [B] int64 (zeros unless top-k was asked for).
+    """
+
+    lse: torch.Tensor
+    target_logit: torch.Tensor
+    logit_sum: torch.Tensor
+    greater_count: torch.Tensor
+
+
+def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
+    # Under autocast for the shard's device type, run in the autocast dtype as nn.Linear
+    # would (both operands cast); otherwise the embeddings follow the weights' dtype.
+    device_type = weight.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return weight.dtype
+
+
+def _to(t: torch.Tensor, device: torch.device, dtype=None) -> torch.Tensor:
+    # Host-to-device and device-to-device copies may be asynchronous; a copy to the
+    # CPU must not be (the host would read before the data lands).
+    return t.to(device=device, dtype=dtype, non_blocking=device.type != "cpu")
+
+
+def _chunk_classes(batch: int, shard_classes: int, dim: int, dtype: torch.dtype, budget: int) -> int:
+    chunk = ops.chunk_classes_for_budget(batch, budget, dim=dim, dtype=dtype)
+    return max(1, min(int(chunk), max(shard_classes, 1)))
+
+
+def _plain_target_logit(inputs, shards, offsets, labels, margin, device) -> torch.Tensor:
+    """[B] float32: each row's plain target logit (scale * cos, or x . w), gathered from
+    the shard owning its class (0 for labels no shard owns). No logits: one [B, D] row
+    gather per shard. Used as the threshold for the top-k counts, not differentiated."""
+    total = None
+    with torch.no_grad():
+        for (x_k, labels_k), w, offset in zip(inputs, shards, offsets):
+            size = w.shape[0]
+            if size == 0:
+                continue
+            local = labels_k - offset
+            inside = (local >= 0) & (local < size)
+            rows = w.index_select(0, local.clamp(0, size - 1)).float()
+            xf = x_k.float()
+            if margin is not None:
+                xf = F.normalize(xf, dim=1, eps=1e-12)
+                rows = F.normalize(rows, dim=1, eps=1e-12)
+            dot = (xf * rows).sum(1)
+            if margin is not None:
+                dot = dot * margin.scale
+            part = _to(torch.where(inside, dot, torch.zeros_like(dot)), device)
+            total = part if total is None else total + part
+    return total
+
+
+def shard_statistics(
+    embeddings: torch.Tensor,
+    shards: Sequence[torch.Tensor],
+    offsets: Sequence[int],
+    labels: torch.Tensor,
+    margin: Optional[Margin],
+    chunk_memory: int,
+    with_rank: bool,
+) -> List[ShardStatistics]:
+    """Launch :func:`shardkit.ops.ce_shard_stats` on every shard's device.
+
+    embeddings [B, D] and labels [B] int64 go to each shard's device once per device
+    (asynchronously); each op is enqueued on its device's current stream without a host
+    sync, so CUDA shards run concurrently. Returns each shard's stats on its own device.
+    """
+    scale, m1, m2, m3 = margin.params() if margin is not None else (1.0, 1.0, 0.0, 0.0)
+    normalize = margin is not None
+    batch, dim = embeddings.shape
+    cache = {}
+    inputs = []
+    for w in shards:
+        dtype = _compute_dtype(w)
+        key = (w.device, dtype)
+        if key not in cache:
+            cache[key] = (_to(embeddings, w.device, dtype), _to(labels, w.device))
+        inputs.append(cache[key])
+    target_ref = None
+    if with_rank:
+        target_ref = _plain_target_logit(inputs, shards, offsets, labels, margin, embeddings.device)
+    stats = []
+    for (x_k, labels_k), w, offset in zip(inputs, shards, offsets):
+        w_k = w if w.dtype == x_k.dtype else w.to(x_k.dtype)
+        ref_k = None if target_ref is None else _to(target_ref, w.device)
+        out = ops.ce_shard_stats(
+            x_k, w_k, labels_k,
+            class_offset=offset, scale=scale, m1=m1, m2=m2, m3=m3, normalize=normalize,
+            chunk_classes=_chunk_classes(batch, w.shape[0], dim, x_k.dtype, chunk_memory),
+            target_ref=ref_k,
+        )
+        stats.append(ShardStatistics(*out))
+    return stats
+
+
+def combine_statistics(stats: Sequence[ShardStatistics], device: torch.device) -> ShardStatistics:
+    """Global statistics from per-shard ones: only [B] tensors travel (to ``device``).
+
+    lse = logsumexp_k lse_k (shards without classes give -inf and drop out);
+    target, logit sum and greater count add up. Differentiable. The distributed mode
+    replaces this function by all-reduces of the same packed statistics.
+    """
+    if len(stats) == 1:
+        return ShardStatistics(*(_to(t, device) for t in stats[0]))
+    moved = [ShardStatistics(*(_to(t, device) for t in s)) for s in stats]
+    lse = torch.logsumexp(torch.stack([s.lse for s in moved]), dim=0)
+    target = torch.stack([s.target_logit for s in moved]).sum(0)
+    logit_sum = torch.stack([s.logit_sum for s in moved]).sum(0)
+    greater = torch.stack([s.greater_count for s in moved]).sum(0)
+    return ShardStatistics(lse, target, logit_sum, greater)
+
+
+def loss_from_statistics(
+    stats: ShardStatistics,
+    labels: torch.Tensor,
+    num_classes: int,
+    *,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+):
+    """The cross-entropy from global statistics, F.cross_entropy's semantics.
+
+    loss_i = (1 - eps)(lse_i - z_{i,y_i}) + eps (lse_i - sum_j z_ij / C), smoothing over
+    all C classes; rows with ``labels == ignore_index`` get 0 and count nowhere; "mean"
+    divides by the number of the other rows (NaN when there are none, as in torch).
+    Returns (loss, valid mask [B] bool).
+    """
+    valid = labels != ignore_index
+    per_row = stats.lse - stats.target_logit
+    if label_smoothing > 0.0:
+        smooth = stats.lse - stats.logit_sum / num_classes
+        per_row = (1.0 - label_smoothing) * per_row + label_smoothing * smooth
+    per_row = torch.where(valid, per_row, torch.zeros_like(per_row))
+    if reduction == "none":
+        return per_row, valid
+    total = per_row.sum()
+    if reduction == "sum":
+        return total, valid
+    return total / valid.sum(), valid

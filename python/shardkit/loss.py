@@ -1,0 +1,318 @@
+"""Class-sharded softmax cross-entropy that never materializes the [batch, classes] logits.
+
+Each weight shard (a contiguous class range on its own device) yields four [B] statistics
+from the fused op :func:`shardkit.ops.ce_shard_stats` (log-sum-exp, target logit, logit
+sum, count of classes ranked above the target); they are combined on the embeddings'
+device into the loss with ordinary differentiable torch code, so autograd runs each
+shard's fused backward on the shard's own device.
+
+The three steps (per-shard statistics, combining them, the loss) are separate functions
+in ``shardkit._sce_core`` so the distributed mode can replace the combining step alone.
+"""
+
+from typing import Dict, NamedTuple, Optional, Sequence
+
+import torch
+from torch import nn
+
+from shardkit._sce_checks import (
+    check_options,
+    check_shards,
+    check_tensors,
+    check_topk,
+    check_values,
+    parse_memory,
+)
+from shardkit._sce_core import (
+    DEFAULT_CHUNK_MEMORY,
+    ShardStatistics,
+    combine_statistics,
+    loss_from_statistics,
+    shard_statistics,
+)
+from shardkit.margins import Margin
+
+__all__ = ["ShardedSoftmaxLoss", "sharded_cross_entropy", "ShardedLossOutput", "ShardStatistics"]
+
+
+class ShardedLossOutput(NamedTuple):
+    """What ``return_details=True`` returns.
+
+    loss: the reduced loss (float32; [B] for reduction="none"), differentiable.
+    lse: [B] float32 per-row log-sum-exp over ALL classes of the logits the loss uses
+        (margin at the target column), differentiable: ``z_loss = (lse ** 2).mean()``.
+        Defined for ignored rows too (their label plays no part in it except the margin,
+        which they do not get).
+    correct: {k: int64 0-d tensor}: non-ignored rows whose label is among the k highest
+        PLAIN logits (no margin; ties count against the row), for each requested k.
+    num_valid: int64 0-d tensor: the number of non-ignored rows (accuracy = correct / num_valid).
+    """
+
+    loss: torch.Tensor
+    lse: torch.Tensor
+    correct: Dict[int, torch.Tensor]
+    num_valid: torch.Tensor
+
+
+def sharded_cross_entropy(
+    embeddings: torch.Tensor,
+    weight_shards: Sequence[torch.Tensor],
+    labels: torch.Tensor,
+    *,
+    margin: Optional[Margin] = None,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    class_offsets: Optional[Sequence[int]] = None,
+    chunk_memory=DEFAULT_CHUNK_MEMORY,
+    check_inputs=True,
+    return_details: bool = False,
+    topk: Sequence[int] = (1,),
+):
+    """Cross-entropy of ``embeddings @ cat(weight_shards).T`` without forming those logits.
+
+    Args:
+        embeddings: [B, D] float32/bfloat16/float16 (float64 where the op supports it), B >= 1.
+        weight_shards: list of [C_k, D] tensors of one dtype, each on its own device (repeats
+            allowed); shard k holds classes [class_offsets[k], class_offsets[k] + C_k).
+        labels: [B] int64 (other integer dtypes are converted) on the embeddings' device:
+            class ids in [0, C) or ``ignore_index``.
+        margin: None (plain logits x . w) or CosFace / ArcFace / CombinedMargin (cosine logits
+            with the margin at the target; embeddings and weights L2-normalized).
+        label_smoothing: eps in [0, 1], spread over all C classes like F.cross_entropy.
+        ignore_index: label value of rows that count nowhere.
+        reduction: "mean" (over non-ignored rows), "sum" or "none" ([B], 0 for ignored rows).
+        class_offsets: first class of each shard (default: cumulative shard sizes); the
+            ranges must tile [0, C).
+        chunk_memory: working-set budget per shard (bytes or "64MiB"): sets the classes per
+            chunk, so extra memory is O(B x chunk), never O(B x C).
+        check_inputs: True: one fused device->host sync per call to check labels and
+            finiteness of the embeddings (clear ValueError); "async": the same check by
+            ``torch._assert_async`` without a sync; False: no value check (out-of-range
+            labels then silently act as "target in no shard").
+        return_details: also return per-row log-sum-exp and top-k correct counts.
+        topk: the k of the correct counts (with ``return_details``).
+
+    Returns:
+        The loss on the embeddings' device (float32; [B] for "none"), or a
+        :class:`ShardedLossOutput` with ``return_details=True``.
+
+    dtypes: outside autocast the embeddings are cast to the weights' dtype; under
+    ``torch.autocast`` for a shard's device type both are cast to the autocast dtype (as
+    nn.Linear). Statistics and the loss are float32 whatever the input dtype.
+    """
+    check_options(margin, label_smoothing, ignore_index, reduction, check_inputs)
+    shards, offsets, num_classes = check_shards(weight_shards, class_offsets)
+    labels = check_tensors(embeddings, labels, shards[0].shape[1])
+    ks = check_topk(topk) if return_details else ()
+    budget = parse_memory(chunk_memory)
+    if check_inputs:
+        check_values(embeddings, labels, num_classes, ignore_index, check_inputs)
+    per_shard = shard_statistics(embeddings, shards, offsets, labels, margin, budget, with_rank=bool(ks))
+    stats = combine_statistics(per_shard, embeddings.device)
+    loss, valid = loss_from_statistics(
+        stats, labels, num_classes,
+        label_smoothing=float(label_smoothing), ignore_index=ignore_index, reduction=reduction,
+    )
+    if not return_details:
+        return loss
+    correct = {k: ((stats.greater_count < k) & valid).sum() for k in ks}
+    return ShardedLossOutput(loss, stats.lse, correct, valid.sum())
+
+
+def _split_sizes(num_classes: int, num_shards: int, shard_sizes) -> list:
+    """Shard sizes from None (even split, the first shards one larger), explicit ints
+    summing to num_classes, or proportions (floats, any positive total; largest remainder)."""
+    if shard_sizes is None:
+        base, extra = divmod(num_classes, num_shards)
+        return [base + (k < extra) for k in range(num_shards)]
+    sizes = list(shard_sizes)
+    if len(sizes) != num_shards:
+        raise ValueError(f"argument `shard_sizes` has {len(sizes)} entries for {num_shards} devices")
+    if any(isinstance(s, bool) or not isinstance(s, (int, float)) or s < 0 for s in sizes):
+        raise ValueError(f"argument `shard_sizes` must hold non-negative numbers, got {sizes}")
+    if all(isinstance(s, int) for s in sizes):
+        if sum(sizes) != num_classes:
+            raise ValueError(f"argument `shard_sizes` {sizes} sums to {sum(sizes)}, not num_classes={num_classes}")
+        return sizes
+    total = float(sum(sizes))
+    if total <= 0:
+        raise ValueError(f"argument `shard_sizes` proportions must have a positive sum, got {sizes}")
+    exact = [num_classes * s / total for s in sizes]
+    out = [int(e) for e in exact]
+    by_remainder = sorted(range(num_shards), key=lambda k: exact[k] - out[k], reverse=True)
+    for k in by_remainder[: num_classes - sum(out)]:
+        out[k] += 1
+    return out
+
+
+def _state_dict_post_hook(module, state_dict, prefix, local_metadata):
+    # One class-ordered `weight` [C, D] replaces the per-shard entries, so checkpoints do
+    # not depend on the shard count.
+    for k in range(len(module.weight_shards)):
+        state_dict.pop(f"{prefix}weight_shards.{k}", None)
+    state_dict[prefix + "weight"] = module._checkpoint_weight()
+
+
+def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+    key = prefix + "weight"
+    if key not in state_dict:
+        return  # per-shard keys (same shard count) load as ordinary parameters
+    full = state_dict.pop(key)
+    expected = (module.num_classes, module.embedding_dim)
+    if not isinstance(full, torch.Tensor) or tuple(full.shape) != expected:
+        shape = tuple(full.shape) if isinstance(full, torch.Tensor) else type(full).__name__
+        errors.append(f"size mismatch for {key}: the checkpoint has {shape}, this module expects {expected} "
+                      "[num_classes, embedding_dim]")
+        return
+    for k, (offset, size) in enumerate(zip(module.class_offsets, module.shard_sizes)):
+        state_dict[f"{prefix}weight_shards.{k}"] = full[offset:offset + size]
+
+
+class ShardedSoftmaxLoss(nn.Module):
+    """FC layer + softmax cross-entropy with the classes sharded over devices.
+
+    Replaces ``nn.Linear(embedding_dim, num_classes, bias=False)`` followed by
+    ``nn.CrossEntropyLoss()``; the ``[B, num_classes]`` logits are never materialized (each
+    shard works chunk by chunk over its classes; extra memory O(B x chunk)).
+
+    Args:
+        embedding_dim (int): D.
+        num_classes (int): C.
+        margin: None (plain logits), or :class:`shardkit.CosFace`, :class:`shardkit.ArcFace`,
+            :class:`shardkit.CombinedMargin` (cosine logits, L2-normalized embeddings and
+            weights, margin at the target).
+        devices: list of devices, one shard each (repeats allowed, e.g. ``["cpu"] * 3``);
+            None: one shard on the CPU (move it with ``.to()`` / ``.cuda()`` like any module).
+        shard_sizes: classes per shard (ints summing to C) or proportions (floats);
+            default: an even split in device order.
+        label_smoothing, ignore_index, reduction: as ``nn.CrossEntropyLoss`` (smoothing over
+            all C classes; reduction "mean" over non-ignored rows, "sum", "none").
+        dtype: the weights' dtype (default: torch's default dtype).
+        chunk_memory: working-set budget per shard, bytes or a string like "64MiB".
+        check_inputs: True (default): validate labels and embedding finiteness with ONE
+            device->host sync per forward (~ a [B] and a [B, D] scan; on a GPU, the sync stalls
+            the CPU until the backbone's forward is done); "async": same check with no sync
+            (``torch._assert_async``; on CUDA a failure is a device-side assert); False: none.
+        topk: default k's of the correct counts returned by ``return_details=True``.
+
+    Attributes:
+        weight_shards (nn.ParameterList): one [C_k, D] Parameter per device; shard k holds
+            classes ``[class_offsets[k], class_offsets[k] + C_k)``.
+
+    Init: U(-1/sqrt(D), 1/sqrt(D)) like nn.Linear, drawn from the CPU generator in class
+    order, so under the same seed ``full_weight()`` equals ``nn.Linear(D, C, bias=False)``'s
+    weight (as built on the CPU) exactly.
+
+    Checkpoints: ``state_dict()`` holds ONE class-ordered ``weight`` [C, D] (on the shards'
+    device when they share one, else on the CPU) whatever the shard count, and
+    ``load_state_dict`` splits it over the current shards: save with 4 shards, load with
+    1 or 3. Plain tensors, so ``torch.load(..., weights_only=True)`` reads it.
+    """
+
+    _version = 1
+
+    def __init__(self, embedding_dim: int, num_classes: int, *, margin: Optional[Margin] = None,
+                 devices=None, shard_sizes=None, label_smoothing: float = 0.0, ignore_index: int = -100,
+                 reduction: str = "mean", dtype: Optional[torch.dtype] = None,
+                 chunk_memory=DEFAULT_CHUNK_MEMORY, check_inputs=True, topk: Sequence[int] = (1, 5)):
+        super().__init__()
+        for name, value in (("embedding_dim", embedding_dim), ("num_classes", num_classes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"argument `{name}` must be a positive int, got {value!r}")
+        check_options(margin, label_smoothing, ignore_index, reduction, check_inputs)
+        if devices is None:
+            devices = ["cpu"] if shard_sizes is None else ["cpu"] * len(list(shard_sizes))
+        if isinstance(devices, (str, torch.device)):
+            devices = [devices]
+        devices = [torch.device(d) for d in devices]
+        if not devices:
+            raise ValueError("argument `devices` must name at least one device")
+        sizes = _split_sizes(num_classes, len(devices), shard_sizes)
+        dtype = torch.get_default_dtype() if dtype is None else dtype
+        if not dtype.is_floating_point:
+            raise TypeError(f"argument `dtype` must be a floating dtype, got {dtype}")
+        self.embedding_dim = embedding_dim
+        self.num_classes = num_classes
+        self.margin = margin
+        self.label_smoothing = float(label_smoothing)
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.chunk_memory = parse_memory(chunk_memory)
+        self.check_inputs = check_inputs
+        self.topk = check_topk(topk)
+        self.weight_shards = nn.ParameterList(
+            [nn.Parameter(torch.empty(size, embedding_dim, dtype=dtype, device=dev))
+             for size, dev in zip(sizes, devices)]
+        )
+        self.reset_parameters()
+        self.register_state_dict_post_hook(_state_dict_post_hook)
+        self.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
+
+    @property
+    def shard_sizes(self) -> tuple:
+        """Classes per shard, in device order."""
+        return tuple(p.shape[0] for p in self.weight_shards)
+
+    @property
+    def class_offsets(self) -> tuple:
+        """First class id of each shard."""
+        out, acc = [], 0
+        for size in self.shard_sizes:
+            out.append(acc)
+            acc += size
+        return tuple(out)
+
+    @property
+    def devices(self) -> list:
+        """Each shard's current device."""
+        return [p.device for p in self.weight_shards]
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """U(-1/sqrt(D), 1/sqrt(D)) (nn.Linear's kaiming_uniform(a=sqrt(5))), drawn on the
+        CPU shard by shard in class order: the same numbers as one [C, D] draw."""
+        bound = 1.0 / self.embedding_dim ** 0.5
+        for p in self.weight_shards:
+            if p.device.type == "meta":
+                continue
+            p.copy_(torch.empty(p.shape, dtype=p.dtype).uniform_(-bound, bound))
+
+    def full_weight(self, device=None) -> torch.Tensor:
+        """A class-ordered copy [C, D] of the weight (detached) on ``device`` (default:
+        the first shard's)."""
+        device = self.weight_shards[0].device if device is None else torch.device(device)
+        return torch.cat([p.detach().to(device) for p in self.weight_shards], dim=0)
+
+    def _checkpoint_weight(self) -> torch.Tensor:
+        devices = {p.device for p in self.weight_shards}
+        # Gathering a million-class weight onto one GPU could exhaust it: the CPU holds it.
+        return self.full_weight(devices.pop() if len(devices) == 1 else "cpu")
+
+    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor, *, return_details: bool = False,
+                topk: Optional[Sequence[int]] = None):
+        """embeddings [B, D] floating, labels [B] int64 (int32 accepted) on the same device.
+
+        Returns the loss on the embeddings' device (float32 scalar; [B] with
+        reduction="none"), or with ``return_details=True`` a :class:`ShardedLossOutput`
+        (loss, per-row lse [B], correct {k: count} for ``topk`` (default: the module's),
+        num_valid).
+        """
+        if isinstance(embeddings, torch.Tensor) and embeddings.dim() == 2 \
+                and embeddings.shape[1] != self.embedding_dim:
+            raise ValueError(f"argument `embeddings` has dim {embeddings.shape[1]}, "
+                             f"but this loss has embedding_dim={self.embedding_dim}")
+        return sharded_cross_entropy(
+            embeddings, list(self.weight_shards), labels,
+            margin=self.margin, label_smoothing=self.label_smoothing, ignore_index=self.ignore_index,
+            reduction=self.reduction, class_offsets=self.class_offsets, chunk_memory=self.chunk_memory,
+            check_inputs=self.check_inputs, return_details=return_details,
+            topk=self.topk if topk is None else topk,
+        )
+
+    def extra_repr(self) -> str:
+        devices = ", ".join(str(d) for d in self.devices)
+        return (f"embedding_dim={self.embedding_dim}, num_classes={self.num_classes}, "
+                f"shard_sizes={list(self.shard_sizes)}, devices=[{devices}], margin={self.margin}, "
+                f"label_smoothing={self.label_smoothing}, ignore_index={self.ignore_index}, "
+                f"reduction={self.reduction!r}")

@@ -1,0 +1,173 @@
+"""Additive angular / cosine margins for :class:`shardkit.ShardedSoftmaxLoss`.
+
+With a margin, the loss L2-normalizes every embedding row and every class weight row
+(each norm clamped below at 1e-12) and the logits become ``scale * cos(theta_ij)``,
+``theta_ij`` the angle between embedding i and class j. The target column alone is
+replaced by ``scale * psi(cos theta)``, with
+
+    psi(c) = cos(m1 * theta + m2) - m3,        theta = acos(clamp(c, -1 + 1e-7, 1 - 1e-7))
+
+(SphereFace's m1, ArcFace's m2, CosFace's m3; the combination of the InsightFace write-up).
+
+**Past pi.** ``cos(m1 * theta + m2)`` decreases only while ``m1 * theta + m2 <= pi``;
+beyond, a plain ArcFace target logit would rise again as theta -> pi, rewarding the
+worst-classified samples. shardkit continues psi there as a straight line of slope 1 in
+``c``: for ``c < c_max = cos((pi - m2) / m1)``,
+
+    psi(c) = -1 - m3 + (c - c_max),
+
+which is continuous at ``c_max`` and monotone increasing over all of [-1, 1], so the
+gradient keeps pushing the target cosine up everywhere. (InsightFace's ArcFace uses
+``c - m * sin(m)`` there, which jumps at the threshold; ours has no jump.) The gradients
+are the exact derivative of this function, through the normalizations too.
+
+The margin objects only carry numbers; the kernels apply them.
+"""
+
+import math
+from numbers import Real
+
+__all__ = ["Margin", "CosFace", "ArcFace", "CombinedMargin"]
+
+
+def _number(name: str, value, *, cls: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{cls}: argument `{name}` must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{cls}: argument `{name}` must be finite, got {value}")
+    return value
+
+
+class Margin:
+    """Base of the margin objects: immutable, hashable, compared by value.
+
+    Attributes (floats): ``scale`` (s > 0), ``m1`` (> 0), ``m2`` (in [0, pi)), ``m3``.
+    The target logit is ``scale * (cos(m1 * theta + m2) - m3)`` (see the module docstring
+    for the continuation past pi); every other logit is ``scale * cos(theta)``.
+    """
+
+    __slots__ = ("scale", "m1", "m2", "m3")
+
+    def __init__(self, scale: float, m1: float, m2: float, m3: float, *, _cls: str = "CombinedMargin"):
+        scale = _number("s", scale, cls=_cls)
+        m1 = _number("m1", m1, cls=_cls)
+        m2 = _number("m2", m2, cls=_cls)
+        m3 = _number("m3", m3, cls=_cls)
+        if scale <= 0:
+            raise ValueError(f"{_cls}: argument `s` (the scale) must be > 0, got {scale}")
+        if m1 <= 0:
+            raise ValueError(f"{_cls}: argument `m1` must be > 0, got {m1}")
+        if not 0.0 <= m2 < math.pi:
+            raise ValueError(f"{_cls}: argument `m2` (the angular margin, radians) must be in [0, pi), got {m2}")
+        for name, value in (("scale", scale), ("m1", m1), ("m2", m2), ("m3", m3)):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{type(self).__name__} is immutable; make a new one")
+
+    def __delattr__(self, name):
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def params(self):
+        """``(scale, m1, m2, m3)`` as floats."""
+        return (self.scale, self.m1, self.m2, self.m3)
+
+    @property
+    def has_angular_part(self) -> bool:
+        """Whether psi needs acos (m1 != 1 or m2 != 0); False for CosFace and plain cosine."""
+        return self.m1 != 1.0 or self.m2 != 0.0
+
+    @property
+    def c_max(self) -> float:
+        """The cosine below which psi is the linear continuation (-1.0 when it never is)."""
+        limit = (math.pi - self.m2) / self.m1
+        return -1.0 if limit >= math.pi else math.cos(limit)
+
+    def __eq__(self, other):
+        return isinstance(other, Margin) and self.params() == other.params()
+
+    def __hash__(self):
+        return hash(("shardkit.Margin",) + self.params())
+
+    def __reduce__(self):
+        return (CombinedMargin, self.params())
+
+    def __repr__(self):
+        return f"CombinedMargin(s={self.scale}, m1={self.m1}, m2={self.m2}, m3={self.m3})"
+
+
+class CombinedMargin(Margin):
+    """Combined margin: target logit ``s * (cos(m1 * theta + m2) - m3)``.
+
+    Args:
+        s (float): scale, > 0 (64 is the face-recognition default).
+        m1 (float): multiplicative angular margin, > 0 (1 = none).
+        m2 (float): additive angular margin in radians, in [0, pi) (0 = none).
+        m3 (float): additive cosine margin (0 = none).
+
+    ``CombinedMargin(64, 1.0, 0.3, 0.2)`` is InsightFace's "combined" setting. Embeddings
+    and weights are L2-normalized by the loss. Past ``m1 * theta + m2 = pi`` the target
+    logit continues linearly in cos(theta) (see :mod:`shardkit.margins`).
+    """
+
+    __slots__ = ()
+
+    def __init__(self, s: float, m1: float = 1.0, m2: float = 0.0, m3: float = 0.0):
+        super().__init__(s, m1, m2, m3, _cls="CombinedMargin")
+
+
+class CosFace(Margin):
+    """CosFace / AM-Softmax (large-margin cosine): target logit ``s * (cos(theta) - m)``.
+
+    Args:
+        s (float): scale, > 0. Default 64.
+        m (float): cosine margin, >= 0. Default 0.4.
+
+    Embeddings and weights are L2-normalized by the loss. Equal to
+    ``CombinedMargin(s, 1, 0, m)``; needs no acos, so its kernels take the fast path and
+    the continuation past pi never applies.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, s: float = 64.0, m: float = 0.4):
+        m = _number("m", m, cls="CosFace")
+        if m < 0:
+            raise ValueError(f"CosFace: argument `m` must be >= 0, got {m}")
+        super().__init__(s, 1.0, 0.0, m, _cls="CosFace")
+
+    def __reduce__(self):
+        return (CosFace, (self.scale, self.m3))
+
+    def __repr__(self):
+        return f"CosFace(s={self.scale}, m={self.m3})"
+
+
+class ArcFace(Margin):
+    """ArcFace (additive angular margin): target logit ``s * cos(theta + m)``.
+
+    Args:
+        s (float): scale, > 0. Default 64.
+        m (float): angular margin in radians, in [0, pi). Default 0.5.
+
+    Embeddings and weights are L2-normalized by the loss. Where ``theta + m > pi``
+    (cos(theta) < cos(pi - m)) the target logit continues as
+    ``s * (-1 + cos(theta) - cos(pi - m))``: continuous and monotone, unlike the raw
+    ``cos(theta + m)`` which would rise again as theta -> pi. Equal to
+    ``CombinedMargin(s, 1, m, 0)``.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, s: float = 64.0, m: float = 0.5):
+        m = _number("m", m, cls="ArcFace")
+        if not 0.0 <= m < math.pi:
+            raise ValueError(f"ArcFace: argument `m` (radians) must be in [0, pi), got {m}")
+        super().__init__(s, 1.0, m, 0.0, _cls="ArcFace")
+
+    def __reduce__(self):
+        return (ArcFace, (self.scale, self.m2))
+
+    def __repr__(self):
+        return f"ArcFace(s={self.scale}, m={self.m2})"

@@ -1,0 +1,167 @@
+"""Per-shard softmax statistics for the sharded cross-entropy (``torch.ops.shardkit.ce_shard_stats``).
+
+One call handles one class shard on one device: it walks the shard's classes chunk by
+chunk (one GEMM per chunk) and keeps only per-row statistics, so the [B, C_k] logits are
+never held in memory. Combining the statistics of all shards into a loss is ordinary
+differentiable torch code (see :mod:`shardkit.loss`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["ce_shard_stats", "chunk_classes_for_budget"]
+
+#: Working-set budget of one call when ``chunk_classes`` is not given (GPU).
+DEFAULT_BUDGET_BYTES = 64 << 20
+#: On the CPU a chunk's logits should stay in the L2 cache rather than fill the budget:
+#: larger chunks only add cache misses between the GEMM and the fused row pass.
+CPU_MAX_CHUNK_BYTES = 1 << 20
+
+
+def chunk_classes_for_budget(
+    batch: int,
+    budget_bytes: int = DEFAULT_BUDGET_BYTES,
+    *,
+    embedding_dim: int = 0,
+    dtype: torch.dtype = torch.float32,
+    num_classes: Optional[int] = None,
+) -> int:
+    """Classes per chunk such that one chunk's working set fits ``budget_bytes``.
+
+    Per class of a chunk the kernels hold ``batch`` fp32 logits (plus ``batch`` gradient
+    values in ``dtype`` when it is a 16-bit type) and two rows of ``embedding_dim`` values in
+    fp32 (the chunk's weights, normalized or converted, and their gradient).
+
+    Args:
+        batch: rows B of the embeddings (int >= 0).
+        budget_bytes: bytes available for the working set (int > 0).
+        embedding_dim: D (int >= 0); 0 ignores the weight-sized part.
+        dtype: dtype of the embeddings and weights.
+        num_classes: if given, the result is at most this (and at least 1).
+
+    Returns:
+        int >= 1: the ``chunk_classes`` argument of :func:`ce_shard_stats`; a multiple of 64
+        when it is at least 64 (GEMM-friendly).
+    """
+    if int(budget_bytes) <= 0:
+        raise ValueError(f"argument `budget_bytes` must be > 0, got {budget_bytes}")
+    if int(batch) < 0:
+        raise ValueError(f"argument `batch` must be >= 0, got {batch}")
+    if int(embedding_dim) < 0:
+        raise ValueError(f"argument `embedding_dim` must be >= 0, got {embedding_dim}")
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_class = int(batch) * (4 + (elem if elem < 4 else 0)) + 2 * int(embedding_dim) * 4
+    chunk = max(1, int(budget_bytes) // max(per_class, 1))
+    if chunk >= 64:
+        chunk -= chunk % 64
+    if num_classes is not None:
+        chunk = min(chunk, max(1, int(num_classes)))
+    return chunk
+
+
+def _default_chunk(x: Tensor, w: Tensor) -> int:
+    batch = x.shape[0] if x.dim() >= 1 else 1
+    dim = x.shape[1] if x.dim() >= 2 else 0
+    budget = DEFAULT_BUDGET_BYTES
+    if x.device.type == "cpu":
+        budget = min(budget, CPU_MAX_CHUNK_BYTES)
+    return chunk_classes_for_budget(batch, budget, embedding_dim=dim, dtype=x.dtype,
+                                    num_classes=w.shape[0] if w.dim() >= 1 else None)
+
+
+def ce_shard_stats(
+    x: Tensor,
+    w: Tensor,
+    labels: Tensor,
+    *,
+    class_offset: int = 0,
+    scale: float = 1.0,
+    m1: float = 1.0,
+    m2: float = 0.0,
+    m3: float = 0.0,
+    normalize: bool = False,
+    chunk_classes: Optional[int] = None,
+    target_ref: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Softmax statistics of one class shard, without materializing its logits.
+
+    The shard holds the classes ``[class_offset, class_offset + C_k)``. Logits are
+    ``z = scale * x @ w.T`` (``normalize=False``; margins must then be off) or
+    ``z = scale * cos`` with ``x`` and ``w`` rows L2-normalized, where the target column
+    ``j = labels[i] - class_offset`` (if in the shard) becomes
+    ``scale * psi(cos)``, ``psi(c) = cos(m1 * acos(c) + m2) - m3``, continued linearly with
+    slope 1 below ``c_max = cos((pi - m2) / m1)`` (so it stays monotone where
+    ``m1 * theta + m2 > pi``).
+
+    Args:
+        x: embeddings [B, D], float32 / bfloat16 / float16 (float64 for checks).
+        w: the shard's weights [C_k, D], same dtype and device as ``x``; C_k may be 0.
+        labels: int64 [B] GLOBAL class ids; ids outside the shard (other shards' classes,
+            ignore_index) simply have no target here.
+        class_offset: global id of the shard's first class (>= 0).
+        scale, m1, m2, m3: logit scale and margin parameters (see above).
+        normalize: L2-normalize ``x`` and ``w`` rows (required by margins).
+        chunk_classes: classes per chunk (>= 1); default from a 64 MiB working-set budget
+            (:func:`chunk_classes_for_budget`), capped to a cache-sized chunk on the CPU.
+        target_ref: optional float32 [B]: ``greater_count`` counts the classes whose PLAIN
+            logit (no margin) exceeds it; zeros when None.
+
+    Returns:
+        ``(lse, target_logit, logit_sum, greater_count)``, each [B]: float32 (float64 for
+        float64 inputs) ``log sum_j exp(z_ij)`` (-inf when C_k == 0), the target logit
+        ``z_{i, y_i}`` (0 when the target is not in the shard), ``sum_j z_ij`` (with the
+        margin), and int64 counts. Differentiable w.r.t. ``x`` and ``w`` (not the count).
+    """
+    if chunk_classes is None:
+        chunk_classes = _default_chunk(x, w)
+    return torch.ops.shardkit.ce_shard_stats.default(
+        x, w, labels, target_ref, int(class_offset), float(scale), float(m1), float(m2), float(m3),
+        bool(normalize), int(chunk_classes))
+
+
+def _stats_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+@torch.library.register_fake("shardkit::ce_shard_stats")
+def _ce_shard_stats_fake(x, w, labels, target_ref, class_offset, scale, m1, m2, m3, normalize, chunk_classes):
+    torch._check(x.dim() == 2, lambda: f"argument `x` must be 2-D [B, D], got shape {tuple(x.shape)}")
+    torch._check(w.dim() == 2, lambda: f"argument `w` must be 2-D [C_k, D], got shape {tuple(w.shape)}")
+    torch._check(w.shape[1] == x.shape[1],
+                 lambda: f"argument `w` has embedding dim {w.shape[1]} but `x` has {x.shape[1]}")
+    batch = x.shape[0]
+    dt = _stats_dtype(x)
+    return (x.new_empty(batch, dtype=dt), x.new_empty(batch, dtype=dt), x.new_empty(batch, dtype=dt),
+            x.new_empty(batch, dtype=torch.int64))
+
+
+@torch.library.register_fake("shardkit::ce_shard_stats_backward")
+def _ce_shard_stats_backward_fake(grad_lse, grad_target, grad_sum, x, w, labels, lse, class_offset, scale,
+                                  m1, m2, m3, normalize, chunk_classes):
+    torch._check(x.dim() == 2 and w.dim() == 2, lambda: "arguments `x` and `w` must be 2-D")
+    return x.new_empty(x.shape), w.new_empty(w.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    x, w, labels, _target_ref, class_offset, scale, m1, m2, m3, normalize, chunk_classes = inputs
+    lse = output[0]
+    ctx.save_for_backward(x, w, labels, lse)
+    ctx.params = (class_offset, scale, m1, m2, m3, normalize, chunk_classes)
+    ctx.mark_non_differentiable(output[3])
+
+
+def _backward(ctx, grad_lse, grad_target, grad_sum, _grad_count):
+    x, w, labels, lse = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if not (need_x or need_w):
+        return (None,) * 11
+    grads = [g if g is not None else torch.zeros_like(lse) for g in (grad_lse, grad_target, grad_sum)]
+    gx, gw = torch.ops.shardkit.ce_shard_stats_backward.default(*grads, x, w, labels, lse, *ctx.params)
+    return (gx if need_x else None, gw if need_w else None) + (None,) * 9
+
+
+torch.library.register_autograd("shardkit::ce_shard_stats", _backward, setup_context=_setup_context)
