@@ -266,13 +266,14 @@ class _GatherStats(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, stats, dctx: DistContext):
-        out = stats.new_empty((dctx.world_size,) + tuple(stats.shape))
+        # Concatenated output form (gloo lacks the stacked one), viewed as [W, k, B].
+        out = stats.new_empty((dctx.world_size * stats.shape[0],) + tuple(stats.shape[1:]))
         try:
             dist.all_gather_into_tensor(out, stats.contiguous(), group=dctx.group)
         except Exception as err:
             raise dctx.fail("statistics all_gather", err) from err
         ctx.rank = dctx.rank
-        return out
+        return out.view((dctx.world_size,) + tuple(stats.shape))
 
     @staticmethod
     def backward(ctx, grad):
@@ -323,90 +324,3 @@ def all_gather_rows(dctx: DistContext, rows: torch.Tensor) -> torch.Tensor:
         raise dctx.fail("weight all_gather", err) from err
     return _select_rows(out, sizes, max(sizes))
 
-
-def check_local_input(embeddings, labels, dim: int, num_classes: int, ignore_index: int, check_inputs):
-    """The one-process mode's argument checks, except that a rank may bring an EMPTY batch
-    (only the global batch must be non-empty). Returns labels as int64; raises
-    ValueError / TypeError naming the argument."""
-    from shardkit._sce_checks import check_tensors, check_values
-
-    if isinstance(embeddings, torch.Tensor) and embeddings.dim() == 2 and embeddings.shape[0] == 0:
-        # check_tensors rejects empty batches; run it on a one-row stand-in for the rest.
-        fake_labels = labels[:1] if isinstance(labels, torch.Tensor) and labels.dim() == 1 else labels
-        if isinstance(fake_labels, torch.Tensor) and fake_labels.shape[0] == 0:
-            fake_labels = fake_labels.new_zeros(1)
-        check_tensors(embeddings.new_zeros(1, embeddings.shape[1]), fake_labels, dim)
-        return labels.long()
-    labels = check_tensors(embeddings, labels, dim)
-    if check_inputs:
-        check_values(embeddings, labels, num_classes, ignore_index, check_inputs)
-    return labels
-
-
-def distributed_statistics(dctx: DistContext, embeddings, labels, weight: torch.Tensor, *, margin,
-                           chunk_memory: int, with_rank: bool, ignore_index: int = -100,
-                           check_inputs=True, sample_rate: float = 1.0,
-                           generator: Optional[torch.Generator] = None):
-    """One rank's part of the distributed loss, up to the global statistics.
-
-    Args:
-        embeddings: [b_r, D] this rank's batch (data-parallel layout; b_r may be 0) or the
-            replicated [B, D] batch.
-        labels: [b_r] integer class ids in [0, num_classes) or ``ignore_index``.
-        weight: [C_r, D] this rank's shard (classes ``dctx.class_offset`` onward).
-        margin, chunk_memory, check_inputs: as :func:`shardkit.sharded_cross_entropy`.
-        with_rank: also count, per row, the classes whose plain logit beats the target
-            (top-k); costs one extra all-reduce of [B_g] (the plain target logit).
-        sample_rate: PartialFC rate in (0, 1]; below 1 only the sampled classes take part.
-        generator: torch.Generator on the weight's device for the sampling.
-
-    Returns:
-        ``(stats, labels_global, num_classes_used)``: :class:`ShardStatistics` of the
-        global batch ([B_g] each; identical on every rank), the global labels [B_g] int64
-        in rank order, and the class count the smoothing term divides by (all classes, or
-        the sampled ones).
-    """
-    from shardkit import ops
-    from shardkit._sce_core import ShardStatistics, _chunk_classes, _compute_dtype, _plain_target_logit
-    from shardkit.sampling import sample_shard
-
-    error = None
-    try:
-        labels = check_local_input(embeddings, labels, weight.shape[1], dctx.num_classes, ignore_index,
-                                   check_inputs)
-        dtype = _compute_dtype(weight)
-        if embeddings.dtype != dtype:
-            embeddings = embeddings.to(dtype)  # cast before the gather: fewer bytes on the wire
-    except (ValueError, TypeError) as err:
-        error = str(err)
-    sizes = exchange_batch_info(dctx, embeddings, error)
-    if sum(sizes) == 0:
-        raise DistributedInputError(
-            f"ShardedSoftmaxLoss rank {dctx.rank}: argument `embeddings` is empty on every rank; the loss "
-            "of no samples is undefined")
-    xg, yg = gather_batch(dctx, embeddings, labels, sizes)
-    batch = xg.shape[0]
-    if sample_rate < 1.0:
-        counts = sampled_class_counts(dctx.class_sizes, sample_rate, batch)
-        w, y_shard, _ = sample_shard(weight, yg, dctx.class_offset, counts[dctx.rank], generator)
-        offset, used = 0, sum(counts)
-    else:
-        w, y_shard, offset, used = weight, yg, dctx.class_offset, dctx.num_classes
-    if w.dtype != xg.dtype:
-        w = w.to(xg.dtype)
-    target_ref = None
-    if with_rank:
-        part = _plain_target_logit([(xg, y_shard)], [w], [offset], y_shard, margin, xg.device)
-        target_ref = torch.zeros(batch, dtype=torch.float32, device=xg.device) if part is None else part
-        try:  # the rank owning each row's class contributes its plain logit, the others 0
-            dist.all_reduce(target_ref, group=dctx.group)
-        except Exception as err:
-            raise dctx.fail("target-logit all_reduce", err) from err
-    scale, m1, m2, m3 = margin.params() if margin is not None else (1.0, 1.0, 0.0, 0.0)
-    lse, target, logit_sum, greater = ops.ce_shard_stats(
-        xg, w, y_shard, class_offset=offset, scale=scale, m1=m1, m2=m2, m3=m3, normalize=margin is not None,
-        chunk_classes=_chunk_classes(batch, w.shape[0], xg.shape[1], xg.dtype, chunk_memory),
-        target_ref=target_ref)
-    lse_g, target_g, sum_g, greater_g = combine_stats(dctx, lse, target, logit_sum,
-                                                      greater if with_rank else None)
-    return ShardStatistics(lse_g, target_g, sum_g, greater_g), yg, used
