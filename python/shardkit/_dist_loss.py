@@ -23,7 +23,7 @@ from shardkit.distributed import (
 )
 from shardkit import ops
 from shardkit._sce_checks import check_tensors, check_values
-from shardkit._sce_core import ShardStatistics, _compute_dtype, _plain_target_logit
+from shardkit._sce_core import ShardStatistics, _chunk_classes, _compute_dtype, _plain_target_logit
 from shardkit.sampling import check_sample_rate, sample_shard
 
 
@@ -114,7 +114,7 @@ def check_local_input(embeddings, labels, dim: int, num_classes: int, ignore_ind
 
 
 def distributed_statistics(dctx: DistContext, embeddings, labels, weight: torch.Tensor, *, margin,
-                           chunk_memory: int, with_rank: bool, ignore_index: int = -100,
+                           chunk_memory: Optional[int], with_rank: bool, ignore_index: int = -100,
                            check_inputs=True, sample_rate: float = 1.0,
                            generator: Optional[torch.Generator] = None):
     """One rank's part of the distributed loss, up to the global statistics.
@@ -172,8 +172,7 @@ def distributed_statistics(dctx: DistContext, embeddings, labels, weight: torch.
     scale, m1, m2, m3 = margin.params() if margin is not None else (1.0, 1.0, 0.0, 0.0)
     lse, target, logit_sum, greater = ops.ce_shard_stats(
         xg, w, y_shard, class_offset=offset, scale=scale, m1=m1, m2=m2, m3=m3, normalize=margin is not None,
-        chunk_classes=ops.chunk_classes_for_budget(batch, chunk_memory, embedding_dim=xg.shape[1], dtype=xg.dtype,
-                                                   num_classes=max(w.shape[0], 1)),
+        chunk_classes=_chunk_classes(batch, w.shape[0], xg.shape[1], xg.dtype, chunk_memory),
         target_ref=target_ref)
     lse_g, target_g, sum_g, greater_g = combine_stats(dctx, lse, target, logit_sum,
                                                       greater if with_rank else None)

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from shardkit import ops
 from shardkit.margins import Margin
 
-DEFAULT_CHUNK_MEMORY = 64 * 2**20  # bytes of working set per shard
 
 
 class ShardStatistics(NamedTuple):
@@ -47,15 +46,27 @@ def _to(t: torch.Tensor, device: torch.device, dtype=None) -> torch.Tensor:
     return t.to(device=device, dtype=dtype, non_blocking=device.type != "cpu")
 
 
-def _chunk_classes(batch: int, shard_classes: int, dim: int, dtype: torch.dtype, budget: int) -> int:
-    chunk = ops.chunk_classes_for_budget(batch, budget, dim=dim, dtype=dtype)
-    return max(1, min(int(chunk), max(shard_classes, 1)))
+def _chunk_classes(batch: int, shard_classes: int, dim: int, dtype: torch.dtype, budget: Optional[int]):
+    # None: the op's own default (64 MiB on GPUs, a cache-sized chunk on the CPU).
+    if budget is None:
+        return None
+    return ops.chunk_classes_for_budget(batch, budget, embedding_dim=dim, dtype=dtype,
+                                        num_classes=max(shard_classes, 1))
+
+
+# Rank threshold margin, relative to the largest the plain target logit could be
+# (scale, or |x| |w_y|): the kernels recompute the target's own plain logit inside the
+# GEMM, with a summation order of their own; it must not count as ranked above itself.
+# Rounding differences are ~1e-7 * sqrt(D) of that bound; ties closer than this count for
+# the target.
+RANK_TOLERANCE = 1e-5
 
 
 def _plain_target_logit(inputs, shards, offsets, labels, margin, device) -> torch.Tensor:
-    """[B] float32: each row's plain target logit (scale * cos, or x . w), gathered from
-    the shard owning its class (0 for labels no shard owns). No logits: one [B, D] row
-    gather per shard. Used as the threshold for the top-k counts, not differentiated."""
+    """[B] float32: each row's plain target logit (scale * cos, or x . w) plus the rank
+    tolerance, gathered from the shard owning its class (labels no shard owns get a value
+    that never matters: their rows are ignored). No logits: one [B, D] row gather per
+    shard. The threshold of the top-k counts; not differentiated."""
     total = None
     with torch.no_grad():
         for (x_k, labels_k), w, offset in zip(inputs, shards, offsets):
@@ -67,12 +78,13 @@ def _plain_target_logit(inputs, shards, offsets, labels, margin, device) -> torc
             rows = w.index_select(0, local.clamp(0, size - 1)).float()
             xf = x_k.float()
             if margin is not None:
-                xf = F.normalize(xf, dim=1, eps=1e-12)
-                rows = F.normalize(rows, dim=1, eps=1e-12)
-            dot = (xf * rows).sum(1)
-            if margin is not None:
-                dot = dot * margin.scale
-            part = _to(torch.where(inside, dot, torch.zeros_like(dot)), device)
+                dot = margin.scale * (F.normalize(xf, dim=1, eps=1e-12) * F.normalize(rows, dim=1, eps=1e-12)).sum(1)
+                bound = torch.full_like(dot, margin.scale)
+            else:
+                dot = (xf * rows).sum(1)
+                bound = xf.norm(dim=1) * rows.norm(dim=1)
+            value = dot + RANK_TOLERANCE * bound
+            part = _to(torch.where(inside, value, torch.zeros_like(value)), device)
             total = part if total is None else total + part
     return total
 
@@ -83,7 +95,7 @@ def shard_statistics(
     offsets: Sequence[int],
     labels: torch.Tensor,
     margin: Optional[Margin],
-    chunk_memory: int,
+    chunk_memory: Optional[int],
     with_rank: bool,
 ) -> List[ShardStatistics]:
     """Launch :func:`shardkit.ops.ce_shard_stats` on every shard's device.

@@ -24,7 +24,6 @@ from shardkit._sce_checks import (
     parse_memory,
 )
 from shardkit._sce_core import (
-    DEFAULT_CHUNK_MEMORY,
     ShardStatistics,
     combine_statistics,
     loss_from_statistics,
@@ -45,7 +44,9 @@ class ShardedLossOutput(NamedTuple):
         Defined for ignored rows too (their label plays no part in it except the margin,
         which they do not get).
     correct: {k: int64 0-d tensor}: non-ignored rows whose label is among the k highest
-        PLAIN logits (no margin; ties count against the row), for each requested k.
+        PLAIN logits (no margin), for each requested k; a class ranks above the target when
+        its logit is higher by more than 1e-5 x (scale, or |x| |w_y| for plain logits),
+        so rounding-level ties count for the target.
     num_valid: int64 0-d tensor: the number of non-ignored rows (accuracy = correct / num_valid).
     """
 
@@ -65,7 +66,7 @@ def sharded_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     class_offsets: Optional[Sequence[int]] = None,
-    chunk_memory=DEFAULT_CHUNK_MEMORY,
+    chunk_memory=None,
     check_inputs=True,
     return_details: bool = False,
     topk: Sequence[int] = (1,),
@@ -85,8 +86,9 @@ def sharded_cross_entropy(
         reduction: "mean" (over non-ignored rows), "sum" or "none" ([B], 0 for ignored rows).
         class_offsets: first class of each shard (default: cumulative shard sizes); the
             ranges must tile [0, C).
-        chunk_memory: working-set budget per shard (bytes or "64MiB"): sets the classes per
-            chunk, so extra memory is O(B x chunk), never O(B x C).
+        chunk_memory: working-set budget per shard (bytes or a string like "64MiB"): sets
+            the classes per chunk, so extra memory is O(B x chunk), never O(B x C). None: the
+            op's default, a 64 MiB budget on GPUs and a cache-sized (1 MiB) chunk on the CPU.
         check_inputs: True: one fused device->host sync per call to check labels and
             finiteness of the embeddings (clear ValueError); "async": the same check by
             ``torch._assert_async`` without a sync; False: no value check (out-of-range
@@ -106,15 +108,17 @@ def sharded_cross_entropy(
     shards, offsets, num_classes = check_shards(weight_shards, class_offsets)
     labels = check_tensors(embeddings, labels, shards[0].shape[1])
     ks = check_topk(topk) if return_details else ()
-    budget = parse_memory(chunk_memory)
+    budget = None if chunk_memory is None else parse_memory(chunk_memory)
     if check_inputs:
         check_values(embeddings, labels, num_classes, ignore_index, check_inputs)
     per_shard = shard_statistics(embeddings, shards, offsets, labels, margin, budget, with_rank=bool(ks))
-    stats = combine_statistics(per_shard, embeddings.device)
-    loss, valid = loss_from_statistics(
-        stats, labels, num_classes,
-        label_smoothing=float(label_smoothing), ignore_index=ignore_index, reduction=reduction,
-    )
+    # The statistics are fp32 already; autocast must not lower the combining arithmetic.
+    with torch.autocast(embeddings.device.type, enabled=False):
+        stats = combine_statistics(per_shard, embeddings.device)
+        loss, valid = loss_from_statistics(
+            stats, labels, num_classes,
+            label_smoothing=float(label_smoothing), ignore_index=ignore_index, reduction=reduction,
+        )
     if not return_details:
         return loss
     correct = {k: ((stats.greater_count < k) & valid).sum() for k in ks}
@@ -190,7 +194,8 @@ class ShardedSoftmaxLoss(nn.Module):
         label_smoothing, ignore_index, reduction: as ``nn.CrossEntropyLoss`` (smoothing over
             all C classes; reduction "mean" over non-ignored rows, "sum", "none").
         dtype: the weights' dtype (default: torch's default dtype).
-        chunk_memory: working-set budget per shard, bytes or a string like "64MiB".
+        chunk_memory: working-set budget per shard, bytes or a string like "64MiB"; None
+            (default): 64 MiB on GPUs, a cache-sized chunk on the CPU.
         check_inputs: True (default): validate labels and embedding finiteness with ONE
             device->host sync per forward (~ a [B] and a [B, D] scan; on a GPU, the sync stalls
             the CPU until the backbone's forward is done); "async": same check with no sync
@@ -216,7 +221,7 @@ class ShardedSoftmaxLoss(nn.Module):
     def __init__(self, embedding_dim: int, num_classes: int, *, margin: Optional[Margin] = None,
                  devices=None, shard_sizes=None, label_smoothing: float = 0.0, ignore_index: int = -100,
                  reduction: str = "mean", dtype: Optional[torch.dtype] = None,
-                 chunk_memory=DEFAULT_CHUNK_MEMORY, check_inputs=True, topk: Sequence[int] = (1, 5),
+                 chunk_memory=None, check_inputs=True, topk: Sequence[int] = (1, 5),
                  process_group=None, input_layout: str = "data_parallel", sample_rate: float = 1.0):
         super().__init__()
         for name, value in (("embedding_dim", embedding_dim), ("num_classes", num_classes)):
@@ -245,7 +250,7 @@ class ShardedSoftmaxLoss(nn.Module):
         self.label_smoothing = float(label_smoothing)
         self.ignore_index = ignore_index
         self.reduction = reduction
-        self.chunk_memory = parse_memory(chunk_memory)
+        self.chunk_memory = None if chunk_memory is None else parse_memory(chunk_memory)
         self.check_inputs = check_inputs
         self.topk = check_topk(topk)
         self.weight_shards = nn.ParameterList(

@@ -1,0 +1,426 @@
+"""ShardedSoftmaxLoss / sharded_cross_entropy / margins against the float64 full-logit
+reference (tests/sce_reference.py). Repeated "cpu" devices exercise the multi-device path."""
+
+import copy
+import io
+import math
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import shardkit
+from sce_reference import (
+    margin_kwargs,
+    reference_correct,
+    reference_loss,
+    reference_loss_and_grads,
+    reference_lse,
+    split_rows,
+)
+
+MARGINS = {
+    "plain": None,
+    "cosface": shardkit.CosFace(s=8.0, m=0.35),
+    "arcface": shardkit.ArcFace(s=8.0, m=0.5),
+    "combined": shardkit.CombinedMargin(6.0, 1.15, 0.3, 0.1),
+}
+
+
+def rel(a, b):
+    b = b.double()
+    return ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def make_labels(batch, num_classes, ignore=()):
+    y = torch.randint(0, num_classes, (batch,))
+    for i in ignore:
+        y[i] = -100
+    return y
+
+
+def grads_of(loss_fn, x, y, grad_out=None, **kw):
+    x = x.detach().clone().requires_grad_(True)
+    loss = loss_fn(x, y, **kw)
+    grad_out = torch.randn_like(loss) if grad_out is None else grad_out
+    gx, *gw = torch.autograd.grad(loss, [x, *loss_fn.weight_shards], grad_out)
+    return loss, gx, torch.cat(gw), grad_out
+
+
+def assert_matches_reference(loss_fn, x, y, margin, tol=1e-5, **ref_kw):
+    loss, gx, gw, g = grads_of(loss_fn, x, y)
+    ref = reference_loss_and_grads(x, loss_fn.full_weight(), y, g, **margin_kwargs(margin), **ref_kw)
+    assert loss.dtype == torch.float32 and loss.shape == ref.loss.shape
+    assert rel(loss, ref.loss) <= tol
+    assert rel(gx, ref.grad_x) <= tol
+    assert rel(gw, ref.grad_w) <= tol
+
+
+@pytest.mark.parametrize("margin_name", list(MARGINS))
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("num_shards", [1, 2, 5])
+def test_matches_reference(margin_name, reduction, num_shards):
+    margin = MARGINS[margin_name]
+    batch, dim, classes = 13, 7, 61  # 61 classes: not divisible by 2 or 5
+    loss_fn = shardkit.ShardedSoftmaxLoss(dim, classes, margin=margin, devices=["cpu"] * num_shards,
+                                          reduction=reduction, label_smoothing=0.1)
+    x = torch.randn(batch, dim)
+    y = make_labels(batch, classes, ignore=(3,))
+    assert_matches_reference(loss_fn, x, y, margin, reduction=reduction, label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("margin_name", list(MARGINS))
+@pytest.mark.parametrize("shard_sizes", [[40, 0, 3, 18], [1, 60], [0.5, 0.3, 0.2]])
+def test_uneven_shards_and_small_chunks(margin_name, shard_sizes):
+    margin = MARGINS[margin_name]
+    loss_fn = shardkit.ShardedSoftmaxLoss(5, 61, margin=margin, shard_sizes=shard_sizes,
+                                          devices=["cpu"] * len(shard_sizes), chunk_memory=256)
+    if all(isinstance(s, int) for s in shard_sizes):
+        assert list(loss_fn.shard_sizes) == shard_sizes
+    assert sum(loss_fn.shard_sizes) == 61 and loss_fn.class_offsets[0] == 0
+    x = torch.randn(9, 5)
+    assert_matches_reference(loss_fn, x, make_labels(9, 61), margin)
+
+
+@pytest.mark.parametrize("batch,dim,margin_name", [(1, 3, "arcface"), (1, 1, "plain"), (6, 1, "plain"),
+                                                    (11, 33, "cosface")])
+def test_odd_sizes_and_noncontiguous(batch, dim, margin_name):
+    margin = MARGINS[margin_name]
+    loss_fn = shardkit.ShardedSoftmaxLoss(dim, 17, margin=margin, devices=["cpu"] * 3, label_smoothing=0.2)
+    x = torch.randn(dim, batch).t()  # non-contiguous [batch, dim]
+    y = make_labels(batch, 17)
+    assert_matches_reference(loss_fn, x, y, margin, label_smoothing=0.2)
+
+
+def test_smoothing_and_ignore_index_variants():
+    weight = torch.randn(30, 6)
+    x = torch.randn(10, 6)
+    for eps, ignore in [(0.0, 29), (1.0, -100), (0.37, 29), (0.2, 1000)]:
+        y = make_labels(10, 29)
+        y[[0, 4]] = ignore
+        loss = shardkit.sharded_cross_entropy(x, split_rows(weight, [11, 19]), y, label_smoothing=eps,
+                                              ignore_index=ignore)
+        assert rel(loss, reference_loss(x, weight, y, label_smoothing=eps, ignore_index=ignore)) <= 1e-5
+    # Every row ignored: "mean" is NaN and "sum" is 0, as in F.cross_entropy.
+    all_ignored = torch.full((4,), -100)
+    assert torch.isnan(shardkit.sharded_cross_entropy(x[:4], [weight], all_ignored))
+    assert shardkit.sharded_cross_entropy(x[:4], [weight], all_ignored, reduction="sum") == 0
+
+
+def test_same_loss_whatever_the_shard_count():
+    weight = torch.randn(47, 9)
+    x, y = torch.randn(12, 9), make_labels(12, 47)
+    losses = []
+    for n in range(1, 6):
+        loss_fn = shardkit.ShardedSoftmaxLoss(9, 47, margin=MARGINS["arcface"], devices=["cpu"] * n)
+        loss_fn.load_state_dict({"weight": weight})
+        losses.append(loss_fn(x, y))
+    for loss in losses[1:]:
+        assert rel(loss, losses[0]) <= 1e-6
+
+
+def test_functional_form_with_permuted_offsets():
+    weight = torch.randn(25, 4)
+    x, y = torch.randn(8, 4), make_labels(8, 25)
+    parts = split_rows(weight, [10, 7, 8])
+    ours = shardkit.sharded_cross_entropy(x, [parts[2], parts[0], parts[1]], y, class_offsets=[17, 0, 10],
+                                          margin=MARGINS["cosface"], reduction="none")
+    ref = reference_loss(x, weight, y, reduction="none", **margin_kwargs(MARGINS["cosface"]))
+    assert rel(ours, ref) <= 1e-5
+    with pytest.raises(ValueError, match="`class_offsets`.*must tile"):
+        shardkit.sharded_cross_entropy(x, parts, y, class_offsets=[0, 9, 17])
+    with pytest.raises(ValueError, match="`class_offsets` has 2 entries"):
+        shardkit.sharded_cross_entropy(x, parts, y, class_offsets=[0, 10])
+
+
+def test_lse_and_topk_match_reference():
+    margin = MARGINS["combined"]
+    loss_fn = shardkit.ShardedSoftmaxLoss(6, 40, margin=margin, devices=["cpu"] * 3, topk=(1, 2, 5))
+    x, y = torch.randn(50, 6), make_labels(50, 40, ignore=(7, 8))
+    out = loss_fn(x, y, return_details=True)
+    full = loss_fn.full_weight()
+    assert rel(out.lse, reference_lse(x, full, y, **margin_kwargs(margin))) <= 1e-5
+    assert int(out.num_valid) == 48
+    bounds = reference_correct(x, full, y, (1, 2, 5), **margin_kwargs(margin))
+    assert sorted(out.correct) == [1, 2, 5]
+    for k, (lo, hi) in bounds.items():
+        assert lo <= int(out.correct[k]) <= hi
+    # lse is differentiable (z-loss).
+    (out.loss + 1e-2 * out.lse.pow(2).mean()).backward()
+    assert all(p.grad is not None for p in loss_fn.weight_shards)
+    plain = shardkit.sharded_cross_entropy(x, [full[:13], full[13:]], y, return_details=True, topk=3)
+    bounds = reference_correct(x, full, y, (3,))
+    assert bounds[3][0] <= int(plain.correct[3]) <= bounds[3][1]
+
+
+def test_gradient_accumulation_equals_full_batch():
+    loss_fn = shardkit.ShardedSoftmaxLoss(8, 33, margin=MARGINS["arcface"], devices=["cpu"] * 2)
+    x, y = torch.randn(12, 8), make_labels(12, 33)
+    loss_fn(x, y).backward()
+    full_grads = [p.grad.clone() for p in loss_fn.weight_shards]
+    loss_fn.zero_grad()
+    for rows in (slice(0, 5), slice(5, 6), slice(6, 12)):  # uneven micro-batches
+        n = rows.stop - rows.start
+        (loss_fn(x[rows], y[rows]) * n / 12).backward()
+    for p, g in zip(loss_fn.weight_shards, full_grads):
+        assert rel(p.grad, g) <= 1e-5
+
+
+def test_checkpointed_backbone():
+    backbone = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    loss_fn = shardkit.ShardedSoftmaxLoss(8, 29, margin=MARGINS["cosface"], devices=["cpu"] * 2)
+    inputs, y = torch.randn(6, 10), make_labels(6, 29)
+    params = list(backbone.parameters()) + list(loss_fn.parameters())
+    plain = torch.autograd.grad(loss_fn(backbone(inputs), y), params)
+    ckpt = torch.autograd.grad(loss_fn(checkpoint(backbone, inputs, use_reentrant=False), y), params)
+    for a, b in zip(plain, ckpt):
+        assert rel(b, a) <= 1e-6
+
+
+def test_init_matches_nn_linear():
+    torch.manual_seed(1234)
+    linear = torch.nn.Linear(37, 101, bias=False)
+    torch.manual_seed(1234)
+    loss_fn = shardkit.ShardedSoftmaxLoss(37, 101, devices=["cpu"] * 4)
+    assert torch.equal(loss_fn.full_weight(), linear.weight.detach())
+
+
+@pytest.mark.parametrize("new_shards", [1, 3])
+def test_state_dict_is_shard_agnostic(new_shards):
+    saved = shardkit.ShardedSoftmaxLoss(6, 23, margin=MARGINS["arcface"], devices=["cpu"] * 4)
+    state = saved.state_dict()
+    assert list(state) == ["weight"] and state["weight"].shape == (23, 6)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    loaded_state = torch.load(buffer, weights_only=True)
+    loaded = shardkit.ShardedSoftmaxLoss(6, 23, margin=MARGINS["arcface"], devices=["cpu"] * new_shards)
+    loaded.load_state_dict(loaded_state)
+    assert torch.equal(loaded.full_weight(), saved.full_weight())
+    x, y = torch.randn(5, 6), make_labels(5, 23)
+    assert rel(loaded(x, y), saved(x, y)) <= 1e-6
+    # Nested inside a model: the prefix is respected.
+    model = torch.nn.ModuleDict({"head": loaded})
+    assert list(model.state_dict()) == ["head.weight"]
+    model.load_state_dict({"head.weight": state["weight"] * 2})
+    assert torch.equal(loaded.full_weight(), saved.full_weight() * 2)
+    with pytest.raises(RuntimeError, match=r"size mismatch for weight.*\[num_classes, embedding_dim\]"):
+        loaded.load_state_dict({"weight": torch.randn(22, 6)})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_within_2x_torch_error(dtype):
+    batch, dim, classes = 64, 48, 300
+    loss_fn = shardkit.ShardedSoftmaxLoss(dim, classes, devices=["cpu"] * 3, dtype=dtype, reduction="none")
+    x, y = torch.randn(batch, dim).to(dtype), make_labels(batch, classes)
+    weight = loss_fn.full_weight()
+    g = torch.rand(batch)
+    ref = reference_loss_and_grads(x, weight, y, g, reduction="none")
+    xl, wl = x.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    t_loss = F.cross_entropy(F.linear(xl, wl).float(), y, reduction="none")
+    t_gx, t_gw = torch.autograd.grad(t_loss, (xl, wl), g)
+    loss, gx, gw, _ = grads_of(loss_fn, x, y, grad_out=g)
+    assert gx.dtype == dtype and gw.dtype == dtype and loss.dtype == torch.float32
+    assert rel(loss, ref.loss) <= 2 * rel(t_loss, ref.loss)
+    assert rel(gx, ref.grad_x) <= 2 * rel(t_gx, ref.grad_x)
+    assert rel(gw, ref.grad_w) <= 2 * rel(t_gw, ref.grad_w)
+
+
+def test_cpu_autocast_bf16():
+    # Per-row losses (reduction="none"): a single scalar's rounding error is too noisy to
+    # compare against torch's.
+    batch, dim, classes = 32, 40, 200
+    loss_fn = shardkit.ShardedSoftmaxLoss(dim, classes, devices=["cpu"] * 2, reduction="none")
+    x, y = torch.randn(batch, dim), make_labels(batch, classes)
+    g = torch.rand(batch)
+    ref = reference_loss_and_grads(x, loss_fn.full_weight(), y, g, reduction="none")
+    xr = x.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = loss_fn(xr, y)
+        t_x = x.clone().requires_grad_(True)
+        t_w = loss_fn.full_weight().requires_grad_(True)
+        t_loss = F.cross_entropy(F.linear(t_x, t_w), y, reduction="none")
+    assert loss.dtype == torch.float32
+    gx, *gw = torch.autograd.grad(loss, [xr, *loss_fn.weight_shards], g)
+    t_gx, t_gw = torch.autograd.grad(t_loss, (t_x, t_w), g)
+    assert gw[0].dtype == torch.float32  # master weights keep their dtype
+    assert rel(loss, ref.loss) <= 2 * rel(t_loss, ref.loss)
+    assert rel(gx, ref.grad_x) <= 2 * rel(t_gx, ref.grad_x)
+    assert rel(torch.cat(gw), ref.grad_w) <= 2 * rel(t_gw, ref.grad_w)
+
+
+def test_int32_labels_accepted():
+    loss_fn = shardkit.ShardedSoftmaxLoss(4, 10, devices=["cpu"] * 2)
+    x, y = torch.randn(5, 4), make_labels(5, 10)
+    assert rel(loss_fn(x, y.int()), loss_fn(x, y)) == 0
+
+
+def _bad(loss_fn, x, y, exc, match):
+    with pytest.raises(exc, match=match):
+        loss_fn(x, y)
+
+
+def test_bad_inputs_name_the_argument():
+    loss_fn = shardkit.ShardedSoftmaxLoss(4, 10, devices=["cpu"] * 2)
+    x, y = torch.randn(5, 4), make_labels(5, 10)
+    _bad(loss_fn, x, torch.tensor([0, 1, 10, 2, 3]), ValueError, r"`labels` has class ids >= num_classes=10")
+    _bad(loss_fn, x, torch.tensor([0, 1, -3, 2, 3]), ValueError, r"`labels` has negative class ids other than ignore_index")
+    _bad(loss_fn, x, y.float(), TypeError, r"`labels` must be an integer tensor")
+    _bad(loss_fn, x, y.bool(), TypeError, r"`labels` must be an integer tensor")
+    _bad(loss_fn, x, y[:4], ValueError, r"`labels` must be 1-D with 5 entries")
+    _bad(loss_fn, x, y[:, None], ValueError, r"`labels` must be 1-D with 5 entries")
+    _bad(loss_fn, x[0], y, ValueError, r"`embeddings` must be 2-D")
+    _bad(loss_fn, torch.randn(5, 3), y, ValueError, r"`embeddings` has dim 3, but this loss has embedding_dim=4")
+    _bad(loss_fn, x.long(), y, TypeError, r"`embeddings` must be floating point")
+    _bad(loss_fn, x[:0], y[:0], ValueError, r"`embeddings` is an empty batch")
+    _bad(loss_fn, x, y.to("meta"), ValueError, r"`labels` is on meta but `embeddings` is on cpu")
+    for value in (math.nan, math.inf, -math.inf):
+        bad = x.clone()
+        bad[2, 1] = value
+        _bad(loss_fn, bad, y, ValueError, r"`embeddings` contains NaN or infinite values")
+    # ignore_index itself passes, and may be any value.
+    y2 = y.clone()
+    y2[0] = -100
+    loss_fn(x, y2)
+    with pytest.raises(ValueError, match=r"`embeddings` has dim 3, but the weights have embedding dim 4"):
+        shardkit.sharded_cross_entropy(torch.randn(5, 3), list(loss_fn.weight_shards), y)
+    with pytest.raises(ValueError, match=r"`weight_shards\[1\]` has embedding dim 3"):
+        shardkit.sharded_cross_entropy(x, [torch.randn(3, 4), torch.randn(2, 3)], y)
+    with pytest.raises(TypeError, match=r"`margin` must be None or a shardkit margin"):
+        shardkit.sharded_cross_entropy(x, [torch.randn(10, 4)], y, margin=0.5)
+
+
+def test_check_inputs_modes():
+    x, y = torch.randn(5, 4), make_labels(5, 10)
+    x[0, 0] = math.nan
+    quiet = shardkit.ShardedSoftmaxLoss(4, 10, check_inputs=False)
+    assert torch.isnan(quiet(x, y))  # no check: NaN propagates
+    eager = shardkit.ShardedSoftmaxLoss(4, 10, check_inputs="async")
+    with pytest.raises(RuntimeError, match="non-finite `embeddings`"):
+        eager(x, y)  # on the CPU, _assert_async raises at once
+
+
+def test_constructor_errors():
+    with pytest.raises(ValueError, match=r"`shard_sizes` \[5, 4\] sums to 9, not num_classes=10"):
+        shardkit.ShardedSoftmaxLoss(4, 10, devices=["cpu", "cpu"], shard_sizes=[5, 4])
+    with pytest.raises(ValueError, match=r"`shard_sizes` has 3 entries for 2 devices"):
+        shardkit.ShardedSoftmaxLoss(4, 10, devices=["cpu", "cpu"], shard_sizes=[5, 4, 1])
+    with pytest.raises(ValueError, match=r"`num_classes` must be a positive int"):
+        shardkit.ShardedSoftmaxLoss(4, 0)
+    with pytest.raises(ValueError, match=r"`reduction` must be one of"):
+        shardkit.ShardedSoftmaxLoss(4, 10, reduction="avg")
+    with pytest.raises(ValueError, match=r"`label_smoothing` must be in \[0, 1\]"):
+        shardkit.ShardedSoftmaxLoss(4, 10, label_smoothing=1.5)
+    with pytest.raises(ValueError, match=r"`chunk_memory` must look like"):
+        shardkit.ShardedSoftmaxLoss(4, 10, chunk_memory="lots")
+    with pytest.raises(ValueError, match=r"`check_inputs` must be True, False or 'async'"):
+        shardkit.ShardedSoftmaxLoss(4, 10, check_inputs="sometimes")
+    assert shardkit.ShardedSoftmaxLoss(4, 10, chunk_memory="1.5KiB").chunk_memory == 1536
+
+
+def test_margin_objects():
+    arc = shardkit.ArcFace(64, 0.5)
+    assert arc.params() == (64.0, 1.0, 0.5, 0.0) and repr(arc) == "ArcFace(s=64.0, m=0.5)"
+    assert shardkit.CosFace().params() == (64.0, 1.0, 0.0, 0.4)
+    assert arc == shardkit.CombinedMargin(64, 1.0, 0.5, 0.0) and hash(arc) == hash(shardkit.CombinedMargin(64, 1, 0.5, 0))
+    assert pickle.loads(pickle.dumps(arc)) == arc and copy.deepcopy(arc) == arc
+    assert abs(arc.c_max - math.cos(math.pi - 0.5)) < 1e-15 and shardkit.CosFace().c_max == -1.0
+    with pytest.raises(AttributeError, match="immutable"):
+        arc.scale = 3.0
+    with pytest.raises(ValueError, match=r"ArcFace: argument `m` \(radians\) must be in \[0, pi\)"):
+        shardkit.ArcFace(64, 4.0)
+    with pytest.raises(ValueError, match=r"CosFace: argument `s` \(the scale\) must be > 0"):
+        shardkit.CosFace(0.0, 0.4)
+    with pytest.raises(ValueError, match=r"CosFace: argument `m` must be >= 0"):
+        shardkit.CosFace(64, -0.1)
+    with pytest.raises(ValueError, match=r"CombinedMargin: argument `m1` must be > 0"):
+        shardkit.CombinedMargin(64, 0.0, 0.3, 0.2)
+    with pytest.raises(ValueError, match=r"CombinedMargin: argument `m3` must be finite"):
+        shardkit.CombinedMargin(64, 1.0, 0.3, math.inf)
+    with pytest.raises(TypeError, match=r"ArcFace: argument `m` must be a real number"):
+        shardkit.ArcFace(64, "0.5")
+
+
+def test_arcface_past_pi_is_continuous_and_monotone():
+    # Targets placed on both sides of theta = pi - m: the loss is a smooth, monotone
+    # function of the target cosine (no jump at the threshold).
+    margin = shardkit.ArcFace(s=4.0, m=0.5)
+    weight = torch.randn(5, 2, dtype=torch.float32)
+    weight[0] = torch.tensor([1.0, 0.0])
+    angles = torch.linspace(math.pi - 0.9, math.pi - 0.1, 41)
+    x = torch.stack([torch.cos(angles), torch.sin(angles)], dim=1)
+    y = torch.zeros(41, dtype=torch.long)
+    x_req = x.clone().requires_grad_(True)
+    loss = shardkit.sharded_cross_entropy(x_req, [weight[:2], weight[2:]], y, margin=margin, reduction="none")
+    ref = reference_loss(x, weight, y, reduction="none", **margin_kwargs(margin))
+    assert rel(loss, ref) <= 1e-5
+    (gx,) = torch.autograd.grad(loss.sum(), x_req)
+    ref_gx = reference_loss_and_grads(x, weight, y, torch.ones(41), reduction="none", **margin_kwargs(margin)).grad_x
+    assert rel(gx, ref_gx) <= 1e-5
+
+
+def _op_takes_float64():
+    x, w = torch.randn(2, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    try:
+        shardkit.ops.ce_shard_stats(x, w, torch.tensor([0, 1]))
+    except (RuntimeError, TypeError) as err:
+        if any(word in str(err) for word in ("dtype", "Double", "float64")):
+            return False
+        raise
+    return True
+
+
+def test_gradcheck_float64_full_module_path():
+    if not _op_takes_float64():
+        pytest.skip("the ce_shard_stats kernels of this build take no float64 inputs")
+    for margin in (None, MARGINS["combined"]):
+        loss_fn = shardkit.ShardedSoftmaxLoss(3, 7, margin=margin, devices=["cpu"] * 3, dtype=torch.float64,
+                                              label_smoothing=0.2, chunk_memory=64)
+        x, y = torch.randn(4, 3, dtype=torch.float64, requires_grad=True), make_labels(4, 7, ignore=(1,))
+
+        def fn(x, *shards):
+            return shardkit.sharded_cross_entropy(x, shards, y, margin=margin, label_smoothing=0.2,
+                                                  reduction="none", chunk_memory=64)
+
+        assert torch.autograd.gradcheck(fn, (x, *loss_fn.weight_shards))
+
+
+def _cuda_case(devices):
+    margin = shardkit.ArcFace(s=32.0, m=0.5)
+    loss_fn = shardkit.ShardedSoftmaxLoss(64, 3001, margin=margin, devices=devices, shard_sizes=None,
+                                          label_smoothing=0.1)
+    x = torch.randn(37, 64, device=devices[0])
+    y = make_labels(37, 3001, ignore=(4,)).to(devices[0])
+    loss, gx, gw, g = grads_of(loss_fn, x, y)
+    assert loss.device == x.device and gx.device == x.device
+    assert [p.device for p in loss_fn.weight_shards] == [torch.device(d) for d in devices]
+    ref = reference_loss_and_grads(x.cpu(), loss_fn.full_weight("cpu"), y.cpu(), g.cpu(), label_smoothing=0.1,
+                                   **margin_kwargs(margin))
+    tol = 3e-4  # cuBLAS may use TF32-free fp32 but a different summation order
+    assert rel(loss.cpu(), ref.loss) <= tol and rel(gx.cpu(), ref.grad_x) <= tol
+    assert rel(gw.cpu(), ref.grad_w) <= tol
+
+
+@pytest.mark.gpu
+def test_cuda_one_device():
+    _cuda_case(["cuda:0", "cuda:0"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs torch.cuda.device_count() >= 2 (shards on cuda:0 and cuda:1)")
+def test_cuda_two_devices():
+    _cuda_case(["cuda:0", "cuda:1"])
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_module_moves_with_to():
+    loss_fn = shardkit.ShardedSoftmaxLoss(32, 999, margin=shardkit.CosFace(), shard_sizes=[400, 599]).cuda()
+    x, y = torch.randn(16, 32, device="cuda"), make_labels(16, 999).cuda()
+    ref = reference_loss(x.cpu(), loss_fn.full_weight("cpu"), y.cpu(), **margin_kwargs(loss_fn.margin))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = loss_fn(x, y)
+    loss.backward()
+    assert loss.dtype == torch.float32 and all(p.grad.dtype == torch.float32 for p in loss_fn.weight_shards)
+    assert rel(loss.cpu(), ref) <= 2e-2
