@@ -304,7 +304,8 @@ def combine_stats(dctx: DistContext, lse: torch.Tensor, target: torch.Tensor, lo
     if greater is None:
         counts = torch.zeros(lse.shape, dtype=torch.int64, device=lse.device)
     else:
-        counts = g[:, 3:].detach().contiguous().view(dctx.world_size, -1).view(torch.int64).sum(0)
+        # clone, not contiguous: the int64 view needs an 8-byte-aligned storage offset
+        counts = g[:, 3:].detach().clone().view(dctx.world_size, -1).view(torch.int64).sum(0)
     return lse_g, target_g, sum_g, counts
 
 
