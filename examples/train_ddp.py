@@ -29,6 +29,7 @@ def parse():
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--sample-rate", type=float, default=1.0, help="PartialFC rate in (0, 1]")
+    p.add_argument("--ema-decay", type=float, default=0.9999)
     p.add_argument("--uneven", action="store_true", help="vary the per-rank batch size each step")
     p.add_argument("--checkpoint", default="runs/train_ddp_head", help="directory for the sharded head")
     return p.parse_args()
@@ -56,7 +57,7 @@ def main():
     head = shardkit.ShardedSoftmaxLoss(args.dim, args.classes, margin=shardkit.ArcFace(s=64.0, m=0.5),
                                        process_group=dist.group.WORLD, devices=[device],
                                        sample_rate=args.sample_rate)
-    ema = shardkit.ModelEMA(model.module, decay=0.9999)
+    ema = shardkit.ModelEMA(model.module, decay=args.ema_decay)
     # SparseRowSGD: with sampling, rows not sampled this step keep weight and momentum.
     opt = shardkit.SparseRowSGD(list(model.parameters()) + list(head.parameters()), lr=args.lr,
                                 momentum=0.9, weight_decay=5e-4)
@@ -76,16 +77,18 @@ def main():
         if rank == 0 and (step % 20 == 0 or step == args.steps - 1):
             print(f"step {step:4d}  loss {loss.item():.4f}  {time.time() - t0:.1f}s", flush=True)
 
-    # Evaluate the EMA backbone on fresh samples: top-1 over ALL classes (eval() disables sampling).
+    # Evaluate on fresh samples: top-1 over ALL classes (eval() disables sampling); the loss
+    # and counts are of the global batch, identical on every rank.
     head.eval()
-    with torch.no_grad():
-        labels = torch.randint(0, args.classes, (args.batch,), generator=gen)
-        images = (prototypes[labels] + 0.5 * torch.randn(args.batch, 3, 16, 16, generator=gen)).to(device)
-        ema.module.eval()
-        out = head(ema.module(images), labels.to(device), return_details=True, topk=(1,))
-    if rank == 0:
-        acc = out.correct[1].item() / max(out.num_valid.item(), 1)
-        print(f"EMA backbone: loss {out.loss.item():.4f}  top-1 {acc:.3f} on {world} x {args.batch} samples")
+    labels = torch.randint(0, args.classes, (args.batch,), generator=gen)
+    images = (prototypes[labels] + 0.5 * torch.randn(args.batch, 3, 16, 16, generator=gen)).to(device)
+    for name, net in (("live", model.module), ("EMA", ema.module)):
+        net.eval()
+        with torch.no_grad():
+            out = head(net(images), labels.to(device), return_details=True, topk=(1,))
+        if rank == 0:
+            acc = out.correct[1].item() / max(out.num_valid.item(), 1)
+            print(f"{name:4s} backbone: loss {out.loss.item():.4f}  top-1 {acc:.3f} on {world} x {args.batch} samples")
     shardkit.save_sharded(head, args.checkpoint, opt)  # reload with any number of ranks: load_sharded
     dist.destroy_process_group()
 
