@@ -201,6 +201,13 @@ class ShardedSoftmaxLoss(nn.Module):
             the CPU until the backbone's forward is done); "async": same check with no sync
             (``torch._assert_async``; on CUDA a failure is a device-side assert); False: none.
         topk: default k's of the correct counts returned by ``return_details=True``.
+        process_group, input_layout, sample_rate: the torch.distributed mode (see
+            :mod:`shardkit.distributed` and the README): this rank holds ONE shard, classes
+            ``split_classes(C, world_size)[rank]``, on ``devices[0]`` (default: the current GPU
+            under NCCL, else the CPU); ``input_layout`` "data_parallel" (each rank its own batch;
+            the embedding gradient is world_size * dL/dX_r) or "replicated"; ``sample_rate`` < 1:
+            PartialFC sampling in training mode (row-sparse weight gradient: use
+            :class:`shardkit.SparseRowSGD`).
 
     Attributes:
         weight_shards (nn.ParameterList): one [C_k, D] Parameter per device; shard k holds
