@@ -93,7 +93,19 @@ def _cpu_group_for(group) -> object:
     if dist.get_backend(group) == dist.Backend.GLOO:
         return group
     ranks = dist.get_process_group_ranks(group)
-    return dist.new_group(ranks=ranks, backend="gloo")
+    return dist.new_group(ranks=ranks, backend="gloo", timeout=_group_timeout(group))
+
+
+def _group_timeout(group):
+    """The timeout ``group`` was created with (so a rank that never arrives fails the size
+    exchange as soon as it would fail the device collectives); None (torch's default) when
+    torch does not expose it."""
+    for device in ("cuda", "cpu"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except Exception:  # private API: absent backends and other torch versions
+            continue
+    return None
 
 
 class DistContext:
