@@ -143,24 +143,34 @@ def _worker(rank, args, queue):
     return res
 
 
+def _wire(kind, nbytes, world):
+    """Bytes a rank receives for one collective under ring algorithms (what NCCL uses for
+    these sizes): all_gather (N-1) n, reduce_scatter / reduce (N-1)/N n, all_reduce 2(N-1)/N n."""
+    factor = {"all_gather": world - 1, "reduce_scatter": (world - 1) / world, "reduce": (world - 1) / world,
+              "all_reduce": 2 * (world - 1) / world}[kind]
+    return nbytes * factor
+
+
 def comm_table(batch, dim, classes, dtype, world):
-    """Collectives and bytes each rank contributes per training step, from the shapes."""
+    """Collectives per training step, with each rank's input payload and the bytes it
+    receives (ring estimate), from the shapes. Rows: (what, count, kind, payload bytes)."""
     elem = torch.empty((), dtype=DTYPES[dtype]).element_size()
     bg = batch * world
     c_local = split_classes(classes, world)[0]
     row = 8 + (dim * elem + 7) // 8 * 8
-    ours = [("all_gather (CPU group) batch sizes + error flag", 1, 4 * 8),
-            ("all_gather labels+embeddings (bytes)", 1, batch * row),
-            ("all_gather packed stats [3, B_g] fp32", 1, 3 * bg * 4),
-            ("reduce_scatter dX [B_g, D]", 1, bg * dim * elem)]
-    pfc = [("all_gather embeddings fp32", 1, batch * dim * 4),
-           ("all_gather labels int64", 1, batch * 8),
-           ("all_reduce max [B_g] fp32", 1, bg * 4),
-           ("all_reduce exp-sum [B_g] fp32", 1, bg * 4),
-           ("all_reduce target prob [B_g] fp32", 1, bg * 4),
-           ("reduce (one per rank) dX [B, D] fp32", world, bg * dim * 4)]
-    mem = {"ours_logit_working_set_bytes": 64 * 2**20,
-           "pfc_logits_bytes": bg * c_local * 4 * (2 if dtype != "fp32" else 1)}
+    ours = [("CPU all_gather: batch sizes + error flag", 1, "all_gather", 4 * 8),
+            ("all_gather labels+embeddings (bytes)", 1, "all_gather", batch * row),
+            ("all_gather packed stats [3, B_g] fp32", 1, "all_gather", 3 * bg * 4),
+            ("reduce_scatter dX [B_g, D]", 1, "reduce_scatter", bg * dim * elem)]
+    pfc = [("all_gather embeddings fp32", 1, "all_gather", batch * dim * 4),
+           ("all_gather labels int64", 1, "all_gather", batch * 8),
+           ("all_reduce max [B_g] fp32", 1, "all_reduce", bg * 4),
+           ("all_reduce exp-sum [B_g] fp32", 1, "all_reduce", bg * 4),
+           ("all_reduce target prob [B_g] fp32", 1, "all_reduce", bg * 4),
+           ("reduce dX [B, D] fp32 (one per rank)", world, "reduce", batch * dim * 4)]
+    ours = [(d, n, k, b, n * _wire(k, b, world)) for d, n, k, b in ours]
+    pfc = [(d, n, k, b, n * _wire(k, b, world)) for d, n, k, b in pfc]
+    mem = {"pfc_logits_bytes": bg * c_local * 4 * (2 if dtype != "fp32" else 1)}
     return ours, pfc, mem
 
 
@@ -197,13 +207,14 @@ def main():
               f"b={args.batch}/rank, D={args.dim}, C={args.classes})")
         for name, rows in (("ours", ours), ("PartialFC_V2", pfc)):
             count = sum(r[1] for r in rows)
-            total = sum(r[2] for r in rows)
-            print(f"  {name}: {count} collectives, {total / 2**20:.3f} MiB sent into them"
-                  + (" + a .item() host sync in backward" if name == "PartialFC_V2" else ""))
-            for desc, n, nbytes in rows:
-                print(f"     {n} x {desc:48s} {nbytes / 2**10:12.1f} KiB")
-        print(f"  logits kept: ours O(B_g x chunk) <= {mem['ours_logit_working_set_bytes'] / 2**20:.0f} MiB budget; "
-              f"PartialFC_V2 [B_g, C/N] = {mem['pfc_logits_bytes'] / 2**20:.1f} MiB")
+            print(f"  {name}: {count} collectives, {sum(r[1] * r[3] for r in rows) / 2**20:.3f} MiB payload in, "
+                  f"{sum(r[4] for r in rows) / 2**20:.3f} MiB received (ring estimate)"
+                  + ("; plus a .item() host sync in backward" if name == "PartialFC_V2" else ""))
+            for desc, n, _, nbytes, wire in rows:
+                print(f"     {n} x {desc:42s} in {nbytes / 2**10:10.1f} KiB   received {wire / 2**10:10.1f} KiB")
+        print(f"  logits held: ours one chunk [B_g, chunk] (the op's default budget; 64 MiB on GPUs); "
+              f"PartialFC_V2 the whole [B_g, C/N] = {mem['pfc_logits_bytes'] / 2**20:.1f} MiB (fp32"
+              f"{' + the autocast copy' if args.dtype != 'fp32' else ''})")
     os.makedirs(OUT, exist_ok=True)
     blob = {"args": vars(args), "device": device_name, "torch": torch.__version__, "times": res,
             "tables": {str(k): v for k, v in tables.items()}}

@@ -72,7 +72,10 @@ def _run_scenario(rank, world, name, d, group):
     sizes = d["sizes"]
     start = sum(sizes[:rank]) if layout == "data_parallel" else 0
     size = sizes[rank]
-    x = d["x"][start:start + size].to(dtype).requires_grad_(True)
+    x = d["x"][start:start + size].to(dtype)
+    if dtype == torch.float32:
+        x = x.t().contiguous().t()  # non-contiguous embeddings
+    x.requires_grad_(True)
     opt = shardkit.SparseRowSGD(head.parameters(), lr=0.5, momentum=0.9, weight_decay=0.01)
     out = {}
     for step in range(2 if rate < 1.0 else 1):  # two steps: the momentum buffer exists on step 2
