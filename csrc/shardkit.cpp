@@ -46,6 +46,16 @@ TORCH_LIBRARY(shardkit, m) {
   m.def("split_to_devices(Tensor[] tensors, int[] split_sizes, int dim, Device[] devices) -> Tensor[]");
   // ---- end parallel ----
 
+  // ---- distributed --------------------------------------------------------------
+  // PartialFC sampling for one class shard: all positive classes of the (global) batch plus
+  // uniform negatives, num_sample in all. Returns (index [num_sample] int64: sorted local
+  // class ids kept, remapped_labels [B] int64: each row's position in index, -1 if its class
+  // is not in this shard). Random, not differentiable.
+  m.def(
+      "partial_fc_sample(Tensor labels, int class_offset, int num_local, int num_sample, "
+      "Generator? generator=None) -> (Tensor index, Tensor remapped_labels)");
+  // ---- end distributed ----
+
   // ---- normalize ----------------------------------------------------------------
   // uint8 images -> normalized float images in one pass: out = (x / 255 - mean[c]) / std[c]
   // (mean/std in the 0-1 scale, as torchvision documents them). images: [N, H, W, C] or

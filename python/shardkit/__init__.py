@@ -34,6 +34,12 @@ from shardkit.margins import ArcFace, CombinedMargin, CosFace  # noqa: E402
 from shardkit import parallel  # noqa: F401  (shardkit.parallel.DataParallelModel, ...)
 # ---- end parallel ----
 
+# ---- distributed ----
+from shardkit import distributed  # noqa: F401,E402  (torch.distributed mode, see its docstring)
+from shardkit.checkpoint import export_full_weight, import_full_weight, load_sharded, save_sharded  # noqa: E402
+from shardkit.optim import SparseRowSGD  # noqa: E402
+# ---- end distributed ----
+
 # ---- normalize ----
 from shardkit.transforms import Normalize  # noqa: E402
 # ---- end normalize ----
@@ -53,6 +59,8 @@ __all__ = [
     "CombinedMargin",
     # parallel
     "parallel",
+    # distributed
+    "distributed", "SparseRowSGD", "save_sharded", "load_sharded", "export_full_weight", "import_full_weight",
     # normalize
     "Normalize",
 ]

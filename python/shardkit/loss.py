@@ -29,6 +29,7 @@ from shardkit._sce_core import (
     loss_from_statistics,
     shard_statistics,
 )
+from shardkit import _dist_loss  # distributed hook
 from shardkit.margins import Margin
 
 __all__ = ["ShardedSoftmaxLoss", "sharded_cross_entropy", "ShardedLossOutput", "ShardStatistics"]
@@ -200,6 +201,13 @@ class ShardedSoftmaxLoss(nn.Module):
             the CPU until the backbone's forward is done); "async": same check with no sync
             (``torch._assert_async``; on CUDA a failure is a device-side assert); False: none.
         topk: default k's of the correct counts returned by ``return_details=True``.
+        process_group, input_layout, sample_rate: the torch.distributed mode (see
+            :mod:`shardkit.distributed` and the README): this rank holds ONE shard, classes
+            ``split_classes(C, world_size)[rank]``, on ``devices[0]`` (default: the current GPU
+            under NCCL, else the CPU); ``input_layout`` "data_parallel" (each rank its own batch;
+            the embedding gradient is world_size * dL/dX_r) or "replicated"; ``sample_rate`` < 1:
+            PartialFC sampling in training mode (row-sparse weight gradient: use
+            :class:`shardkit.SparseRowSGD`).
 
     Attributes:
         weight_shards (nn.ParameterList): one [C_k, D] Parameter per device; shard k holds
@@ -220,12 +228,16 @@ class ShardedSoftmaxLoss(nn.Module):
     def __init__(self, embedding_dim: int, num_classes: int, *, margin: Optional[Margin] = None,
                  devices=None, shard_sizes=None, label_smoothing: float = 0.0, ignore_index: int = -100,
                  reduction: str = "mean", dtype: Optional[torch.dtype] = None,
-                 chunk_memory=None, check_inputs=True, topk: Sequence[int] = (1, 5)):
+                 chunk_memory=None, check_inputs=True, topk: Sequence[int] = (1, 5),
+                 process_group=None, input_layout: str = "data_parallel", sample_rate: float = 1.0):
         super().__init__()
         for name, value in (("embedding_dim", embedding_dim), ("num_classes", num_classes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"argument `{name}` must be a positive int, got {value!r}")
         check_options(margin, label_smoothing, ignore_index, reduction, check_inputs)
+        # distributed hook: torch.distributed mode, one shard per rank (see shardkit._dist_loss)
+        self._dist, devices = _dist_loss.setup(self, num_classes, process_group, input_layout, sample_rate,
+                                               devices, shard_sizes)
         if devices is None:
             devices = ["cpu"] if shard_sizes is None else ["cpu"] * len(list(shard_sizes))
         if isinstance(devices, (str, torch.device)):
@@ -234,6 +246,8 @@ class ShardedSoftmaxLoss(nn.Module):
         if not devices:
             raise ValueError("argument `devices` must name at least one device")
         sizes = _split_sizes(num_classes, len(devices), shard_sizes)
+        if self._dist is not None:  # distributed hook: this rank's class range only
+            sizes = [self._dist.num_local]
         dtype = torch.get_default_dtype() if dtype is None else dtype
         if not dtype.is_floating_point:
             raise TypeError(f"argument `dtype` must be a floating dtype, got {dtype}")
@@ -251,8 +265,9 @@ class ShardedSoftmaxLoss(nn.Module):
              for size, dev in zip(sizes, devices)]
         )
         self.reset_parameters()
-        self.register_state_dict_post_hook(_state_dict_post_hook)
-        self.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
+        if self._dist is None:  # distributed hook: ranks keep their own shard (shardkit.save_sharded)
+            self.register_state_dict_post_hook(_state_dict_post_hook)
+            self.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
 
     @property
     def shard_sizes(self) -> tuple:
@@ -262,6 +277,8 @@ class ShardedSoftmaxLoss(nn.Module):
     @property
     def class_offsets(self) -> tuple:
         """First class id of each shard."""
+        if self._dist is not None:  # distributed hook
+            return (self._dist.class_offset,)
         out, acc = [], 0
         for size in self.shard_sizes:
             out.append(acc)
@@ -277,6 +294,8 @@ class ShardedSoftmaxLoss(nn.Module):
     def reset_parameters(self) -> None:
         """U(-1/sqrt(D), 1/sqrt(D)) (nn.Linear's kaiming_uniform(a=sqrt(5))), drawn on the
         CPU shard by shard in class order: the same numbers as one [C, D] draw."""
+        if self._dist is not None:  # distributed hook
+            return _dist_loss.reset_shard_(self)
         bound = 1.0 / self.embedding_dim ** 0.5
         for p in self.weight_shards:
             if p.device.type == "meta":
@@ -286,6 +305,8 @@ class ShardedSoftmaxLoss(nn.Module):
     def full_weight(self, device=None) -> torch.Tensor:
         """A class-ordered copy [C, D] of the weight (detached) on ``device`` (default:
         the first shard's)."""
+        if self._dist is not None:  # distributed hook: a collective, every rank calls it
+            return _dist_loss.full_weight(self, device)
         device = self.weight_shards[0].device if device is None else torch.device(device)
         return torch.cat([p.detach().to(device) for p in self.weight_shards], dim=0)
 
@@ -303,6 +324,8 @@ class ShardedSoftmaxLoss(nn.Module):
         (loss, per-row lse [B], correct {k: count} for ``topk`` (default: the module's),
         num_valid).
         """
+        if self._dist is not None:  # distributed hook
+            return _dist_loss.forward(self, embeddings, labels, return_details, topk)
         if isinstance(embeddings, torch.Tensor) and embeddings.dim() == 2 \
                 and embeddings.shape[1] != self.embedding_dim:
             raise ValueError(f"argument `embeddings` has dim {embeddings.shape[1]}, "

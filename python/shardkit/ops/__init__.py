@@ -16,6 +16,10 @@ from shardkit.ops._sharded_ce import ce_shard_stats, chunk_classes_for_budget  #
 from shardkit.ops._parallel import split_to_devices, weighted_loss_reduce  # noqa: F401
 # ---- end parallel ----
 
+# ---- distributed ----
+from shardkit.ops._sampling import partial_fc_sample  # noqa: F401
+# ---- end distributed ----
+
 # ---- normalize ----
 from shardkit.ops._normalize import normalize_images  # noqa: F401
 # ---- end normalize ----

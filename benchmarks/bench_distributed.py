@@ -1,0 +1,238 @@
+"""Distributed ShardedSoftmaxLoss: world-size-1 step time against the one-process mode, and
+collectives / bytes per step against InsightFace's PartialFC_V2 for the same shapes.
+
+    python benchmarks/bench_distributed.py --device cpu                    # spawns 1 gloo rank
+    python benchmarks/bench_distributed.py --device cuda                   # spawns 1 NCCL rank
+    torchrun --nproc_per_node=1 benchmarks/bench_distributed.py --device cuda
+
+The step is forward + backward of the head alone (embeddings are a leaf tensor), so the
+distributed mode's extra work (size exchange, byte-packed all_gather, stats all_gather,
+reduce-scatter; all trivial at world size 1 but still real collectives) is measured
+against the identical kernels in the one-process mode. Medians of --iters steps after
+--warmup; CUDA events on the GPU. The floor is the three GEMMs' FLOPs (logits, dX, dW)
+over the measured matmul rate of the same shapes.
+
+The communication table is computed from the shapes, not measured: ours from our code
+path; PartialFC_V2 from its published code (all_gather of fp32 embeddings, all_gather of
+int64 labels, all-reduces of the row max, the exp-sum and the target probability, a
+reduce per rank of the fp32 embedding gradient, a .item() in backward, and the kept
+[B_global, C/N] fp32 logits).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+import shardkit  # noqa: E402
+from shardkit.distributed import split_classes  # noqa: E402
+
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--classes", type=int, default=None, help="default: 200k on cpu, 1M on cuda")
+    p.add_argument("--dim", type=int, default=None, help="default: 128 on cpu, 512 on cuda")
+    p.add_argument("--batch", type=int, default=256, help="per-rank batch")
+    p.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: fp32 on cpu, bf16 on cuda")
+    p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--table-worlds", default="1,8", help="world sizes of the communication table")
+    p.add_argument("--port", type=int, default=29531)
+    a = p.parse_args()
+    cpu = a.device == "cpu"
+    a.classes = a.classes or (200_000 if cpu else 1_000_000)
+    a.dim = a.dim or (128 if cpu else 512)
+    a.dtype = a.dtype or ("fp32" if cpu else "bf16")
+    a.iters = a.iters or (10 if cpu else 50)
+    return a
+
+
+def _timer(device):
+    if device.type == "cuda":
+        def run(fn, iters, warmup):
+            for _ in range(warmup):
+                fn()
+            times = []
+            for _ in range(iters):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            return statistics.median(times)
+    else:
+        def run(fn, iters, warmup):
+            for _ in range(warmup):
+                fn()
+            times = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times)
+    return run
+
+
+def _step_fn(head, x, labels):
+    def step():
+        head.zero_grad(set_to_none=True)
+        x.grad = None
+        head(x, labels).backward()
+    return step
+
+
+def measure(args, device):
+    """Median step seconds of (one-process, distributed) heads of the same shapes, and the
+    GEMM floor. Runs inside an initialized process group of world size 1."""
+    dtype = DTYPES[args.dtype]
+    timer = _timer(device)
+    torch.manual_seed(0)
+    x = torch.randn(args.batch, args.dim, device=device, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, args.classes, (args.batch,), device=device)
+    margin = shardkit.ArcFace(s=64.0, m=0.5)
+    common = dict(margin=margin, dtype=dtype, check_inputs=False)
+    one = shardkit.ShardedSoftmaxLoss(args.dim, args.classes, devices=[device], **common)
+    ours = shardkit.ShardedSoftmaxLoss(args.dim, args.classes, devices=[device], process_group=dist.group.WORLD,
+                                       **common)
+    shardkit.import_full_weight(ours, one.full_weight())
+    results = {}
+    # Interleave the two so machine noise hits both alike.
+    t_one, t_ours = [], []
+    for _ in range(3):
+        t_one.append(timer(_step_fn(one, x, labels), max(1, args.iters // 3), args.warmup))
+        t_ours.append(timer(_step_fn(ours, x, labels), max(1, args.iters // 3), args.warmup))
+    results["one_process_s"] = statistics.median(t_one)
+    results["distributed_ws1_s"] = statistics.median(t_ours)
+    w = one.weight_shards[0].detach()
+    xd = x.detach()
+    g = torch.randn(args.batch, args.classes, device=device, dtype=dtype) if args.classes * args.batch <= 2**28 \
+        else None
+    if g is not None:  # three GEMMs of the layer: logits, dX, dW
+        def gemms():
+            torch.mm(xd, w.t())
+            torch.mm(g, w)
+            torch.mm(g.t(), xd)
+        results["gemm_floor_s"] = timer(gemms, args.iters, args.warmup)
+    return results
+
+
+def _worker(rank, args, queue):
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=1)
+    res = measure(args, device)
+    dist.destroy_process_group()
+    if queue is not None:
+        queue.put(res)
+    return res
+
+
+def _wire(kind, nbytes, world):
+    """Bytes a rank receives for one collective under ring algorithms (what NCCL uses for
+    these sizes): all_gather (N-1) n, reduce_scatter / reduce (N-1)/N n, all_reduce 2(N-1)/N n."""
+    factor = {"all_gather": world - 1, "reduce_scatter": (world - 1) / world, "reduce": (world - 1) / world,
+              "all_reduce": 2 * (world - 1) / world}[kind]
+    return nbytes * factor
+
+
+def comm_table(batch, dim, classes, dtype, world):
+    """Collectives per training step, with each rank's input payload and the bytes it
+    receives (ring estimate), from the shapes. Rows: (what, count, kind, payload bytes)."""
+    elem = torch.empty((), dtype=DTYPES[dtype]).element_size()
+    bg = batch * world
+    c_local = split_classes(classes, world)[0]
+    row = 8 + (dim * elem + 7) // 8 * 8
+    ours = [("CPU all_gather: batch sizes + error flag", 1, "all_gather", 4 * 8),
+            ("all_gather labels+embeddings (bytes)", 1, "all_gather", batch * row),
+            ("all_gather packed stats [3, B_g] fp32", 1, "all_gather", 3 * bg * 4),
+            ("reduce_scatter dX [B_g, D]", 1, "reduce_scatter", bg * dim * elem)]
+    pfc = [("all_gather embeddings fp32", 1, "all_gather", batch * dim * 4),
+           ("all_gather labels int64", 1, "all_gather", batch * 8),
+           ("all_reduce max [B_g] fp32", 1, "all_reduce", bg * 4),
+           ("all_reduce exp-sum [B_g] fp32", 1, "all_reduce", bg * 4),
+           ("all_reduce target prob [B_g] fp32", 1, "all_reduce", bg * 4),
+           ("reduce dX [B, D] fp32 (one per rank)", world, "reduce", batch * dim * 4)]
+    ours = [(d, n, k, b, n * _wire(k, b, world)) for d, n, k, b in ours]
+    pfc = [(d, n, k, b, n * _wire(k, b, world)) for d, n, k, b in pfc]
+    mem = {"pfc_logits_bytes": bg * c_local * 4 * (2 if dtype != "fp32" else 1)}
+    return ours, pfc, mem
+
+
+def main():
+    args = parse()
+    if "RANK" in os.environ:  # under torchrun
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        res = _worker(int(os.environ.get("LOCAL_RANK", 0)), args, None)
+    else:
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_worker, args=(0, args, queue))
+        proc.start()
+        res = queue.get()
+        proc.join()
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"\nShardedSoftmaxLoss fwd+bwd, ArcFace, B={args.batch} D={args.dim} C={args.classes} {args.dtype} "
+          f"on {device_name}, torch {torch.__version__}")
+    print(f"{'mode':32s} {'median ms':>10s} {'vs one-process':>15s}")
+    base = res["one_process_s"]
+    for key, label in (("one_process_s", "one-process (devices=[dev])"),
+                       ("distributed_ws1_s", "process_group, world size 1")):
+        print(f"{label:32s} {res[key] * 1e3:10.2f} {res[key] / base:14.3f}x")
+    overhead = res["distributed_ws1_s"] / base - 1
+    print(f"distributed overhead: {overhead * 100:+.1f}% (target <= +5% on the GPU)")
+    if "gemm_floor_s" in res:
+        print(f"floor (3 GEMMs at the measured matmul rate): {res['gemm_floor_s'] * 1e3:.2f} ms; "
+              f"distributed step reaches {res['gemm_floor_s'] / res['distributed_ws1_s'] * 100:.0f}% of it")
+    tables = {}
+    for world in (int(w) for w in args.table_worlds.split(",")):
+        ours, pfc, mem = comm_table(args.batch, args.dim, args.classes, args.dtype, world)
+        tables[world] = {"ours": ours, "pfc_v2": pfc, **mem}
+        print(f"\nPer-step communication per rank, world size {world} (computed from shapes; "
+              f"b={args.batch}/rank, D={args.dim}, C={args.classes})")
+        for name, rows in (("ours", ours), ("PartialFC_V2", pfc)):
+            count = sum(r[1] for r in rows)
+            print(f"  {name}: {count} collectives, {sum(r[1] * r[3] for r in rows) / 2**20:.3f} MiB payload in, "
+                  f"{sum(r[4] for r in rows) / 2**20:.3f} MiB received (ring estimate)"
+                  + ("; plus a .item() host sync in backward" if name == "PartialFC_V2" else ""))
+            for desc, n, _, nbytes, wire in rows:
+                print(f"     {n} x {desc:42s} in {nbytes / 2**10:10.1f} KiB   received {wire / 2**10:10.1f} KiB")
+        print(f"  logits held: ours one chunk [B_g, chunk] (the op's default budget; 64 MiB on GPUs); "
+              f"PartialFC_V2 the whole [B_g, C/N] = {mem['pfc_logits_bytes'] / 2**20:.1f} MiB (fp32"
+              f"{' + the autocast copy' if args.dtype != 'fp32' else ''})")
+    os.makedirs(OUT, exist_ok=True)
+    blob = {"args": vars(args), "device": device_name, "torch": torch.__version__, "times": res,
+            "tables": {str(k): v for k, v in tables.items()}}
+    with open(os.path.join(OUT, f"bench_distributed_{args.device}.json"), "w") as f:
+        json.dump(blob, f, indent=1)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(5, 3))
+        ax.bar(["one-process", "world size 1"], [base * 1e3, res["distributed_ws1_s"] * 1e3])
+        ax.set_ylabel("ms per fwd+bwd")
+        ax.set_title(f"{args.device}: B={args.batch} D={args.dim} C={args.classes}")
+        fig.tight_layout()
+        fig.savefig(os.path.join(OUT, f"bench_distributed_{args.device}.png"))
+    except ImportError:
+        pass
+
+
+if __name__ == "__main__":
+    main()

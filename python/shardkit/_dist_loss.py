@@ -1,0 +1,179 @@
+"""The torch.distributed mode of :class:`shardkit.ShardedSoftmaxLoss` (private glue; the
+collectives and their autograd live in :mod:`shardkit.distributed`).
+
+``ShardedSoftmaxLoss(D, C, process_group=group)`` keeps ONE weight shard per rank (classes
+``[class_offset, class_offset + C_r)``, split as :func:`shardkit.distributed.split_classes`)
+and delegates ``forward``, ``full_weight`` and ``reset_parameters`` here.
+"""
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from shardkit.distributed import (
+    DATA_PARALLEL,
+    DistContext,
+    DistributedInputError,
+    all_gather_rows,
+    combine_stats,
+    exchange_batch_info,
+    gather_batch,
+    sampled_class_counts,
+)
+from shardkit import ops
+from shardkit._sce_checks import check_tensors, check_values
+from shardkit._sce_core import ShardStatistics, _chunk_classes, _compute_dtype, _plain_target_logit
+from shardkit.sampling import check_sample_rate, sample_shard
+
+
+def setup(module, num_classes: int, process_group, input_layout: str, sample_rate, devices, shard_sizes):
+    """Called by ShardedSoftmaxLoss.__init__: returns ``(ctx, devices)``; ctx is None in the
+    one-process mode (then ``devices`` passes through unchanged), else ``devices`` is this
+    rank's one device."""
+    module.sample_rate = check_sample_rate(sample_rate)
+    module.sample_generator: Optional[torch.Generator] = None  # set to seed the sampling
+    if process_group is None:
+        if module.sample_rate < 1.0:
+            raise ValueError("argument `sample_rate` < 1 (PartialFC) needs `process_group`; a one-process job "
+                             "can pass a world of one (torch.distributed.init_process_group with world_size=1)")
+        if input_layout != DATA_PARALLEL:
+            raise ValueError("argument `input_layout` needs `process_group`")
+        return None, devices
+    if shard_sizes is not None:
+        raise ValueError("argument `shard_sizes` is not used with `process_group`: rank r holds "
+                         "shardkit.distributed.split_classes(num_classes, world_size)[r] classes")
+    ctx = DistContext(num_classes, process_group, input_layout)
+    if devices is None:
+        on_gpu = dist.get_backend(ctx.group) == dist.Backend.NCCL
+        devices = [torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")]
+    if isinstance(devices, (str, torch.device)):
+        devices = [devices]
+    if len(list(devices)) != 1:
+        raise ValueError(f"argument `devices` must name ONE device per rank with `process_group`, got {devices}")
+    return ctx, list(devices)
+
+
+@torch.no_grad()
+def reset_shard_(module) -> None:
+    """nn.Linear's U(-1/sqrt(D), 1/sqrt(D)) for this rank's shard, from a CPU generator seeded
+    by one draw of the global CPU generator plus the rank: ranks seeded alike still give
+    different classes different rows (the one-process draw is not reproduced; use
+    :func:`shardkit.import_full_weight` for an exact copy of a given weight)."""
+    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item()) + 1000003 * module._dist.rank
+    gen = torch.Generator().manual_seed(seed % 2**63)
+    bound = 1.0 / module.embedding_dim ** 0.5
+    for p in module.weight_shards:
+        if p.device.type != "meta":
+            p.copy_(torch.empty(p.shape, dtype=p.dtype).uniform_(-bound, bound, generator=gen))
+
+
+def full_weight(module, device=None) -> torch.Tensor:
+    """Class-ordered [C, D] copy gathered from every rank (a collective: all ranks call it)."""
+    local = module.weight_shards[0].detach()
+    full = all_gather_rows(module._dist, local)
+    return full if device is None else full.to(device)
+
+
+def forward(module, embeddings, labels, return_details: bool, topk: Optional[Sequence[int]]):
+    """ShardedSoftmaxLoss.forward in the distributed mode: the loss of the GLOBAL batch on
+    every rank (see :mod:`shardkit.distributed` for the gradient convention)."""
+    from shardkit._sce_checks import check_topk
+    from shardkit._sce_core import loss_from_statistics
+    from shardkit.loss import ShardedLossOutput
+
+    ks = check_topk(module.topk if topk is None else topk) if return_details else ()
+    rate = module.sample_rate if module.training else 1.0  # evaluation uses every class
+    stats, labels_g, used = distributed_statistics(
+        module._dist, embeddings, labels, module.weight_shards[0], margin=module.margin,
+        chunk_memory=module.chunk_memory, with_rank=bool(ks), ignore_index=module.ignore_index,
+        check_inputs=module.check_inputs, sample_rate=rate, generator=module.sample_generator)
+    loss, valid = loss_from_statistics(stats, labels_g, used, label_smoothing=module.label_smoothing,
+                                       ignore_index=module.ignore_index, reduction=module.reduction)
+    if not return_details:
+        return loss
+    correct = {k: ((stats.greater_count < k) & valid).sum() for k in ks}
+    return ShardedLossOutput(loss, stats.lse, correct, valid.sum())
+
+
+def check_local_input(embeddings, labels, dim: int, num_classes: int, ignore_index: int, check_inputs):
+    """The one-process mode's argument checks, except that a rank may bring an EMPTY batch
+    (only the global batch must be non-empty). Returns labels as int64; raises
+    ValueError / TypeError naming the argument."""
+    if isinstance(embeddings, torch.Tensor) and embeddings.dim() == 2 and embeddings.shape[0] == 0:
+        # check_tensors rejects empty batches; run it on a one-row stand-in for the rest.
+        fake_labels = labels[:1] if isinstance(labels, torch.Tensor) and labels.dim() == 1 else labels
+        if isinstance(fake_labels, torch.Tensor) and fake_labels.shape[0] == 0:
+            fake_labels = fake_labels.new_zeros(1)
+        check_tensors(embeddings.new_zeros(1, embeddings.shape[1]), fake_labels, dim)
+        return labels.long()
+    labels = check_tensors(embeddings, labels, dim)
+    if check_inputs:
+        check_values(embeddings, labels, num_classes, ignore_index, check_inputs)
+    return labels
+
+
+def distributed_statistics(dctx: DistContext, embeddings, labels, weight: torch.Tensor, *, margin,
+                           chunk_memory: Optional[int], with_rank: bool, ignore_index: int = -100,
+                           check_inputs=True, sample_rate: float = 1.0,
+                           generator: Optional[torch.Generator] = None):
+    """One rank's part of the distributed loss, up to the global statistics.
+
+    Args:
+        embeddings: [b_r, D] this rank's batch (data-parallel layout; b_r may be 0) or the
+            replicated [B, D] batch.
+        labels: [b_r] integer class ids in [0, num_classes) or ``ignore_index``.
+        weight: [C_r, D] this rank's shard (classes ``dctx.class_offset`` onward).
+        margin, chunk_memory, check_inputs: as :func:`shardkit.sharded_cross_entropy`.
+        with_rank: also count, per row, the classes whose plain logit beats the target
+            (top-k); costs one extra all-reduce of [B_g] (the plain target logit).
+        sample_rate: PartialFC rate in (0, 1]; below 1 only the sampled classes take part.
+        generator: torch.Generator on the weight's device for the sampling.
+
+    Returns:
+        ``(stats, labels_global, num_classes_used)``: :class:`ShardStatistics` of the
+        global batch ([B_g] each; identical on every rank), the global labels [B_g] int64
+        in rank order, and the class count the smoothing term divides by (all classes, or
+        the sampled ones).
+    """
+
+    error = None
+    try:
+        labels = check_local_input(embeddings, labels, weight.shape[1], dctx.num_classes, ignore_index,
+                                   check_inputs)
+        dtype = _compute_dtype(weight)
+        if embeddings.dtype != dtype:
+            embeddings = embeddings.to(dtype)  # cast before the gather: fewer bytes on the wire
+    except (ValueError, TypeError) as err:
+        error = str(err)
+    sizes = exchange_batch_info(dctx, embeddings, error)
+    if sum(sizes) == 0:
+        raise DistributedInputError(
+            f"ShardedSoftmaxLoss rank {dctx.rank}: argument `embeddings` is empty on every rank; the loss "
+            "of no samples is undefined")
+    xg, yg = gather_batch(dctx, embeddings, labels, sizes)
+    batch = xg.shape[0]
+    if sample_rate < 1.0:
+        counts = sampled_class_counts(dctx.class_sizes, sample_rate, batch)
+        w, y_shard, _ = sample_shard(weight, yg, dctx.class_offset, counts[dctx.rank], generator)
+        offset, used = 0, sum(counts)
+    else:
+        w, y_shard, offset, used = weight, yg, dctx.class_offset, dctx.num_classes
+    if w.dtype != xg.dtype:
+        w = w.to(xg.dtype)
+    target_ref = None
+    if with_rank:
+        part = _plain_target_logit([(xg, y_shard)], [w], [offset], y_shard, margin, xg.device)
+        target_ref = torch.zeros(batch, dtype=torch.float32, device=xg.device) if part is None else part
+        try:  # the rank owning each row's class contributes its plain logit, the others 0
+            dist.all_reduce(target_ref, group=dctx.group)
+        except Exception as err:
+            raise dctx.fail("target-logit all_reduce", err) from err
+    scale, m1, m2, m3 = margin.params() if margin is not None else (1.0, 1.0, 0.0, 0.0)
+    lse, target, logit_sum, greater = ops.ce_shard_stats(
+        xg, w, y_shard, class_offset=offset, scale=scale, m1=m1, m2=m2, m3=m3, normalize=margin is not None,
+        chunk_classes=_chunk_classes(batch, w.shape[0], xg.shape[1], xg.dtype, chunk_memory),
+        target_ref=target_ref)
+    lse_g, target_g, sum_g, greater_g = combine_stats(dctx, lse, target, logit_sum,
+                                                      greater if with_rank else None)
+    return ShardStatistics(lse_g, target_g, sum_g, greater_g), yg, used

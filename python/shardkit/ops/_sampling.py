@@ -1,0 +1,45 @@
+"""PartialFC class sampling (``torch.ops.shardkit.partial_fc_sample``): fake kernel and
+the Python wrapper. The op is random and not differentiable (it returns indices)."""
+
+from typing import Optional, Tuple
+
+import torch
+
+__all__ = ["partial_fc_sample"]
+
+
+@torch.library.register_fake("shardkit::partial_fc_sample")
+def _partial_fc_sample_fake(labels, class_offset, num_local, num_sample, generator=None):
+    torch._check(labels.dtype == torch.int64, lambda: f"argument `labels` must be int64, got {labels.dtype}")
+    torch._check(labels.dim() == 1, lambda: f"argument `labels` must be 1-D [B], got {labels.dim()} dimensions")
+    torch._check(0 <= num_sample <= num_local,
+                 lambda: f"argument `num_sample` must be in [0, num_local={num_local}], got {num_sample}")
+    return labels.new_empty(num_sample), torch.empty_like(labels)
+
+
+def partial_fc_sample(
+    labels: torch.Tensor,
+    *,
+    class_offset: int,
+    num_local: int,
+    num_sample: int,
+    generator: Optional[torch.Generator] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Sample ``num_sample`` of a shard's ``num_local`` classes: every positive, then
+    uniformly random negatives.
+
+    Args:
+        labels: [B] int64 global class ids (other shards' classes and ignore_index allowed).
+        class_offset: first global class id of the shard.
+        num_local: classes in the shard.
+        num_sample: classes to keep, in [0, num_local]; must be at least the number of
+            distinct positives (e.g. ``min(B, num_local)``) for all positives to fit.
+        generator: torch.Generator on the labels' device (default: the device's global one).
+
+    Returns:
+        ``(index, remapped)``: index [num_sample] int64, the kept local class ids in
+        increasing order; remapped [B] int64, each row's position in ``index`` or -1 when
+        its class is not in this shard. Runs on the labels' device without host syncs.
+    """
+    return torch.ops.shardkit.partial_fc_sample(labels, int(class_offset), int(num_local), int(num_sample),
+                                                generator=generator)

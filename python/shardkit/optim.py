@@ -1,0 +1,97 @@
+"""SGD that updates only the rows present in a row-sparse gradient (PartialFC).
+
+With PartialFC sampling, each step's weight gradient is a sparse COO tensor holding the
+sampled rows only. ``torch.optim.SGD`` would move the other rows too (momentum keeps
+pushing rows whose buffer is non-zero; weight decay touches every row; with a sparse
+gradient it even raises on weight decay). :class:`SparseRowSGD` applies SGD with
+momentum, dampening, weight decay and Nesterov to the gradient's rows alone: the weight
+AND the momentum buffer of an unsampled row stay bit-for-bit unchanged, so the row just
+misses that step (the PartialFC behaviour).
+"""
+
+from typing import Iterable
+
+import torch
+
+__all__ = ["SparseRowSGD"]
+
+
+class SparseRowSGD(torch.optim.Optimizer):
+    """SGD (lr, momentum, dampening, weight_decay, nesterov; the ``torch.optim.SGD``
+    update rule) that touches only rows present in a row-sparse gradient.
+
+    Args:
+        params: parameters or parameter groups, as for ``torch.optim.SGD``.
+        lr, momentum, dampening, weight_decay, nesterov: as ``torch.optim.SGD``.
+
+    Parameters with a sparse COO gradient (``F.embedding(..., sparse=True)``, which the
+    sampled :class:`shardkit.ShardedSoftmaxLoss` produces) are updated row by row: for the
+    gradient's rows R only, ``g = grad[R] + wd * p[R]``; ``buf[R] = g`` the first time a row
+    is seen, else ``momentum * buf[R] + (1 - dampening) * g``; ``p[R] -= lr * (g + momentum *
+    buf[R] if nesterov else buf[R])``. Rows outside R are not read or written. On a dense
+    gradient every row is in R: the step equals ``torch.optim.SGD``'s. Momentum buffers are
+    dense [rows, ...] tensors in ``state[p]["momentum_buffer"]`` with a [rows] bool
+    ``state[p]["seen"]`` (rows whose buffer has been started).
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False):
+        for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
+            if value < 0.0:
+                raise ValueError(f"argument `{name}` must be >= 0, got {value}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("argument `nesterov` needs momentum > 0 and dampening = 0")
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                        nesterov=nesterov)
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One update of every parameter that has a gradient; returns the closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                if grad.is_sparse:
+                    grad = grad.coalesce()  # unique, sorted rows
+                    rows, values = grad.indices()[0], grad.values()
+                    if grad.sparse_dim() != 1:
+                        raise ValueError("SparseRowSGD: sparse gradients must be row-sparse (sparse_dim 1), got "
+                                         f"sparse_dim {grad.sparse_dim()}")
+                else:
+                    rows, values = None, grad
+                self._update(p, rows, values, group)
+        return loss
+
+    def _update(self, p, rows, g, group):
+        lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
+        current = p if rows is None else p.index_select(0, rows)
+        if wd != 0:
+            g = g.add(current, alpha=wd)
+        if momentum != 0:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["seen"] = torch.zeros(p.shape[0], dtype=torch.bool, device=p.device)
+            buf_all, seen_all = state["momentum_buffer"], state["seen"]
+            buf = buf_all if rows is None else buf_all.index_select(0, rows)
+            seen = seen_all if rows is None else seen_all.index_select(0, rows)
+            seen = seen.view((-1,) + (1,) * (g.dim() - 1))
+            # torch.optim.SGD starts a buffer with the raw gradient (no dampening).
+            new_buf = torch.where(seen, buf * momentum + g * (1.0 - group["dampening"]), g)
+            if rows is None:
+                buf_all.copy_(new_buf)
+                seen_all.fill_(True)
+            else:
+                buf_all.index_copy_(0, rows, new_buf)
+                seen_all.index_fill_(0, rows, True)
+            g = g.add(new_buf, alpha=momentum) if group["nesterov"] else new_buf
+        if rows is None:
+            p.add_(g, alpha=-lr)
+        else:
+            p.index_copy_(0, rows, current.add(g, alpha=-lr))

@@ -1,0 +1,61 @@
+"""PartialFC: each step uses every positive class of the global batch plus uniformly
+sampled negatives, ``sample_rate`` of each rank's shard (at least enough to hold every
+positive), instead of all classes.
+
+The sampled weight rows are read with ``F.embedding(index, weight, sparse=True)``, so the
+shard's gradient is a row-sparse COO tensor holding only the sampled rows: rows not
+sampled get no gradient at all. An optimizer with momentum or weight decay must then
+leave them untouched; ``torch.optim.SGD`` does not (with a sparse gradient it raises on
+weight decay, and with momentum it keeps moving rows whose momentum buffer is non-zero),
+so use :class:`shardkit.SparseRowSGD`.
+
+Label smoothing under sampling spreads eps over the SAMPLED classes (the logit sum and
+the class count both come from the sampled set): the loss is that of a classifier over
+the sampled classes, as PartialFC trains it. ``sample_rate=1`` runs the full path and
+equals the full loss exactly.
+"""
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from shardkit.ops._sampling import partial_fc_sample
+
+
+def check_sample_rate(sample_rate) -> float:
+    """``sample_rate`` as a float in (0, 1]; ValueError / TypeError naming the argument."""
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)):
+        raise TypeError(f"argument `sample_rate` must be a float in (0, 1], got {type(sample_rate).__name__}")
+    rate = float(sample_rate)
+    if not 0.0 < rate <= 1.0:
+        raise ValueError(f"argument `sample_rate` must be in (0, 1], got {sample_rate}")
+    return rate
+
+
+def sample_shard(
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    class_offset: int,
+    num_sample: int,
+    generator: Optional[torch.Generator] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sampled part of one class shard.
+
+    Args:
+        weight: [C_r, D] the shard's weight (a Parameter: its gradient becomes row-sparse).
+        labels: [B] int64 global class ids of the (global) batch, on the weight's device.
+        class_offset: the shard's first global class id.
+        num_sample: classes to keep (>= distinct positives, see
+            :func:`shardkit.distributed.sampled_class_counts`).
+        generator: optional torch.Generator on the weight's device.
+
+    Returns:
+        ``(sub_weight [num_sample, D], sub_labels [B] int64, index [num_sample] int64)``:
+        sub_weight's rows are ``weight[index]`` (gradient flows back as a sparse COO
+        gradient of ``weight``); sub_labels are positions in ``index`` (-1 for rows whose
+        class is not in this shard), for the statistics op with ``class_offset=0``.
+    """
+    index, sub_labels = partial_fc_sample(labels, class_offset=class_offset, num_local=weight.shape[0],
+                                          num_sample=num_sample, generator=generator)
+    return F.embedding(index, weight, sparse=True), sub_labels, index

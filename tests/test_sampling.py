@@ -1,0 +1,172 @@
+"""PartialFC sampling op (shardkit::partial_fc_sample) and SparseRowSGD, in one process.
+
+The distributed sampled loss (rate respected per rank, loss against a reference over the
+sampled classes, unsampled rows untouched after a step) is in test_distributed.py."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shardkit
+from shardkit.distributed import sampled_class_counts
+from shardkit.ops import partial_fc_sample
+from shardkit.sampling import check_sample_rate, sample_shard
+
+
+def _labels(batch, num_classes, offset, num_local, ignore=-100):
+    """Global labels, about half inside [offset, offset + num_local), a few ignored."""
+    inside = offset + torch.randint(0, max(num_local, 1), (batch,))
+    anywhere = torch.randint(0, num_classes, (batch,))
+    labels = torch.where(torch.rand(batch) < 0.5, inside, anywhere)
+    labels[torch.rand(batch) < 0.1] = ignore
+    return labels
+
+
+@pytest.mark.parametrize("batch,num_classes,offset,num_local,num_sample", [
+    (7, 50, 10, 23, 9), (33, 1000, 0, 1000, 100), (1, 5, 2, 3, 1), (16, 40, 30, 10, 10), (5, 9, 0, 4, 4),
+])
+def test_sample_contains_positives_and_remaps(batch, num_classes, offset, num_local, num_sample):
+    labels = _labels(batch, num_classes, offset, num_local)
+    num_sample = max(num_sample, min(batch, num_local))
+    index, remapped = partial_fc_sample(labels, class_offset=offset, num_local=num_local, num_sample=num_sample)
+    assert index.shape == (num_sample,) and index.dtype == torch.int64
+    assert remapped.shape == labels.shape and remapped.dtype == torch.int64
+    assert torch.all(index[1:] > index[:-1]), "index must be sorted and unique"
+    assert index.min() >= 0 and index.max() < num_local
+    local = labels - offset
+    mine = (local >= 0) & (local < num_local)
+    positives = set(local[mine].tolist())
+    assert positives <= set(index.tolist())
+    # remapped points at the row's own class in index, -1 elsewhere
+    assert torch.all(remapped[~mine] == -1)
+    assert torch.equal(index[remapped[mine]], local[mine])
+
+
+def test_sample_negatives_are_uniform():
+    # 20 classes, no positives, 5 sampled: each class kept with probability 1/4.
+    labels = torch.full((3,), -100, dtype=torch.int64)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    hits = torch.zeros(20)
+    trials = 2000
+    for _ in range(trials):
+        index, _ = partial_fc_sample(labels, class_offset=0, num_local=20, num_sample=5, generator=gen)
+        hits[index] += 1
+    freq = hits / trials
+    # binomial sd = sqrt(.25 * .75 / 2000) ~ 0.0097; 5 sd
+    assert torch.all((freq - 0.25).abs() < 0.05), freq
+
+
+def test_sample_generator_reproducible():
+    labels = torch.randint(0, 100, (17,))
+    seed = int(torch.randint(0, 2**31, ()).item())
+    a = partial_fc_sample(labels, class_offset=20, num_local=60, num_sample=25,
+                          generator=torch.Generator().manual_seed(seed))
+    b = partial_fc_sample(labels, class_offset=20, num_local=60, num_sample=25,
+                          generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_sample_errors():
+    labels = torch.randint(0, 10, (4,))
+    with pytest.raises(RuntimeError, match="argument `labels` must be int64"):
+        partial_fc_sample(labels.int(), class_offset=0, num_local=10, num_sample=5)
+    with pytest.raises(RuntimeError, match="argument `labels` must be 1-D"):
+        partial_fc_sample(labels.view(2, 2), class_offset=0, num_local=10, num_sample=5)
+    with pytest.raises(RuntimeError, match="argument `num_sample` must be in"):
+        partial_fc_sample(labels, class_offset=0, num_local=10, num_sample=11)
+    with pytest.raises(RuntimeError, match="argument `num_local` must be >= 0"):
+        partial_fc_sample(labels, class_offset=0, num_local=-1, num_sample=0)
+    with pytest.raises(RuntimeError, match="argument `class_offset` must be >= 0"):
+        partial_fc_sample(labels, class_offset=-3, num_local=10, num_sample=5)
+    with pytest.raises(ValueError, match="argument `sample_rate` must be in"):
+        check_sample_rate(0.0)
+    with pytest.raises(ValueError, match="argument `sample_rate` must be in"):
+        check_sample_rate(1.5)
+    with pytest.raises(TypeError, match="argument `sample_rate` must be a float"):
+        check_sample_rate("0.1")
+
+
+def test_opcheck_partial_fc_sample():
+    samples = [
+        (torch.randint(0, 50, (9,)), 10, 30, 12),
+        (torch.randint(0, 7, (1,)), 0, 7, 1),
+        (torch.full((4,), -100, dtype=torch.int64), 0, 8, 0),
+        (torch.randint(0, 200, (31,))[::2], 100, 100, 40),  # non-contiguous labels
+    ]
+    for labels, offset, num_local, num_sample in samples:
+        # The op is random: test_aot_dispatch_dynamic compares two runs' outputs, so it is left out.
+        torch.library.opcheck(torch.ops.shardkit.partial_fc_sample.default, (labels, offset, num_local, num_sample),
+                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def test_sampled_class_counts():
+    sizes = [34, 33, 33]
+    assert sampled_class_counts(sizes, 0.1, 8) == [max(math.ceil(0.1 * c), 8) for c in sizes]
+    assert sampled_class_counts(sizes, 0.1, 50) == sizes  # batch can hold up to 50 positives
+    assert sampled_class_counts(sizes, 1.0, 1) == sizes
+    assert sampled_class_counts([0, 5], 0.5, 3) == [0, 3]
+
+
+def test_sample_shard_sparse_grad_rows():
+    weight = torch.nn.Parameter(torch.randn(40, 6))
+    labels = torch.randint(0, 80, (12,))
+    sub_w, sub_labels, index = sample_shard(weight, labels, 20, 15)
+    assert torch.equal(sub_w, weight[index])
+    sub_w.pow(2).sum().backward()
+    assert weight.grad.is_sparse
+    rows = weight.grad.coalesce().indices()[0]
+    assert torch.equal(rows, index)
+
+
+def _sgd_pair(momentum, dampening, wd, nesterov):
+    rows, dim = 13, 5
+    start = torch.randn(rows, dim)
+    p_ours = torch.nn.Parameter(start.clone())
+    p_ref = torch.nn.Parameter(start.clone())
+    ours = shardkit.SparseRowSGD([p_ours], lr=0.1, momentum=momentum, dampening=dampening, weight_decay=wd,
+                                 nesterov=nesterov)
+    ref = torch.optim.SGD([p_ref], lr=0.1, momentum=momentum, dampening=dampening, weight_decay=wd,
+                          nesterov=nesterov)
+    return p_ours, p_ref, ours, ref
+
+
+@pytest.mark.parametrize("momentum,dampening,wd,nesterov", [
+    (0.0, 0.0, 0.0, False), (0.9, 0.0, 5e-4, False), (0.9, 0.1, 1e-2, False), (0.8, 0.0, 1e-3, True)])
+def test_sparse_row_sgd_equals_sgd_when_every_row_is_present(momentum, dampening, wd, nesterov):
+    p_ours, p_ref, ours, ref = _sgd_pair(momentum, dampening, wd, nesterov)
+    for step in range(3):
+        grad = torch.randn_like(p_ref)
+        p_ref.grad = grad.clone()
+        # all rows as a sparse gradient on even steps, dense on odd steps
+        p_ours.grad = grad.to_sparse(1) if step % 2 == 0 else grad.clone()
+        ref.step()
+        ours.step()
+        torch.testing.assert_close(p_ours.detach(), p_ref.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_sparse_row_sgd_leaves_unsampled_rows_untouched():
+    weight = torch.nn.Parameter(torch.randn(30, 4))
+    opt = shardkit.SparseRowSGD([weight], lr=0.5, momentum=0.9, weight_decay=1e-2, dampening=0.1)
+    for _ in range(3):
+        index = torch.randperm(30)[:7]
+        before = weight.detach().clone()
+        buf_before = opt.state[weight]["momentum_buffer"].clone() if opt.state[weight] else None
+        weight.grad = None
+        F.embedding(index, weight, sparse=True).sin().sum().backward()
+        opt.step()
+        untouched = torch.ones(30, dtype=torch.bool)
+        untouched[index] = False
+        assert torch.equal(weight.detach()[untouched], before[untouched])  # bit-exact
+        assert not torch.equal(weight.detach()[index], before[index])
+        if buf_before is not None:
+            assert torch.equal(opt.state[weight]["momentum_buffer"][untouched], buf_before[untouched])
+
+
+def test_sparse_row_sgd_errors():
+    p = torch.nn.Parameter(torch.randn(3, 2))
+    with pytest.raises(ValueError, match="argument `lr` must be >= 0"):
+        shardkit.SparseRowSGD([p], lr=-1.0)
+    with pytest.raises(ValueError, match="argument `nesterov` needs momentum > 0"):
+        shardkit.SparseRowSGD([p], lr=0.1, nesterov=True)
