@@ -11,6 +11,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cstring>
+
 #include "normalize_common.h"
 
 namespace shardkit {
@@ -22,6 +24,21 @@ using normalize::Plan;
 // batch of small images still spreads over the cores.
 constexpr int64_t kGrainElements = 32768;
 
+// Rounds the fp32 result to the output type. bfloat16 by integer round-to-nearest-even on
+// the bits (what c10::BFloat16 does, minus its NaN branch, which blocks vectorization; NaN
+// cannot arise here: scale and shift are finite and the input is a byte).
+template <typename T, typename acc_t>
+inline T to_out(acc_t v) {
+  return static_cast<T>(v);
+}
+template <>
+inline c10::BFloat16 to_out<c10::BFloat16, float>(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return c10::BFloat16(static_cast<uint16_t>(bits >> 16), c10::BFloat16::from_bits());
+}
+
 // One image row of NHWC uint8 to CT channel rows (plane stride HW) of NCHW output.
 template <typename T, typename acc_t, int CT>
 inline void transpose_row(const uint8_t* __restrict__ src, T* __restrict__ dst, int64_t W, int64_t HW,
@@ -29,7 +46,7 @@ inline void transpose_row(const uint8_t* __restrict__ src, T* __restrict__ dst, 
   for (int c = 0; c < CT; ++c) {
     T* __restrict__ d = dst + c * HW;
     const acc_t s = scale[c], b = shift[c];
-    for (int64_t w = 0; w < W; ++w) d[w] = static_cast<T>(static_cast<acc_t>(src[w * CT + c]) * s + b);
+    for (int64_t w = 0; w < W; ++w) d[w] = to_out<T, acc_t>(static_cast<acc_t>(src[w * CT + c]) * s + b);
   }
 }
 
@@ -61,7 +78,7 @@ void normalize_rows(const Plan& p, const acc_t* scale, const acc_t* shift) {
         T* __restrict__ dst = out + r * WC;
         const acc_t* __restrict__ rs = row_scale.data();
         const acc_t* __restrict__ rb = row_shift.data();
-        for (int64_t i = 0; i < WC; ++i) dst[i] = static_cast<T>(static_cast<acc_t>(src[i]) * rs[i] + rb[i]);
+        for (int64_t i = 0; i < WC; ++i) dst[i] = to_out<T, acc_t>(static_cast<acc_t>(src[i]) * rs[i] + rb[i]);
       } else if (in_cl) {  // NHWC -> NCHW: the transpose; reads stride C within one cached row
         const uint8_t* __restrict__ src = in + r * WC;
         T* __restrict__ dst0 = out + (n * C * H + h) * W;  // channel c's row is dst0 + c * H * W
@@ -77,7 +94,7 @@ void normalize_rows(const Plan& p, const acc_t* scale, const acc_t* shift) {
             T* __restrict__ dst = dst0 + c * H * W;
             const acc_t s = scale[c], b = shift[c];
             const uint8_t* __restrict__ sc = src + c;
-            for (int64_t w = 0; w < W; ++w) dst[w] = static_cast<T>(static_cast<acc_t>(sc[w * C]) * s + b);
+            for (int64_t w = 0; w < W; ++w) dst[w] = to_out<T, acc_t>(static_cast<acc_t>(sc[w * C]) * s + b);
           }
         }
       } else if (!out_cl) {  // NCHW -> NCHW: elementwise per channel plane row
@@ -86,7 +103,7 @@ void normalize_rows(const Plan& p, const acc_t* scale, const acc_t* shift) {
           const uint8_t* __restrict__ src = in + off;
           T* __restrict__ dst = out + off;
           const acc_t s = scale[c], b = shift[c];
-          for (int64_t w = 0; w < W; ++w) dst[w] = static_cast<T>(static_cast<acc_t>(src[w]) * s + b);
+          for (int64_t w = 0; w < W; ++w) dst[w] = to_out<T, acc_t>(static_cast<acc_t>(src[w]) * s + b);
         }
       } else {  // NCHW -> channels_last output: writes stride C within one cached row
         T* __restrict__ dst = out + r * WC;
@@ -94,7 +111,7 @@ void normalize_rows(const Plan& p, const acc_t* scale, const acc_t* shift) {
           const uint8_t* __restrict__ src = in + ((n * C + c) * H + h) * W;
           const acc_t s = scale[c], b = shift[c];
           T* __restrict__ dc = dst + c;
-          for (int64_t w = 0; w < W; ++w) dc[w * C] = static_cast<T>(static_cast<acc_t>(src[w]) * s + b);
+          for (int64_t w = 0; w < W; ++w) dc[w * C] = to_out<T, acc_t>(static_cast<acc_t>(src[w]) * s + b);
         }
       }
     }

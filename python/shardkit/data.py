@@ -87,6 +87,7 @@ class SyntheticIdentities(Dataset):
         nuisance: per-sample variation (:class:`Nuisance`).
         cache: keep every rendered image in RAM (``len * S * S * C`` bytes, e.g. 61 MiB for
             1000 x 20 images of 32x32x3), so only the first epoch pays for rendering.
+            Default (None): cache when that is at most 1 GiB.
 
     ``dataset[i]`` -> (uint8 ``[S, S, C]``, int64 scalar label); ``dataset.get_batch(indices)``
     -> (uint8 ``[N, S, S, C]``, int64 ``[N]``), rendered in one vectorized pass (DataLoader
@@ -95,7 +96,7 @@ class SyntheticIdentities(Dataset):
 
     def __init__(self, num_classes: int, per_class: int, image_size: int = 32, seed: int = 0, *,
                  channels: int = 3, identity_offset: int = 0, nuisance: Nuisance = Nuisance(),
-                 cache: bool = True):
+                 cache: Optional[bool] = None):
         for name, v, lo in [("num_classes", num_classes, 1), ("per_class", per_class, 1), ("image_size", image_size, 4)]:
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"argument `{name}` must be an integer >= {lo}, got {v!r}")
@@ -111,6 +112,8 @@ class SyntheticIdentities(Dataset):
         self._protos = torch.stack(protos)  # [num_classes, _PROTO_LEN] uniforms in [0, 1)
         lin = (torch.arange(image_size, dtype=torch.float32) + 0.5) / image_size * 2 - 1
         self._gy, self._gx = torch.meshgrid(lin, lin, indexing="ij")
+        if cache is None:
+            cache = num_classes * per_class * image_size * image_size * channels <= 1 << 30
         self._cache = torch.empty(len(self), image_size, image_size, channels, dtype=torch.uint8) if cache else None
         self._cached = torch.zeros(len(self), dtype=torch.bool) if cache else None
 
