@@ -118,6 +118,27 @@ def test_training_matches_single_device(k, batch, model_kw):
     for a, b in zip(dp_net.parameters(), ref_net.parameters()):
         assert rel(a, b) <= 1e-6
     assert not torch.equal(next(dp_net.parameters()), next(net.parameters()))  # it trained
+    assert steps[-1][1] < steps[0][1]
+
+
+def test_encoding_style_script():
+    # The usage of the encoding.parallel write-ups, with only the import changed.
+    model, loss_function = Net(out="tuple"), TupleLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    parallel_model = DataParallelModel(model, device_ids=["cpu"] * 3)
+    parallel_loss = DataParallelCriterion(loss_function, device_ids=["cpu"] * 3)
+    inputs, labels = torch.randn(10, 7), torch.randint(0, 5, (10,))
+    losses = []
+    for _ in range(4):
+        predictions = parallel_model(inputs)
+        loss = parallel_loss(predictions, labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    output_1, output_2 = zip(*predictions)  # per-device tuples, as in the write-up
+    assert len(output_1) == 3 and all(o.shape[1] == 5 for o in output_2)
+    assert losses[-1] < losses[0]
 
 
 def test_chunk_layout():
@@ -389,6 +410,32 @@ def test_gather_helper():
     got = gather(net(x), "cpu")
     ref = net.module(x)
     assert rel(got["logits"], ref["logits"]) <= 1e-6 and got["aux"].shape == (8, 5)
+
+
+@pytest.mark.parametrize("recipe", ["gather_then_head", "criterion_wraps_head"])
+def test_with_sharded_softmax_loss(recipe):
+    if not hasattr(shardkit, "ShardedSoftmaxLoss"):
+        pytest.skip("shardkit.ShardedSoftmaxLoss is not part of this build (merged from the sharded "
+                    "cross-entropy branch)")
+    net = nn.Sequential(nn.Linear(9, 16), nn.Tanh(), nn.Linear(16, 8))
+    head = shardkit.ShardedSoftmaxLoss(8, 101, margin=shardkit.ArcFace(16.0, 0.3), devices=["cpu"] * 3,
+                                       ignore_index=-1)
+    x, y = torch.randn(23, 9), torch.randint(0, 101, (23,))
+    y[:6] = -1  # ignored rows, all in the first chunk
+    ref_net, ref_head = copy.deepcopy(net), copy.deepcopy(head)
+    ref = ref_head(ref_net(x), y)
+    ref.backward()
+    model = DataParallelModel(net, device_ids=["cpu"] * 3)
+    if recipe == "gather_then_head":
+        loss = head(gather(model(x), "cpu"), y)
+    else:  # the head is shared by the worker threads; weights: rows != ignore_index
+        loss = DataParallelCriterion(head, device_ids=["cpu"] * 3)(model(x), y)
+    loss.backward()
+    assert rel(loss, ref) <= 1e-6
+    mine = list(net.parameters()) + list(head.parameters())
+    theirs = list(ref_net.parameters()) + list(ref_head.parameters())
+    for a, b in zip(mine, theirs):
+        assert rel(a.grad, b.grad) <= 1e-6
 
 
 # ---- ops ----------------------------------------------------------------------------
