@@ -318,6 +318,8 @@ def test_direct_and_single_device_modes(monkeypatch):
     out = direct(x)
     assert isinstance(out, torch.Tensor)
     assert rel(DataParallelCriterion(nn.CrossEntropyLoss())(out, y), ref) <= 1e-6
+    gpu_ids = DataParallelModel(net, device_ids=[0, 1])  # no GPU: direct calls, as nn.DataParallel
+    assert gpu_ids.device_ids == [] and rel(gpu_ids(x), net(x)) == 0
     tup = DataParallelModel(Net(out="tuple"))
     assert torch.isfinite(DataParallelCriterion(TupleLoss())(tup(x), y))
 

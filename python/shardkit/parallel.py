@@ -67,6 +67,9 @@ def _init_parallel(self: nn.DataParallel, module: nn.Module, device_ids, output_
     shared = devices[0].type == "cpu" or len(set(devices)) < len(devices)
     if not shared:
         nn.DataParallel.__init__(self, module, [d.index for d in devices], output_device, dim)
+        if not self.device_ids:  # CUDA ids on a machine without GPUs: direct calls, as DataParallel
+            self.dim, self.output_device, self._devices, self._shared = dim, None, [], False
+            return
     else:
         nn.Module.__init__(self)
         out = U.as_device(output_device if output_device is not None else devices[0])
