@@ -162,6 +162,11 @@ def test_keyword_inputs_are_split():
     mask = torch.rand(11, 7)
     (step,), _, _ = run_pair(Net(), nn.CrossEntropyLoss(), x, y, 3, fwd_kw={"mask": mask})
     assert_same(*step)
+    net = Net()
+    model = DataParallelModel(net, device_ids=["cpu"] * 3)
+    only_kw = model(x=x, mask=mask)  # every tensor passed by keyword
+    assert [o.shape[0] for o in only_kw] == [4, 4, 3]
+    assert rel(torch.cat(only_kw), net(x, mask=mask)) <= 1e-6
 
 
 class SegNet(nn.Module):
