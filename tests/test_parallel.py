@@ -308,6 +308,10 @@ def test_autocast_and_grad_mode_carried_into_workers():
     with torch.no_grad():
         loss = crit(net(x), y)
     assert not loss.requires_grad and len(seen) == 3 and not any(s[1] or s[3] for s in seen)
+    seen.clear()
+    with torch.inference_mode():
+        loss = crit(net(x), y)
+    assert loss.is_inference() and len(seen) == 3 and not any(s[3] for s in seen)
 
 
 def test_direct_and_single_device_modes(monkeypatch):
