@@ -370,6 +370,22 @@ def test_bad_inputs_get_clear_errors():
         DataParallelModel(Net(), device_ids=["cpu"] * 2, output_device="cuda:0")
     with pytest.raises(ValueError, match="no tensor with a batch dimension"):
         net3(3.0)
+    with pytest.raises(ValueError, match="model output 1 holds no tensor with a batch dimension"):
+        crit3([outs[0], torch.tensor(1.0)], torch.randint(0, 5, (3,)))
+    with pytest.raises(ValueError, match="model output 0 is on meta, which is not in its device_ids"):
+        crit3([torch.empty(3, 5, device="meta")], torch.randint(0, 5, (3,)))
+    with pytest.raises(RuntimeError, match=r"parameters and buffers on device_ids\[0\] \(cpu\), found one on meta"):
+        DataParallelModel(nn.Linear(7, 2, device="meta"), device_ids=["cpu"] * 2)(torch.randn(4, 7))
+    with pytest.raises(TypeError, match="`device_ids` must be a list of devices"):
+        DataParallelModel(Net(), device_ids="cpu")
+    with pytest.raises(TypeError, match="`outputs` must be the list of per-device outputs"):
+        gather(torch.randn(3), "cpu")
+    shape_varies = DataParallelCriterion(Lambda(lambda out, t: out.sum(0)[: out.shape[0]]), device_ids=["cpu"] * 3)
+    with pytest.raises(ValueError, match="losses of different shapes on different devices.*reduction='none'"):
+        shape_varies(net3(torch.randn(8, 7)), torch.randint(0, 5, (8,)))  # chunks 3, 3, 2
+    with pytest.raises(ValueError, match="different structures on different devices"):
+        DataParallelCriterion(Lambda(lambda out, t: {"a": out.sum()} if out.shape[0] == 3 else out.sum()),
+                              device_ids=["cpu"] * 3)(net3(torch.randn(8, 7)), torch.randint(0, 5, (8,)))
 
 
 def test_gather_helper():
