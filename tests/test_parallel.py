@@ -140,6 +140,19 @@ def test_encoding_style_script():
     assert losses[-1] < losses[0]
 
 
+def test_batch_dim_1():
+    # sequence-first tensors [T, B, D]: split along dim 1 in the model and the criterion
+    net = nn.Linear(7, 5)
+    x, y = torch.randn(4, 11, 7), torch.randint(0, 5, (4, 11))
+    model = DataParallelModel(net, device_ids=["cpu"] * 3, dim=1)
+    crit = DataParallelCriterion(Lambda(lambda o, t: nn.functional.cross_entropy(o.transpose(1, 2), t)),
+                                 device_ids=["cpu"] * 3, dim=1)
+    outs = model(x)
+    assert [o.shape for o in outs] == [(4, 4, 5), (4, 4, 5), (4, 3, 5)]
+    ref = nn.functional.cross_entropy(net(x).transpose(1, 2), y)
+    assert rel(crit(outs, y), ref) <= 1e-6
+
+
 def test_chunk_layout():
     model = DataParallelModel(Net(), device_ids=["cpu"] * 4, gpu0_bsz=2)
     assert [o.shape[0] for o in model(torch.randn(17, 7))] == [2, 5, 5, 5]
