@@ -14,7 +14,7 @@ Runs on GPUs (--devices 0 1 2 3) or, to try it anywhere, on repeated CPU "device
 (--devices cpu cpu cpu, the default without GPUs). --check compares the first step's
 loss and gradients with the same model trained on one device.
 
-    python examples/dp_sharded_head.py --steps 30
+    python examples/dp_sharded_head.py --check
     python examples/dp_sharded_head.py --devices 0 1 --classes 1000000 --dim 512 --batch 256
 """
 
@@ -39,11 +39,11 @@ def device_of(d: str) -> torch.device:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--devices", nargs="+", default=None, help='GPU indices or "cpu" entries')
-    ap.add_argument("--classes", type=int, default=5000)
+    ap.add_argument("--classes", type=int, default=500)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--batch", type=int, default=61, help="odd on purpose: uneven chunks")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--lr", type=float, default=0.5)
     ap.add_argument("--check", action="store_true", help="compare step 1 with single-device training")
     args = ap.parse_args()
     if args.devices is None:
@@ -89,7 +89,7 @@ def main():
             print(f"check: loss {loss.item():.6f} vs single-device {ref_loss.item():.6f}; "
                   f"worst relative gradient difference {worst:.2e}")
         opt.step()
-        if step % 5 == 0 or step == args.steps - 1:
+        if step % 10 == 0 or step == args.steps - 1:
             print(f"step {step:3d}  loss {loss.item():.4f}  chunks {[o.shape[0] for o in outputs]}")
 
 

@@ -11,8 +11,7 @@ import torch
 from torch import nn
 
 import shardkit
-from shardkit.parallel import (DataParallelCriterion, DataParallelModel, WeightedLoss, allreduce, gather,
-                               patch_replication_callback)
+from shardkit.parallel import DataParallelCriterion, DataParallelModel, WeightedLoss, gather
 
 
 def rel(a, b):
@@ -111,13 +110,47 @@ def assert_same(ref, loss, gref, gdp, tol=1e-6):
 ])
 def test_training_matches_single_device(k, batch, model_kw):
     net = Net()
-    x, y = torch.randn(batch, 7), torch.randint(0, 5, (batch,))
+    x, y = torch.randn(7, batch).t(), torch.randint(0, 5, (batch,))  # non-contiguous input
     steps, ref_net, dp_net = run_pair(net, nn.CrossEntropyLoss(), x, y, k, model_kw=model_kw, steps=3)
     for ref, loss, gref, gdp in steps:
         assert_same(ref, loss, gref, gdp)
     for a, b in zip(dp_net.parameters(), ref_net.parameters()):
         assert rel(a, b) <= 1e-6
     assert not torch.equal(next(dp_net.parameters()), next(net.parameters()))  # it trained
+    assert steps[-1][1] < steps[0][1]
+
+
+def test_encoding_style_script():
+    # The usage of the encoding.parallel write-ups, with only the import changed.
+    model, loss_function = Net(out="tuple"), TupleLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    parallel_model = DataParallelModel(model, device_ids=["cpu"] * 3)
+    parallel_loss = DataParallelCriterion(loss_function, device_ids=["cpu"] * 3)
+    inputs, labels = torch.randn(10, 7), torch.randint(0, 5, (10,))
+    losses = []
+    for _ in range(4):
+        predictions = parallel_model(inputs)
+        loss = parallel_loss(predictions, labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    output_1, output_2 = zip(*predictions)  # per-device tuples, as in the write-up
+    assert len(output_1) == 3 and all(o.shape[1] == 5 for o in output_2)
+    assert losses[-1] < losses[0]
+
+
+def test_batch_dim_1():
+    # sequence-first tensors [T, B, D]: split along dim 1 in the model and the criterion
+    net = nn.Linear(7, 5)
+    x, y = torch.randn(4, 11, 7), torch.randint(0, 5, (4, 11))
+    model = DataParallelModel(net, device_ids=["cpu"] * 3, dim=1)
+    crit = DataParallelCriterion(Lambda(lambda o, t: nn.functional.cross_entropy(o.transpose(1, 2), t)),
+                                 device_ids=["cpu"] * 3, dim=1)
+    outs = model(x)
+    assert [o.shape for o in outs] == [(4, 4, 5), (4, 4, 5), (4, 3, 5)]
+    ref = nn.functional.cross_entropy(net(x).transpose(1, 2), y)
+    assert rel(crit(outs, y), ref) <= 1e-6
 
 
 def test_chunk_layout():
@@ -142,6 +175,11 @@ def test_keyword_inputs_are_split():
     mask = torch.rand(11, 7)
     (step,), _, _ = run_pair(Net(), nn.CrossEntropyLoss(), x, y, 3, fwd_kw={"mask": mask})
     assert_same(*step)
+    net = Net()
+    model = DataParallelModel(net, device_ids=["cpu"] * 3)
+    only_kw = model(x=x, mask=mask)  # every tensor passed by keyword
+    assert [o.shape[0] for o in only_kw] == [4, 4, 3]
+    assert rel(torch.cat(only_kw), net(x, mask=mask)) <= 1e-6
 
 
 class SegNet(nn.Module):
@@ -283,6 +321,10 @@ def test_autocast_and_grad_mode_carried_into_workers():
     with torch.no_grad():
         loss = crit(net(x), y)
     assert not loss.requires_grad and len(seen) == 3 and not any(s[1] or s[3] for s in seen)
+    seen.clear()
+    with torch.inference_mode():
+        loss = crit(net(x), y)
+    assert loss.is_inference() and len(seen) == 3 and not any(s[3] for s in seen)
 
 
 def test_direct_and_single_device_modes(monkeypatch):
@@ -298,6 +340,8 @@ def test_direct_and_single_device_modes(monkeypatch):
     out = direct(x)
     assert isinstance(out, torch.Tensor)
     assert rel(DataParallelCriterion(nn.CrossEntropyLoss())(out, y), ref) <= 1e-6
+    gpu_ids = DataParallelModel(net, device_ids=[0, 1])  # no GPU: direct calls, as nn.DataParallel
+    assert gpu_ids.device_ids == [] and rel(gpu_ids(x), net(x)) == 0
     tup = DataParallelModel(Net(out="tuple"))
     assert torch.isfinite(DataParallelCriterion(TupleLoss())(tup(x), y))
 
@@ -339,48 +383,22 @@ def test_bad_inputs_get_clear_errors():
         DataParallelModel(Net(), device_ids=["cpu"] * 2, output_device="cuda:0")
     with pytest.raises(ValueError, match="no tensor with a batch dimension"):
         net3(3.0)
-
-
-def test_replication_callbacks():
-    calls = []
-
-    class Sync(nn.Module):
-        def __data_parallel_replicate__(self, ctx, copy_id):
-            calls.append((id(ctx), copy_id))
-
-        def forward(self, x, *rest):
-            return x.sum()
-
-    model = DataParallelModel(nn.Sequential(nn.Linear(3, 3), Sync()), device_ids=["cpu"] * 3)
-    model(torch.randn(5, 3))
-    assert [c for _, c in calls] == [0, 1, 2] and len({i for i, _ in calls}) == 1
-
-    class CopyingDP(nn.DataParallel):  # a customised DataParallel that replicates by copying
-        def replicate(self, module, device_ids):
-            return [copy.deepcopy(module) for _ in device_ids]
-
-    calls.clear()
-    dp = CopyingDP(Sync(), device_ids=None)
-    patch_replication_callback(dp)
-    patch_replication_callback(dp)  # patching twice does not run the callbacks twice
-    dp.replicate(dp.module, [0, 1])
-    assert [c for _, c in calls] == [0, 1] and len({i for i, _ in calls}) == 1
-    with pytest.raises(TypeError, match="`data_parallel` must be an nn.DataParallel"):
-        patch_replication_callback(nn.Linear(2, 2))
-
-
-def test_allreduce_sums_groups_with_gradients():
-    groups = [(torch.randn(4, dtype=torch.float64, requires_grad=True),
-               torch.randn(2, 3, dtype=torch.float64, requires_grad=True)) for _ in range(3)]
-    flat = [t for g in groups for t in g]
-    out = allreduce(2, *flat)
-    assert len(out) == 6
-    for k in range(3):
-        assert torch.allclose(out[2 * k], sum(g[0] for g in groups))
-        assert torch.allclose(out[2 * k + 1], sum(g[1] for g in groups))
-    torch.autograd.gradcheck(lambda *ts: allreduce(2, *ts), flat)
-    with pytest.raises(ValueError, match="groups of `num_inputs`=2"):
-        allreduce(2, *flat[:3])
+    with pytest.raises(ValueError, match="model output 1 holds no tensor with a batch dimension"):
+        crit3([outs[0], torch.tensor(1.0)], torch.randint(0, 5, (3,)))
+    with pytest.raises(ValueError, match="model output 0 is on meta, which is not in its device_ids"):
+        crit3([torch.empty(3, 5, device="meta")], torch.randint(0, 5, (3,)))
+    with pytest.raises(RuntimeError, match=r"parameters and buffers on device_ids\[0\] \(cpu\), found one on meta"):
+        DataParallelModel(nn.Linear(7, 2, device="meta"), device_ids=["cpu"] * 2)(torch.randn(4, 7))
+    with pytest.raises(TypeError, match="`device_ids` must be a list of devices"):
+        DataParallelModel(Net(), device_ids="cpu")
+    with pytest.raises(TypeError, match="`outputs` must be the list of per-device outputs"):
+        gather(torch.randn(3), "cpu")
+    shape_varies = DataParallelCriterion(Lambda(lambda out, t: out.sum(0)[: out.shape[0]]), device_ids=["cpu"] * 3)
+    with pytest.raises(ValueError, match="losses of different shapes on different devices.*reduction='none'"):
+        shape_varies(net3(torch.randn(8, 7)), torch.randint(0, 5, (8,)))  # chunks 3, 3, 2
+    with pytest.raises(ValueError, match="different structures on different devices"):
+        DataParallelCriterion(Lambda(lambda out, t: {"a": out.sum()} if out.shape[0] == 3 else out.sum()),
+                              device_ids=["cpu"] * 3)(net3(torch.randn(8, 7)), torch.randint(0, 5, (8,)))
 
 
 def test_gather_helper():
@@ -389,115 +407,3 @@ def test_gather_helper():
     got = gather(net(x), "cpu")
     ref = net.module(x)
     assert rel(got["logits"], ref["logits"]) <= 1e-6 and got["aux"].shape == (8, 5)
-
-
-# ---- ops ----------------------------------------------------------------------------
-
-def test_ops_opcheck_and_gradcheck():
-    cpu = torch.device("cpu")
-    for losses, weights, norm in [
-        ([torch.randn((), requires_grad=True) for _ in range(3)], [torch.tensor(3), torch.tensor(2.5), torch.tensor(7)], True),
-        ([torch.randn(4, requires_grad=True) for _ in range(2)], [torch.tensor([2.0]), torch.tensor(5.0)], False),
-        ([torch.randn((), dtype=torch.bfloat16) for _ in range(4)], [torch.tensor(i + 1) for i in range(4)], True),
-        ([torch.randn((), dtype=torch.float64, requires_grad=True)], [torch.tensor(1.0)], True),
-    ]:
-        torch.library.opcheck(torch.ops.shardkit.weighted_loss_reduce, (losses, weights, cpu, norm))
-        ref = sum(l.double() * w.double() for l, w in zip(losses, weights))
-        if norm:
-            ref = ref / sum(w.double() for w in weights)
-        got = shardkit.ops.weighted_loss_reduce(losses, weights, cpu, norm)
-        assert got.dtype == losses[0].dtype
-        assert rel(got, ref) <= (1e-2 if got.dtype == torch.bfloat16 else 1e-6)
-    ls = [torch.randn(3, dtype=torch.float64, requires_grad=True) for _ in range(3)]
-    torch.autograd.gradcheck(lambda *l: shardkit.ops.weighted_loss_reduce(l, [2, 5, 1], "cpu"), ls)
-
-    x = torch.randn(9, 4, 3)[:, ::2]  # non-contiguous
-    for tensors, sizes, dim, n in [
-        ([x, torch.randint(0, 5, (9,))], [4, 0, 5], 0, 3),
-        ([torch.randn(2, 7).t()], [3, 4], 0, 2),
-        ([torch.randn(5, 11, dtype=torch.float64, requires_grad=True)], [6, 1, 4], 1, 3),
-        ([torch.randn(1, 3, requires_grad=True), torch.randn(1)], [1], 0, 1),
-    ]:
-        devices = [cpu] * n
-        torch.library.opcheck(torch.ops.shardkit.split_to_devices, (tensors, sizes, dim, devices))
-        pieces = shardkit.ops.split_to_devices(tensors, sizes, devices, dim)
-        for i, t in enumerate(tensors):
-            for p, r in zip([pc[i] for pc in pieces], t.split(sizes, dim)):
-                assert torch.equal(p, r) and p.is_contiguous()
-    t = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
-    torch.autograd.gradcheck(lambda t: tuple(p[0] for p in shardkit.ops.split_to_devices([t], [2, 0, 5], [cpu] * 3)), (t,))
-
-
-def test_op_errors():
-    cpu = torch.device("cpu")
-    with pytest.raises(RuntimeError, match="`weights` must hold one weight per loss"):
-        torch.ops.shardkit.weighted_loss_reduce([torch.randn(())], [], cpu, True)
-    with pytest.raises(RuntimeError, match="`losses` must all have one shape"):
-        torch.ops.shardkit.weighted_loss_reduce([torch.randn(()), torch.randn(2)], [torch.tensor(1)] * 2, cpu, True)
-    with pytest.raises(RuntimeError, match="`losses` must be floating point"):
-        torch.ops.shardkit.weighted_loss_reduce([torch.tensor(1)], [torch.tensor(1)], cpu, True)
-    with pytest.raises(RuntimeError, match="`weights` must hold one-element tensors"):
-        torch.ops.shardkit.weighted_loss_reduce([torch.randn(())], [torch.ones(2)], cpu, True)
-    with pytest.raises(RuntimeError, match="`split_sizes` must hold one size per device"):
-        torch.ops.shardkit.split_to_devices([torch.randn(3)], [1, 2], 0, [cpu])
-    with pytest.raises(RuntimeError, match="`split_sizes` must be non-negative"):
-        torch.ops.shardkit.split_to_devices([torch.randn(3)], [4, -1], 0, [cpu, cpu])
-    with pytest.raises(RuntimeError, match="index 0 has size 3 along dim 0 but `split_sizes`"):
-        torch.ops.shardkit.split_to_devices([torch.randn(3)], [1, 1], 0, [cpu, cpu])
-
-
-# ---- real GPUs ----------------------------------------------------------------------
-
-def _need_gpus(n):
-    if torch.cuda.device_count() < n:
-        pytest.skip(f"needs at least {n} GPUs for real multi-device data parallelism; "
-                    f"{torch.cuda.device_count()} visible")
-
-
-@pytest.mark.gpu
-def test_gpu_multi_device_matches_single_device():
-    _need_gpus(2)
-    k = torch.cuda.device_count()
-    net = Net().cuda()
-    x, y = torch.randn(4 * k + 1, 7), torch.randint(0, 5, (4 * k + 1,))
-    ref_net = copy.deepcopy(net)
-    ref = nn.functional.cross_entropy(ref_net(x.cuda()), y.cuda())
-    ref.backward()
-    model = DataParallelModel(net, device_ids=list(range(k)), gpu0_bsz=1)
-    outs = model(x)
-    assert [o.device.index for o in outs] == list(range(k))
-    loss = DataParallelCriterion(nn.CrossEntropyLoss(), device_ids=list(range(k)))(outs, y)
-    assert loss.device == torch.device("cuda", 0)
-    loss.backward()
-    assert rel(loss, ref) <= 1e-6
-    for a, b in zip(grads(net), grads(ref_net)):
-        assert rel(a, b) <= 1e-5
-
-
-@pytest.mark.gpu
-def test_gpu_streams_and_autocast_carried():
-    _need_gpus(2)
-    seen = []
-
-    def probe(out, target):
-        seen.append((out.device.index, torch.cuda.current_device(), torch.cuda.current_stream().stream_id,
-                     torch.is_autocast_enabled("cuda")))
-        return nn.functional.cross_entropy(out, target)
-
-    crit = DataParallelCriterion(Lambda(probe), device_ids=[0, 1])
-    outs = DataParallelModel(Net().cuda(), device_ids=[0, 1])(torch.randn(6, 7, device="cuda"))
-    side = [torch.cuda.Stream(0), torch.cuda.Stream(1)]
-    with torch.cuda.stream(side[0]), torch.cuda.stream(side[1]), torch.autocast("cuda", dtype=torch.float16):
-        crit(outs, torch.randint(0, 5, (6,)))
-    for dev, cur, stream_id, ac in seen:
-        assert dev == cur and stream_id == side[dev].stream_id and ac
-
-
-@pytest.mark.gpu
-def test_gpu_repeated_device_on_one_gpu():
-    net = Net().cuda()
-    x, y = torch.randn(9, 7, device="cuda"), torch.randint(0, 5, (9,), device="cuda")
-    ref = nn.functional.cross_entropy(net(x), y)
-    outs = DataParallelModel(net, device_ids=[0, 0, 0])(x)
-    loss = DataParallelCriterion(nn.CrossEntropyLoss(), device_ids=[0, 0, 0])(outs, y)
-    assert rel(loss, ref) <= 1e-6

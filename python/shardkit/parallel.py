@@ -34,6 +34,8 @@ from torch import nn
 from torch.nn.parallel import replicate as _torch_replicate
 
 from shardkit import _parallel_utils as U
+from shardkit._parallel_sync import (CallbackContext, allreduce, execute_replication_callbacks,  # noqa: F401
+                                     patch_replication_callback)
 from shardkit.ops import weighted_loss_reduce
 
 __all__ = ["allreduce", "DataParallelModel", "DataParallelCriterion", "patch_replication_callback",
@@ -65,6 +67,9 @@ def _init_parallel(self: nn.DataParallel, module: nn.Module, device_ids, output_
     shared = devices[0].type == "cpu" or len(set(devices)) < len(devices)
     if not shared:
         nn.DataParallel.__init__(self, module, [d.index for d in devices], output_device, dim)
+        if not self.device_ids:  # CUDA ids on a machine without GPUs: direct calls, as DataParallel
+            self.dim, self.output_device, self._devices, self._shared = dim, None, [], False
+            return
     else:
         nn.Module.__init__(self)
         out = U.as_device(output_device if output_device is not None else devices[0])
@@ -104,6 +109,10 @@ class DataParallelModel(nn.DataParallel):
     each output is whatever the module returns (tensor, tuple, dict) on its device.
     With no device (no GPU, ``device_ids=None``) or one device: the module's output as is.
     """
+
+    # Its replicate() runs the __data_parallel_replicate__ callbacks already, so
+    # patch_replication_callback leaves it alone.
+    _runs_replication_callbacks = True
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0, *,
                  chunk_sizes: Sequence[int] | None = None, gpu0_bsz: int | None = None):
@@ -322,82 +331,3 @@ def gather(outputs: Sequence[Any], target_device: Any, dim: int = 0) -> Any:
         parts = [gather([o[i] for o in outputs], dev, dim) for i in range(len(first))]
         return type(first)(*parts) if hasattr(first, "_fields") else type(first)(parts)
     return list(outputs)
-
-
-# ---- SyncBN support: allreduce and replication callbacks (encoding.parallel's API) ----
-
-class _AllReduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, num_inputs: int, *inputs: torch.Tensor):
-        ctx.num_inputs = num_inputs
-        return _allreduce_sum(num_inputs, inputs)
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        return (None,) + _allreduce_sum(ctx.num_inputs, grads)
-
-
-def _allreduce_sum(num_inputs: int, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    if num_inputs < 1 or len(tensors) % num_inputs:
-        raise ValueError(f"allreduce: expected groups of `num_inputs`={num_inputs} tensors, got {len(tensors)}")
-    groups = [tensors[i:i + num_inputs] for i in range(0, len(tensors), num_inputs)]
-    root = groups[0][0].device
-    totals = []
-    for j in range(num_inputs):
-        total = groups[0][j].clone()
-        for g in groups[1:]:
-            total += g[j].to(root, non_blocking=root.type == "cuda")
-        totals.append(total)
-    out = []
-    for gi, g in enumerate(groups):
-        for j in range(num_inputs):
-            dev = g[j].device
-            out.append(totals[j] if gi == 0 else totals[j].to(dev, non_blocking=dev.type == "cuda", copy=True))
-    return tuple(out)
-
-
-def allreduce(*inputs: Any) -> tuple[torch.Tensor, ...]:
-    """``allreduce(num_inputs, *tensors)``: cross-device all-reduce (sum), differentiable.
-
-    ``tensors`` are K groups of ``num_inputs`` tensors, group k on device k (e.g. each
-    replica's ``(sum, square_sum)`` in SyncBN). Returns K * num_inputs tensors: tensor j
-    of group k is the sum over groups of tensor j, on group k's device. The backward is
-    the same all-reduce of the gradients.
-    """
-    return _AllReduce.apply(*inputs)
-
-
-class CallbackContext:
-    """Shared by the copies of one sub-module during one replication."""
-
-
-def execute_replication_callbacks(modules: Sequence[nn.Module]) -> None:
-    """Calls ``m.__data_parallel_replicate__(ctx, copy_id)`` on every sub-module of every
-    replica that defines it; copy j of a sub-module gets copy_id j and the context shared
-    by all copies of that sub-module; the master copy (copy 0) is called first."""
-    n_sub = len(list(modules[0].modules()))
-    ctxs = [CallbackContext() for _ in range(n_sub)]
-    for copy_id, module in enumerate(modules):
-        for j, m in enumerate(module.modules()):
-            if hasattr(m, "__data_parallel_replicate__"):
-                m.__data_parallel_replicate__(ctxs[j], copy_id)
-
-
-def patch_replication_callback(data_parallel: nn.DataParallel) -> None:
-    """Makes an existing ``nn.DataParallel`` (or a customised one) run the replication
-    callbacks after each replication. A no-op for DataParallelModel, which runs them
-    already, and for an object patched before (callbacks never run twice)."""
-    if not isinstance(data_parallel, nn.DataParallel):
-        raise TypeError(f"argument `data_parallel` must be an nn.DataParallel, got {type(data_parallel).__name__}")
-    if isinstance(data_parallel, DataParallelModel) or getattr(data_parallel, "_replication_callbacks_patched", False):
-        return
-    old_replicate = data_parallel.replicate
-
-    @functools.wraps(old_replicate)
-    def new_replicate(module, device_ids):
-        modules = old_replicate(module, device_ids)
-        execute_replication_callbacks(modules)
-        return modules
-
-    data_parallel.replicate = new_replicate
-    data_parallel._replication_callbacks_patched = True

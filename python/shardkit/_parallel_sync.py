@@ -1,0 +1,91 @@
+"""SyncBN support of ``shardkit.parallel``, with encoding.parallel's API: the cross-device
+``allreduce`` autograd function and the ``__data_parallel_replicate__`` replication callbacks.
+Device-generic (plain tensor copies and adds), so it also runs on repeated "cpu" devices.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["allreduce", "patch_replication_callback", "execute_replication_callbacks", "CallbackContext"]
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, num_inputs: int, *inputs: torch.Tensor):
+        ctx.num_inputs = num_inputs
+        return _allreduce_sum(num_inputs, inputs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        return (None,) + _allreduce_sum(ctx.num_inputs, grads)
+
+
+def _allreduce_sum(num_inputs: int, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    if num_inputs < 1 or len(tensors) % num_inputs:
+        raise ValueError(f"allreduce: expected groups of `num_inputs`={num_inputs} tensors, got {len(tensors)}")
+    groups = [tensors[i:i + num_inputs] for i in range(0, len(tensors), num_inputs)]
+    root = groups[0][0].device
+    totals = []
+    for j in range(num_inputs):
+        total = groups[0][j].clone()
+        for g in groups[1:]:
+            total += g[j].to(root, non_blocking=root.type == "cuda")
+        totals.append(total)
+    out = []
+    for gi, g in enumerate(groups):
+        for j in range(num_inputs):
+            dev = g[j].device
+            out.append(totals[j] if gi == 0 else totals[j].to(dev, non_blocking=dev.type == "cuda", copy=True))
+    return tuple(out)
+
+
+def allreduce(*inputs: Any) -> tuple[torch.Tensor, ...]:
+    """``allreduce(num_inputs, *tensors)``: cross-device all-reduce (sum), differentiable.
+
+    ``tensors`` are K groups of ``num_inputs`` tensors, group k on device k (e.g. each
+    replica's ``(sum, square_sum)`` in SyncBN). Returns K * num_inputs tensors: tensor j
+    of group k is the sum over groups of tensor j, on group k's device. The backward is
+    the same all-reduce of the gradients.
+    """
+    return _AllReduce.apply(*inputs)
+
+
+class CallbackContext:
+    """Shared by the copies of one sub-module during one replication."""
+
+
+def execute_replication_callbacks(modules: Sequence[nn.Module]) -> None:
+    """Calls ``m.__data_parallel_replicate__(ctx, copy_id)`` on every sub-module of every
+    replica that defines it; copy j of a sub-module gets copy_id j and the context shared
+    by all copies of that sub-module; the master copy (copy 0) is called first."""
+    n_sub = len(list(modules[0].modules()))
+    ctxs = [CallbackContext() for _ in range(n_sub)]
+    for copy_id, module in enumerate(modules):
+        for j, m in enumerate(module.modules()):
+            if hasattr(m, "__data_parallel_replicate__"):
+                m.__data_parallel_replicate__(ctxs[j], copy_id)
+
+
+def patch_replication_callback(data_parallel: nn.DataParallel) -> None:
+    """Makes an existing ``nn.DataParallel`` (or a customised one) run the replication
+    callbacks after each replication. A no-op for DataParallelModel, which runs them
+    already, and for an object patched before (callbacks never run twice)."""
+    if not isinstance(data_parallel, nn.DataParallel):
+        raise TypeError(f"argument `data_parallel` must be an nn.DataParallel, got {type(data_parallel).__name__}")
+    if getattr(data_parallel, "_runs_replication_callbacks", False):
+        return
+    old_replicate = data_parallel.replicate
+
+    @functools.wraps(old_replicate)
+    def new_replicate(module, device_ids):
+        modules = old_replicate(module, device_ids)
+        execute_replication_callbacks(modules)
+        return modules
+
+    data_parallel.replicate = new_replicate
+    data_parallel._runs_replication_callbacks = True
