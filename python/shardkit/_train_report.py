@@ -1,0 +1,127 @@
+"""End-of-run evaluation, report, plot and the progress bar of ``python -m shardkit.train``."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+class Progress:
+    """A tqdm bar (or, without a terminal or with --no-progress, a log line every ~10%)."""
+
+    def __init__(self, total: int, start: int, enabled: bool, bar: bool = True):
+        self.total, self.enabled, self.bar, self.last_line = total, enabled, None, start
+        if enabled and bar and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+
+    def set(self, step: int, stats: dict) -> None:
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.set_postfix(stats, refresh=True)
+        elif self.enabled and (step - self.last_line >= max(1, self.total // 10) or step == self.total):
+            self.last_line = step
+            print(f"step {step}/{self.total} " + " ".join(f"{k} {v}" for k, v in stats.items()), flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+@torch.no_grad()
+def _embed_fn(parts, model):
+    def embed(images_u8):
+        with parts.autocast():
+            return model(parts.normalize(images_u8.to(parts.devices[0]))).float()
+    return embed
+
+
+@torch.no_grad()
+def _train_top1(parts, model, limit: int = 4096) -> float:
+    """Top-1 on (up to ``limit`` of) the training images from the head's statistics: no
+    [B, C] logits. Under torchrun every rank takes its own slice (the head's forward is a
+    collective), and the counts are summed."""
+    world, n = parts.world, min(limit, len(parts.train_set))
+    per_rank = n // world.size
+    idx = list(range(world.rank * per_rank, (world.rank + 1) * per_rank))
+    correct = torch.zeros((), dtype=torch.int64)
+    valid = torch.zeros((), dtype=torch.int64)
+    bs = parts.args.batch
+    for i in range(0, per_rank, bs):
+        from shardkit.data import collate_uint8
+
+        images, labels = collate_uint8([parts.train_set[j] for j in idx[i:i + bs]])
+        emb = _embed_fn(parts, model)(images)
+        out = parts.head(emb, labels.to(parts.devices[0]), return_details=True, topk=(1,))
+        correct += out.correct[1].cpu()
+        valid += out.num_valid.cpu()
+    if world.size > 1:
+        pair = torch.stack([correct, valid]).to(parts.devices[0])
+        dist.all_reduce(pair)
+        correct, valid = pair.cpu()
+    return float(correct) / max(1, int(valid))
+
+
+def evaluate(parts, args, world) -> dict:
+    """Train top-1 and held-out verification for the raw and the EMA backbone."""
+    models = {"raw": parts.backbone}
+    if parts.ema is not None:
+        models["ema"] = parts.ema.module
+    report = {}
+    for name, model in models.items():
+        was_training = model.training
+        model.eval()
+        top1 = _train_top1(parts, model)
+        ver = None
+        if world.rank == 0:
+            emb = parts.val_set.embed(_embed_fn(parts, model), batch_size=args.batch)
+            ver = parts.val_set.evaluate(emb)
+        report[name] = {"top1": top1, "verification": ver}
+        model.train(was_training)
+    return report
+
+
+def print_report(report: dict, history, args) -> None:
+    print("\nresults (train top-1 from the sharded head's statistics; verification on "
+          f"{args.val_classes} held-out identities):")
+    print(f"  {'model':<6} {'train top-1':>12} {'verif. acc':>12} {'TAR@FAR=1e-3':>14}")
+    for name, r in report.items():
+        v = r["verification"]
+        print(f"  {name:<6} {100 * r['top1']:>11.2f}% {100 * v.accuracy:>11.2f}% {100 * v.tar:>13.2f}%")
+    v = report["raw"]["verification"]
+    print(f"  ({v.num_genuine} genuine / {v.num_impostor} impostor pairs; chance accuracy 50%"
+          + ("" if v.far_reliable else f"; FAR resolution {v.far_resolution:.1e}") + ")")
+    if history["loss"]:
+        print(f"  loss: first step {history['loss'][0]:.3f}, last step {history['loss'][-1]:.3f}")
+
+
+def plot(history, report, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.8))
+    ax[0].plot(history["step"], history["loss"], lw=1)
+    ax[0].set_xlabel("step")
+    ax[0].set_ylabel("training loss")
+    ax[0].set_yscale("log")
+    steps = [s for s, t in zip(history["step"], history["top1"]) if t is not None]
+    tops = [100 * t for t in history["top1"] if t is not None]
+    if tops:
+        ax[1].plot(steps, tops, lw=1, label="train top-1 (batch)")
+    for name, r in report.items():
+        ax[1].axhline(100 * r["verification"].accuracy, ls="--", lw=1,
+                      color="C1" if name == "raw" else "C2", label=f"verification acc ({name})")
+    ax[1].set_xlabel("step")
+    ax[1].set_ylabel("%")
+    ax[1].set_ylim(0, 100)
+    ax[1].legend(loc="lower right", fontsize=8)
+    fig.suptitle("shardkit.train")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

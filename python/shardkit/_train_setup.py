@@ -1,0 +1,216 @@
+"""Building blocks of ``python -m shardkit.train``: data, model, head, optimizers, checkpoints,
+evaluation, report and plot (see :mod:`shardkit.train`)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import sys
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Sampler, Subset
+
+import shardkit
+from shardkit.data import (EpochBatchSampler, ImageFolderDataset, SyntheticIdentities, VerificationSet,
+                           collate_uint8, verification_split)
+from shardkit.models import build_backbone
+from shardkit.parallel import DataParallelCriterion, DataParallelModel
+
+MEAN, STD = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
+CKPT_FILE = "checkpoint.pt"
+
+
+class _RankSlice(Sampler):
+    """This rank's part of each global batch of an :class:`EpochBatchSampler`."""
+
+    def __init__(self, inner: EpochBatchSampler, rank: int, per_rank: int):
+        self.inner, self.rank, self.per_rank = inner, rank, per_rank
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __iter__(self):
+        for idx in self.inner:
+            yield idx[self.rank * self.per_rank:(self.rank + 1) * self.per_rank]
+
+
+class Batches:
+    """Micro-batch ``i`` of the run (epoch ``i // per_epoch``), in an order fixed by the seed:
+    asking for the micro-batch after the last one continues the current loader, any other
+    one (a resume) starts a loader at that position."""
+
+    def __init__(self, dataset, batch: int, world, seed: int, workers: int):
+        self.dataset, self.batch, self.world, self.seed, self.workers = dataset, batch, world, seed, workers
+        self._it, self._next = None, None
+
+    def get(self, i: int, per_epoch: int):
+        if i != self._next:
+            epoch, start = divmod(i, per_epoch)
+            inner = EpochBatchSampler(len(self.dataset), self.batch * self.world.size, seed=self.seed,
+                                      epoch=epoch, start_batch=start)
+            loader = DataLoader(self.dataset, batch_sampler=_RankSlice(inner, self.world.rank, self.batch),
+                                collate_fn=collate_uint8, num_workers=self.workers,
+                                pin_memory=torch.cuda.is_available())
+            self._it = iter(loader)
+        self._next = i + 1 if (i + 1) % per_epoch else None
+        return next(self._it)
+
+
+@dataclass
+class Parts:
+    args: Any
+    world: Any
+    train_set: Any
+    num_classes: int
+    val_set: VerificationSet
+    devices: List[torch.device]
+    normalize: nn.Module
+    backbone: nn.Module  # the plain module (EMA source, checkpoint)
+    backbone_train: nn.Module  # what the step calls: the backbone, DataParallelModel or DDP
+    head: shardkit.ShardedSoftmaxLoss
+    criterion: Optional[nn.Module]
+    optimizers: List[torch.optim.Optimizer]
+    scaler: Optional[Any]
+    ema: Optional[shardkit.ModelEMA]
+    batches: Batches = field(default=None)
+
+    def autocast(self):
+        if self.args.amp is None:
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.args.amp == "bf16" else torch.float16
+        return torch.autocast(self.devices[0].type, dtype=dtype)
+
+
+def _folder_data(args):
+    full = ImageFolderDataset(args.data, args.image_size, cache_ram=args.cache_ram)
+    k = len(full.classes)
+    if k <= args.val_classes:
+        raise SystemExit(f"error: --data has {k} classes; need more than --val-classes={args.val_classes} "
+                         f"(the last --val-classes classes are held out for verification)")
+    train_k = k - args.val_classes
+    labels = [lb for _, lb in full.samples]
+    train_idx = [i for i, lb in enumerate(labels) if lb < train_k]
+    val_idx = [i for i, lb in enumerate(labels) if lb >= train_k]
+    images = torch.stack([full[i][0] for i in val_idx])
+    ids = torch.tensor([labels[i] for i in val_idx])
+    return Subset(full, train_idx), train_k, _pairs_from(images, ids, args.seed)
+
+
+def _pairs_from(images, ids, seed, num_impostor=10000) -> VerificationSet:
+    """Every genuine pair and ``num_impostor`` random impostor pairs of held-out images."""
+    same = ids[:, None] == ids[None, :]
+    a, b = torch.triu_indices(len(ids), len(ids), offset=1)
+    gen_mask = same[a, b]
+    genuine = torch.stack([a[gen_mask], b[gen_mask]], 1)
+    g = torch.Generator().manual_seed(seed)
+    i = torch.randint(0, len(ids), (4 * num_impostor,), generator=g)
+    j = torch.randint(0, len(ids), (4 * num_impostor,), generator=g)
+    keep = (ids[i] != ids[j]).nonzero().flatten()[:num_impostor]
+    if len(genuine) == 0 or len(keep) == 0:
+        raise SystemExit("error: the held-out classes give no genuine or no impostor pairs")
+    pairs = torch.cat([genuine, torch.stack([i[keep], j[keep]], 1)])
+    is_same = torch.cat([torch.ones(len(genuine), dtype=torch.bool), torch.zeros(len(keep), dtype=torch.bool)])
+    return VerificationSet(images, ids, pairs, is_same, len(genuine))
+
+
+def build(args, world) -> Parts:
+    if args.data:
+        train_set, num_classes, val_set = _folder_data(args)
+    else:
+        train_set = SyntheticIdentities(args.classes, args.per_class, args.image_size, args.seed)
+        num_classes = args.classes
+        val_set = verification_split(args.val_classes, args.val_per_class, args.image_size, args.seed,
+                                     train_classes=args.classes)
+    devices = list(args.devices)
+    dev0 = devices[0]
+    backbone = build_backbone(args.backbone, args.dim, checkpointing=args.checkpointing).to(dev0)
+    margin = {"arcface": lambda: shardkit.ArcFace(s=args.scale, m=args.m),
+              "cosface": lambda: shardkit.CosFace(s=args.scale, m=args.m),
+              "none": lambda: None}[args.margin]()
+    group = None
+    if world.size > 1:
+        group = dist.group.WORLD
+    elif args.sample_rate < 1:
+        if len(devices) > 1:
+            raise SystemExit("error: --sample-rate < 1 runs on one device per process; use torchrun for several")
+        # PartialFC sampling lives in the process-group mode: a world of one.
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        group = dist.group.WORLD
+    head = shardkit.ShardedSoftmaxLoss(
+        args.dim, num_classes, margin=margin, sample_rate=args.sample_rate, process_group=group,
+        devices=None if group is not None else devices, topk=(1,))
+    if group is not None:
+        head.to(dev0)
+    criterion = None
+    backbone_train = backbone
+    if args.dp:
+        ids = [d.index if d.type == "cuda" else d for d in devices]
+        backbone_train = DataParallelModel(backbone, device_ids=ids)
+        criterion = DataParallelCriterion(head, device_ids=ids)
+    elif world.size > 1:
+        backbone_train = nn.parallel.DistributedDataParallel(
+            backbone, device_ids=[dev0.index] if dev0.type == "cuda" else None)
+    decay, no_decay = [], []
+    for n, p in backbone.named_parameters():
+        (no_decay if p.ndim <= 1 else decay).append(p)
+    opt_backbone = torch.optim.SGD([{"params": decay, "weight_decay": args.weight_decay},
+                                    {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, momentum=0.9)
+    # The head's rows get a row-sparse gradient under sampling: SparseRowSGD leaves the others alone.
+    opt_head = shardkit.SparseRowSGD(head.parameters(), lr=args.lr, momentum=0.9, weight_decay=args.weight_decay)
+    scaler = torch.amp.GradScaler(dev0.type) if args.amp == "fp16" else None
+    ema = shardkit.ModelEMA(backbone, decay=args.ema, tau=args.ema_tau) if args.ema > 0 else None
+    normalize = shardkit.Normalize(MEAN, STD, input_layout="NHWC").to(dev0)
+    parts = Parts(args, world, train_set, num_classes, val_set, devices, normalize, backbone, backbone_train,
+                  head, criterion, [opt_backbone, opt_head], scaler, ema)
+    parts.batches = Batches(train_set, args.batch, world, args.seed, args.workers)
+    return parts
+
+
+# ---- checkpoints -----------------------------------------------------------------
+
+def save_checkpoint(ckpt_dir: str, parts: Parts, step: int, history, world) -> None:
+    """Everything a resume needs, written atomically. The head's weight is shard-agnostic
+    (one class-ordered weight; under torchrun, one file per rank via shardkit.save_sharded)."""
+    rank_sfx = f".rank{world.rank}" if world.size > 1 else ""
+    state = {
+        "step": step,
+        "history": history,
+        "backbone": parts.backbone.state_dict(),
+        "optimizers": [o.state_dict() for o in parts.optimizers],
+        "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
+        "ema": parts.ema.state_dict() if parts.ema is not None else None,
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        "args": {k: v for k, v in vars(parts.args).items() if isinstance(v, (int, float, str, bool, type(None)))},
+    }
+    if world.size > 1:
+        shardkit.save_sharded(parts.head, os.path.join(ckpt_dir, "head"))
+    else:
+        state["head"] = parts.head.state_dict()
+    tmp = os.path.join(ckpt_dir, CKPT_FILE + rank_sfx + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, os.path.join(ckpt_dir, CKPT_FILE + rank_sfx))
+
+
+def load_checkpoint(ckpt_dir: str, parts: Parts, world):
+    rank_sfx = f".rank{world.rank}" if world.size > 1 else ""
+    path = os.path.join(ckpt_dir, CKPT_FILE + rank_sfx)
+    state = torch.load(path, map_location="cpu", weights_only=False)  # our own file: RNG state is a tuple
+    parts.backbone.load_state_dict(state["backbone"])
+    if world.size > 1:
+        shardkit.load_sharded(parts.head, os.path.join(ckpt_dir, "head"))
+    else:
+        parts.head.load_state_dict(state["head"])
+    for opt, sd in zip(parts.optimizers, state["optimizers"]):
+        opt.load_state_dict(sd)
+    if parts.scaler is not None and state["scaler"] is not None:
+        parts.scaler.load_state_dict(state["scaler"])
+    if parts.ema is not None and state["ema"] is not None:
+        parts.ema.load_state_dict(state["ema"])
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    return state["step"], state["history"]
