@@ -45,6 +45,14 @@ class SparseRowSGD(torch.optim.Optimizer):
                         nesterov=nesterov)
         super().__init__(params, defaults)
 
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)
+        # Optimizer.load_state_dict casts tensor state to the parameter's floating dtype;
+        # the per-row `seen` flags must stay boolean.
+        for state in self.state.values():
+            if "seen" in state:
+                state["seen"] = state["seen"].bool()
+
     @torch.no_grad()
     def step(self, closure=None):
         """One update of every parameter that has a gradient; returns the closure's loss."""
