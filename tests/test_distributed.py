@@ -156,6 +156,23 @@ def _bad_input(rank, world, group):
         return {"raised": str(err), "seconds": time.time() - t0}
 
 
+def _constructor_errors(rank, groups):
+    """Messages of the constructor errors that need an initialized process group."""
+    out = {}
+    for key, kwargs in (("layout", dict(process_group=groups[4], input_layout="bogus")),
+                        ("member", dict(process_group=groups[1])),
+                        ("sizes", dict(process_group=groups[4], shard_sizes=[5, 6])),
+                        ("devices", dict(process_group=groups[4], devices=["cpu", "cpu"]))):
+        if key == "member" and rank == 0:
+            continue
+        try:
+            shardkit.ShardedSoftmaxLoss(D, 11, **kwargs)
+            out[key] = None
+        except ValueError as err:
+            out[key] = str(err)
+    return out
+
+
 def _failing_rank(rank, group):
     """Rank 1 of a 3-rank group "raises" in user code and never reaches the loss."""
     out = {}
@@ -195,6 +212,7 @@ def _worker(rank, init_file, tmp):
                 except Exception:
                     res[name] = traceback.format_exc()
             res["bad_input"] = _bad_input(rank, world, groups[world])
+        results["ctor_errors"] = _constructor_errors(rank, groups)
         dist.barrier()
         results["ckpt"] = _checkpoints(rank, data, tmp, groups)
         dist.barrier()
@@ -324,6 +342,17 @@ def test_checkpoints_reshard_across_world_sizes(runs):
             one = shardkit.ShardedSoftmaxLoss(D, 13, devices=["cpu"] * 3)
             shardkit.load_sharded(one, os.path.join(tmp, src))
             assert torch.equal(one.full_weight(), data["ckpt"]), src
+
+
+def test_constructor_errors_with_a_process_group(runs):
+    per_rank = runs[3]
+    for rank, res in enumerate(per_rank):
+        errs = res["ctor_errors"]
+        assert "argument `input_layout` must be one of" in errs["layout"]
+        assert "argument `shard_sizes` is not used with `process_group`" in errs["sizes"]
+        assert "argument `devices` must name ONE device per rank" in errs["devices"]
+        if rank > 0:
+            assert "argument `process_group` does not contain this process" in errs["member"]
 
 
 def test_failing_rank_gives_clear_error_everywhere(runs):
