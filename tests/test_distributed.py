@@ -63,16 +63,17 @@ def _make_data(seed):
     return data
 
 
-def _run_scenario(rank, world, name, d, group):
+def _run_scenario(rank, world, name, d, group, device=torch.device("cpu"), sample_rate=None):
     margin_name, dtype, reduction, eps, layout, rate, classes, _ = _SCENARIOS[name]
+    rate = rate if sample_rate is None else sample_rate
     head = shardkit.ShardedSoftmaxLoss(D, classes, margin=_margins()[margin_name], label_smoothing=eps,
                                        reduction=reduction, dtype=dtype, process_group=group,
-                                       input_layout=layout, sample_rate=rate)
+                                       input_layout=layout, sample_rate=rate, devices=[device])
     shardkit.import_full_weight(head, d["w"].to(dtype))
     sizes = d["sizes"]
     start = sum(sizes[:rank]) if layout == "data_parallel" else 0
     size = sizes[rank]
-    x = d["x"][start:start + size].to(dtype)
+    x = d["x"][start:start + size].to(device=device, dtype=dtype)
     if dtype == torch.float32:
         x = x.t().contiguous().t()  # non-contiguous embeddings
     x.requires_grad_(True)
@@ -81,25 +82,25 @@ def _run_scenario(rank, world, name, d, group):
     for step in range(2 if rate < 1.0 else 1):  # two steps: the momentum buffer exists on step 2
         head.zero_grad(set_to_none=True)
         x.grad = None
-        details = head(x, d["labels"][start:start + size], return_details=True, topk=(1, 3))
-        details.loss.backward(d["grad_out"].to(details.loss.dtype) if reduction == "none" else None)
+        details = head(x, d["labels"][start:start + size].to(device), return_details=True, topk=(1, 3))
+        details.loss.backward(d["grad_out"].to(device, details.loss.dtype) if reduction == "none" else None)
         grad_w = head.weight_shards[0].grad
         before = head.weight_shards[0].detach().clone()
         buf = opt.state[head.weight_shards[0]].get("momentum_buffer")
         buf = None if buf is None else buf.clone()
         opt.step()
         if grad_w.is_sparse:
-            rows = grad_w.coalesce().indices()[0]
+            rows = grad_w.coalesce().indices()[0].cpu()
             out[f"rows{step}"] = rows + head.class_offsets[0]
             untouched = torch.ones(before.shape[0], dtype=torch.bool)
             untouched[rows] = False
-            after = head.weight_shards[0].detach()
-            out[f"untouched_ok{step}"] = torch.equal(after[untouched], before[untouched]) and (
-                buf is None or torch.equal(opt.state[head.weight_shards[0]]["momentum_buffer"][untouched],
-                                           buf[untouched]))
+            after = head.weight_shards[0].detach().cpu()
+            out[f"untouched_ok{step}"] = torch.equal(after[untouched], before.cpu()[untouched]) and (
+                buf is None or torch.equal(opt.state[head.weight_shards[0]]["momentum_buffer"].cpu()[untouched],
+                                           buf.cpu()[untouched]))
             grad_w = grad_w.to_dense()
         if step == 0:
-            out.update(loss=details.loss.detach(), grad_x=x.grad.clone(), grad_w=grad_w.clone(),
+            out.update(loss=details.loss.detach().cpu(), grad_x=x.grad.cpu(), grad_w=grad_w.cpu(),
                        correct={k: int(v) for k, v in details.correct.items()}, num_valid=int(details.num_valid))
             if rate == 1.0 and layout == "data_parallel":
                 # the one-process head on the global batch: the top-k counts must be the same
@@ -243,8 +244,9 @@ def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def _check_against_reference(data, results, world, name):
+def _check_against_reference(data, results, world, name, sample_rate=None):
     margin_name, dtype, reduction, eps, layout, rate, classes, _ = _SCENARIOS[name]
+    rate = rate if sample_rate is None else sample_rate
     d = data[(world, name)]
     tol = 1e-6 if dtype == torch.float64 else 2e-5
     per_rank = results[world]
@@ -375,3 +377,34 @@ def test_constructor_errors():
         shardkit.ShardedSoftmaxLoss(4, 10, input_layout="replicated")
     with pytest.raises(RuntimeError, match="needs torch.distributed to be initialized"):
         shardkit.ShardedSoftmaxLoss(4, 10, process_group=object())
+
+
+def _nccl_worker(rank, world, init_file, tmp, data):
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    out = {}
+    try:
+        for rate in (1.0, 0.5):
+            out[rate] = _run_scenario(rank, world, "cos32_none", data, dist.group.WORLD,
+                                      device=torch.device("cuda", rank), sample_rate=rate)
+    except Exception:
+        out["fatal"] = traceback.format_exc()
+    finally:
+        torch.save(out, os.path.join(tmp, f"nccl{rank}.pt"))
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_nccl_on_gpus_matches_reference(tmp_path):
+    """NCCL on every visible GPU (up to 4; one is enough): the fp32 CosFace scenario, full
+    and sampled, against the float64 reference."""
+    world = min(torch.cuda.device_count(), 4)
+    data = _make_data(int.from_bytes(os.urandom(4), "little"))[(world, "cos32_none")]
+    mp.spawn(_nccl_worker, args=(world, str(tmp_path / "init"), str(tmp_path), data), nprocs=world, join=True)
+    per_rank = [torch.load(tmp_path / f"nccl{r}.pt", weights_only=False) for r in range(world)]
+    for r, res in enumerate(per_rank):
+        assert "fatal" not in res, f"rank {r}: {res['fatal']}"
+    for rate in (1.0, 0.5):
+        fake = {world: [{"cos32_none": res[rate]} for res in per_rank]}
+        _check_against_reference({(world, "cos32_none"): data}, fake, world, "cos32_none", sample_rate=rate)

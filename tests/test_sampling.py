@@ -170,3 +170,17 @@ def test_sparse_row_sgd_errors():
         shardkit.SparseRowSGD([p], lr=-1.0)
     with pytest.raises(ValueError, match="argument `nesterov` needs momentum > 0"):
         shardkit.SparseRowSGD([p], lr=0.1, nesterov=True)
+
+
+@pytest.mark.gpu
+def test_sample_on_cuda_matches_contract():
+    labels = torch.randint(0, 5000, (257,), device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    index, remapped = partial_fc_sample(labels, class_offset=1000, num_local=2000, num_sample=300, generator=gen)
+    assert index.device.type == "cuda" and remapped.device.type == "cuda"
+    local = (labels - 1000).cpu()
+    mine = (local >= 0) & (local < 2000)
+    index, remapped = index.cpu(), remapped.cpu()
+    assert torch.all(index[1:] > index[:-1])
+    assert set(local[mine].tolist()) <= set(index.tolist())
+    assert torch.equal(index[remapped[mine]], local[mine]) and torch.all(remapped[~mine] == -1)
