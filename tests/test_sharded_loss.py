@@ -103,6 +103,15 @@ def test_smoothing_and_ignore_index_variants():
         loss = shardkit.sharded_cross_entropy(x, split_rows(weight, [11, 19]), y, label_smoothing=eps,
                                               ignore_index=ignore)
         assert rel(loss, reference_loss(x, weight, y, label_smoothing=eps, ignore_index=ignore)) <= 1e-5
+    # An ignore_index that is a class id: those rows get no margin in lse either.
+    margin = MARGINS["arcface"]
+    y = make_labels(10, 30)
+    y[[1, 6]] = 3
+    out = shardkit.sharded_cross_entropy(x, split_rows(weight, [11, 19]), y, ignore_index=3, margin=margin,
+                                         return_details=True)
+    expected = reference_lse(x, weight, torch.where(y == 3, -1, y), **margin_kwargs(margin))
+    assert rel(out.lse, expected) <= 1e-5 and int(out.num_valid) == 8
+    assert rel(out.loss, reference_loss(x, weight, y, ignore_index=3, **margin_kwargs(margin))) <= 1e-5
     # Every row ignored: "mean" is NaN and "sum" is 0, as in F.cross_entropy.
     all_ignored = torch.full((4,), -100)
     assert torch.isnan(shardkit.sharded_cross_entropy(x[:4], [weight], all_ignored))

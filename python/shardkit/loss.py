@@ -110,7 +110,11 @@ def sharded_cross_entropy(
     budget = None if chunk_memory is None else parse_memory(chunk_memory)
     if check_inputs:
         check_values(embeddings, labels, num_classes, ignore_index, check_inputs)
-    per_shard = shard_statistics(embeddings, shards, offsets, labels, margin, budget, with_rank=bool(ks))
+    op_labels = labels
+    if 0 <= ignore_index < num_classes:
+        # An ignore_index that is also a class id must not pick up a target (nor a margin).
+        op_labels = labels.masked_fill(labels == ignore_index, -1)
+    per_shard = shard_statistics(embeddings, shards, offsets, op_labels, margin, budget, with_rank=bool(ks))
     # The statistics are fp32 already; autocast must not lower the combining arithmetic.
     with torch.autocast(embeddings.device.type, enabled=False):
         stats = combine_statistics(per_shard, embeddings.device)
