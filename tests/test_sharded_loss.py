@@ -439,3 +439,22 @@ def test_cuda_autocast_bf16_module_moves_with_to():
     x16, w16 = x.cpu().bfloat16(), loss_fn.full_weight("cpu").bfloat16()
     torch_like = reference_loss(x16, w16, y.cpu(), reduction="none", **kw)
     assert rel(loss.cpu(), ref) <= 2 * rel(torch_like, ref) + 1e-6
+
+
+@pytest.mark.gpu
+def test_cuda_step_has_no_host_sync():
+    # With check_inputs=False the forward and backward never wait for the GPU.
+    loss_fn = shardkit.ShardedSoftmaxLoss(64, 5000, margin=shardkit.ArcFace(), devices=["cuda:0"] * 2,
+                                          check_inputs=False).cuda()
+    x = torch.randn(32, 64, device="cuda", requires_grad=True)
+    y = make_labels(32, 5000).cuda()
+    loss_fn(x, y, return_details=True).loss.backward()  # warm-up (lazy inits may sync)
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = loss_fn(x, y, return_details=True)
+        out.loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert torch.isfinite(out.loss).item() and x.grad is not None
