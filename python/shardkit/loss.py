@@ -73,7 +73,7 @@ def sharded_cross_entropy(
     """Cross-entropy of ``embeddings @ cat(weight_shards).T`` without forming those logits.
 
     Args:
-        embeddings: [B, D] float32/bfloat16/float16 (float64 where the op supports it), B >= 1.
+        embeddings: [B, D] float32/bfloat16/float16 (or float64, e.g. for gradcheck), B >= 1.
         weight_shards: list of [C_k, D] tensors of one dtype, each on its own device (repeats
             allowed); shard k holds classes [class_offsets[k], class_offsets[k] + C_k).
         labels: [B] int64 (other integer dtypes are converted) on the embeddings' device:
