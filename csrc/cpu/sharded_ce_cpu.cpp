@@ -1,19 +1,22 @@
 // CPU kernels of the sharded cross-entropy (shardkit::ce_shard_stats and its backward).
 //
-// Host loop over class chunks: one GEMM per chunk (at::mm_out -> MKL) into a reused
-// [B, chunk] buffer, then a fused pass per row (at::parallel_for over rows) that folds the
-// chunk into running [B] statistics (forward) or turns the logits into dlogits in place
-// (backward), followed by the dX / dW GEMMs. Extra memory: O(B*chunk + chunk*D).
+// Loop over class chunks: per chunk one GEMM (at::mm_out -> MKL) into a reused [B, chunk]
+// buffer, then a fused pass per row that folds the chunk into running [B] statistics
+// (forward) or turns the logits into dlogits in place (backward, followed by the dX / dW
+// GEMMs). Threads take whole chunks from a shared counter inside ONE parallel region: each
+// chunk's GEMM and row pass run in the same core's cache, with no barrier per chunk.
+// Extra memory: O(threads * chunk * (B + D)) plus [threads, B, D] for dX.
 //
-// The row loops are written so that GCC vectorizes them (omp simd reductions, a branch-free
-// exp) and are compiled in several ISA versions (target_clones, picked at load time by the
-// CPU's features), since the extension itself is built without -march.
+// The float row loops use vector extensions and are compiled in several ISA versions
+// (target_clones, picked at load time from the CPU's features), since the extension is
+// built without -march.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <cstring>
+#include <atomic>
 #include <limits>
 
 #include "sharded_ce_common.h"
@@ -25,76 +28,125 @@ namespace {
 using at::Tensor;
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define SCE_CLONES __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
+#define SCE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define SCE_CLONES
 #endif
 
-// exp(x) for float without libm calls, so loops around it vectorize: Cody-Waite reduction
-// x = n ln2 + r, |r| <= ln2/2, degree-7 polynomial (Cephes' expf coefficients), 2^n from the
-// exponent bits. Relative error ~2 ulp; returns 0 below -87.3 (results would be denormal).
-inline float exp_fast(float x) {
-  const float hi = 88.0f, lo = -87.3365478515625f;
-  const bool under = x < lo;
-  x = x > hi ? hi : (x < lo ? lo : x);
-  // Round-to-nearest through the 1.5*2^23 trick (no floor/rint: those need SSE4.1).
-  const float magic = 12582912.0f;
-  const float fn = (x * 1.44269504088896341f + magic) - magic;
-  const float r = (x - fn * 0.693359375f) - fn * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+// The float row loops are written with GCC/Clang vector extensions (16 lanes): explicit
+// lane-wise code compiles to zmm instructions in the AVX-512 clone, ymm pairs in the AVX2
+// one and SSE2 quadruples by default, without relying on the auto-vectorizer (which will not
+// if-convert the clamps of exp under the default -ftrapping-math).
+#pragma GCC diagnostic ignored "-Wpsabi"  // vector arguments only cross always_inline calls
+constexpr int kLanes = 16;
+typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+__attribute__((always_inline)) inline vf splat(float v) { return vf{} + v; }
+__attribute__((always_inline)) inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+// Loads p[0:n] (n < kLanes) padded with fill.
+__attribute__((always_inline)) inline vf load_tail(const float* p, int64_t n, float fill) {
+  float tmp[kLanes];
+  for (int k = 0; k < kLanes; ++k) tmp[k] = k < n ? p[k] : fill;
+  return load(tmp);
+}
+__attribute__((always_inline)) inline float hsum(vf v) {
+  float r = 0.f;
+  for (int k = 0; k < kLanes; ++k) r += v[k];
+  return r;
+}
+__attribute__((always_inline)) inline float hmax(vf v) {
+  float r = v[0];
+  for (int k = 1; k < kLanes; ++k) r = v[k] > r ? v[k] : r;
+  return r;
+}
+
+// exp(x) without libm calls: Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, Cephes' expf
+// polynomial, 2^n from the exponent bits. Relative error ~2 ulp; 0 below -87.3 (where results
+// would be denormal), arguments above 88 clamp (softmax arguments here are <= ~0).
+__attribute__((always_inline)) inline vf exp_vec(vf x) {
+  const vf lo = splat(-87.3365478515625f), hi = splat(88.0f);
+  const vi under = x < lo;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  // Round to nearest through the 1.5*2^23 trick (no floor/rint: those need SSE4.1).
+  const vf magic = splat(12582912.0f);
+  const vf fn = (x * 1.44269504088896341f + magic) - magic;
+  const vf r = (x - fn * 0.693359375f) - fn * -2.12194440e-4f;
+  vf p = splat(1.9875691500e-4f);
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(fn) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  return under ? 0.0f : p * two_n;
+  const vi bits = (__builtin_convertvector(fn, vi) + 127) << 23;
+  const vf res = p * (vf)bits;
+  const vi out = (vi)res & ~under;
+  return (vf)out;  // vector casts are bit casts
 }
-inline double exp_fast(double x) { return std::exp(x); }
 
 // z[j] <- s * z[j]; returns max_j z[j] and adds #{j : z[j] > ref} to *count (if count).
 SCE_CLONES float scale_max_count_f(float* z, int64_t n, float s, float ref, bool count, int64_t* cnt) {
-  float mx = -std::numeric_limits<float>::infinity();
-  int32_t c = 0;
-  if (count) {
-#pragma omp simd reduction(max : mx) reduction(+ : c)
-    for (int64_t j = 0; j < n; ++j) {
-      const float v = z[j] * s;
-      z[j] = v;
-      mx = v > mx ? v : mx;
-      c += v > ref ? 1 : 0;
-    }
-  } else {
-#pragma omp simd reduction(max : mx)
-    for (int64_t j = 0; j < n; ++j) {
-      const float v = z[j] * s;
-      z[j] = v;
-      mx = v > mx ? v : mx;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  vf mx = splat(ninf);
+  vi c = vi{};
+  const vf vref = splat(ref);
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const vf v = load(z + j) * s;
+    std::memcpy(z + j, &v, sizeof(v));
+    mx = v > mx ? v : mx;
+    c -= v > vref;  // comparisons give -1 per true lane
+  }
+  if (j < n) {
+    const vf v = load_tail(z + j, n - j, ninf) * s;  // -inf * s: handled by the mask below
+    for (int64_t k = 0; k < n - j; ++k) z[j + k] = v[k];
+    for (int64_t k = 0; k < n - j; ++k) {
+      mx[k] = v[k] > mx[k] ? v[k] : mx[k];
+      c[k] += v[k] > ref ? 1 : 0;
     }
   }
-  *cnt += c;
-  return mx;
+  if (count) {
+    int64_t total = 0;
+    for (int k = 0; k < kLanes; ++k) total += c[k];
+    *cnt += total;
+  }
+  return hmax(mx);
 }
 
 // Returns sum_j exp(z[j] - m); adds sum_j z[j] to *zsum.
 SCE_CLONES float expsum_f(const float* z, int64_t n, float m, float* zsum) {
-  float se = 0.f, sz = 0.f;
-#pragma omp simd reduction(+ : se, sz)
-  for (int64_t j = 0; j < n; ++j) {
-    se += exp_fast(z[j] - m);
-    sz += z[j];
+  vf se = vf{}, sz = vf{};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const vf v = load(z + j);
+    se += exp_vec(v - m);
+    sz += v;
   }
-  *zsum += sz;
-  return se;
+  if (j < n) {
+    se += exp_vec(load_tail(z + j, n - j, -std::numeric_limits<float>::infinity()) - m);
+    sz += load_tail(z + j, n - j, 0.f);
+  }
+  *zsum += hsum(sz);
+  return hsum(se);
 }
 
 // z[j] <- s * (gl * exp(s * z[j] - lse) + gs): dlogit of the plain (non-target) columns.
 SCE_CLONES void dlogit_f(float* z, int64_t n, float s, float lse, float gl, float gs) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) z[j] = s * (gl * exp_fast(s * z[j] - lse) + gs);
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const vf v = (exp_vec(load(z + j) * s - lse) * gl + gs) * s;
+    std::memcpy(z + j, &v, sizeof(v));
+  }
+  if (j < n) {
+    const vf v = (exp_vec(load_tail(z + j, n - j, 0.f) * s - lse) * gl + gs) * s;
+    for (int64_t k = 0; k < n - j; ++k) z[j + k] = v[k];
+  }
 }
 
 // Generic (double) versions of the three loops.
@@ -164,45 +216,69 @@ void normalize_backward_rows(const T* du, const T* u, const T* nrm, int64_t rows
   });
 }
 
-struct Shard {
-  Tensor x;  // [B, D] acc dtype, contiguous, normalized when normalize
-  Tensor xnrm;
-  Tensor wbuf, wnrm;  // [chunk, D], [chunk]: the current chunk of w in acc dtype
-  Tensor lbuf;        // [B * chunk]
-  int64_t B, D, C, chunk;
+// The embeddings in acc dtype (normalized when asked), shared read-only by all threads.
+struct Rows {
+  Tensor x, xnrm;  // [B, D] contiguous, [B]
 };
 
-Shard prepare(const Tensor& x, const Tensor& w, bool normalize, int64_t chunk_classes) {
-  Shard sh;
-  sh.B = x.size(0);
-  sh.D = x.size(1);
-  sh.C = w.size(0);
-  sh.chunk = std::max<int64_t>(1, std::min(chunk_classes, sh.C));
+Rows load_x(const Tensor& x, bool normalize) {
   const auto opts = x.options().dtype(acc_dtype(x.scalar_type()));
-  sh.x = at::empty({sh.B, sh.D}, opts);
-  sh.xnrm = at::empty({sh.B}, opts);
-  sh.wbuf = at::empty({sh.chunk, sh.D}, opts);
-  sh.wnrm = at::empty({sh.chunk}, opts);
-  sh.lbuf = at::empty({sh.B * sh.chunk}, opts);
+  Rows r{at::empty({x.size(0), x.size(1)}, opts), at::empty({x.size(0)}, opts)};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "sce_load_x", [&] {
     using T = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    load_rows<scalar_t, T>(x.const_data_ptr<scalar_t>(), x.stride(0), x.stride(1), sh.B, sh.D, normalize,
-                           sh.x.mutable_data_ptr<T>(), sh.xnrm.mutable_data_ptr<T>());
+    load_rows<scalar_t, T>(x.const_data_ptr<scalar_t>(), x.stride(0), x.stride(1), x.size(0), x.size(1),
+                           normalize, r.x.mutable_data_ptr<T>(), r.xnrm.mutable_data_ptr<T>());
   });
-  return sh;
+  return r;
 }
 
-// Loads w[j0 : j0+n] into sh.wbuf (normalized if asked) and returns the chunk's logits
-// x @ w_chunk^T as a contiguous [B, n] view of sh.lbuf.
-Tensor chunk_logits(Shard& sh, const Tensor& w, int64_t j0, int64_t n, bool normalize) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.scalar_type(), "sce_load_w", [&] {
-    using T = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    load_rows<scalar_t, T>(w.const_data_ptr<scalar_t>() + j0 * w.stride(0), w.stride(0), w.stride(1), n, sh.D,
-                           normalize, sh.wbuf.mutable_data_ptr<T>(), sh.wnrm.mutable_data_ptr<T>());
+// One thread's buffers: the current chunk of w in acc dtype (normalized when asked) with its
+// row norms, the chunk's [B, n] logits and (backward) the gradient w.r.t. the loaded chunk.
+// Memory O(chunk * (B + D)) per thread.
+struct Workspace {
+  Tensor wbuf, wnrm, lbuf, dwbuf;
+  Workspace(const Tensor& xacc, int64_t chunk, bool with_dw)
+      : wbuf(at::empty({chunk, xacc.size(1)}, xacc.options())),
+        wnrm(at::empty({chunk}, xacc.options())),
+        lbuf(at::empty({xacc.size(0) * chunk}, xacc.options())),
+        dwbuf(with_dw ? at::empty({chunk, xacc.size(1)}, xacc.options()) : Tensor()) {}
+
+  // Loads w[j0 : j0+n] and returns the logits x @ w_chunk^T, a contiguous [B, n] view of lbuf.
+  Tensor logits(const Tensor& xacc, const Tensor& w, int64_t j0, int64_t n, bool normalize) {
+    const int64_t D = xacc.size(1);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.scalar_type(), "sce_load_w", [&] {
+      using T = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+      load_rows<scalar_t, T>(w.const_data_ptr<scalar_t>() + j0 * w.stride(0), w.stride(0), w.stride(1), n, D,
+                             normalize, wbuf.mutable_data_ptr<T>(), wnrm.mutable_data_ptr<T>());
+    });
+    Tensor L = lbuf.narrow(0, 0, xacc.size(0) * n).view({xacc.size(0), n});
+    at::mm_out(L, xacc, wbuf.narrow(0, 0, n).t());
+    return L;
+  }
+};
+
+// Runs body(tid, ws, j0, n) over all chunks. Threads take chunks from a shared counter: one
+// parallel region for the whole shard (no barrier per chunk, which costs dearly when the
+// cores are shared) and dynamic balance; each chunk's GEMM then runs single-threaded in its
+// thread's cache.
+template <typename F>
+void for_each_chunk(const Tensor& xacc, int64_t C, int64_t chunk, int64_t nthreads, bool with_dw,
+                    const F& body) {
+  const int64_t nchunks = (C + chunk - 1) / chunk;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, nthreads, 1, [&](int64_t a, int64_t b) {
+    for (int64_t tid = a; tid < b; ++tid) {
+      Workspace ws(xacc, chunk, with_dw);
+      for (int64_t k = next.fetch_add(1); k < nchunks; k = next.fetch_add(1)) {
+        const int64_t j0 = k * chunk;
+        body(tid, ws, j0, std::min(chunk, C - j0));
+      }
+    }
   });
-  Tensor L = sh.lbuf.narrow(0, 0, sh.B * n).view({sh.B, n});
-  at::mm_out(L, sh.x, sh.wbuf.narrow(0, 0, n).t());
-  return L;
+}
+
+int64_t threads_for(int64_t C, int64_t chunk) {
+  return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (C + chunk - 1) / chunk));
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> ce_shard_stats_cpu(const Tensor& x, const Tensor& w,
@@ -215,61 +291,65 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> ce_shard_stats_cpu(const Tensor& x, c
   const auto acc = acc_dtype(x.scalar_type());
   const int64_t B = x.size(0), C = w.size(0);
   const auto opts = x.options().dtype(acc);
-  Tensor lse = at::full({B}, -std::numeric_limits<double>::infinity(), opts);
-  Tensor tgt = at::zeros({B}, opts), lsum = at::zeros({B}, opts);
-  Tensor cnt = at::zeros({B}, x.options().dtype(at::kLong));
-  if (B == 0 || C == 0) return {lse, tgt, lsum, cnt};
+  Tensor tgt = at::zeros({B}, opts);
+  if (B == 0 || C == 0)
+    return {at::full({B}, -std::numeric_limits<double>::infinity(), opts), tgt, at::zeros({B}, opts),
+            at::zeros({B}, x.options().dtype(at::kLong))};
   const Margin mg = make_margin(scale, m1, m2, m3, normalize);
   const bool count = target_ref.has_value() && target_ref->defined();
   const Tensor tref = count ? target_ref->to(acc).contiguous() : Tensor();
   const Tensor lab = labels.contiguous();
-  Tensor sexp = at::zeros({B}, opts);  // running sum of exp(z - lse) with lse the running max
-  Shard sh = prepare(x, w, normalize, chunk_classes);
+  const int64_t chunk = std::min(chunk_classes, C);
+  const int64_t nt = threads_for(C, chunk);
+  // Per-thread running statistics: max, sum of exp(z - max), sum of z, count.
+  Tensor Mt = at::full({nt, B}, -std::numeric_limits<double>::infinity(), opts);
+  Tensor St = at::zeros({nt, B}, opts), LSt = at::zeros({nt, B}, opts);
+  Tensor CNt = at::zeros({nt, B}, x.options().dtype(at::kLong));
+  const Rows xr = load_x(x, normalize);
   AT_DISPATCH_FLOATING_TYPES(acc, "ce_shard_stats_cpu", [&] {
     using T = scalar_t;
-    T* M = lse.mutable_data_ptr<T>();
-    T* S = sexp.mutable_data_ptr<T>();
     T* tg = tgt.mutable_data_ptr<T>();
-    T* ls = lsum.mutable_data_ptr<T>();
-    int64_t* cn = cnt.mutable_data_ptr<int64_t>();
     const int64_t* y = lab.const_data_ptr<int64_t>();
     const T* tr = count ? tref.const_data_ptr<T>() : nullptr;
     const T s = static_cast<T>(mg.scale);
-    for (int64_t j0 = 0; j0 < C; j0 += sh.chunk) {
-      const int64_t n = std::min(sh.chunk, C - j0);
-      Tensor L = chunk_logits(sh, w, j0, n, normalize);
+    for_each_chunk(xr.x, C, chunk, nt, false, [&](int64_t tid, Workspace& ws, int64_t j0, int64_t n) {
+      T* M = Mt.mutable_data_ptr<T>() + tid * B;
+      T* S = St.mutable_data_ptr<T>() + tid * B;
+      T* ls = LSt.mutable_data_ptr<T>() + tid * B;
+      int64_t* cn = CNt.mutable_data_ptr<int64_t>() + tid * B;
+      Tensor L = ws.logits(xr.x, w, j0, n, normalize);
       T* Lp = L.mutable_data_ptr<T>();
-      at::parallel_for(0, B, std::max<int64_t>(1, 4096 / n), [&](int64_t b0, int64_t b1) {
-        for (int64_t i = b0; i < b1; ++i) {
-          T* z = Lp + i * n;
-          const int64_t t = y[i] - class_offset - j0;
-          const bool has_t = t >= 0 && t < n;
-          const T ref = count ? tr[i] : T(0);
-          T c_t = 0, psi = 0, dpsi = 0;
-          if (has_t) {
-            c_t = z[t];
-            psi = c_t;
-            if (normalize)
-              margin_psi<T>(c_t, mg.plain_target, T(mg.m1), T(mg.m2), T(mg.m3), T(mg.c_max), &psi, &dpsi);
-            z[t] = psi;  // scaled with the rest of the row below
-          }
-          int64_t c = 0;
-          const T mx = scale_max_count_f(z, n, s, ref, count, &c);
-          if (has_t && count) c += (s * c_t > ref ? 1 : 0) - (z[t] > ref ? 1 : 0);  // plain logit counts
-          const T m_new = std::max(M[i], mx);
-          T zs = 0;
-          const T se = expsum_f(z, n, m_new, &zs);
-          S[i] = (M[i] == -std::numeric_limits<T>::infinity() ? T(0) : S[i] * std::exp(M[i] - m_new)) + se;
-          M[i] = m_new;
-          ls[i] += zs;
-          cn[i] += c;
-          if (has_t) tg[i] = z[t];
+      for (int64_t i = 0; i < B; ++i) {
+        T* z = Lp + i * n;
+        const int64_t t = y[i] - class_offset - j0;
+        const bool has_t = t >= 0 && t < n;
+        const T ref = count ? tr[i] : T(0);
+        T c_t = 0, psi = 0, dpsi = 0;
+        if (has_t) {
+          c_t = z[t];
+          psi = c_t;
+          if (normalize)
+            margin_psi<T>(c_t, mg.plain_target, T(mg.m1), T(mg.m2), T(mg.m3), T(mg.c_max), &psi, &dpsi);
+          z[t] = psi;  // scaled with the rest of the row below
         }
-      });
-    }
+        int64_t c = 0;
+        const T mx = scale_max_count_f(z, n, s, ref, count, &c);
+        if (has_t && count) c += (s * c_t > ref ? 1 : 0) - (z[t] > ref ? 1 : 0);  // plain logit counts
+        const T m_new = std::max(M[i], mx);
+        T zs = 0;
+        const T se = expsum_f(z, n, m_new, &zs);
+        S[i] = (M[i] == -std::numeric_limits<T>::infinity() ? T(0) : S[i] * std::exp(M[i] - m_new)) + se;
+        M[i] = m_new;
+        ls[i] += zs;
+        cn[i] += c;
+        if (has_t) tg[i] = z[t];  // the target column lies in exactly one chunk: no race
+      }
+    });
   });
-  lse.add_(sexp.log_());
-  return {lse, tgt, lsum, cnt};
+  // Merge the threads' statistics (threads without chunks have max -inf and sum 0).
+  Tensor M = Mt.amax(0);
+  Tensor lse = M + (St * (Mt - M).exp_()).sum(0).log_();
+  return {lse, tgt, LSt.sum(0), CNt.sum(0)};
 }
 
 std::tuple<Tensor, Tensor> ce_shard_stats_backward_cpu(const Tensor& grad_lse, const Tensor& grad_target,
@@ -286,63 +366,64 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cpu(const Tensor& grad_lse, c
   const Margin mg = make_margin(scale, m1, m2, m3, normalize);
   const Tensor gl = grad_lse.to(acc).contiguous(), gt = grad_target.to(acc).contiguous(),
                gs = grad_sum.to(acc).contiguous(), lse = lse_in.to(acc).contiguous(), lab = labels.contiguous();
-  Shard sh = prepare(x, w, normalize, chunk_classes);
-  Tensor dx = at::zeros({B, D}, sh.x.options());  // d/d(normalized x) when normalize
+  const int64_t chunk = std::min(chunk_classes, C);
+  const int64_t nt = threads_for(C, chunk);
+  const Rows xr = load_x(x, normalize);
+  // Per-thread d/dx (d/d normalized x when normalize), summed at the end.
+  Tensor dxt = at::zeros({nt, B, D}, xr.x.options());
   const bool direct_dw = !normalize && w.scalar_type() == acc;
-  Tensor dwbuf = direct_dw ? Tensor() : at::empty({sh.chunk, D}, sh.x.options());
   AT_DISPATCH_FLOATING_TYPES(acc, "ce_shard_stats_backward_cpu", [&] {
     using T = scalar_t;
     const T *pgl = gl.const_data_ptr<T>(), *pgt = gt.const_data_ptr<T>(), *pgs = gs.const_data_ptr<T>(),
             *plse = lse.const_data_ptr<T>();
     const int64_t* y = lab.const_data_ptr<int64_t>();
     const T s = static_cast<T>(mg.scale);
-    for (int64_t j0 = 0; j0 < C; j0 += sh.chunk) {
-      const int64_t n = std::min(sh.chunk, C - j0);
-      Tensor L = chunk_logits(sh, w, j0, n, normalize);
+    for_each_chunk(xr.x, C, chunk, nt, !direct_dw, [&](int64_t tid, Workspace& ws, int64_t j0, int64_t n) {
+      Tensor L = ws.logits(xr.x, w, j0, n, normalize);
       T* Lp = L.mutable_data_ptr<T>();
-      at::parallel_for(0, B, std::max<int64_t>(1, 4096 / n), [&](int64_t b0, int64_t b1) {
-        for (int64_t i = b0; i < b1; ++i) {
-          T* z = Lp + i * n;
-          const int64_t t = y[i] - class_offset - j0;
-          const bool has_t = t >= 0 && t < n;
-          const T c_t = has_t ? z[t] : T(0);
-          dlogit_f(z, n, s, plse[i], pgl[i], pgs[i]);
-          if (has_t) {
-            T psi = c_t, dpsi = 1;
-            if (normalize)
-              margin_psi<T>(c_t, mg.plain_target, T(mg.m1), T(mg.m2), T(mg.m3), T(mg.c_max), &psi, &dpsi);
-            const T zt = s * psi;
-            z[t] = s * dpsi * (pgl[i] * std::exp(zt - plse[i]) + pgs[i] + pgt[i]);
-          }
+      for (int64_t i = 0; i < B; ++i) {
+        T* z = Lp + i * n;
+        const int64_t t = y[i] - class_offset - j0;
+        const bool has_t = t >= 0 && t < n;
+        const T c_t = has_t ? z[t] : T(0);
+        dlogit_f(z, n, s, plse[i], pgl[i], pgs[i]);
+        if (has_t) {
+          T psi = c_t, dpsi = 1;
+          if (normalize)
+            margin_psi<T>(c_t, mg.plain_target, T(mg.m1), T(mg.m2), T(mg.m3), T(mg.c_max), &psi, &dpsi);
+          z[t] = s * dpsi * (pgl[i] * std::exp(s * psi - plse[i]) + pgs[i] + pgt[i]);
         }
-      });
-      Tensor Wc = sh.wbuf.narrow(0, 0, n);
-      dx.addmm_(L, Wc);
-      if (direct_dw) {
-        Tensor gw = grad_w.narrow(0, j0, n);
-        at::mm_out(gw, L.t(), sh.x);
-      } else {
-        Tensor dwh = dwbuf.narrow(0, 0, n);
-        at::mm_out(dwh, L.t(), sh.x);
-        AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.scalar_type(), "sce_dw", [&] {
-          using S = scalar_t;
-          S* out = grad_w.mutable_data_ptr<S>() + j0 * D;
-          if (normalize) {
-            normalize_backward_rows<S, T>(dwh.const_data_ptr<T>(), Wc.const_data_ptr<T>(),
-                                          sh.wnrm.const_data_ptr<T>(), n, D, out);
-          } else {
-            grad_w.narrow(0, j0, n).copy_(dwh);
-          }
-        });
       }
-    }
-    if (normalize) {
-      Tensor gx = at::empty({B, D}, dx.options());
-      normalize_backward_rows<T, T>(dx.const_data_ptr<T>(), sh.x.const_data_ptr<T>(), sh.xnrm.const_data_ptr<T>(),
-                                    B, D, gx.mutable_data_ptr<T>());
-      dx = gx;
-    }
+      Tensor Wc = ws.wbuf.narrow(0, 0, n);
+      dxt[tid].addmm_(L, Wc);
+      Tensor gw = grad_w.narrow(0, j0, n);
+      if (direct_dw) {
+        at::mm_out(gw, L.t(), xr.x);
+        return;
+      }
+      // Gradient w.r.t. the loaded (converted / normalized) chunk, then through the load.
+      Tensor dwh = ws.dwbuf.narrow(0, 0, n);
+      at::mm_out(dwh, L.t(), xr.x);
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.scalar_type(), "sce_dw", [&] {
+        if (normalize)
+          normalize_backward_rows<scalar_t, T>(dwh.const_data_ptr<T>(), Wc.const_data_ptr<T>(),
+                                               ws.wnrm.const_data_ptr<T>(), n, D,
+                                               grad_w.mutable_data_ptr<scalar_t>() + j0 * D);
+        else
+          gw.copy_(dwh);
+      });
+    });
   });
+  Tensor dx = nt == 1 ? dxt[0] : dxt.sum(0);
+  if (normalize) {
+    Tensor gx = at::empty({B, D}, dx.options());
+    AT_DISPATCH_FLOATING_TYPES(acc, "sce_dx_norm", [&] {
+      using T = scalar_t;
+      normalize_backward_rows<T, T>(dx.const_data_ptr<T>(), xr.x.const_data_ptr<T>(), xr.xnrm.const_data_ptr<T>(),
+                                    B, D, gx.mutable_data_ptr<T>());
+    });
+    dx = gx;
+  }
   return {dx.to(x.scalar_type()), grad_w};
 }
 

@@ -17,7 +17,6 @@ from shardkit import ops
 from shardkit.margins import Margin
 
 
-
 class ShardStatistics(NamedTuple):
     """Per-row statistics over a set of classes (one shard, or all after combining).
 

@@ -1,0 +1,114 @@
+"""Tuning benchmark of the per-shard kernels (``shardkit.ops.ce_shard_stats``) on one device.
+
+Times forward and forward+backward of one shard holding all C classes, the loss
+``lse - target_logit`` built from the statistics, against ``nn.Linear`` (no bias) +
+``F.cross_entropy`` on the same data, for several chunk sizes. Prints a table (medians)
+and the GEMM floor: the three GEMMs of the layer (logits, dX, dW) timed with torch.mm,
+plus one more logits GEMM for the backward's recompute.
+
+    python benchmarks/bench_sharded_ce_kernels.py --device cpu --batch 256 --dim 128 --classes 200000
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import shardkit
+
+
+def _timeit(fn, device, reps, warmup=2):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--classes", type=int, default=200_000)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--chunks", default="", help="comma-separated chunk sizes (default: the wrapper's default)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--normalize", action="store_true", help="cosine logits with an ArcFace margin (s=64, m=0.5)")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "sharded_ce_kernels.json"))
+    args = ap.parse_args()
+
+    dev = torch.device(args.device)
+    dt = getattr(torch, args.dtype)
+    B, D, C = args.batch, args.dim, args.classes
+    x = torch.randn(B, D, device=dev, dtype=dt, requires_grad=True)
+    lin = torch.nn.Linear(D, C, bias=False, device=dev, dtype=dt)
+    w = lin.weight
+    labels = torch.randint(0, C, (B,), device=dev)
+    margin = dict(scale=64.0, m2=0.5, normalize=True) if args.normalize else {}
+
+    def base_fwd():
+        with torch.no_grad():
+            return F.cross_entropy(lin(x).float(), labels)
+
+    def base_fb():
+        x.grad = None
+        w.grad = None
+        F.cross_entropy(lin(x).float(), labels).backward()
+
+    rows = []
+    t_bf = _timeit(base_fwd, dev, args.reps)
+    t_bfb = _timeit(base_fb, dev, args.reps)
+    rows.append(("nn.Linear + F.cross_entropy", None, t_bf, t_bfb))
+
+    xd, wd = x.detach(), w.detach()
+    gl = torch.randn(B, C, device=dev, dtype=dt)
+    t_gemm = (_timeit(lambda: xd @ wd.t(), dev, args.reps) * 2 + _timeit(lambda: gl @ wd, dev, args.reps)
+              + _timeit(lambda: gl.t() @ xd, dev, args.reps))
+    del gl
+
+    chunks = [int(c) for c in args.chunks.split(",") if c] or [None]
+    for ch in chunks:
+        def ours_fwd(ch=ch):
+            with torch.no_grad():
+                lse, t, _, _ = shardkit.ops.ce_shard_stats(xd, wd, labels, chunk_classes=ch, **margin)
+                return (lse - t).mean()
+
+        def ours_fb(ch=ch):
+            x.grad = None
+            w.grad = None
+            lse, t, _, _ = shardkit.ops.ce_shard_stats(x, w, labels, chunk_classes=ch, **margin)
+            (lse - t).mean().backward()
+
+        rows.append((f"ce_shard_stats chunk={ch or 'default'}", ch, _timeit(ours_fwd, dev, args.reps),
+                     _timeit(ours_fb, dev, args.reps)))
+
+    print(f"device={dev} dtype={args.dtype} B={B} D={D} C={C} torch {torch.__version__} threads={torch.get_num_threads()}")
+    print(f"GEMM floor (4 GEMMs: logits x2, dX, dW): {t_gemm * 1e3:.1f} ms")
+    print(f"{'variant':<36}{'fwd ms':>10}{'fwd+bwd ms':>12}{'fwd ratio':>11}{'f+b ratio':>11}{'floor %':>9}")
+    for name, _, tf, tfb in rows:
+        print(f"{name:<36}{tf * 1e3:>10.1f}{tfb * 1e3:>12.1f}{tf / t_bf:>11.2f}{tfb / t_bfb:>11.2f}"
+              f"{100 * t_gemm / tfb:>9.0f}")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "gemm_floor_s": t_gemm,
+                   "rows": [{"name": n, "chunk": c, "fwd_s": a, "fwd_bwd_s": b} for n, c, a, b in rows]}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,339 @@
+"""Benchmark: ShardedSoftmaxLoss fwd+bwd time and extra memory against its peers.
+
+Peers, in the same run and on the same inputs:
+  (a) nn.Linear(D, C, bias=False) + F.cross_entropy (full logits),
+  (b) torch's F.linear_cross_entropy, where the installed torch has it,
+  (c) Apple's cut-cross-entropy and Liger's fused linear cross-entropy (GPU only; when importable),
+and on the GPU the floor: cuBLAS time of the layer's three GEMMs of the same shapes
+(logits = X W^T, dX = G W, dW = G^T X) measured in the same run.
+
+"Extra memory" is the peak memory of one fwd+bwd step beyond what is live before it
+(embeddings, weights) and the gradients it produces (every step starts with .grad = None,
+as after optimizer.zero_grad()):
+  GPU: torch.cuda.max_memory_allocated() minus memory_allocated() before the step (exact).
+  CPU: each method runs in a fresh subprocess with MALLOC_MMAP_THRESHOLD_=65536 (glibc then
+       maps every large buffer on its own and unmaps it when freed, so freed memory does
+       not hide in the heap); after a warm-up step the peak-RSS counter is reset
+       (/proc/self/clear_refs = 5) and extra = VmHWM after the step - VmRSS before it.
+
+Usage:
+  python benchmarks/bench_sharded_loss.py --cpu-target          # D=128, B=256, C=200k fp32 (CPU)
+  python benchmarks/bench_sharded_loss.py --device cuda         # D=512, B {256,1024}, C {100k,1M} bf16
+  python benchmarks/bench_sharded_loss.py --device cuda --max-classes   # largest trainable C per method
+Writes benchmarks/out/bench_sharded_loss.json and .png.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "python"))
+
+import shardkit  # noqa: E402
+
+METHODS = ["shardkit", "shardkit+checks", "linear+cross_entropy", "torch.linear_cross_entropy",
+           "cut_cross_entropy", "liger_flce"]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def unavailable(method, device):
+    """None if the method can run here, else the reason."""
+    if method == "torch.linear_cross_entropy" and not hasattr(F, "linear_cross_entropy"):
+        return f"torch {torch.__version__} has no F.linear_cross_entropy"
+    if method in ("cut_cross_entropy", "liger_flce"):
+        if device.type != "cuda":
+            return "GPU-only (Triton kernels)"
+        try:
+            if method == "cut_cross_entropy":
+                import cut_cross_entropy  # noqa: F401
+            else:
+                import liger_kernel  # noqa: F401
+        except ImportError as err:
+            return f"not importable ({err})"
+    return None
+
+
+def build_step(method, batch, classes, dim, dtype, device):
+    """Allocates inputs + parameters; returns (fwd+bwd closure, tensors that get a .grad).
+
+    Each step starts with the gradients set to None, as after optimizer.zero_grad() (torch's
+    default), so every method allocates its gradients afresh and none needs an extra
+    gradient-sized buffer to accumulate into an old one."""
+    x = torch.randn(batch, dim, device=device, dtype=dtype, requires_grad=True)
+    y = torch.randint(0, classes, (batch,), device=device)
+    if method.startswith("shardkit"):
+        # Built on "meta" and initialized on the device: the default init draws nn.Linear's
+        # numbers on the CPU, which takes seconds per million classes.
+        head = shardkit.ShardedSoftmaxLoss(dim, classes, devices=["meta"], dtype=dtype,
+                                           check_inputs=method == "shardkit+checks").to_empty(device=device)
+        with torch.no_grad():
+            head.weight_shards[0].uniform_(-dim ** -0.5, dim ** -0.5)
+        params = [x, *head.weight_shards]
+        fwd = lambda: head(x, y)  # noqa: E731
+    else:
+        weight = torch.empty(classes, dim, device=device, dtype=dtype).uniform_(-dim ** -0.5, dim ** -0.5)
+        weight.requires_grad_(True)
+        params = [x, weight]
+        if method == "linear+cross_entropy":
+            fwd = lambda: F.cross_entropy(F.linear(x, weight).float(), y)  # noqa: E731
+        elif method == "torch.linear_cross_entropy":
+            fwd = lambda: F.linear_cross_entropy(x, weight, y)  # noqa: E731
+        elif method == "cut_cross_entropy":
+            from cut_cross_entropy import linear_cross_entropy
+            fwd = lambda: linear_cross_entropy(x, weight, y)  # noqa: E731
+        elif method == "liger_flce":
+            from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+            loss_fn = LigerFusedLinearCrossEntropyLoss()
+            fwd = lambda: loss_fn(weight, x, y)  # noqa: E731
+        else:
+            raise ValueError(method)
+
+    def step():
+        for p in params:
+            p.grad = None
+        fwd().backward()
+    return step, params
+
+
+def build_gemms(batch, classes, dim, dtype, device):
+    """The layer's three GEMMs of the same shapes: logits, dX, dW."""
+    x = torch.randn(batch, dim, device=device, dtype=dtype)
+    w = torch.randn(classes, dim, device=device, dtype=dtype)
+    g = torch.randn(batch, classes, device=device, dtype=dtype)
+    dx = torch.empty(batch, dim, device=device, dtype=dtype)
+    dw = torch.empty(classes, dim, device=device, dtype=dtype)
+
+    def step():
+        torch.mm(x, w.t(), out=g)
+        torch.mm(g, w, out=dx)
+        torch.mm(g.t(), x, out=dw)
+    return step
+
+
+def time_it(step, device, repeat, warmup=2):
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(repeat):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def _rss_kib(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def measure(method, batch, classes, dim, dtype, device, repeat):
+    """{'time_s', 'extra_mib'} for one method in this process: extra = peak of one step
+    beyond the memory live before it and the gradients it leaves."""
+    step, params = build_step(method, batch, classes, dim, dtype, device)
+    step()  # warm-up (allocator pools, kernels' first-use costs)
+    for p in params:
+        p.grad = None
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        base = _rss_kib("VmRSS") * 1024
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        step()
+        peak = _rss_kib("VmHWM") * 1024 - base
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    return {"times_s": time_it(step, device, repeat), "extra_mib": (peak - grads) / 2**20}
+
+
+def measure_isolated(method, batch, classes, dim, dtype_name, device, repeat):
+    """CPU: one fresh subprocess per method (see the module docstring)."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    cmd = [sys.executable, os.path.abspath(__file__), "--_child", method, "--batch", str(batch),
+           "--classes", str(classes), "--dim", str(dim), "--dtype", dtype_name, "--device", str(device),
+           "--repeat", str(repeat)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def gemm_floor(batch, classes, dim, dtype, device, repeat):
+    step = build_gemms(batch, classes, dim, dtype, device)
+    return time_it(step, device, repeat)
+
+
+def max_classes(method, batch, dim, dtype, device, lo=100_000, hi=1 << 27):
+    """Largest C (to ~3%) for which one fwd+bwd step succeeds on the device."""
+    def fits(classes):
+        step = None
+        try:
+            step, _ = build_step(method, batch, classes, dim, dtype, device)
+            step()
+            step()
+            torch.cuda.synchronize()
+            return True
+        except torch.OutOfMemoryError:
+            return False
+        finally:
+            step = None
+            torch.cuda.empty_cache()
+    if not fits(lo):
+        return 0
+    good = lo
+    while good * 2 <= hi and fits(good * 2):
+        good *= 2
+    bad = good * 2
+    while bad - good > good // 32:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    return good
+
+
+def run(args):
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    shapes = [(b, c, args.dim) for b in args.batch for c in args.classes]
+    rows = []
+    print(f"# torch {torch.__version__}, device {device}"
+          f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, dtype {args.dtype}")
+    for batch, classes, dim in shapes:
+        print(f"\nB={batch} C={classes} D={dim}:")
+        # Rounds run the methods interleaved (and re-measure the floor), so a change in the
+        # machine's load between methods does not masquerade as a speed difference.
+        floor_times, results = [], {}
+        for _ in range(args.rounds):
+            floor_times += gemm_floor(batch, classes, dim, dtype, device, args.repeat)
+            for method in METHODS:
+                if method == "shardkit+checks" and device.type != "cuda":
+                    continue  # on the CPU the check's sync costs nothing extra: same row
+                reason = unavailable(method, device)
+                if reason:
+                    if method not in results:
+                        print(f"  {method:28s} skipped: {reason}")
+                        results[method] = None
+                    continue
+                try:
+                    if device.type == "cpu":
+                        res = measure_isolated(method, batch, classes, dim, args.dtype, device, args.repeat)
+                    else:
+                        res = measure(method, batch, classes, dim, dtype, device, args.repeat)
+                        torch.cuda.empty_cache()
+                except (torch.OutOfMemoryError, subprocess.CalledProcessError) as err:
+                    print(f"  {method:28s} failed: {type(err).__name__}")
+                    results[method] = None
+                    continue
+                if results.get(method) is None:
+                    results[method] = {"times_s": [], "extra_mib": 0.0}
+                results[method]["times_s"] += res["times_s"]
+                results[method]["extra_mib"] = max(results[method]["extra_mib"], res["extra_mib"])
+        results = {m: dict(r, time_s=statistics.median(r["times_s"])) for m, r in results.items() if r}
+        floor_t = statistics.median(floor_times)
+        rate = 6.0 * batch * classes * dim / floor_t / 1e9
+        print(f"  floor: the 3 GEMMs take {floor_t * 1e3:.2f} ms ({rate:.1f} GFLOP/s)")
+        base = results.get("linear+cross_entropy")
+        print(f"  {'method':28s} {'time ms':>9s} {'x (a)':>7s} {'x GEMMs':>8s} {'% floor':>8s} "
+              f"{'extra MiB':>10s} {'x (a)':>7s}")
+        for method, res in results.items():
+            t_ratio = res["time_s"] / base["time_s"] if base else float("nan")
+            m_ratio = res["extra_mib"] / base["extra_mib"] if base and base["extra_mib"] > 0 else float("nan")
+            print(f"  {method:28s} {res['time_s'] * 1e3:9.2f} {t_ratio:7.2f} {res['time_s'] / floor_t:8.2f} "
+                  f"{100 * floor_t / res['time_s']:7.1f}% "
+                  f"{res['extra_mib']:10.1f} {m_ratio:7.3f}")
+            rows.append(dict(method=method, batch=batch, classes=classes, dim=dim, dtype=args.dtype,
+                             device=str(device), gemm_floor_s=floor_t, gemm_gflops=rate,
+                             time_ratio_vs_a=t_ratio, extra_ratio_vs_a=m_ratio, **res))
+    largest = {}
+    if args.max_classes:
+        if device.type != "cuda":
+            print("\n--max-classes needs --device cuda")
+        else:
+            print(f"\nlargest C one GPU trains (B={args.batch[-1]}, D={args.dim}, {args.dtype}):")
+            for method in ("shardkit", "linear+cross_entropy", "cut_cross_entropy", "liger_flce"):
+                if unavailable(method, device) is None:
+                    largest[method] = max_classes(method, args.batch[-1], args.dim, dtype, device)
+                    print(f"  {method:28s} {largest[method]:>12,d}")
+    return rows, largest
+
+
+def save(rows, largest, args):
+    out_dir = os.path.join(HERE, "out")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "bench_sharded_loss.json")
+    with open(path, "w") as f:
+        json.dump(dict(torch=torch.__version__, argv=sys.argv, rows=rows, largest_classes=largest), f, indent=1)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"wrote {path} (no matplotlib: no plot)")
+        return
+    labels = [f"{r['method']}\nB={r['batch']} C={r['classes'] // 1000}k" for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.3 * len(rows)), 4.5))
+    axes[0].bar(labels, [r["time_s"] * 1e3 for r in rows])
+    axes[0].set_ylabel("fwd+bwd time (ms, median)")
+    axes[1].bar(labels, [r["extra_mib"] for r in rows])
+    axes[1].set_ylabel("extra memory of one step (MiB)")
+    for ax in axes:
+        ax.tick_params(axis="x", labelrotation=60, labelsize=7)
+    fig.suptitle(f"sharded cross-entropy, {rows[0]['device'] if rows else ''}, {args.dtype}")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "bench_sharded_loss.png"), dpi=110)
+    print(f"wrote {path} and bench_sharded_loss.png")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bf16 on GPU, fp32 on CPU")
+    p.add_argument("--batch", type=int, nargs="+", default=None)
+    p.add_argument("--classes", type=int, nargs="+", default=None)
+    p.add_argument("--dim", type=int, default=None)
+    p.add_argument("--repeat", type=int, default=None, help="timed steps per method per round")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 2 on CPU, 1 on GPU)")
+    p.add_argument("--cpu-target", action="store_true", help="the CPU target case: D=128, B=256, C=200k fp32")
+    p.add_argument("--max-classes", action="store_true", help="GPU: largest C each method trains")
+    p.add_argument("--_child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.cpu_target:
+        args.device, args.dtype = "cpu", args.dtype or "fp32"
+        args.batch, args.classes, args.dim = args.batch or [256], args.classes or [200_000], args.dim or 128
+    gpu = torch.device(args.device).type == "cuda"
+    args.dtype = args.dtype or ("bf16" if gpu else "fp32")
+    args.batch = args.batch or ([256, 1024] if gpu else [256])
+    args.classes = args.classes or ([100_000, 1_000_000] if gpu else [200_000])
+    args.dim = args.dim or (512 if gpu else 128)
+    args.repeat = args.repeat or (20 if gpu else 3)
+    args.rounds = args.rounds or (1 if gpu else 2)
+    if args._child:
+        res = measure(args._child, args.batch[0], args.classes[0], args.dim, DTYPES[args.dtype],
+                      torch.device(args.device), args.repeat)
+        print(json.dumps(res))
+        return
+    rows, largest = run(args)
+    save(rows, largest, args)
+
+
+if __name__ == "__main__":
+    main()
