@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from sce_reference import margin_kwargs, reference_loss_and_grads
+from sce_reference import margin_kwargs, reference_loss_and_grads, reference_lse
 
 import shardkit
 from shardkit.distributed import CollectiveError, DistributedInputError, class_offsets, split_classes
@@ -42,7 +42,12 @@ _SCENARIOS = {
     "replicated64": ("arc", torch.float64, "mean", 0.1, "replicated", 1.0, 17, lambda w: [9] * w),
     "sampled_all64": ("cos", torch.float64, "mean", 0.1, "data_parallel", 0.9999, 21, lambda w: [3, 2, 4, 1][:w]),
     "sampled64": ("arc", torch.float64, "mean", 0.1, "data_parallel", 0.3, 97, lambda w: [3, 2, 4, 1][:w]),
+    "ignore_class64": ("arc", torch.float64, "mean", 0.1, "data_parallel", 1.0, 15, lambda w: [4, 3, 5, 2][:w]),
+    "sampled64_ignore_class": ("cos", torch.float64, "sum", 0.1, "data_parallel", 0.5, 40,
+                               lambda w: [4, 3, 5, 2][:w]),
 }
+# ignore_index per scenario (default -100); 3 is also a class id: such rows get no target
+_IGNORE = {"ignore_class64": 3, "sampled64_ignore_class": 3}
 
 
 def _make_data(seed):
@@ -53,7 +58,7 @@ def _make_data(seed):
             sizes = sizes_fn(world)
             batch = sizes[0] if layout == "replicated" else sum(sizes)
             labels = torch.randint(0, classes, (batch,), generator=gen)
-            labels[torch.rand(batch, generator=gen) < 0.15] = -100
+            labels[torch.rand(batch, generator=gen) < 0.15] = _IGNORE.get(name, -100)
             labels[0] = max(int(labels[0]), 0)  # at least one counted row
             data[(world, name)] = dict(
                 x=torch.randn(batch, D, generator=gen, dtype=torch.float64),
@@ -67,6 +72,7 @@ def _run_scenario(rank, world, name, d, group, device=torch.device("cpu"), sampl
     margin_name, dtype, reduction, eps, layout, rate, classes, _ = _SCENARIOS[name]
     rate = rate if sample_rate is None else sample_rate
     head = shardkit.ShardedSoftmaxLoss(D, classes, margin=_margins()[margin_name], label_smoothing=eps,
+                                       ignore_index=_IGNORE.get(name, -100),
                                        reduction=reduction, dtype=dtype, process_group=group,
                                        input_layout=layout, sample_rate=rate, devices=[device])
     shardkit.import_full_weight(head, d["w"].to(dtype))
@@ -101,10 +107,12 @@ def _run_scenario(rank, world, name, d, group, device=torch.device("cpu"), sampl
             grad_w = grad_w.to_dense()
         if step == 0:
             out.update(loss=details.loss.detach().cpu(), grad_x=x.grad.cpu(), grad_w=grad_w.cpu(),
-                       correct={k: int(v) for k, v in details.correct.items()}, num_valid=int(details.num_valid))
+                       correct={k: int(v) for k, v in details.correct.items()}, num_valid=int(details.num_valid),
+                       lse=details.lse.detach().cpu())
             if rate == 1.0 and layout == "data_parallel":
                 # the one-process head on the global batch: the top-k counts must be the same
                 one = shardkit.ShardedSoftmaxLoss(D, classes, margin=_margins()[margin_name], dtype=dtype,
+                                                  ignore_index=_IGNORE.get(name, -100),
                                                   devices=["cpu"] * 2)
                 shardkit.import_full_weight(one, d["w"].to(dtype))
                 ref = one(d["x"].to(dtype), d["labels"], return_details=True, topk=(1, 3))
@@ -254,22 +262,28 @@ def _check_against_reference(data, results, world, name, sample_rate=None):
         assert isinstance(res[name], dict), f"rank {r}: {res[name]}"
     kwargs = margin_kwargs(_margins()[margin_name])
     x, w, labels = d["x"], d["w"], d["labels"]
+    ignore = _IGNORE.get(name, -100)
     if rate < 1.0:  # reference over the sampled classes: every rank's rows, in class order
         used = torch.cat([res[name]["rows0"] for res in per_rank])
         assert torch.all(used[1:] > used[:-1])
         remap = torch.full((classes,), -1, dtype=torch.int64)
         remap[used] = torch.arange(used.numel())
-        counted = labels != -100
+        counted = labels != ignore
         assert torch.all(remap[labels[counted]] >= 0), "a positive class was not sampled"
-        labels = torch.where(counted, remap[labels.clamp_min(0)], labels)
+        # ignored rows: -100 in the sampled class space (3 may be a sampled position there)
+        labels, ignore = torch.where(counted, remap[labels.clamp_min(0)], -100), -100
         w = w[used]
     g = d["grad_out"] if reduction == "none" else None
-    ref = reference_loss_and_grads(x, w, labels, grad_out=g, label_smoothing=eps, reduction=reduction, **kwargs)
+    ref = reference_loss_and_grads(x, w, labels, grad_out=g, label_smoothing=eps, reduction=reduction,
+                                   ignore_index=ignore, **kwargs)
+    # per-row lse of the global batch (ignored rows too, without a margin)
+    lse_ref = reference_lse(x, w, torch.where(labels == ignore, -1, labels), **kwargs)
     sizes, offs = d["sizes"], class_offsets(split_classes(classes, world))
     start = 0
     for r, res in enumerate(per_rank):
         out = res[name]
         assert _rel(out["loss"], ref.loss) <= tol, (r, out["loss"], ref.loss)
+        assert _rel(out["lse"], lse_ref) <= tol, (r, "lse")
         if layout == "replicated":
             gx_ref = ref.grad_x
         else:
@@ -294,7 +308,7 @@ def _check_against_reference(data, results, world, name, sample_rate=None):
 def test_loss_and_gradients_match_reference(runs, world, name):
     data, results, _, _ = runs
     per_rank, ref, labels, w, kwargs = _check_against_reference(data, results, world, name)
-    counted = labels != -100
+    counted = labels != _IGNORE.get(name, -100)
     for res in per_rank:
         assert res[name]["num_valid"] == int(counted.sum())
         if "one_process_correct" in res[name]:  # top-k counts: the same as the one-process mode's
@@ -302,7 +316,7 @@ def test_loss_and_gradients_match_reference(runs, world, name):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("name", ["sampled_all64", "sampled64"])
+@pytest.mark.parametrize("name", ["sampled_all64", "sampled64", "sampled64_ignore_class"])
 def test_sampling(runs, world, name):
     data, results, _, _ = runs
     per_rank, *_ = _check_against_reference(data, results, world, name)
