@@ -4,6 +4,7 @@ The distributed sampled loss (rate respected per rank, loss against a reference 
 sampled classes, unsampled rows untouched after a step) is in test_distributed.py."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -184,3 +185,20 @@ def test_sample_on_cuda_matches_contract():
     assert torch.all(index[1:] > index[:-1])
     assert set(local[mine].tolist()) <= set(index.tolist())
     assert torch.equal(index[remapped[mine]], local[mine]) and torch.all(remapped[~mine] == -1)
+
+
+def test_torch_sgd_with_momentum_on_a_sampled_shard_warns():
+    from shardkit.sampling import mark_sampled
+
+    weight = torch.nn.Parameter(torch.randn(8, 3))
+    mark_sampled(weight)
+    opt = torch.optim.SGD([weight], lr=0.1, momentum=0.9)
+    F.embedding(torch.tensor([1, 4]), weight, sparse=True).sum().backward()
+    with pytest.warns(UserWarning, match="use shardkit.SparseRowSGD"):
+        opt.step()
+    plain = torch.optim.SGD([weight], lr=0.1)  # no momentum, no decay: rows outside the grad stay
+    ours = shardkit.SparseRowSGD([weight], lr=0.1, momentum=0.9, weight_decay=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain.step()
+        ours.step()

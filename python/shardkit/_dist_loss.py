@@ -24,7 +24,7 @@ from shardkit.distributed import (
 from shardkit import ops
 from shardkit._sce_checks import check_tensors, check_values
 from shardkit._sce_core import ShardStatistics, _chunk_classes, _compute_dtype, _plain_target_logit
-from shardkit.sampling import check_sample_rate, sample_shard
+from shardkit.sampling import check_sample_rate, mark_sampled, sample_shard
 
 
 def setup(module, num_classes: int, process_group, input_layout: str, sample_rate, devices, shard_sizes):
@@ -160,6 +160,7 @@ def distributed_statistics(dctx: DistContext, embeddings, labels, weight: torch.
         y_op = yg.masked_fill(yg == ignore_index, -1)
     if sample_rate < 1.0:
         counts = sampled_class_counts(dctx.class_sizes, sample_rate, batch)
+        mark_sampled(weight)
         w, y_shard, _ = sample_shard(weight, y_op, dctx.class_offset, counts[dctx.rank], generator)
         offset, used = 0, sum(counts)
     else:
