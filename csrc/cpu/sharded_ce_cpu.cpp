@@ -3,8 +3,8 @@
 // Loop over class chunks: per chunk one GEMM (at::mm_out -> MKL) into a reused [B, chunk]
 // buffer, then a fused pass per row that folds the chunk into running [B] statistics
 // (forward) or turns the logits into dlogits in place (backward, followed by the dX / dW
-// GEMMs). Threads take whole chunks from a shared counter inside ONE parallel region: each
-// chunk's GEMM and row pass run in the same core's cache, with no barrier per chunk.
+// GEMMs). Each thread takes a block of whole chunks inside ONE parallel region: a chunk's
+// GEMM and row pass run in the same core's cache, with no barrier per chunk.
 // Extra memory: O(threads * chunk * (B + D)) plus [threads, B, D] for dX.
 //
 // The float row loops use vector extensions and are compiled in several ISA versions
@@ -16,7 +16,6 @@
 
 #include <cmath>
 #include <cstring>
-#include <atomic>
 #include <limits>
 
 #include "sharded_ce_common.h"
@@ -257,19 +256,19 @@ struct Workspace {
   }
 };
 
-// Runs body(tid, ws, j0, n) over all chunks. Threads take chunks from a shared counter: one
-// parallel region for the whole shard (no barrier per chunk, which costs dearly when the
-// cores are shared) and dynamic balance; each chunk's GEMM then runs single-threaded in its
-// thread's cache.
+// Runs body(tid, ws, j0, n) over all chunks inside ONE parallel region: thread tid takes a
+// contiguous block of chunks (a fixed split, so results are bitwise reproducible for a given
+// thread count: no barrier per chunk, which costs dearly when the cores are shared), and
+// each chunk's GEMM then runs single-threaded in its thread's cache.
 template <typename F>
 void for_each_chunk(const Tensor& xacc, int64_t C, int64_t chunk, int64_t nthreads, bool with_dw,
                     const F& body) {
   const int64_t nchunks = (C + chunk - 1) / chunk;
-  std::atomic<int64_t> next{0};
+  const int64_t per = (nchunks + nthreads - 1) / nthreads;
   at::parallel_for(0, nthreads, 1, [&](int64_t a, int64_t b) {
     for (int64_t tid = a; tid < b; ++tid) {
       Workspace ws(xacc, chunk, with_dw);
-      for (int64_t k = next.fetch_add(1); k < nchunks; k = next.fetch_add(1)) {
+      for (int64_t k = tid * per; k < std::min(nchunks, (tid + 1) * per); ++k) {
         const int64_t j0 = k * chunk;
         body(tid, ws, j0, std::min(chunk, C - j0));
       }
@@ -329,7 +328,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> ce_shard_stats_cpu(const Tensor& x, c
           c_t = z[t];
           psi = c_t;
           if (normalize)
-            margin_psi<T>(c_t, mg.plain_target, T(mg.m1), T(mg.m2), T(mg.m3), T(mg.c_max), &psi, &dpsi);
+            margin_psi<T>(c_t, mg.plain_target, mg.m1, mg.m2, mg.m3, mg.c_max, &psi, &dpsi);
           z[t] = psi;  // scaled with the rest of the row below
         }
         int64_t c = 0;
@@ -390,7 +389,7 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cpu(const Tensor& grad_lse, c
         if (has_t) {
           T psi = c_t, dpsi = 1;
           if (normalize)
-            margin_psi<T>(c_t, mg.plain_target, T(mg.m1), T(mg.m2), T(mg.m3), T(mg.c_max), &psi, &dpsi);
+            margin_psi<T>(c_t, mg.plain_target, mg.m1, mg.m2, mg.m3, mg.c_max, &psi, &dpsi);
           z[t] = s * dpsi * (pgl[i] * std::exp(s * psi - plse[i]) + pgs[i] + pgt[i]);
         }
       }
