@@ -236,6 +236,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> ce_shard_stats_cuda(const Tensor& x, 
                                                                double m2, double m3, bool normalize,
                                                                int64_t chunk_classes) {
   check_forward(x, w, labels, target_ref, class_offset, scale, m1, m2, m3, normalize, chunk_classes);
+  // Called below autograd (register_autograd handles it); inputs may still require grad,
+  // which out= ATen calls refuse.
+  const at::NoGradGuard no_grad;
   TORCH_CHECK(x.is_cuda(), "argument `x` must be a CUDA tensor here, got ", x.device());
   const c10::cuda::CUDAGuard guard(x.device());
   const auto acc = acc_dtype(x.scalar_type());
@@ -278,6 +281,9 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
                                                         double m3, bool normalize, int64_t chunk_classes) {
   check_backward(grad_lse, grad_target, grad_sum, x, w, labels, lse_in, class_offset, scale, m1, m2, m3,
                  normalize, chunk_classes);
+  // Called below autograd (register_autograd handles it); inputs may still require grad,
+  // which out= ATen calls refuse.
+  const at::NoGradGuard no_grad;
   TORCH_CHECK(x.is_cuda(), "argument `x` must be a CUDA tensor here, got ", x.device());
   const c10::cuda::CUDAGuard guard(x.device());
   const auto acc = acc_dtype(x.scalar_type());
