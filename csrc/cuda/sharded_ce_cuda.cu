@@ -301,6 +301,7 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
   Tensor lbuf = at::empty({B * chunk}, opts);
   Tensor gbuf = low ? at::empty({B * chunk}, x.options()) : Tensor();
   Tensor tbuf = low ? at::empty({chunk * D}, opts) : Tensor();
+  Tensor dxc = low ? at::empty({B, D}, opts) : Tensor();
   Tensor rw = normalize ? at::empty({chunk}, opts) : Tensor();
   Tensor dx = at::zeros({B, D}, opts);  // w.r.t. the GEMM's x (normalized x when normalize)
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -322,7 +323,10 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
     const Tensor wc = w.narrow(0, j0, n);
     Tensor gw = grad_w.narrow(0, j0, n);
     if (low) {
-      at::addmm_out(dx, dx, G, wc, acc);
+      // (addmm with out_dtype wants `self` in the input dtype in some torch versions: GEMM into
+      // an fp32 temporary and add, an extra O(B*D) per chunk.)
+      at::mm_out(dxc, G, wc, acc);
+      dx.add_(dxc);
       Tensor tmp = tbuf.narrow(0, 0, n * D).view({n, D});
       at::mm_out(tmp, G.t(), p.xin, acc);
       AT_DISPATCH_REDUCED_FLOATING_TYPES(dt, "sce_dw_low", [&] {
