@@ -239,8 +239,12 @@ def run(args):
                     else:
                         res = measure(method, batch, classes, dim, dtype, device, args.repeat)
                         torch.cuda.empty_cache()
-                except (torch.OutOfMemoryError, subprocess.CalledProcessError) as err:
-                    print(f"  {method:28s} failed: {type(err).__name__}")
+                except Exception as err:  # a peer's failure (OOM, Triton error) must not end the run
+                    detail = err.stderr.strip().splitlines()[-1] if isinstance(err, subprocess.CalledProcessError) \
+                        and err.stderr.strip() else str(err).splitlines()[0] if str(err) else ""
+                    print(f"  {method:28s} failed: {type(err).__name__}: {detail[:120]}")
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
                     results[method] = None
                     continue
                 if results.get(method) is None:

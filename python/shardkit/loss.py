@@ -45,8 +45,8 @@ class ShardedLossOutput(NamedTuple):
         which they do not get).
     correct: {k: int64 0-d tensor}: non-ignored rows whose label is among the k highest
         PLAIN logits (no margin), for each requested k; a class ranks above the target when
-        its logit is higher by more than 1e-5 x (scale, or |x| |w_y| for plain logits),
-        so rounding-level ties count for the target.
+        its logit is higher by more than a rounding band: 1e-5 (fp32), 2^-10 (fp16) or 2^-8
+        (bf16) times scale (or |x| |w_y| for plain logits); closer ties count for the target.
     num_valid: int64 0-d tensor: the number of non-ignored rows (accuracy = correct / num_valid).
     """
 
