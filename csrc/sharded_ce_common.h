@@ -38,25 +38,28 @@ inline Margin make_margin(double scale, double m1, double m2, double m3, bool no
 // not differentiable at +-1), continued linearly with slope 1 below c_max so the target logit
 // stays monotone in c when m1*theta + m2 passes pi. dpsi is the exact derivative of that
 // function (0 where the clamp is active, as autograd through torch.clamp gives).
+// Evaluated in double whatever T: it runs once per row (the target column only), and 1 - 1e-7
+// is not representable in float (the clamp would move by 1e-8 and theta by 10%).
 template <typename T>
-SCE_HD void margin_psi(T c, bool plain, T m1, T m2, T m3, T c_max, T* psi, T* dpsi) {
+SCE_HD void margin_psi(T c_in, bool plain, double m1, double m2, double m3, double c_max, T* psi, T* dpsi) {
+  const double c = c_in;
   if (plain) {
-    *psi = c - m3;
+    *psi = static_cast<T>(c - m3);
     *dpsi = T(1);
     return;
   }
   if (c < c_max) {
-    *psi = T(-1) - m3 + (c - c_max);
+    *psi = static_cast<T>(-1.0 - m3 + (c - c_max));
     *dpsi = T(1);
     return;
   }
-  const T lo = T(-1) + T(1e-7), hi = T(1) - T(1e-7);
+  const double lo = -1.0 + 1e-7, hi = 1.0 - 1e-7;
   const bool inside = c >= lo && c <= hi;
-  const T cc = c < lo ? lo : (c > hi ? hi : c);
-  const T th = acos(cc);
-  const T a = m1 * th + m2;
-  *psi = cos(a) - m3;
-  *dpsi = inside ? m1 * sin(a) / sin(th) : T(0);
+  const double cc = c < lo ? lo : (c > hi ? hi : c);
+  const double th = acos(cc);
+  const double a = m1 * th + m2;
+  *psi = static_cast<T>(cos(a) - m3);
+  *dpsi = inside ? static_cast<T>(m1 * sin(a) / sin(th)) : T(0);
 }
 
 // Dtype of the statistics and of the internal accumulation: fp64 for fp64 inputs (so that

@@ -133,10 +133,10 @@ class TopkReference(NamedTuple):
     greater_hi: torch.Tensor  # [B] int64: classes above the target or within tol of it
 
 
-def reference_greater_count(x, w, labels, *, tol: float = 1e-4, **kwargs) -> TopkReference:
+def reference_greater_count(x, w, labels, *, tol: float = 1e-4, abs_tol: float = 0.0, **kwargs) -> TopkReference:
     """For each row, the number of classes whose PLAIN logit (no margin) exceeds the
-    target's plain logit, as a bracket [lo, hi] so that near-ties (within ``tol`` of the
-    target logit, relative to max(1, |target|)) never make a test flaky. The target
+    target's plain logit, as a bracket [lo, hi] so that near-ties (within
+    ``tol * max(1, |target|) + abs_tol`` of the target logit) never make a test flaky. The target
     column itself is never counted. Rows with a label outside [0, C) get zeros."""
     kwargs = dict(kwargs)
     z = full_logits(x, w, labels, margin_on_target=False, **kwargs)
@@ -144,7 +144,7 @@ def reference_greater_count(x, w, labels, *, tol: float = 1e-4, **kwargs) -> Top
     valid = (labels >= 0) & (labels < num_classes)
     safe = torch.where(valid, labels, 0).long()
     t = z.gather(1, safe[:, None])
-    band = tol * t.abs().clamp_min(1.0)
+    band = tol * t.abs().clamp_min(1.0) + abs_tol
     not_target = torch.ones_like(z, dtype=torch.bool).scatter_(1, safe[:, None], False)
     lo = ((z > t + band) & not_target).sum(1)
     hi = ((z > t - band) & not_target).sum(1)
@@ -152,10 +152,11 @@ def reference_greater_count(x, w, labels, *, tol: float = 1e-4, **kwargs) -> Top
     return TopkReference(torch.where(valid, lo, zero), torch.where(valid, hi, zero))
 
 
-def reference_correct(x, w, labels, ks: Sequence[int], *, ignore_index: int = -100, tol: float = 1e-4, **kwargs):
+def reference_correct(x, w, labels, ks: Sequence[int], *, ignore_index: int = -100, tol: float = 1e-4,
+                      abs_tol: float = 0.0, **kwargs):
     """{k: (lo, hi)}: bracket for the number of non-ignored rows whose label is in the
     top k of the plain logits (exact when no near-ties)."""
-    ref = reference_greater_count(x, w, labels, tol=tol, **kwargs)
+    ref = reference_greater_count(x, w, labels, tol=tol, abs_tol=abs_tol, **kwargs)
     keep = labels != ignore_index
     out = {}
     for k in ks:

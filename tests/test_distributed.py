@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from sce_reference import margin_kwargs, reference_loss_and_grads
+from sce_reference import margin_kwargs, reference_loss_and_grads, reference_lse
 
 import shardkit
 from shardkit.distributed import CollectiveError, DistributedInputError, class_offsets, split_classes
@@ -42,7 +42,12 @@ _SCENARIOS = {
     "replicated64": ("arc", torch.float64, "mean", 0.1, "replicated", 1.0, 17, lambda w: [9] * w),
     "sampled_all64": ("cos", torch.float64, "mean", 0.1, "data_parallel", 0.9999, 21, lambda w: [3, 2, 4, 1][:w]),
     "sampled64": ("arc", torch.float64, "mean", 0.1, "data_parallel", 0.3, 97, lambda w: [3, 2, 4, 1][:w]),
+    "ignore_class64": ("arc", torch.float64, "mean", 0.1, "data_parallel", 1.0, 15, lambda w: [4, 3, 5, 2][:w]),
+    "sampled64_ignore_class": ("cos", torch.float64, "sum", 0.1, "data_parallel", 0.5, 40,
+                               lambda w: [4, 3, 5, 2][:w]),
 }
+# ignore_index per scenario (default -100); 3 is also a class id: such rows get no target
+_IGNORE = {"ignore_class64": 3, "sampled64_ignore_class": 3}
 
 
 def _make_data(seed):
@@ -53,7 +58,7 @@ def _make_data(seed):
             sizes = sizes_fn(world)
             batch = sizes[0] if layout == "replicated" else sum(sizes)
             labels = torch.randint(0, classes, (batch,), generator=gen)
-            labels[torch.rand(batch, generator=gen) < 0.15] = -100
+            labels[torch.rand(batch, generator=gen) < 0.15] = _IGNORE.get(name, -100)
             labels[0] = max(int(labels[0]), 0)  # at least one counted row
             data[(world, name)] = dict(
                 x=torch.randn(batch, D, generator=gen, dtype=torch.float64),
@@ -63,16 +68,18 @@ def _make_data(seed):
     return data
 
 
-def _run_scenario(rank, world, name, d, group):
+def _run_scenario(rank, world, name, d, group, device=torch.device("cpu"), sample_rate=None):
     margin_name, dtype, reduction, eps, layout, rate, classes, _ = _SCENARIOS[name]
+    rate = rate if sample_rate is None else sample_rate
     head = shardkit.ShardedSoftmaxLoss(D, classes, margin=_margins()[margin_name], label_smoothing=eps,
+                                       ignore_index=_IGNORE.get(name, -100),
                                        reduction=reduction, dtype=dtype, process_group=group,
-                                       input_layout=layout, sample_rate=rate)
+                                       input_layout=layout, sample_rate=rate, devices=[device])
     shardkit.import_full_weight(head, d["w"].to(dtype))
     sizes = d["sizes"]
     start = sum(sizes[:rank]) if layout == "data_parallel" else 0
     size = sizes[rank]
-    x = d["x"][start:start + size].to(dtype)
+    x = d["x"][start:start + size].to(device=device, dtype=dtype)
     if dtype == torch.float32:
         x = x.t().contiguous().t()  # non-contiguous embeddings
     x.requires_grad_(True)
@@ -81,29 +88,31 @@ def _run_scenario(rank, world, name, d, group):
     for step in range(2 if rate < 1.0 else 1):  # two steps: the momentum buffer exists on step 2
         head.zero_grad(set_to_none=True)
         x.grad = None
-        details = head(x, d["labels"][start:start + size], return_details=True, topk=(1, 3))
-        details.loss.backward(d["grad_out"].to(details.loss.dtype) if reduction == "none" else None)
+        details = head(x, d["labels"][start:start + size].to(device), return_details=True, topk=(1, 3))
+        details.loss.backward(d["grad_out"].to(device, details.loss.dtype) if reduction == "none" else None)
         grad_w = head.weight_shards[0].grad
         before = head.weight_shards[0].detach().clone()
         buf = opt.state[head.weight_shards[0]].get("momentum_buffer")
         buf = None if buf is None else buf.clone()
         opt.step()
         if grad_w.is_sparse:
-            rows = grad_w.coalesce().indices()[0]
+            rows = grad_w.coalesce().indices()[0].cpu()
             out[f"rows{step}"] = rows + head.class_offsets[0]
             untouched = torch.ones(before.shape[0], dtype=torch.bool)
             untouched[rows] = False
-            after = head.weight_shards[0].detach()
-            out[f"untouched_ok{step}"] = torch.equal(after[untouched], before[untouched]) and (
-                buf is None or torch.equal(opt.state[head.weight_shards[0]]["momentum_buffer"][untouched],
-                                           buf[untouched]))
+            after = head.weight_shards[0].detach().cpu()
+            out[f"untouched_ok{step}"] = torch.equal(after[untouched], before.cpu()[untouched]) and (
+                buf is None or torch.equal(opt.state[head.weight_shards[0]]["momentum_buffer"].cpu()[untouched],
+                                           buf.cpu()[untouched]))
             grad_w = grad_w.to_dense()
         if step == 0:
-            out.update(loss=details.loss.detach(), grad_x=x.grad.clone(), grad_w=grad_w.clone(),
-                       correct={k: int(v) for k, v in details.correct.items()}, num_valid=int(details.num_valid))
+            out.update(loss=details.loss.detach().cpu(), grad_x=x.grad.cpu(), grad_w=grad_w.cpu(),
+                       correct={k: int(v) for k, v in details.correct.items()}, num_valid=int(details.num_valid),
+                       lse=details.lse.detach().cpu())
             if rate == 1.0 and layout == "data_parallel":
                 # the one-process head on the global batch: the top-k counts must be the same
                 one = shardkit.ShardedSoftmaxLoss(D, classes, margin=_margins()[margin_name], dtype=dtype,
+                                                  ignore_index=_IGNORE.get(name, -100),
                                                   devices=["cpu"] * 2)
                 shardkit.import_full_weight(one, d["w"].to(dtype))
                 ref = one(d["x"].to(dtype), d["labels"], return_details=True, topk=(1, 3))
@@ -156,6 +165,23 @@ def _bad_input(rank, world, group):
         return {"raised": str(err), "seconds": time.time() - t0}
 
 
+def _constructor_errors(rank, groups):
+    """Messages of the constructor errors that need an initialized process group."""
+    out = {}
+    for key, kwargs in (("layout", dict(process_group=groups[4], input_layout="bogus")),
+                        ("member", dict(process_group=groups[1])),
+                        ("sizes", dict(process_group=groups[4], shard_sizes=[5, 6])),
+                        ("devices", dict(process_group=groups[4], devices=["cpu", "cpu"]))):
+        if key == "member" and rank == 0:
+            continue
+        try:
+            shardkit.ShardedSoftmaxLoss(D, 11, **kwargs)
+            out[key] = None
+        except ValueError as err:
+            out[key] = str(err)
+    return out
+
+
 def _failing_rank(rank, group):
     """Rank 1 of a 3-rank group "raises" in user code and never reaches the loss."""
     out = {}
@@ -195,6 +221,7 @@ def _worker(rank, init_file, tmp):
                 except Exception:
                     res[name] = traceback.format_exc()
             res["bad_input"] = _bad_input(rank, world, groups[world])
+        results["ctor_errors"] = _constructor_errors(rank, groups)
         dist.barrier()
         results["ckpt"] = _checkpoints(rank, data, tmp, groups)
         dist.barrier()
@@ -225,8 +252,9 @@ def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def _check_against_reference(data, results, world, name):
+def _check_against_reference(data, results, world, name, sample_rate=None):
     margin_name, dtype, reduction, eps, layout, rate, classes, _ = _SCENARIOS[name]
+    rate = rate if sample_rate is None else sample_rate
     d = data[(world, name)]
     tol = 1e-6 if dtype == torch.float64 else 2e-5
     per_rank = results[world]
@@ -234,22 +262,28 @@ def _check_against_reference(data, results, world, name):
         assert isinstance(res[name], dict), f"rank {r}: {res[name]}"
     kwargs = margin_kwargs(_margins()[margin_name])
     x, w, labels = d["x"], d["w"], d["labels"]
+    ignore = _IGNORE.get(name, -100)
     if rate < 1.0:  # reference over the sampled classes: every rank's rows, in class order
         used = torch.cat([res[name]["rows0"] for res in per_rank])
         assert torch.all(used[1:] > used[:-1])
         remap = torch.full((classes,), -1, dtype=torch.int64)
         remap[used] = torch.arange(used.numel())
-        counted = labels != -100
+        counted = labels != ignore
         assert torch.all(remap[labels[counted]] >= 0), "a positive class was not sampled"
-        labels = torch.where(counted, remap[labels.clamp_min(0)], labels)
+        # ignored rows: -100 in the sampled class space (3 may be a sampled position there)
+        labels, ignore = torch.where(counted, remap[labels.clamp_min(0)], -100), -100
         w = w[used]
     g = d["grad_out"] if reduction == "none" else None
-    ref = reference_loss_and_grads(x, w, labels, grad_out=g, label_smoothing=eps, reduction=reduction, **kwargs)
+    ref = reference_loss_and_grads(x, w, labels, grad_out=g, label_smoothing=eps, reduction=reduction,
+                                   ignore_index=ignore, **kwargs)
+    # per-row lse of the global batch (ignored rows too, without a margin)
+    lse_ref = reference_lse(x, w, torch.where(labels == ignore, -1, labels), **kwargs)
     sizes, offs = d["sizes"], class_offsets(split_classes(classes, world))
     start = 0
     for r, res in enumerate(per_rank):
         out = res[name]
         assert _rel(out["loss"], ref.loss) <= tol, (r, out["loss"], ref.loss)
+        assert _rel(out["lse"], lse_ref) <= tol, (r, "lse")
         if layout == "replicated":
             gx_ref = ref.grad_x
         else:
@@ -274,7 +308,7 @@ def _check_against_reference(data, results, world, name):
 def test_loss_and_gradients_match_reference(runs, world, name):
     data, results, _, _ = runs
     per_rank, ref, labels, w, kwargs = _check_against_reference(data, results, world, name)
-    counted = labels != -100
+    counted = labels != _IGNORE.get(name, -100)
     for res in per_rank:
         assert res[name]["num_valid"] == int(counted.sum())
         if "one_process_correct" in res[name]:  # top-k counts: the same as the one-process mode's
@@ -282,7 +316,7 @@ def test_loss_and_gradients_match_reference(runs, world, name):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("name", ["sampled_all64", "sampled64"])
+@pytest.mark.parametrize("name", ["sampled_all64", "sampled64", "sampled64_ignore_class"])
 def test_sampling(runs, world, name):
     data, results, _, _ = runs
     per_rank, *_ = _check_against_reference(data, results, world, name)
@@ -326,6 +360,17 @@ def test_checkpoints_reshard_across_world_sizes(runs):
             assert torch.equal(one.full_weight(), data["ckpt"]), src
 
 
+def test_constructor_errors_with_a_process_group(runs):
+    per_rank = runs[3]
+    for rank, res in enumerate(per_rank):
+        errs = res["ctor_errors"]
+        assert "argument `input_layout` must be one of" in errs["layout"]
+        assert "argument `shard_sizes` is not used with `process_group`" in errs["sizes"]
+        assert "argument `devices` must name ONE device per rank" in errs["devices"]
+        if rank > 0:
+            assert "argument `process_group` does not contain this process" in errs["member"]
+
+
 def test_failing_rank_gives_clear_error_everywhere(runs):
     per_rank = runs[3]
     assert per_rank[1]["fail"]["raised"] == "user error"
@@ -346,3 +391,34 @@ def test_constructor_errors():
         shardkit.ShardedSoftmaxLoss(4, 10, input_layout="replicated")
     with pytest.raises(RuntimeError, match="needs torch.distributed to be initialized"):
         shardkit.ShardedSoftmaxLoss(4, 10, process_group=object())
+
+
+def _nccl_worker(rank, world, init_file, tmp, data):
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    out = {}
+    try:
+        for rate in (1.0, 0.5):
+            out[rate] = _run_scenario(rank, world, "cos32_none", data, dist.group.WORLD,
+                                      device=torch.device("cuda", rank), sample_rate=rate)
+    except Exception:
+        out["fatal"] = traceback.format_exc()
+    finally:
+        torch.save(out, os.path.join(tmp, f"nccl{rank}.pt"))
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_nccl_on_gpus_matches_reference(tmp_path):
+    """NCCL on every visible GPU (up to 4; one is enough): the fp32 CosFace scenario, full
+    and sampled, against the float64 reference."""
+    world = min(torch.cuda.device_count(), 4)
+    data = _make_data(int.from_bytes(os.urandom(4), "little"))[(world, "cos32_none")]
+    mp.spawn(_nccl_worker, args=(world, str(tmp_path / "init"), str(tmp_path), data), nprocs=world, join=True)
+    per_rank = [torch.load(tmp_path / f"nccl{r}.pt", weights_only=False) for r in range(world)]
+    for r, res in enumerate(per_rank):
+        assert "fatal" not in res, f"rank {r}: {res['fatal']}"
+    for rate in (1.0, 0.5):
+        fake = {world: [{"cos32_none": res[rate]} for res in per_rank]}
+        _check_against_reference({(world, "cos32_none"): data}, fake, world, "cos32_none", sample_rate=rate)

@@ -4,6 +4,7 @@ The distributed sampled loss (rate respected per rank, loss against a reference 
 sampled classes, unsampled rows untouched after a step) is in test_distributed.py."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -170,3 +171,34 @@ def test_sparse_row_sgd_errors():
         shardkit.SparseRowSGD([p], lr=-1.0)
     with pytest.raises(ValueError, match="argument `nesterov` needs momentum > 0"):
         shardkit.SparseRowSGD([p], lr=0.1, nesterov=True)
+
+
+@pytest.mark.gpu
+def test_sample_on_cuda_matches_contract():
+    labels = torch.randint(0, 5000, (257,), device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    index, remapped = partial_fc_sample(labels, class_offset=1000, num_local=2000, num_sample=300, generator=gen)
+    assert index.device.type == "cuda" and remapped.device.type == "cuda"
+    local = (labels - 1000).cpu()
+    mine = (local >= 0) & (local < 2000)
+    index, remapped = index.cpu(), remapped.cpu()
+    assert torch.all(index[1:] > index[:-1])
+    assert set(local[mine].tolist()) <= set(index.tolist())
+    assert torch.equal(index[remapped[mine]], local[mine]) and torch.all(remapped[~mine] == -1)
+
+
+def test_torch_sgd_with_momentum_on_a_sampled_shard_warns():
+    from shardkit.sampling import mark_sampled
+
+    weight = torch.nn.Parameter(torch.randn(8, 3))
+    mark_sampled(weight)
+    opt = torch.optim.SGD([weight], lr=0.1, momentum=0.9)
+    F.embedding(torch.tensor([1, 4]), weight, sparse=True).sum().backward()
+    with pytest.warns(UserWarning, match="use shardkit.SparseRowSGD"):
+        opt.step()
+    plain = torch.optim.SGD([weight], lr=0.1)  # no momentum, no decay: rows outside the grad stay
+    ours = shardkit.SparseRowSGD([weight], lr=0.1, momentum=0.9, weight_decay=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain.step()
+        ours.step()

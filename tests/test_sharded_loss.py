@@ -103,6 +103,16 @@ def test_smoothing_and_ignore_index_variants():
         loss = shardkit.sharded_cross_entropy(x, split_rows(weight, [11, 19]), y, label_smoothing=eps,
                                               ignore_index=ignore)
         assert rel(loss, reference_loss(x, weight, y, label_smoothing=eps, ignore_index=ignore)) <= 1e-5
+    # An ignore_index that is a class id: those rows get no margin in lse either.
+    margin = MARGINS["arcface"]
+    y = make_labels(10, 30)
+    y[y == 3] = 4
+    y[[1, 6]] = 3
+    out = shardkit.sharded_cross_entropy(x, split_rows(weight, [11, 19]), y, ignore_index=3, margin=margin,
+                                         return_details=True)
+    expected = reference_lse(x, weight, torch.where(y == 3, -1, y), **margin_kwargs(margin))
+    assert rel(out.lse, expected) <= 1e-5 and int(out.num_valid) == 8
+    assert rel(out.loss, reference_loss(x, weight, y, ignore_index=3, **margin_kwargs(margin))) <= 1e-5
     # Every row ignored: "mean" is NaN and "sum" is 0, as in F.cross_entropy.
     all_ignored = torch.full((4,), -100)
     assert torch.isnan(shardkit.sharded_cross_entropy(x[:4], [weight], all_ignored))
@@ -153,6 +163,23 @@ def test_lse_and_topk_match_reference():
     plain = shardkit.sharded_cross_entropy(x, [full[:13], full[13:]], y, return_details=True, topk=3)
     bounds = reference_correct(x, full, y, (3,))
     assert bounds[3][0] <= int(plain.correct[3]) <= bounds[3][1]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_topk_low_precision(dtype):
+    # The target must never rank above itself, whatever rounding the kernels apply.
+    margin = shardkit.CosFace(s=64.0, m=0.35)
+    loss_fn = shardkit.ShardedSoftmaxLoss(32, 300, margin=margin, devices=["cpu"] * 2, dtype=dtype, topk=(1, 5))
+    x = torch.randn(64, 32).to(dtype)
+    y = make_labels(64, 300)
+    with torch.no_grad():  # make about half the rows top-1 correct
+        x[::2] = F.normalize(loss_fn.full_weight()[y[::2]].float(), dim=1).to(dtype) + 0.02 * x[::2]
+    out = loss_fn(x, y, return_details=True)
+    bounds = reference_correct(x, loss_fn.full_weight(), y, (1, 5), abs_tol=2 * 64 * 2.0**-8,
+                               **margin_kwargs(margin))
+    for k, (lo, hi) in bounds.items():
+        assert lo <= int(out.correct[k]) <= hi
+    assert int(out.correct[1]) >= 32
 
 
 def test_gradient_accumulation_equals_full_batch():
@@ -430,3 +457,31 @@ def test_cuda_autocast_bf16_module_moves_with_to():
     x16, w16 = x.cpu().bfloat16(), loss_fn.full_weight("cpu").bfloat16()
     torch_like = reference_loss(x16, w16, y.cpu(), reduction="none", **kw)
     assert rel(loss.cpu(), ref) <= 2 * rel(torch_like, ref) + 1e-6
+    # Top-k under bf16: rows built to be top-1 correct must count as such.
+    with torch.no_grad():
+        x[::2] = F.normalize(loss_fn.full_weight("cuda")[y[::2]], dim=1) + 0.02 * x[::2]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = loss_fn(x, y, return_details=True, topk=(1, 5))
+    bounds = reference_correct(x16.float(), w16, y.cpu(), (1, 5), abs_tol=2 * 64 * 2.0**-8, **kw)
+    for k, (lo, hi) in bounds.items():
+        assert lo <= int(out.correct[k]) <= hi
+    assert int(out.correct[1]) >= 24
+
+
+@pytest.mark.gpu
+def test_cuda_step_has_no_host_sync():
+    # With check_inputs=False the forward and backward never wait for the GPU.
+    loss_fn = shardkit.ShardedSoftmaxLoss(64, 5000, margin=shardkit.ArcFace(), devices=["cuda:0"] * 2,
+                                          check_inputs=False).cuda()
+    x = torch.randn(32, 64, device="cuda", requires_grad=True)
+    y = make_labels(32, 5000).cuda()
+    loss_fn(x, y, return_details=True).loss.backward()  # warm-up (lazy inits may sync)
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = loss_fn(x, y, return_details=True)
+        out.loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert torch.isfinite(out.loss).item() and x.grad is not None

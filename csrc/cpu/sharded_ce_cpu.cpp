@@ -3,8 +3,8 @@
 // Loop over class chunks: per chunk one GEMM (at::mm_out -> MKL) into a reused [B, chunk]
 // buffer, then a fused pass per row that folds the chunk into running [B] statistics
 // (forward) or turns the logits into dlogits in place (backward, followed by the dX / dW
-// GEMMs). Threads take whole chunks from a shared counter inside ONE parallel region: each
-// chunk's GEMM and row pass run in the same core's cache, with no barrier per chunk.
+// GEMMs). Each thread takes a block of whole chunks inside ONE parallel region: a chunk's
+// GEMM and row pass run in the same core's cache, with no barrier per chunk.
 // Extra memory: O(threads * chunk * (B + D)) plus [threads, B, D] for dX.
 //
 // The float row loops use vector extensions and are compiled in several ISA versions
@@ -12,11 +12,11 @@
 // built without -march.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <cstring>
-#include <atomic>
 #include <limits>
 
 #include "sharded_ce_common.h"
@@ -243,33 +243,45 @@ struct Workspace {
         lbuf(at::empty({xacc.size(0) * chunk}, xacc.options())),
         dwbuf(with_dw ? at::empty({chunk, xacc.size(1)}, xacc.options()) : Tensor()) {}
 
-  // Loads w[j0 : j0+n] and returns the logits x @ w_chunk^T, a contiguous [B, n] view of lbuf.
+  Tensor wc;  // the chunk of w the GEMMs use: a view of w, or of wbuf after conversion / normalization
+
+  // Loads w[j0 : j0+n] (into wbuf unless w can be used as is) and returns the logits
+  // x @ w_chunk^T, a contiguous [B, n] view of lbuf.
   Tensor logits(const Tensor& xacc, const Tensor& w, int64_t j0, int64_t n, bool normalize) {
     const int64_t D = xacc.size(1);
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.scalar_type(), "sce_load_w", [&] {
-      using T = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-      load_rows<scalar_t, T>(w.const_data_ptr<scalar_t>() + j0 * w.stride(0), w.stride(0), w.stride(1), n, D,
-                             normalize, wbuf.mutable_data_ptr<T>(), wnrm.mutable_data_ptr<T>());
-    });
+    if (!normalize && w.scalar_type() == xacc.scalar_type()) {
+      wc = w.narrow(0, j0, n);
+    } else {
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.scalar_type(), "sce_load_w", [&] {
+        using T = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+        load_rows<scalar_t, T>(w.const_data_ptr<scalar_t>() + j0 * w.stride(0), w.stride(0), w.stride(1), n, D,
+                               normalize, wbuf.mutable_data_ptr<T>(), wnrm.mutable_data_ptr<T>());
+      });
+      wc = wbuf.narrow(0, 0, n);
+    }
     Tensor L = lbuf.narrow(0, 0, xacc.size(0) * n).view({xacc.size(0), n});
-    at::mm_out(L, xacc, wbuf.narrow(0, 0, n).t());
+    at::mm_out(L, xacc, wc.t());
     return L;
   }
 };
 
-// Runs body(tid, ws, j0, n) over all chunks. Threads take chunks from a shared counter: one
-// parallel region for the whole shard (no barrier per chunk, which costs dearly when the
-// cores are shared) and dynamic balance; each chunk's GEMM then runs single-threaded in its
-// thread's cache.
+// Runs body(tid, ws, j0, n) over all chunks inside ONE parallel region: thread tid takes a
+// contiguous block of chunks (a fixed split, so results are bitwise reproducible for a given
+// thread count: no barrier per chunk, which costs dearly when the cores are shared), and
+// each chunk's GEMM then runs single-threaded in its thread's cache.
 template <typename F>
 void for_each_chunk(const Tensor& xacc, int64_t C, int64_t chunk, int64_t nthreads, bool with_dw,
                     const F& body) {
   const int64_t nchunks = (C + chunk - 1) / chunk;
-  std::atomic<int64_t> next{0};
+  const int64_t per = (nchunks + nthreads - 1) / nthreads;
   at::parallel_for(0, nthreads, 1, [&](int64_t a, int64_t b) {
+    // Worker threads do not inherit the caller's grad mode / dispatch-key state: without these
+    // guards the out= GEMMs would refuse inputs that require grad (and pay autograd dispatch).
+    const at::NoGradGuard no_grad;
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
     for (int64_t tid = a; tid < b; ++tid) {
       Workspace ws(xacc, chunk, with_dw);
-      for (int64_t k = next.fetch_add(1); k < nchunks; k = next.fetch_add(1)) {
+      for (int64_t k = tid * per; k < std::min(nchunks, (tid + 1) * per); ++k) {
         const int64_t j0 = k * chunk;
         body(tid, ws, j0, std::min(chunk, C - j0));
       }
@@ -288,6 +300,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> ce_shard_stats_cpu(const Tensor& x, c
                                                               double m2, double m3, bool normalize,
                                                               int64_t chunk_classes) {
   check_forward(x, w, labels, target_ref, class_offset, scale, m1, m2, m3, normalize, chunk_classes);
+  // Called below autograd (register_autograd handles it); inputs may still require grad,
+  // which out= ATen calls refuse.
+  const at::NoGradGuard no_grad;
   const auto acc = acc_dtype(x.scalar_type());
   const int64_t B = x.size(0), C = w.size(0);
   const auto opts = x.options().dtype(acc);
@@ -329,7 +344,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> ce_shard_stats_cpu(const Tensor& x, c
           c_t = z[t];
           psi = c_t;
           if (normalize)
-            margin_psi<T>(c_t, mg.plain_target, T(mg.m1), T(mg.m2), T(mg.m3), T(mg.c_max), &psi, &dpsi);
+            margin_psi<T>(c_t, mg.plain_target, mg.m1, mg.m2, mg.m3, mg.c_max, &psi, &dpsi);
           z[t] = psi;  // scaled with the rest of the row below
         }
         int64_t c = 0;
@@ -359,6 +374,9 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cpu(const Tensor& grad_lse, c
                                                        double m3, bool normalize, int64_t chunk_classes) {
   check_backward(grad_lse, grad_target, grad_sum, x, w, labels, lse_in, class_offset, scale, m1, m2, m3,
                  normalize, chunk_classes);
+  // Called below autograd (register_autograd handles it); inputs may still require grad,
+  // which out= ATen calls refuse.
+  const at::NoGradGuard no_grad;
   const auto acc = acc_dtype(x.scalar_type());
   const int64_t B = x.size(0), D = x.size(1), C = w.size(0);
   Tensor grad_w = at::empty({C, D}, w.options());
@@ -390,11 +408,11 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cpu(const Tensor& grad_lse, c
         if (has_t) {
           T psi = c_t, dpsi = 1;
           if (normalize)
-            margin_psi<T>(c_t, mg.plain_target, T(mg.m1), T(mg.m2), T(mg.m3), T(mg.c_max), &psi, &dpsi);
+            margin_psi<T>(c_t, mg.plain_target, mg.m1, mg.m2, mg.m3, mg.c_max, &psi, &dpsi);
           z[t] = s * dpsi * (pgl[i] * std::exp(s * psi - plse[i]) + pgs[i] + pgt[i]);
         }
       }
-      Tensor Wc = ws.wbuf.narrow(0, 0, n);
+      const Tensor& Wc = ws.wc;
       dxt[tid].addmm_(L, Wc);
       Tensor gw = grad_w.narrow(0, j0, n);
       if (direct_dw) {

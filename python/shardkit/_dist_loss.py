@@ -24,7 +24,7 @@ from shardkit.distributed import (
 from shardkit import ops
 from shardkit._sce_checks import check_tensors, check_values
 from shardkit._sce_core import ShardStatistics, _chunk_classes, _compute_dtype, _plain_target_logit
-from shardkit.sampling import check_sample_rate, sample_shard
+from shardkit.sampling import check_sample_rate, mark_sampled, sample_shard
 
 
 def setup(module, num_classes: int, process_group, input_layout: str, sample_rate, devices, shard_sizes):
@@ -88,8 +88,9 @@ def forward(module, embeddings, labels, return_details: bool, topk: Optional[Seq
         module._dist, embeddings, labels, module.weight_shards[0], margin=module.margin,
         chunk_memory=module.chunk_memory, with_rank=bool(ks), ignore_index=module.ignore_index,
         check_inputs=module.check_inputs, sample_rate=rate, generator=module.sample_generator)
-    loss, valid = loss_from_statistics(stats, labels_g, used, label_smoothing=module.label_smoothing,
-                                       ignore_index=module.ignore_index, reduction=module.reduction)
+    with torch.autocast(stats.lse.device.type, enabled=False):  # fp32 statistics stay fp32
+        loss, valid = loss_from_statistics(stats, labels_g, used, label_smoothing=module.label_smoothing,
+                                           ignore_index=module.ignore_index, reduction=module.reduction)
     if not return_details:
         return loss
     correct = {k: ((stats.greater_count < k) & valid).sum() for k in ks}
@@ -153,12 +154,17 @@ def distributed_statistics(dctx: DistContext, embeddings, labels, weight: torch.
             "of no samples is undefined")
     xg, yg = gather_batch(dctx, embeddings, labels, sizes)
     batch = xg.shape[0]
+    y_op = yg
+    if 0 <= ignore_index < dctx.num_classes:
+        # An ignore_index that is also a class id must not be a target (nor a sampled positive).
+        y_op = yg.masked_fill(yg == ignore_index, -1)
     if sample_rate < 1.0:
         counts = sampled_class_counts(dctx.class_sizes, sample_rate, batch)
-        w, y_shard, _ = sample_shard(weight, yg, dctx.class_offset, counts[dctx.rank], generator)
+        mark_sampled(weight)
+        w, y_shard, _ = sample_shard(weight, y_op, dctx.class_offset, counts[dctx.rank], generator)
         offset, used = 0, sum(counts)
     else:
-        w, y_shard, offset, used = weight, yg, dctx.class_offset, dctx.num_classes
+        w, y_shard, offset, used = weight, y_op, dctx.class_offset, dctx.num_classes
     if w.dtype != xg.dtype:
         w = w.to(xg.dtype)
     target_ref = None
@@ -174,6 +180,7 @@ def distributed_statistics(dctx: DistContext, embeddings, labels, weight: torch.
         xg, w, y_shard, class_offset=offset, scale=scale, m1=m1, m2=m2, m3=m3, normalize=margin is not None,
         chunk_classes=_chunk_classes(batch, w.shape[0], xg.shape[1], xg.dtype, chunk_memory),
         target_ref=target_ref)
-    lse_g, target_g, sum_g, greater_g = combine_stats(dctx, lse, target, logit_sum,
-                                                      greater if with_rank else None)
+    with torch.autocast(xg.device.type, enabled=False):  # fp32 statistics stay fp32
+        lse_g, target_g, sum_g, greater_g = combine_stats(dctx, lse, target, logit_sum,
+                                                          greater if with_rank else None)
     return ShardStatistics(lse_g, target_g, sum_g, greater_g), yg, used

@@ -53,12 +53,12 @@ def _chunk_classes(batch: int, shard_classes: int, dim: int, dtype: torch.dtype,
                                         num_classes=max(shard_classes, 1))
 
 
-# Rank threshold margin, relative to the largest the plain target logit could be
-# (scale, or |x| |w_y|): the kernels recompute the target's own plain logit inside the
-# GEMM, with a summation order of their own; it must not count as ranked above itself.
-# Rounding differences are ~1e-7 * sqrt(D) of that bound; ties closer than this count for
-# the target.
-RANK_TOLERANCE = 1e-5
+# Rank threshold margin, relative to the largest the plain target logit can be (scale, or
+# |x| |w_y|), by compute dtype: the kernels recompute the target's own plain logit inside
+# their GEMM (in 16-bit dtypes from rounded, possibly pre-normalized operands, which moves
+# it by up to ~2^-9 of that bound for bf16), and it must not count as ranked above itself.
+# Ties closer than this count for the target; the logits are not more accurate than that.
+RANK_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-8}
 
 
 def _plain_target_logit(inputs, shards, offsets, labels, margin, device) -> torch.Tensor:
@@ -82,7 +82,7 @@ def _plain_target_logit(inputs, shards, offsets, labels, margin, device) -> torc
             else:
                 dot = (xf * rows).sum(1)
                 bound = xf.norm(dim=1) * rows.norm(dim=1)
-            value = dot + RANK_TOLERANCE * bound
+            value = dot + RANK_TOLERANCE[x_k.dtype] * bound
             part = _to(torch.where(inside, value, torch.zeros_like(value)), device)
             total = part if total is None else total + part
     return total

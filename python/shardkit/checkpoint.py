@@ -17,7 +17,7 @@ there overlap and loading rejects them.
 """
 
 import os
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 

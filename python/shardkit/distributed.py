@@ -124,6 +124,9 @@ class DistContext:
         if input_layout not in _LAYOUTS:
             raise ValueError(f"argument `input_layout` must be one of {_LAYOUTS}, got {input_layout!r}")
         self.group = dist.group.WORLD if process_group is None else process_group
+        if self.group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(self.group) < 0:
+            raise ValueError("argument `process_group` does not contain this process: build the loss only on "
+                             "the ranks of its group")
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.cpu_group = _cpu_group_for(self.group)

@@ -45,8 +45,8 @@ class ShardedLossOutput(NamedTuple):
         which they do not get).
     correct: {k: int64 0-d tensor}: non-ignored rows whose label is among the k highest
         PLAIN logits (no margin), for each requested k; a class ranks above the target when
-        its logit is higher by more than 1e-5 x (scale, or |x| |w_y| for plain logits),
-        so rounding-level ties count for the target.
+        its logit is higher by more than a rounding band: 1e-5 (fp32), 2^-10 (fp16) or 2^-8
+        (bf16) times scale (or |x| |w_y| for plain logits); closer ties count for the target.
     num_valid: int64 0-d tensor: the number of non-ignored rows (accuracy = correct / num_valid).
     """
 
@@ -74,7 +74,7 @@ def sharded_cross_entropy(
     """Cross-entropy of ``embeddings @ cat(weight_shards).T`` without forming those logits.
 
     Args:
-        embeddings: [B, D] float32/bfloat16/float16 (float64 where the op supports it), B >= 1.
+        embeddings: [B, D] float32/bfloat16/float16 (or float64, e.g. for gradcheck), B >= 1.
         weight_shards: list of [C_k, D] tensors of one dtype, each on its own device (repeats
             allowed); shard k holds classes [class_offsets[k], class_offsets[k] + C_k).
         labels: [B] int64 (other integer dtypes are converted) on the embeddings' device:
@@ -111,7 +111,11 @@ def sharded_cross_entropy(
     budget = None if chunk_memory is None else parse_memory(chunk_memory)
     if check_inputs:
         check_values(embeddings, labels, num_classes, ignore_index, check_inputs)
-    per_shard = shard_statistics(embeddings, shards, offsets, labels, margin, budget, with_rank=bool(ks))
+    op_labels = labels
+    if 0 <= ignore_index < num_classes:
+        # An ignore_index that is also a class id must not pick up a target (nor a margin).
+        op_labels = labels.masked_fill(labels == ignore_index, -1)
+    per_shard = shard_statistics(embeddings, shards, offsets, op_labels, margin, budget, with_rank=bool(ks))
     # The statistics are fp32 already; autocast must not lower the combining arithmetic.
     with torch.autocast(embeddings.device.type, enabled=False):
         stats = combine_statistics(per_shard, embeddings.device)

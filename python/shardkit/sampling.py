@@ -7,7 +7,8 @@ shard's gradient is a row-sparse COO tensor holding only the sampled rows: rows 
 sampled get no gradient at all. An optimizer with momentum or weight decay must then
 leave them untouched; ``torch.optim.SGD`` does not (with a sparse gradient it raises on
 weight decay, and with momentum it keeps moving rows whose momentum buffer is non-zero),
-so use :class:`shardkit.SparseRowSGD`.
+so use :class:`shardkit.SparseRowSGD`. A ``torch.optim.SGD`` with momentum or weight decay
+over a sampled shard gets a warning on its first step.
 
 Label smoothing under sampling spreads eps over the SAMPLED classes (the logit sum and
 the class count both come from the sampled set): the loss is that of a classifier over
@@ -15,10 +16,13 @@ the sampled classes, as PartialFC trains it. ``sample_rate=1`` runs the full pat
 equals the full loss exactly.
 """
 
+import warnings
+import weakref
 from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from shardkit.ops._sampling import partial_fc_sample
 
@@ -59,3 +63,35 @@ def sample_shard(
     index, sub_labels = partial_fc_sample(labels, class_offset=class_offset, num_local=weight.shape[0],
                                           num_sample=num_sample, generator=generator)
     return F.embedding(index, weight, sparse=True), sub_labels, index
+
+
+_checked = weakref.WeakKeyDictionary()  # optimizer -> parameter count when last checked
+_hook = None
+
+
+def _sgd_step_pre_hook(optimizer, args, kwargs):
+    # Runs before every optimizer step in the process: cheap after the first check.
+    if not isinstance(optimizer, torch.optim.SGD):
+        return
+    count = sum(len(g["params"]) for g in optimizer.param_groups)
+    if _checked.get(optimizer) == count:
+        return
+    _checked[optimizer] = count
+    for group in optimizer.param_groups:
+        if (group.get("momentum", 0) or group.get("weight_decay", 0)) and any(
+                getattr(p, "_shardkit_sampled", False) for p in group["params"]):
+            warnings.warn(
+                "torch.optim.SGD with momentum or weight_decay updates rows of a PartialFC-sampled "
+                "ShardedSoftmaxLoss shard that were not sampled this step (or raises on weight decay with "
+                "their sparse gradients); use shardkit.SparseRowSGD, which leaves them untouched",
+                UserWarning, stacklevel=3)
+            return
+
+
+def mark_sampled(weight: torch.nn.Parameter) -> None:
+    """Tag a shard trained with sampling so that a ``torch.optim.SGD`` step with momentum or
+    weight decay over it warns (once per optimizer)."""
+    global _hook
+    weight._shardkit_sampled = True
+    if _hook is None:
+        _hook = register_optimizer_step_pre_hook(_sgd_step_pre_hook)

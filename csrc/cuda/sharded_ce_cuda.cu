@@ -1,0 +1,366 @@
+// CUDA kernels of the sharded cross-entropy (shardkit::ce_shard_stats and its backward).
+//
+// Host loop over class chunks on the current stream: per chunk one cuBLAS GEMM producing fp32
+// logits (at::mm_out with out_dtype=float for bf16/fp16 inputs), then a fused kernel:
+//   forward:  one block per row folds the chunk into running [B] statistics (online
+//             max/sum-exp with warp shuffles, margin at the target column, logit sum, count);
+//   backward: an elementwise kernel turns the logits into dlogits, written in the GEMM input
+//             dtype, then dX += G @ W_chunk (fp32 accumulation) and dW_chunk = G^T @ X written
+//             straight into grad_w (through a fix-up kernel for normalization / dtype).
+// With normalize=True the weights are never copied: logits of the raw chunk are scaled by
+// 1 / |w_j| in the fused kernels, and the normalization backward is applied per chunk.
+// Extra memory: O(B * chunk + chunk * D).
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <limits>
+
+#include "sharded_ce_common.h"
+
+namespace shardkit {
+namespace sce {
+namespace {
+
+using at::Tensor;
+
+constexpr int kBlock = 256;
+constexpr double kEps = 1e-12;
+
+template <typename T>
+struct MarginT {
+  T scale;
+  double m1, m2, m3, c_max;  // margin_psi works in double
+  bool plain, normalize;
+};
+
+template <typename T>
+MarginT<T> to_device_margin(const Margin& mg) {
+  return {T(mg.scale), mg.m1, mg.m2, mg.m3, mg.c_max, mg.plain_target, mg.normalize};
+}
+
+template <typename T>
+__device__ __forceinline__ T dev_exp(T v) {
+  return exp(v);
+}
+template <>
+__device__ __forceinline__ float dev_exp<float>(float v) {
+  return __expf(v);
+}
+
+// Merges the softmax partial (m2, s2) into (m, s): s counts exp(z - m).
+template <typename T>
+__device__ __forceinline__ void merge_ms(T& m, T& s, T m2, T s2) {
+  const T mn = m > m2 ? m : m2;
+  if (mn == -std::numeric_limits<T>::infinity()) return;  // both empty
+  s = s * dev_exp(m - mn) + s2 * dev_exp(m2 - mn);
+  m = mn;
+}
+
+// 1 / max(|w_j|, eps) for the chunk's rows (one warp per row).
+template <typename scalar_t, typename T>
+__global__ void inv_row_norm_kernel(const scalar_t* __restrict__ w, int64_t s0, int64_t s1, int64_t n, int64_t D,
+                                    T* __restrict__ rnorm) {
+  const int64_t row = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= n) return;
+  T ss = 0;
+  for (int64_t k = lane; k < D; k += 32) {
+    const T v = static_cast<T>(w[row * s0 + k * s1]);
+    ss += v * v;
+  }
+  for (int o = 16; o > 0; o /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if (lane == 0) rnorm[row] = T(1) / max(sqrt(ss), T(kEps));
+}
+
+// Forward: row i = blockIdx.x of the chunk's logits L [B, n] (raw dots; times rw[j] when
+// normalizing) folded into the running statistics M (max), S (sum exp(z - M)), LS, CN, TG.
+template <typename T>
+__global__ void row_stats_kernel(const T* __restrict__ L, int64_t n, int64_t j0, const T* __restrict__ rw,
+                                 const int64_t* __restrict__ labels, int64_t class_offset,
+                                 const T* __restrict__ tref, MarginT<T> mg, T* M, T* S, T* LS, T* TG,
+                                 int64_t* CN) {
+  const int64_t i = blockIdx.x;
+  const T* row = L + i * n;
+  const int64_t t = labels[i] - class_offset - j0;
+  const T ref = tref ? tref[i] : T(0);
+  T m = -std::numeric_limits<T>::infinity(), s = 0, zs = 0;
+  int64_t cnt = 0;
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+    const T c = rw ? row[j] * rw[j] : row[j];
+    T z = mg.scale * c;
+    if (tref) cnt += z > ref ? 1 : 0;  // the plain logit, also at the target column
+    if (j == t) {
+      if (mg.normalize) {
+        T psi, dpsi;
+        margin_psi<T>(c, mg.plain, mg.m1, mg.m2, mg.m3, mg.c_max, &psi, &dpsi);
+        z = mg.scale * psi;
+      }
+      TG[i] = z;  // the target lies in one chunk only: no race
+    }
+    zs += z;
+    if (z > m) {
+      s = s * dev_exp(m - z) + T(1);
+      m = z;
+    } else {
+      s += dev_exp(z - m);
+    }
+  }
+  // Block reduction: warps by shuffles, then the warps' partials through shared memory.
+  for (int o = 16; o > 0; o /= 2) {
+    const T m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+    merge_ms(m, s, m2, s2);
+    zs += __shfl_xor_sync(0xffffffffu, zs, o);
+    cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
+  }
+  __shared__ T sm[32], ss[32], sz[32];
+  __shared__ int64_t sc[32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
+  if (lane == 0) {
+    sm[warp] = m;
+    ss[warp] = s;
+    sz[warp] = zs;
+    sc[warp] = cnt;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int k = 1; k < nwarps; ++k) {
+      merge_ms(m, s, sm[k], ss[k]);
+      zs += sz[k];
+      cnt += sc[k];
+    }
+    T Mi = M[i], Si = S[i];
+    merge_ms(Mi, Si, m, s);
+    M[i] = Mi;
+    S[i] = Si;
+    LS[i] += zs;
+    CN[i] += cnt;
+  }
+}
+
+// Backward: G[i, j] = d loss / d(raw logit L[i, j]) (times rw[j] when normalizing, which makes
+// G the gradient w.r.t. the dots with the RAW weight rows), in the GEMM dtype g_t.
+template <typename T, typename g_t>
+__global__ void dlogit_kernel(const T* L, g_t* G, int64_t B, int64_t n, int64_t j0,  // G may alias L
+                              const T* __restrict__ rw, const int64_t* __restrict__ labels, int64_t class_offset,
+                              const T* __restrict__ lse, const T* __restrict__ gl, const T* __restrict__ gt,
+                              const T* __restrict__ gs, MarginT<T> mg) {
+  const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= n) return;
+  const T r = rw ? rw[j] : T(1);
+  for (int64_t i = blockIdx.y; i < B; i += gridDim.y) {
+    const int64_t idx = i * n + j;
+    const T c = L[idx] * r;
+    const bool is_t = labels[i] - class_offset - j0 == j;
+    T z = mg.scale * c, dpsi = 1;
+    if (is_t && mg.normalize) {
+      T psi;
+      margin_psi<T>(c, mg.plain, mg.m1, mg.m2, mg.m3, mg.c_max, &psi, &dpsi);
+      z = mg.scale * psi;
+    }
+    const T dz = gl[i] * dev_exp(z - lse[i]) + gs[i] + (is_t ? gt[i] : T(0));
+    G[idx] = static_cast<g_t>(mg.scale * dpsi * dz * r);  // in place when g_t == T
+  }
+}
+
+// grad_w rows from tmp = G^T @ X (fp32 or the grad's dtype; may alias out): plain copy /
+// convert, or with normalize the projection dw = tmp - [|w| >= eps] rw^2 (tmp . w) w.
+template <typename scalar_t, typename T, typename tmp_t>
+__global__ void dw_fixup_kernel(const tmp_t* tmp, const scalar_t* __restrict__ w, int64_t s0, int64_t s1,
+                                const T* __restrict__ rw, int64_t n, int64_t D, scalar_t* out) {
+  const int64_t row = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= n) return;
+  T coef = 0;
+  if (rw) {
+    T dot = 0;
+    for (int64_t k = lane; k < D; k += 32)
+      dot += static_cast<T>(tmp[row * D + k]) * static_cast<T>(w[row * s0 + k * s1]);
+    for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+    const T r = rw[row];
+    coef = r < T(0.5 / kEps) ? r * r * dot : T(0);  // r == 1/eps: the clamp is active
+  }
+  __syncwarp();
+  for (int64_t k = lane; k < D; k += 32)
+    out[row * D + k] = static_cast<scalar_t>(static_cast<T>(tmp[row * D + k]) -
+                                             coef * static_cast<T>(w[row * s0 + k * s1]));
+}
+
+struct Prepared {
+  Tensor xin;    // GEMM input [B, D]: x, or x normalized (input dtype), contiguous
+  Tensor xf;     // fp32/fp64 normalized x (normalize only)
+  Tensor xnrm;   // [B, 1] max(|x|, eps) (normalize only)
+};
+
+Prepared prepare_x(const Tensor& x, bool normalize) {
+  Prepared p;
+  if (!normalize) {
+    p.xin = x.contiguous();
+    return p;
+  }
+  const auto acc = acc_dtype(x.scalar_type());
+  const Tensor xa = x.to(acc);
+  p.xnrm = at::linalg_vector_norm(xa, 2, {1}, true).clamp_min(kEps);
+  p.xf = xa / p.xnrm;
+  p.xin = p.xf.to(x.scalar_type()).contiguous();
+  return p;
+}
+
+// Logits of w[j0 : j0+n] into L (acc dtype, [B, n] contiguous) and, when normalizing, the
+// chunk's inverse row norms into rw.
+void chunk_logits(const Prepared& p, const Tensor& w, int64_t j0, int64_t n, bool normalize, Tensor& L,
+                  Tensor& rw, cudaStream_t stream) {
+  const Tensor wc = w.narrow(0, j0, n);
+  const auto acc = L.scalar_type();
+  if (normalize) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.scalar_type(), "sce_inv_norm", [&] {
+      using T = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+      const int rows_per_block = kBlock / 32;
+      inv_row_norm_kernel<scalar_t, T><<<(n + rows_per_block - 1) / rows_per_block, kBlock, 0, stream>>>(
+          wc.const_data_ptr<scalar_t>(), w.stride(0), w.stride(1), n, w.size(1), rw.mutable_data_ptr<T>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  }
+  if (w.scalar_type() == acc)
+    at::mm_out(L, p.xin, wc.t());
+  else
+    at::mm_out(L, p.xin, wc.t(), acc);  // bf16/fp16 inputs, fp32 accumulation and output
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> ce_shard_stats_cuda(const Tensor& x, const Tensor& w,
+                                                               const Tensor& labels,
+                                                               const c10::optional<Tensor>& target_ref,
+                                                               int64_t class_offset, double scale, double m1,
+                                                               double m2, double m3, bool normalize,
+                                                               int64_t chunk_classes) {
+  check_forward(x, w, labels, target_ref, class_offset, scale, m1, m2, m3, normalize, chunk_classes);
+  // Called below autograd (register_autograd handles it); inputs may still require grad,
+  // which out= ATen calls refuse.
+  const at::NoGradGuard no_grad;
+  TORCH_CHECK(x.is_cuda(), "argument `x` must be a CUDA tensor here, got ", x.device());
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto acc = acc_dtype(x.scalar_type());
+  const int64_t B = x.size(0), C = w.size(0);
+  const auto opts = x.options().dtype(acc);
+  Tensor M = at::full({B}, -std::numeric_limits<double>::infinity(), opts);
+  Tensor S = at::zeros({B}, opts), LS = at::zeros({B}, opts), TG = at::zeros({B}, opts);
+  Tensor CN = at::zeros({B}, x.options().dtype(at::kLong));
+  if (B == 0 || C == 0) return {M, TG, LS, CN};
+  const Margin mg = make_margin(scale, m1, m2, m3, normalize);
+  const bool count = target_ref.has_value() && target_ref->defined();
+  const Tensor tref = count ? target_ref->to(acc).contiguous() : Tensor();
+  const Tensor lab = labels.contiguous();
+  const Prepared p = prepare_x(x, normalize);
+  const int64_t chunk = std::min(chunk_classes, C);
+  Tensor lbuf = at::empty({B * chunk}, opts);
+  Tensor rw = normalize ? at::empty({chunk}, opts) : Tensor();
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  for (int64_t j0 = 0; j0 < C; j0 += chunk) {
+    const int64_t n = std::min(chunk, C - j0);
+    Tensor L = lbuf.narrow(0, 0, B * n).view({B, n});
+    chunk_logits(p, w, j0, n, normalize, L, rw, stream);
+    AT_DISPATCH_FLOATING_TYPES(acc, "ce_shard_stats_cuda", [&] {
+      using T = scalar_t;
+      row_stats_kernel<T><<<B, kBlock, 0, stream>>>(
+          L.const_data_ptr<T>(), n, j0, normalize ? rw.const_data_ptr<T>() : nullptr, lab.const_data_ptr<int64_t>(),
+          class_offset, count ? tref.const_data_ptr<T>() : nullptr, to_device_margin<T>(mg), M.mutable_data_ptr<T>(),
+          S.mutable_data_ptr<T>(), LS.mutable_data_ptr<T>(), TG.mutable_data_ptr<T>(), CN.mutable_data_ptr<int64_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  }
+  Tensor lse = M.add_(S.log_());
+  return {lse, TG, LS, CN};
+}
+
+std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, const Tensor& grad_target,
+                                                        const Tensor& grad_sum, const Tensor& x, const Tensor& w,
+                                                        const Tensor& labels, const Tensor& lse_in,
+                                                        int64_t class_offset, double scale, double m1, double m2,
+                                                        double m3, bool normalize, int64_t chunk_classes) {
+  check_backward(grad_lse, grad_target, grad_sum, x, w, labels, lse_in, class_offset, scale, m1, m2, m3,
+                 normalize, chunk_classes);
+  // Called below autograd (register_autograd handles it); inputs may still require grad,
+  // which out= ATen calls refuse.
+  const at::NoGradGuard no_grad;
+  TORCH_CHECK(x.is_cuda(), "argument `x` must be a CUDA tensor here, got ", x.device());
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto acc = acc_dtype(x.scalar_type());
+  const auto dt = x.scalar_type();
+  const int64_t B = x.size(0), D = x.size(1), C = w.size(0);
+  Tensor grad_w = at::empty({C, D}, w.options());
+  if (B == 0 || C == 0) return {at::zeros({B, D}, x.options()), grad_w.zero_()};
+  const Margin mg = make_margin(scale, m1, m2, m3, normalize);
+  const auto opts = x.options().dtype(acc);
+  const Tensor gl = grad_lse.to(acc).contiguous(), gt = grad_target.to(acc).contiguous(),
+               gs = grad_sum.to(acc).contiguous(), lse = lse_in.to(acc).contiguous(), lab = labels.contiguous();
+  const Prepared p = prepare_x(x, normalize);
+  const int64_t chunk = std::min(chunk_classes, C);
+  const bool low = dt != acc;  // bf16 / fp16: dlogits in the input dtype, fp32 temporaries
+  Tensor lbuf = at::empty({B * chunk}, opts);
+  Tensor gbuf = low ? at::empty({B * chunk}, x.options()) : Tensor();
+  Tensor tbuf = low ? at::empty({chunk * D}, opts) : Tensor();
+  Tensor dxc = low ? at::empty({B, D}, opts) : Tensor();
+  Tensor rw = normalize ? at::empty({chunk}, opts) : Tensor();
+  Tensor dx = at::zeros({B, D}, opts);  // w.r.t. the GEMM's x (normalized x when normalize)
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  for (int64_t j0 = 0; j0 < C; j0 += chunk) {
+    const int64_t n = std::min(chunk, C - j0);
+    Tensor L = lbuf.narrow(0, 0, B * n).view({B, n});
+    chunk_logits(p, w, j0, n, normalize, L, rw, stream);
+    Tensor G = low ? gbuf.narrow(0, 0, B * n).view({B, n}) : L;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dt, "sce_dlogit", [&] {
+      using T = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+      const dim3 grid((n + kBlock - 1) / kBlock, std::min<int64_t>(B, 65535));
+      dlogit_kernel<T, scalar_t><<<grid, kBlock, 0, stream>>>(
+          L.const_data_ptr<T>(), G.mutable_data_ptr<scalar_t>(), B, n, j0,
+          normalize ? rw.const_data_ptr<T>() : nullptr, lab.const_data_ptr<int64_t>(), class_offset,
+          lse.const_data_ptr<T>(), gl.const_data_ptr<T>(), gt.const_data_ptr<T>(), gs.const_data_ptr<T>(),
+          to_device_margin<T>(mg));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+    const Tensor wc = w.narrow(0, j0, n);
+    Tensor gw = grad_w.narrow(0, j0, n);
+    if (low) {
+      // (addmm with out_dtype wants `self` in the input dtype in some torch versions: GEMM into
+      // an fp32 temporary and add, an extra O(B*D) per chunk.)
+      at::mm_out(dxc, G, wc, acc);
+      dx.add_(dxc);
+      Tensor tmp = tbuf.narrow(0, 0, n * D).view({n, D});
+      at::mm_out(tmp, G.t(), p.xin, acc);
+      AT_DISPATCH_REDUCED_FLOATING_TYPES(dt, "sce_dw_low", [&] {
+        dw_fixup_kernel<scalar_t, float, float><<<(n + kBlock / 32 - 1) / (kBlock / 32), kBlock, 0, stream>>>(
+            tmp.const_data_ptr<float>(), wc.const_data_ptr<scalar_t>(), w.stride(0), w.stride(1),
+            normalize ? rw.const_data_ptr<float>() : nullptr, n, D, gw.mutable_data_ptr<scalar_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+    } else {
+      dx.addmm_(G, wc);
+      at::mm_out(gw, G.t(), p.xin);
+      if (normalize) {
+        AT_DISPATCH_FLOATING_TYPES(dt, "sce_dw", [&] {
+          dw_fixup_kernel<scalar_t, scalar_t, scalar_t><<<(n + kBlock / 32 - 1) / (kBlock / 32), kBlock, 0, stream>>>(
+              gw.const_data_ptr<scalar_t>(), wc.const_data_ptr<scalar_t>(), w.stride(0), w.stride(1),
+              rw.const_data_ptr<scalar_t>(), n, D, gw.mutable_data_ptr<scalar_t>());
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
+      }
+    }
+  }
+  if (normalize) {
+    // Through x_hat = x / max(|x|, eps): dx = (dx_hat - [|x| >= eps] (dx_hat . x_hat) x_hat) / nrm.
+    const Tensor active = p.xnrm > kEps;
+    dx = (dx - (dx * p.xf).sum(1, true) * p.xf * active) / p.xnrm;
+  }
+  return {dx.to(dt), grad_w};
+}
+
+}  // namespace
+}  // namespace sce
+}  // namespace shardkit
+
+TORCH_LIBRARY_IMPL(shardkit, CUDA, m) {
+  m.impl("ce_shard_stats", &shardkit::sce::ce_shard_stats_cuda);
+  m.impl("ce_shard_stats_backward", &shardkit::sce::ce_shard_stats_backward_cuda);
+}
