@@ -110,8 +110,17 @@ SCE_CLONES float scale_max_count_f(float* z, int64_t n, float s, float ref, bool
 
 // Returns sum_j exp(z[j] - m); adds sum_j z[j] to *zsum.
 SCE_CLONES float expsum_f(const float* z, int64_t n, float m, float* zsum) {
-  vf se = vf{}, sz = vf{};
+  vf se = vf{}, sz = vf{}, se2 = vf{}, sz2 = vf{};  // two chains: more work in flight
   int64_t j = 0;
+  for (; j + 2 * kLanes <= n; j += 2 * kLanes) {
+    const vf v = load(z + j), v2 = load(z + j + kLanes);
+    se += exp_vec(v - m);
+    se2 += exp_vec(v2 - m);
+    sz += v;
+    sz2 += v2;
+  }
+  se += se2;
+  sz += sz2;
   for (; j + kLanes <= n; j += kLanes) {
     const vf v = load(z + j);
     se += exp_vec(v - m);
