@@ -61,6 +61,9 @@ def unavailable(method, device):
     return None
 
 
+SHARDS = 1  # shards of the shardkit head, all on the benchmark device (--shards)
+
+
 def build_step(method, batch, classes, dim, dtype, device):
     """Allocates inputs + parameters; returns (fwd+bwd closure, tensors that get a .grad).
 
@@ -72,10 +75,11 @@ def build_step(method, batch, classes, dim, dtype, device):
     if method.startswith("shardkit"):
         # Built on "meta" and initialized on the device: the default init draws nn.Linear's
         # numbers on the CPU, which takes seconds per million classes.
-        head = shardkit.ShardedSoftmaxLoss(dim, classes, devices=["meta"], dtype=dtype,
+        head = shardkit.ShardedSoftmaxLoss(dim, classes, devices=["meta"] * SHARDS, dtype=dtype,
                                            check_inputs=method == "shardkit+checks").to_empty(device=device)
         with torch.no_grad():
-            head.weight_shards[0].uniform_(-dim ** -0.5, dim ** -0.5)
+            for shard in head.weight_shards:
+                shard.uniform_(-dim ** -0.5, dim ** -0.5)
         params = [x, *head.weight_shards]
         fwd = lambda: head(x, y)  # noqa: E731
     else:
@@ -173,7 +177,7 @@ def measure_isolated(method, batch, classes, dim, dtype_name, device, repeat):
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     cmd = [sys.executable, os.path.abspath(__file__), "--_child", method, "--batch", str(batch),
            "--classes", str(classes), "--dim", str(dim), "--dtype", dtype_name, "--device", str(device),
-           "--repeat", str(repeat)]
+           "--repeat", str(repeat), "--shards", str(SHARDS)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -215,7 +219,7 @@ def run(args):
     dtype = DTYPES[args.dtype]
     shapes = [(b, c, args.dim) for b in args.batch for c in args.classes]
     rows = []
-    print(f"# torch {torch.__version__}, device {device}"
+    print(f"# torch {torch.__version__}, shardkit head with {SHARDS} shard(s), device {device}"
           f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, dtype {args.dtype}")
     for batch, classes, dim in shapes:
         print(f"\nB={batch} C={classes} D={dim}:")
@@ -318,8 +322,11 @@ def main():
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 2 on CPU, 1 on GPU)")
     p.add_argument("--cpu-target", action="store_true", help="the CPU target case: D=128, B=256, C=200k fp32")
     p.add_argument("--max-classes", action="store_true", help="GPU: largest C each method trains")
+    p.add_argument("--shards", type=int, default=1, help="shards of the shardkit head (all on --device)")
     p.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    global SHARDS
+    SHARDS = args.shards
     if args.cpu_target:
         args.device, args.dtype = "cpu", args.dtype or "fp32"
         args.batch, args.classes, args.dim = args.batch or [256], args.classes or [200_000], args.dim or 128

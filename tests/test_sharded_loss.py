@@ -293,7 +293,8 @@ def test_bad_inputs_name_the_argument():
     loss_fn = shardkit.ShardedSoftmaxLoss(4, 10, devices=["cpu"] * 2)
     x, y = torch.randn(5, 4), make_labels(5, 10)
     _bad(loss_fn, x, torch.tensor([0, 1, 10, 2, 3]), ValueError, r"`labels` has class ids >= num_classes=10")
-    _bad(loss_fn, x, torch.tensor([0, 1, -3, 2, 3]), ValueError, r"`labels` has negative class ids other than ignore_index")
+    _bad(loss_fn, x, torch.tensor([0, 1, -3, 2, 3]), ValueError,
+         r"`labels` has negative class ids other than ignore_index")
     _bad(loss_fn, x, y.float(), TypeError, r"`labels` must be an integer tensor")
     _bad(loss_fn, x, y.bool(), TypeError, r"`labels` must be an integer tensor")
     _bad(loss_fn, x, y[:4], ValueError, r"`labels` must be 1-D with 5 entries")
@@ -351,7 +352,8 @@ def test_margin_objects():
     arc = shardkit.ArcFace(64, 0.5)
     assert arc.params() == (64.0, 1.0, 0.5, 0.0) and repr(arc) == "ArcFace(s=64.0, m=0.5)"
     assert shardkit.CosFace().params() == (64.0, 1.0, 0.0, 0.4)
-    assert arc == shardkit.CombinedMargin(64, 1.0, 0.5, 0.0) and hash(arc) == hash(shardkit.CombinedMargin(64, 1, 0.5, 0))
+    assert arc == shardkit.CombinedMargin(64, 1.0, 0.5, 0.0)
+    assert hash(arc) == hash(shardkit.CombinedMargin(64, 1, 0.5, 0))
     assert pickle.loads(pickle.dumps(arc)) == arc and copy.deepcopy(arc) == arc
     assert abs(arc.c_max - math.cos(math.pi - 0.5)) < 1e-15 and shardkit.CosFace().c_max == -1.0
     with pytest.raises(AttributeError, match="immutable"):
@@ -436,7 +438,8 @@ def test_cuda_one_device():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs torch.cuda.device_count() >= 2 (shards on cuda:0 and cuda:1)")
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="needs torch.cuda.device_count() >= 2 (shards on cuda:0 and cuda:1)")
 def test_cuda_two_devices():
     _cuda_case(["cuda:0", "cuda:1"])
 

@@ -30,7 +30,8 @@ def parse_memory(value, name: str = "chunk_memory") -> int:
             raise ValueError(f"argument `{name}` must look like '64MiB', '512KiB', '1GB' or be an int, got {value!r}")
         nbytes = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
     else:
-        raise TypeError(f"argument `{name}` must be a number of bytes or a string like '64MiB', got {type(value).__name__}")
+        raise TypeError(f"argument `{name}` must be a number of bytes or a string like '64MiB', "
+                        f"got {type(value).__name__}")
     if nbytes <= 0:
         raise ValueError(f"argument `{name}` must be positive, got {value!r}")
     return nbytes
@@ -119,7 +120,9 @@ def check_tensors(embeddings, labels, dim: int) -> torch.Tensor:
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"argument `labels` must be a tensor, got {type(labels).__name__}")
     if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex():
-        raise TypeError(f"argument `labels` must be an integer tensor (int64 or int32) of class ids, got {labels.dtype}")
+        raise TypeError(
+            f"argument `labels` must be an integer tensor (int64 or int32) of class ids, got {labels.dtype}"
+        )
     if labels.dim() != 1 or labels.shape[0] != embeddings.shape[0]:
         raise ValueError(
             f"argument `labels` must be 1-D with {embeddings.shape[0]} entries (one per embedding row), "

@@ -1,0 +1,220 @@
+// Row loops of the CPU sharded cross-entropy kernels (included by sharded_ce_cpu.cpp only):
+// the vectorized float passes over one row of a chunk's logits, their double versions, and
+// the row loads / normalization backward between w (any float dtype) and fp32/fp64 buffers.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace shardkit {
+namespace sce {
+namespace cpu_rows {
+namespace {  // included by one translation unit: internal linkage, as for the kernels there
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define SCE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define SCE_CLONES
+#endif
+
+// The float row loops are written with GCC/Clang vector extensions (16 lanes): explicit
+// lane-wise code compiles to zmm instructions in the AVX-512 clone, ymm pairs in the AVX2
+// one and SSE2 quadruples by default, without relying on the auto-vectorizer (which will not
+// if-convert the clamps of exp under the default -ftrapping-math).
+#pragma GCC diagnostic ignored "-Wpsabi"  // vector arguments only cross always_inline calls
+constexpr int kLanes = 16;
+typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+__attribute__((always_inline)) inline vf splat(float v) { return vf{} + v; }
+__attribute__((always_inline)) inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+// Loads p[0:n] (n < kLanes) padded with fill.
+__attribute__((always_inline)) inline vf load_tail(const float* p, int64_t n, float fill) {
+  float tmp[kLanes];
+  for (int k = 0; k < kLanes; ++k) tmp[k] = k < n ? p[k] : fill;
+  return load(tmp);
+}
+__attribute__((always_inline)) inline float hsum(vf v) {
+  float r = 0.f;
+  for (int k = 0; k < kLanes; ++k) r += v[k];
+  return r;
+}
+__attribute__((always_inline)) inline float hmax(vf v) {
+  float r = v[0];
+  for (int k = 1; k < kLanes; ++k) r = v[k] > r ? v[k] : r;
+  return r;
+}
+
+// exp(x) without libm calls: Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, Cephes' expf
+// polynomial, 2^n from the exponent bits. Relative error ~2 ulp; 0 below -87.3 (where results
+// would be denormal), arguments above 88 clamp (softmax arguments here are <= ~0).
+__attribute__((always_inline)) inline vf exp_vec(vf x) {
+  const vf lo = splat(-87.3365478515625f), hi = splat(88.0f);
+  const vi under = x < lo;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  // Round to nearest through the 1.5*2^23 trick (no floor/rint: those need SSE4.1).
+  const vf magic = splat(12582912.0f);
+  const vf fn = (x * 1.44269504088896341f + magic) - magic;
+  const vf r = (x - fn * 0.693359375f) - fn * -2.12194440e-4f;
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vi bits = (__builtin_convertvector(fn, vi) + 127) << 23;
+  const vf res = p * (vf)bits;
+  const vi out = (vi)res & ~under;
+  return (vf)out;  // vector casts are bit casts
+}
+
+// z[j] <- s * z[j]; returns max_j z[j] and adds #{j : z[j] > ref} to *count (if count).
+SCE_CLONES float scale_max_count_f(float* z, int64_t n, float s, float ref, bool count, int64_t* cnt) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  vf mx = splat(ninf);
+  vi c = vi{};
+  const vf vref = splat(ref);
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const vf v = load(z + j) * s;
+    std::memcpy(z + j, &v, sizeof(v));
+    mx = v > mx ? v : mx;
+    c -= v > vref;  // comparisons give -1 per true lane
+  }
+  if (j < n) {
+    const vf v = load_tail(z + j, n - j, ninf) * s;  // -inf * s: handled by the mask below
+    for (int64_t k = 0; k < n - j; ++k) z[j + k] = v[k];
+    for (int64_t k = 0; k < n - j; ++k) {
+      mx[k] = v[k] > mx[k] ? v[k] : mx[k];
+      c[k] += v[k] > ref ? 1 : 0;
+    }
+  }
+  if (count) {
+    int64_t total = 0;
+    for (int k = 0; k < kLanes; ++k) total += c[k];
+    *cnt += total;
+  }
+  return hmax(mx);
+}
+
+// Returns sum_j exp(z[j] - m); adds sum_j z[j] to *zsum.
+SCE_CLONES float expsum_f(const float* z, int64_t n, float m, float* zsum) {
+  vf se = vf{}, sz = vf{}, se2 = vf{}, sz2 = vf{};  // two chains: more work in flight
+  int64_t j = 0;
+  for (; j + 2 * kLanes <= n; j += 2 * kLanes) {
+    const vf v = load(z + j), v2 = load(z + j + kLanes);
+    se += exp_vec(v - m);
+    se2 += exp_vec(v2 - m);
+    sz += v;
+    sz2 += v2;
+  }
+  se += se2;
+  sz += sz2;
+  for (; j + kLanes <= n; j += kLanes) {
+    const vf v = load(z + j);
+    se += exp_vec(v - m);
+    sz += v;
+  }
+  if (j < n) {
+    se += exp_vec(load_tail(z + j, n - j, -std::numeric_limits<float>::infinity()) - m);
+    sz += load_tail(z + j, n - j, 0.f);
+  }
+  *zsum += hsum(sz);
+  return hsum(se);
+}
+
+// z[j] <- s * (gl * exp(s * z[j] - lse) + gs): dlogit of the plain (non-target) columns.
+SCE_CLONES void dlogit_f(float* z, int64_t n, float s, float lse, float gl, float gs) {
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const vf v = (exp_vec(load(z + j) * s - lse) * gl + gs) * s;
+    std::memcpy(z + j, &v, sizeof(v));
+  }
+  if (j < n) {
+    const vf v = (exp_vec(load_tail(z + j, n - j, 0.f) * s - lse) * gl + gs) * s;
+    for (int64_t k = 0; k < n - j; ++k) z[j + k] = v[k];
+  }
+}
+
+// Generic (double) versions of the three loops.
+double scale_max_count_f(double* z, int64_t n, double s, double ref, bool count, int64_t* cnt) {
+  double mx = -std::numeric_limits<double>::infinity();
+  int64_t c = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    z[j] *= s;
+    mx = z[j] > mx ? z[j] : mx;
+    c += (count && z[j] > ref) ? 1 : 0;
+  }
+  *cnt += c;
+  return mx;
+}
+double expsum_f(const double* z, int64_t n, double m, double* zsum) {
+  double se = 0, sz = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    se += std::exp(z[j] - m);
+    sz += z[j];
+  }
+  *zsum += sz;
+  return se;
+}
+void dlogit_f(double* z, int64_t n, double s, double lse, double gl, double gs) {
+  for (int64_t j = 0; j < n; ++j) z[j] = s * (gl * std::exp(s * z[j] - lse) + gs);
+}
+
+// Rows [r0, r1) of src (any float dtype, row stride src_stride) -> dst (acc T, contiguous,
+// [rows, D]), L2-normalized when normalize; nrm[r] = max(|row|, 1e-12) is kept for backward.
+template <typename scalar_t, typename T>
+void load_rows(const scalar_t* src, int64_t s0, int64_t s1, int64_t rows, int64_t D, bool normalize,
+               T* dst, T* nrm) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / std::max<int64_t>(D, 1)), [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) {
+      const scalar_t* in = src + r * s0;
+      T* out = dst + r * D;
+      T ss = 0;
+      for (int64_t k = 0; k < D; ++k) {
+        const T v = static_cast<T>(in[k * s1]);
+        out[k] = v;
+        ss += v * v;
+      }
+      if (normalize) {
+        const T nr = std::max(std::sqrt(ss), T(1e-12));
+        nrm[r] = nr;
+        const T inv = T(1) / nr;
+        for (int64_t k = 0; k < D; ++k) out[k] *= inv;
+      }
+    }
+  });
+}
+
+// Backward of u = v / max(|v|, eps) for rows: dv = (du - [|v| >= eps] (du . u) u) / nrm,
+// written (converted) to out rows.
+template <typename scalar_t, typename T>
+void normalize_backward_rows(const T* du, const T* u, const T* nrm, int64_t rows, int64_t D, scalar_t* out) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / std::max<int64_t>(D, 1)), [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) {
+      const T* g = du + r * D;
+      const T* uu = u + r * D;
+      T dot = 0;
+      for (int64_t k = 0; k < D; ++k) dot += g[k] * uu[k];
+      if (nrm[r] <= T(1e-12)) dot = 0;  // clamp active: the norm is a constant
+      const T inv = T(1) / nrm[r];
+      for (int64_t k = 0; k < D; ++k) out[r * D + k] = static_cast<scalar_t>((g[k] - dot * uu[k]) * inv);
+    }
+  });
+}
+
+}  // namespace
+}  // namespace cpu_rows
+}  // namespace sce
+}  // namespace shardkit
