@@ -80,8 +80,10 @@ def test_sampling():
     # shardkit keeps the whole weight and its optimizer state under sampling.
     assert p.devices[0].weights == full.devices[0].weights
     assert p.devices[0].optimizer_state == full.devices[0].optimizer_state
-    assert p.devices[0].gradients == rows * d * 4  # dense gradient buffer by default
+    # shardkit's sampled mode gives a row-sparse gradient (the sampled rows only) by default.
+    assert p.devices[0].gradients == s * d * 4
     assert plan_memory(c, d, n, b, sample_rate=rate, sparse_grad=True).devices[0].gradients == s * d * 4
+    assert plan_memory(c, d, n, b, sample_rate=rate, sparse_grad=False).devices[0].gradients == rows * d * 4
     # PartialFC_V2 keeps [B_global, S] fp32 logits (held, grad, one-hot).
     B = n * b
     assert p.partial_fc.loss_parts["logits [B, S] fp32 (held, backward grad, one-hot)"] == 3 * B * s * 4

@@ -21,8 +21,9 @@ Conventions (all figures are lower bounds of what the allocator will hold):
 * Logits and softmax statistics are fp32 whatever ``dtype`` is (s = 64 logits overflow fp16).
 * Sampling (``sample_rate < 1``): shardkit keeps the whole weight and its optimizer state
   but computes only the sampled rows (``S = ceil(rate * C_k)``, at least the batch's
-  positives); the gradient is a dense weight-sized buffer (``sparse_grad=False``) or
-  only the sampled rows plus their indices (``sparse_grad=True``).
+  positives); the gradient holds only the sampled rows plus their indices, as the sampled
+  :class:`shardkit.ShardedSoftmaxLoss` produces (a row-sparse gradient; ``sparse_grad=None``
+  or ``True``), or, with ``sparse_grad=False``, a dense weight-sized buffer.
 * Not counted: the backbone, activations, the CUDA context (~0.5-1 GiB) and allocator
   fragmentation; pass ``reserve`` to set memory aside for them.
 """
@@ -158,7 +159,7 @@ def plan_memory(
     gpu_memory: Union[None, int, str] = None,
     *,
     master_weights: Optional[bool] = None,
-    sparse_grad: bool = False,
+    sparse_grad: Optional[bool] = None,
     chunk_budget: Union[int, str] = DEFAULT_CHUNK_BUDGET,
     reserve: Union[int, str] = 0,
 ) -> MemoryPlan:
@@ -174,7 +175,8 @@ def plan_memory(
         sample_rate: PartialFC rate in (0, 1].
         gpu_memory: bytes per device (int or size string such as ``"80GiB"``), or None.
         master_weights: fp32 master copy for fp16/bf16 (default: True unless fp32).
-        sparse_grad: sampled mode keeps gradients of sampled rows only (else a dense buffer).
+        sparse_grad: sampled mode keeps gradients of sampled rows only (else a dense buffer);
+            None (default) = True, what shardkit's sampled mode does.
         chunk_budget: ShardedSoftmaxLoss's chunk working-set budget (default 64 MiB).
         reserve: bytes set aside per device for everything not counted here.
 
@@ -231,7 +233,7 @@ def plan_memory(
         grad = rows * dim * elem
         if sampled:
             parts["sampled row indices"] = used * 8
-            if sparse_grad:
+            if sparse_grad is None or sparse_grad:
                 grad = used * dim * elem
         ws = sum(parts.values())
         per_device.append(fits(DeviceMemory("shardkit", rows, w, mw, grad, opt, ws, parts)))
@@ -325,7 +327,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--reserve", type=_size_arg, default=0, help="memory per device kept for the rest (backbone, context)")
     ap.add_argument("--chunk-budget", type=_size_arg, default=DEFAULT_CHUNK_BUDGET, help="ShardedSoftmaxLoss chunk budget (default 64MiB)")
     ap.add_argument("--no-master-weights", action="store_true", help="fp16/bf16 without fp32 master weights")
-    ap.add_argument("--sparse-grad", action="store_true", help="sampled mode keeps gradients of sampled rows only")
+    ap.add_argument("--dense-grad", action="store_true",
+                    help="model a dense weight-sized gradient in the sampled mode (shardkit's is row-sparse)")
     return ap
 
 
@@ -337,7 +340,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         plan = plan_memory(
             args.classes, args.dim, args.devices, args.batch, args.dtype, args.optimizer, args.sample_rate,
             args.gpu_memory, master_weights=False if args.no_master_weights else None,
-            sparse_grad=args.sparse_grad, chunk_budget=args.chunk_budget, reserve=args.reserve,
+            sparse_grad=not args.dense_grad, chunk_budget=args.chunk_budget, reserve=args.reserve,
         )
     except ValueError as e:
         # plan_memory names its Python arguments (`sample_rate`); say the flag instead.
