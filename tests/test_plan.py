@@ -177,8 +177,11 @@ def test_cli_errors_exit_2(argv, match, capsys):
 
 
 def test_module_entry_point():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "python"),
-                                                       os.environ.get("PYTHONPATH", "")]))
+    # The subprocess imports the same shardkit as this test (installed, or the source tree).
+    import shardkit
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(shardkit.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-m", "shardkit.plan", "--classes", "1000000", "--dim", "512", "--batch", "8"],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
