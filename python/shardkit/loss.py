@@ -102,7 +102,9 @@ def sharded_cross_entropy(
 
     dtypes: outside autocast the embeddings are cast to the weights' dtype; under
     ``torch.autocast`` for a shard's device type both are cast to the autocast dtype (as
-    nn.Linear). Statistics and the loss are float32 whatever the input dtype.
+    nn.Linear). Statistics and the loss are float32 whatever the input dtype. With fp32
+    weights under autocast, each step therefore holds a 16-bit copy of every shard and its
+    16-bit gradient (2 x C_k x D x 2 bytes); 16-bit weights avoid that.
     """
     check_options(margin, label_smoothing, ignore_index, reduction, check_inputs)
     shards, offsets, num_classes = check_shards(weight_shards, class_offsets)
