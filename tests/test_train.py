@@ -98,3 +98,46 @@ def test_cli_errors_exit_2(argv, message, capsys):
 def test_module_entry_point_help():
     r = subprocess.run([sys.executable, "-m", "shardkit.train", "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "--sample-rate" in r.stdout and "--resume" in r.stdout
+
+
+def _image_folder(root, classes=8, per_class=4, size=20):
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(0)
+    for k in range(classes):
+        os.makedirs(root / f"id{k:02d}")
+        base = torch.randint(0, 256, (3,), generator=g)
+        for i in range(per_class):
+            img = (base + torch.randint(-30, 30, (size, size, 3), generator=g)).clamp(0, 255).to(torch.uint8)
+            Image.fromarray(img.numpy()).save(root / f"id{k:02d}" / f"{i}.png")
+
+
+@pytest.mark.parametrize("cache", ["encoded", "decoded"])
+def test_image_folder_data(tmp_path, cache, capsys):
+    _image_folder(tmp_path / "faces")
+    out = str(tmp_path / "run")
+    argv = ["--data", str(tmp_path / "faces"), "--cache-ram", cache, "--image-size", "16", "--batch", "8",
+            "--val-classes", "3", "--dim", "16", "--steps", "3", "--no-progress", "--out", out]
+    assert train.main(argv) == 0
+    assert _history(out)["step"] == 3
+    assert "verification on 3 held-out identities" in capsys.readouterr().out
+    # Too few classes for the held-out split: a clear error, not a crash.
+    with pytest.raises(SystemExit, match="need more than --val-classes=8"):
+        train.main(argv[:-2] + ["--val-classes", "8", "--out", out])
+
+
+def test_torchrun_two_ranks_and_resume(tmp_path):
+    import shardkit
+
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(shardkit.__file__))))
+    out = str(tmp_path / "ddp")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "shardkit.train"] + TINY + [
+        "--batch", "16", "--sample-rate", "0.5", "--out", out]
+    r = subprocess.run(cmd + ["--steps", "3"], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(os.listdir(os.path.join(out, "checkpoint", "head")))  # one file per rank's class range
+    r = subprocess.run(cmd + ["--steps", "4", "--resume", out], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stdout
+    state = torch.load(os.path.join(out, "checkpoint", _train_run.CKPT_FILE + ".rank1"), weights_only=False)
+    assert state["step"] == 4

@@ -47,8 +47,10 @@ def init_distributed(args) -> World:
 
 
 def find_checkpoint(path: str) -> Optional[str]:
+    """The checkpoint directory at ``path`` or ``path/checkpoint`` (a one-process checkpoint,
+    or the rank-0 file of a torchrun one), else None."""
     for cand in (path, os.path.join(path, "checkpoint")):
-        if os.path.isfile(os.path.join(cand, CKPT_FILE)):
+        if any(os.path.isfile(os.path.join(cand, CKPT_FILE + sfx)) for sfx in ("", ".rank0")):
             return cand
     return None
 
