@@ -25,15 +25,17 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "python"))
+sys.path.insert(0, HERE)  # _timing, whatever the cwd (also under python -m)
 import shardkit  # noqa: E402
 from shardkit.distributed import split_classes  # noqa: E402
+from _timing import time_once  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -57,20 +59,6 @@ def parse():
     a.dtype = a.dtype or ("fp32" if cpu else "bf16")
     a.iters = a.iters or (8 if cpu else 50)
     return a
-
-
-def _timed(device, fn):
-    """Seconds of one call of ``fn`` (CUDA events on the GPU, wall clock on the CPU)."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def _step_fn(head, x, labels):
@@ -103,7 +91,7 @@ def measure(args, device):
     order = list(steps)
     for _ in range(args.iters):
         for key in order:
-            times[key].append(_timed(device, steps[key]))
+            times[key].append(time_once(steps[key], device))
         order.reverse()  # neither mode always runs right after the other
     results = {k: statistics.median(v) for k, v in times.items()}
     w = one.weight_shards[0].detach()
@@ -116,7 +104,7 @@ def measure(args, device):
             torch.mm(g, w)
             torch.mm(g.t(), xd)
         gemms()
-        results["gemm_s"] = statistics.median(_timed(device, gemms) for _ in range(max(3, args.iters // 2)))
+        results["gemm_s"] = statistics.median(time_once(gemms, device) for _ in range(max(3, args.iters // 2)))
     return results
 
 

@@ -26,12 +26,15 @@ import copy
 import json
 import os
 import statistics
-import time
+import sys
 
 import torch
 from torch import nn
 
 import shardkit
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _timing, whatever the cwd
+from _timing import time_once  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 
@@ -176,26 +179,6 @@ class OursEMA:
 METHODS = {"shardkit": OursEMA, "loop": LoopEMA, "foreach": ForeachEMA, "swa": SwaEMA}
 
 
-# ---- timing ---------------------------------------------------------------------------
-def timed(fn, device, warmup, reps):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def run_case(which, dtype_name, device, methods, reps, loop_max_params):
     model_dtype = torch.float32 if dtype_name == "fp32" else torch.bfloat16
     model, source = build_model(which, model_dtype, device)
@@ -232,9 +215,9 @@ def run_case(which, dtype_name, device, methods, reps, loop_max_params):
     times = {name: [] for name in impls}
     for _ in range(reps):
         for k, fn in copies.items():
-            copy_times[k].append(timed(fn, device, 0, 1))
+            copy_times[k].append(time_once(fn, device))
         for name, impl in impls.items():
-            times[name].append(timed(lambda: impl.update(model), device, 0, 1))
+            times[name].append(time_once(lambda: impl.update(model), device))
     bw = 2 * copy_src.numel() * 4 / min(statistics.median(v) for v in copy_times.values())
     floor = nbytes / bw
     copy_src = copy_dst = None

@@ -19,39 +19,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "python"))
+sys.path.insert(0, HERE)  # _timing, whatever the cwd (also under python -m)
 from shardkit.ops import normalize_images  # noqa: E402
+from _timing import copy_bandwidth, time_median  # noqa: E402
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 SHAPES = [(256, 32, 32, 3), (128, 112, 112, 3), (64, 224, 224, 3)]
-
-
-def timeit(fn, device, repeats):
-    for _ in range(3):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(repeats):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        return statistics.median(times)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+# 3 warm-up calls, then (CUDA) a device sync so the first timed call starts on an idle GPU
+TIMING = dict(warmup=3, sync_after_warmup=True)
 
 
 def main(argv=None):
@@ -88,15 +69,13 @@ def main(argv=None):
         x = torch.randint(0, 256, shape, dtype=torch.uint8, device=device)
         out_elem = torch.empty((), dtype=dtype).element_size()
         n = x.numel()
-        big = torch.empty(n, dtype=torch.float32, device=device).uniform_()
-        dst = torch.empty_like(big)
-        t_copy = timeit(lambda: dst.copy_(big), device, args.repeats)
-        bandwidth = 2 * n * 4 / t_copy  # bytes/s of a float copy (read + write)
+        # bytes/s of a same-size float copy (read + write), timed like the peers below
+        bandwidth = copy_bandwidth(n * 4, device, args.repeats, **TIMING)
         floor = n * (1 + out_elem) / bandwidth
         ref = peers["chain"](x).double()
         got = peers["shardkit"](x).double()
         rel = float((got - ref).norm() / ref.norm())
-        times = {k: timeit(lambda f=f: f(x), device, args.repeats) for k, f in peers.items()}
+        times = {k: time_median(lambda f=f: f(x), device, args.repeats, **TIMING) for k, f in peers.items()}
         row = dict(shape=list(shape), floor_s=floor, copy_bandwidth_GBps=bandwidth / 1e9, rel_err_vs_chain=rel,
                    times_s=times, speedup_vs_chain=times["chain"] / times["shardkit"],
                    speedup_vs_chain_contiguous=times["chain+ct"] / times["shardkit"],

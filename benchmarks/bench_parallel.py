@@ -25,33 +25,17 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "python"))
+sys.path.insert(0, HERE)  # _timing, whatever the cwd (also under python -m)
 from shardkit.parallel import DataParallelCriterion  # noqa: E402
+from _timing import copy_bandwidth, time_once  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
-
-
-def _once(device, fn):
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end)
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
-
-
-def timer(device, fn, reps, warmup):
-    """Median milliseconds of fn() over reps (CUDA events on GPU, perf_counter on CPU)."""
-    return timer_interleaved(device, {"x": fn}, reps, warmup)["x"][0]
 
 
 def timer_interleaved(device, cases, reps, warmup):
@@ -64,16 +48,8 @@ def timer_interleaved(device, cases, reps, warmup):
     times = {name: [] for name in cases}
     for _ in range(reps):
         for name, fn in cases.items():
-            times[name].append(_once(device, fn))
+            times[name].append(time_once(fn, device, sync="device") * 1e3)
     return {name: (statistics.median(t), min(t)) for name, t in times.items()}
-
-
-def copy_bandwidth(device, nbytes, reps):
-    """Bytes/s of a device-local copy (read + write counted)."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
-    dst = torch.empty_like(src)
-    ms = timer(device, lambda: dst.copy_(src), reps, 2)
-    return 2 * nbytes / (ms * 1e-3)
 
 
 def overhead(device, batch, classes, hw, chunks, reps):
@@ -102,7 +78,7 @@ def overhead(device, batch, classes, hw, chunks, reps):
         parts = chunked(k)
         cases[f"ours k={k}"] = (lambda dp=dp, parts=parts: dp(parts, target).backward())
     res = timer_interleaved(device, cases, reps, 3)
-    bw = copy_bandwidth(device, logits.numel() * 4, reps)
+    bw = copy_bandwidth(logits.numel() * 4, device, reps, warmup=2, sync="device")
     floor_ms = 4 * logits.numel() * 4 / bw * 1e3
     return res, floor_ms, bw
 

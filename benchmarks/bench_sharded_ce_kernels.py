@@ -12,32 +12,20 @@ plus one more logits GEMM for the backward's recompute.
 import argparse
 import json
 import os
-import statistics
-import time
+import sys
 
 import torch
 import torch.nn.functional as F
 
 import shardkit
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _timing, whatever the cwd
+from _timing import time_median  # noqa: E402
 
-def _timeit(fn, device, reps, warmup=2):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+
+def _timeit(fn, device, reps):
+    """Median seconds of fn() (2 warm-up calls; CUDA: events, device sync)."""
+    return time_median(fn, device, reps, warmup=2, sync="device")
 
 
 def main():

@@ -29,15 +29,16 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
+sys.path.insert(0, HERE)  # _timing, whatever the cwd (also under python -m)
 
 import shardkit  # noqa: E402
+from _timing import time_all  # noqa: E402
 
 METHODS = ["shardkit", "shardkit+checks", "linear+cross_entropy", "torch.linear_cross_entropy",
            "cut_cross_entropy", "liger_flce"]
@@ -122,23 +123,9 @@ def build_gemms(batch, classes, dim, dtype, device):
     return step
 
 
-def time_it(step, device, repeat, warmup=2):
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(repeat):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-    return times
+def time_it(step, device, repeat):
+    """Per-step seconds of ``repeat`` timed steps (2 warm-up steps; CUDA: events, device sync)."""
+    return time_all(step, device, repeat, warmup=2, sync="device")
 
 
 def _rss_kib(field):

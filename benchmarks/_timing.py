@@ -1,0 +1,71 @@
+"""Timing helpers shared by the benchmark scripts in this folder.
+
+All times are in seconds (scripts that print milliseconds convert at the call site).
+On a CUDA device a call is timed by two CUDA events recorded on the current stream around
+it, so the figure is GPU time of the work it queued, not host launch time; on the CPU by
+``time.perf_counter`` wall clock.
+
+The scripts import this module as ``_timing`` after putting their own folder on
+``sys.path``, so they run from any working directory and with ``python -m``.
+"""
+
+import statistics
+import time
+
+import torch
+
+SYNCS = ("event", "device")
+
+
+def time_once(fn, device, sync="event"):
+    """Seconds of one call of ``fn()`` on ``device`` (a ``torch.device``).
+
+    ``sync`` says how the host waits for a CUDA call before reading the events: ``"event"``
+    waits for the end event alone; ``"device"`` calls ``torch.cuda.synchronize()``, which
+    also waits for work queued on other streams of the current device. Ignored on the CPU.
+    """
+    if sync not in SYNCS:
+        raise ValueError(f"argument `sync` must be one of {SYNCS}, got {sync!r}")
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        if sync == "device":
+            torch.cuda.synchronize()
+        else:
+            end.synchronize()
+        return start.elapsed_time(end) / 1e3  # elapsed_time is in ms
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def time_all(fn, device, reps, warmup=2, sync="event", sync_after_warmup=False):
+    """List of ``reps`` per-call seconds of ``fn()``, after ``warmup`` untimed calls.
+
+    ``sync_after_warmup``: on CUDA, ``torch.cuda.synchronize()`` once after the warm-up so
+    the first timed call does not start behind a queue of warm-up work. ``sync`` as in
+    :func:`time_once`.
+    """
+    for _ in range(warmup):
+        fn()
+    if sync_after_warmup and device.type == "cuda":
+        torch.cuda.synchronize()
+    return [time_once(fn, device, sync) for _ in range(reps)]
+
+
+def time_median(fn, device, reps, warmup=2, sync="event", sync_after_warmup=False):
+    """Median seconds of ``fn()`` over ``reps`` timed calls (arguments as :func:`time_all`)."""
+    return statistics.median(time_all(fn, device, reps, warmup, sync, sync_after_warmup))
+
+
+def copy_bandwidth(nbytes, device, reps, warmup=2, sync="event", sync_after_warmup=False):
+    """Bytes/s of a device-local copy of a float32 tensor of ``nbytes`` bytes, read + write
+    counted (2 * nbytes per copy), from the median of ``reps`` timed ``copy_`` calls.
+    Timing arguments as :func:`time_all`. The benchmarks' memory-bound floor is their bytes
+    over this rate."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    seconds = time_median(lambda: dst.copy_(src), device, reps, warmup, sync, sync_after_warmup)
+    return 2 * nbytes / seconds
