@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-from torch import nn
 
 import shardkit
 from shardkit.ops import ema_swap_, ema_unswap_, ema_update_

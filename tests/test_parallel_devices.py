@@ -14,9 +14,6 @@ from test_parallel import Lambda, Net, grads, rel
 
 @pytest.mark.parametrize("recipe", ["gather_then_head", "criterion_wraps_head"])
 def test_with_sharded_softmax_loss(recipe):
-    if not hasattr(shardkit, "ShardedSoftmaxLoss"):
-        pytest.skip("shardkit.ShardedSoftmaxLoss is not part of this build (merged from the sharded "
-                    "cross-entropy branch)")
     net = nn.Sequential(nn.Linear(9, 16), nn.Tanh(), nn.Linear(16, 8))
     head = shardkit.ShardedSoftmaxLoss(8, 101, margin=shardkit.ArcFace(16.0, 0.3), devices=["cpu"] * 3,
                                        ignore_index=-1)

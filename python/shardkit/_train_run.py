@@ -13,9 +13,7 @@ from typing import List, Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-import shardkit
 from shardkit import _train_report as report_mod
 from shardkit import _train_setup as setup
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import sys
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 

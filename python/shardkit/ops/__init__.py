@@ -23,3 +23,11 @@ from shardkit.ops._sampling import partial_fc_sample  # noqa: F401
 # ---- normalize ----
 from shardkit.ops._normalize import normalize_images  # noqa: F401
 # ---- end normalize ----
+
+__all__ = [
+    "ema_update_", "ema_swap_", "ema_unswap_",
+    "ce_shard_stats", "chunk_classes_for_budget",
+    "split_to_devices", "weighted_loss_reduce",
+    "partial_fc_sample",
+    "normalize_images",
+]
