@@ -354,3 +354,20 @@ def test_cuda_device_errors():
     with pytest.raises(RuntimeError, match=r"argument `grad_lse` must be on the device of `x`"):
         torch.ops.shardkit.ce_shard_stats_backward(lse.cpu(), lse, lse, x, w, labels, lse, 0, 1.0, 1.0, 0.0, 0.0,
                                                     False, 4)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_minus_inf_logits_add_nothing(device):
+    # Logits that overflow to -inf in fp32 (x . w = -1e40) among finite ones: exp(-inf) adds 0
+    # to the softmax sum. On the GPU each thread's first logits are -inf, so a fold starting
+    # from max = -inf must not form exp(-inf - -inf) = NaN.
+    B, C = 5, 1000
+    x = torch.full((B, 1), 1e20)
+    w = torch.randn(C, 1) * 1e-19  # logits around +-10
+    w[:300] = -1e20
+    labels = torch.randint(300, C, (B,))
+    ref = torch.logsumexp(0.7 * (x.double() @ w.double().t()), 1)
+    lse, t, _, _ = ce_shard_stats(x.to(device), w.to(device), labels.to(device), scale=0.7, chunk_classes=512)
+    assert torch.isfinite(lse).all()
+    assert rel(lse.cpu(), ref) <= 1e-5
+    assert rel(t.cpu(), 0.7 * (x.double() * w.double()[labels]).sum(1)) <= 1e-5
