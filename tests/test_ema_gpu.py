@@ -151,3 +151,39 @@ def test_cpu_resident_ema_fed_from_cuda():
     with on_cpu.swap(net):  # host-stash path (different devices)
         assert torch.allclose(net.fc.weight.cpu(), on_cpu.module.fc.weight)
     assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
+
+
+def test_cuda_update_and_swap_more_than_2_31_elements():
+    # Element offsets past 2^31 (int32 would wrap), a tensor that ends mid-chunk, and the
+    # fused fp32 EMA / bf16 model pair. About 26 GB of GPU memory.
+    needs_cuda_build()
+    n = 2**31 + 3 * CUDA_CHUNK // 2 + 7
+    e = torch.randn(n, device="cuda")
+    m = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    e0 = e.clone()
+    ema_update_([e], [m], 0.75)
+    step = 1 << 27
+    for i in range(0, n, step):
+        r = e0[i:i + step].double()
+        r += 0.25 * (m[i:i + step].double() - r)
+        assert rel_err(e[i:i + step], r) <= 1e-5, f"elements [{i}, {i + step})"
+    e0.copy_(e)
+    m0 = m.clone()
+    ema_swap_([e], [m])
+    assert torch.allclose(m[-5:].float(), e0[-5:], rtol=1e-2, atol=0)  # the model shows bf16(ema)
+    ema_unswap_([e], [m])
+    assert torch.equal(bits(e), bits(e0)) and torch.equal(bits(m), bits(m0))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (tensors on cuda:1 while cuda:0 is current)")
+def test_cuda_tensors_on_non_current_device():
+    needs_cuda_build()
+    sizes = [CUDA_CHUNK + 5, 33, 1]
+    with torch.cuda.device(0):
+        ema = [torch.randn(s, device="cuda:1") for s in sizes]
+        model = [torch.randn(s, device="cuda:1").bfloat16() for s in sizes]
+        check_cuda_update(ema, model, 0.9)
+        e0, m0 = [t.clone() for t in ema], [t.clone() for t in model]
+        ema_swap_(ema, model)
+        ema_unswap_(ema, model)
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(ema + model, e0 + m0))

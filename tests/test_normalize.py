@@ -227,3 +227,31 @@ def test_cuda_opcheck_and_module():
         torch.library.opcheck(torch.ops.shardkit.normalize_images.default, args)
     out = shardkit.Normalize(mean, std)(images)
     assert out.is_cuda and out.shape == (2, 3, 8, 8)
+
+
+@GPU
+@pytest.mark.parametrize("layout,fmt", [("NHWC", torch.contiguous_format),  # vectorized path
+                                        ("NHWC", torch.channels_last), ("NCHW", torch.contiguous_format)])
+def test_cuda_more_than_2_31_output_elements(layout, fmt):
+    # N * C * H * W > 2^31: int32 element offsets would wrap. About 11 GB of GPU memory.
+    h = w = 26760  # H * W divisible by 4: NHWC -> NCHW takes the vectorized kernel
+    assert 3 * h * w > 2**31
+    images = random_images((1, h, w, 3) if layout == "NHWC" else (1, 3, h, w), device="cuda")
+    mean, std = random_stats(3)
+    out = normalize_images(images, mean, std, input_layout=layout, dtype=torch.float32, memory_format=fmt)
+    assert out.is_contiguous(memory_format=fmt)
+    rows = 2048
+    for r0 in range(0, h, rows):
+        part = images[:, r0:r0 + rows] if layout == "NHWC" else images[:, :, r0:r0 + rows]
+        assert rel_err(out[:, :, r0:r0 + rows], reference(part, mean, std, layout)) <= 1e-5, f"rows from {r0}"
+
+
+@GPU
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (images on cuda:1 while cuda:0 is current)")
+def test_cuda_images_on_non_current_device():
+    mean, std = random_stats(3)
+    with torch.cuda.device(0):
+        for shape, layout in [((2, 8, 12, 3), "NHWC"), ((2, 3, 5, 7), "NCHW")]:
+            images = random_images(shape, device="cuda:1")
+            for fmt in (torch.contiguous_format, torch.channels_last):
+                check_against_reference(images, mean, std, layout, torch.float32, fmt)

@@ -354,3 +354,99 @@ def test_cuda_device_errors():
     with pytest.raises(RuntimeError, match=r"argument `grad_lse` must be on the device of `x`"):
         torch.ops.shardkit.ce_shard_stats_backward(lse.cpu(), lse, lse, x, w, labels, lse, 0, 1.0, 1.0, 0.0, 0.0,
                                                     False, 4)
+
+
+def plain_reference_by_rows(x, w, labels, scale, g, rows=64):
+    """float64 (lse, target, sum) of the plain logits z = scale * x @ w.T (labels all inside
+    the shard) and the gradients of sum(g[0] * lse + g[1] * target + g[2] * sum) w.r.t. x and
+    w, in blocks of rows: for shards whose full float64 logit matrix would not fit in memory."""
+    xd, wd = x.double(), w.double()
+    B = x.shape[0]
+    lse, tgt, zsum = (torch.empty(B, dtype=torch.float64, device=x.device) for _ in range(3))
+    gx, gw = torch.empty_like(xd), torch.zeros_like(wd)
+    for r0 in range(0, B, rows):
+        r = slice(r0, min(B, r0 + rows))
+        z = scale * (xd[r] @ wd.t())
+        lse[r] = torch.logsumexp(z, 1)
+        tgt[r] = z.gather(1, labels[r, None])[:, 0]
+        zsum[r] = z.sum(1)
+        dz = torch.exp(z - lse[r, None]).mul_(g[0][r, None]).add_(g[2][r, None])
+        dz.scatter_add_(1, labels[r, None], g[1][r, None])
+        gx[r] = scale * (dz @ wd)
+        gw += scale * (dz.t() @ xd[r])
+    return lse, tgt, zsum, gx, gw
+
+
+def check_plain_by_rows(x, w, labels, scale, chunk):
+    g = [torch.randn(x.shape[0], dtype=torch.float64, device=x.device) for _ in range(3)]
+    xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+    lse, t, s, _ = ce_shard_stats(xx, ww, labels, scale=scale, chunk_classes=chunk)
+    gx, gw = torch.autograd.grad(sum((o * gg.to(o.dtype)).sum() for o, gg in zip((lse, t, s), g)), (xx, ww))
+    r_lse, r_t, r_s, r_gx, r_gw = plain_reference_by_rows(x, w, labels, scale, g)
+    assert rel(lse, r_lse) <= 1e-5 and rel(t, r_t) <= 1e-5
+    # The sum of a row's logits cancels: bound its error by the sum of their magnitudes.
+    r_abs = scale * (x.double().abs() @ w.double().abs().t().sum(1, keepdim=True))[:, 0]
+    assert ((s.double() - r_s).abs() <= 1e-6 * r_abs).all()
+    floor = scale * math.sqrt(x.shape[0])
+    assert rel(gx, r_gx, floor) <= 1e-5 and rel(gw, r_gw, floor) <= 1e-5
+
+
+def test_plain_reference_by_rows_matches_the_op():
+    # The row-block reference of the large GPU test below, checked here against the op.
+    x, w, _ = make_case(70, 6, 300, 0)
+    labels = torch.randint(0, 300, (70,))
+    check_plain_by_rows(x, w, labels, 0.7, 64)
+
+
+@pytest.mark.gpu
+def test_cuda_more_than_2_31_logits_in_one_chunk():
+    # B * C_chunk > 2^31: element offsets into the chunk's logit / dlogit buffers (row i at
+    # i * n) do not fit an int32. About 12 GB of GPU memory at peak (8.6 GB logit buffer).
+    B, D, C = 2049, 8, (1 << 20) + 3
+    assert B * C > 2**31
+    x = torch.randn(B, D, device="cuda")
+    w = torch.randn(C, D, device="cuda")
+    labels = torch.randint(0, C, (B,), device="cuda")
+    labels[-1] = C - 1  # the very last logit of the buffer is a target
+    check_plain_by_rows(x, w, labels, 0.7, C)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (a shard on cuda:1 while cuda:0 is current)")
+@pytest.mark.parametrize("name", ["plain", "arcface"])
+def test_cuda_shard_on_non_current_device(name):
+    x, w, labels = make_case(33, 24, 500, 7, device="cuda:1")
+    with torch.cuda.device(0):
+        check_against_reference(x, w, labels, 7, name, 64)
+
+
+@pytest.mark.gpu
+def test_cuda_side_stream_matches_default_stream():
+    # Kernels, GEMMs and temporaries all on the caller's current stream.
+    x, w, labels = make_case(64, 32, 3000, 0, device="cuda")
+    ref = ce_shard_stats(x, w, labels, chunk_classes=256, **kw("arcface"))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = ce_shard_stats(x, w, labels, chunk_classes=256, **kw("arcface"))
+    torch.cuda.current_stream().wait_stream(side)
+    for a, b in zip(out[:3], ref[:3]):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+    assert torch.equal(out[3], ref[3])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_minus_inf_logits_add_nothing(device):
+    # Logits that overflow to -inf in fp32 (x . w = -1e40) among finite ones: exp(-inf) adds 0
+    # to the softmax sum. On the GPU each thread's first logits are -inf, so a fold starting
+    # from max = -inf must not form exp(-inf - -inf) = NaN.
+    B, C = 5, 1000
+    x = torch.full((B, 1), 1e20)
+    w = torch.randn(C, 1) * 1e-19  # logits around +-10
+    w[:300] = -1e20
+    labels = torch.randint(300, C, (B,))
+    ref = torch.logsumexp(0.7 * (x.double() @ w.double().t()), 1)
+    lse, t, _, _ = ce_shard_stats(x.to(device), w.to(device), labels.to(device), scale=0.7, chunk_classes=512)
+    assert torch.isfinite(lse).all()
+    assert rel(lse.cpu(), ref) <= 1e-5
+    assert rel(t.cpu(), 0.7 * (x.double() * w.double()[labels]).sum(1)) <= 1e-5

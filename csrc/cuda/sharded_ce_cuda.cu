@@ -104,7 +104,7 @@ __global__ void row_stats_kernel(const T* __restrict__ L, int64_t n, int64_t j0,
     if (z > m) {
       s = s * dev_exp(m - z) + T(1);
       m = z;
-    } else {
+    } else if (z != -std::numeric_limits<T>::infinity()) {  // -inf adds 0; exp(-inf - -inf) is NaN
       s += dev_exp(z - m);
     }
   }
