@@ -9,10 +9,32 @@ The scripts import this module as ``_timing`` after putting their own folder on
 ``sys.path``, so they run from any working directory and with ``python -m``.
 """
 
+import os
 import statistics
 import time
 
 import torch
+
+# Where the scripts write their JSON and PNG files: benchmarks/out/ (git-ignored), or the
+# folder named by SHARDKIT_BENCH_OUT (the GPU-session driver points it into its own
+# output folder, so one run's files are collected in one place).
+OUT_ENV = "SHARDKIT_BENCH_OUT"
+
+
+def out_dir():
+    """The folder for benchmark outputs (created): $SHARDKIT_BENCH_OUT or benchmarks/out."""
+    path = os.environ.get(OUT_ENV) or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def target_line(name, ok, detail):
+    """One line of an issue target's verdict, printed the same way by every script:
+    ``TARGET <PASS|FAIL|n/a> <name>: <detail>`` (``ok`` None = could not be measured)."""
+    verdict = "n/a " if ok is None else ("PASS" if ok else "FAIL")
+    line = f"TARGET {verdict} {name}: {detail}"
+    print(line, flush=True)
+    return {"target": name, "ok": ok, "detail": detail}
 
 SYNCS = ("event", "device")
 

@@ -34,9 +34,7 @@ from torch import nn
 import shardkit
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _timing, whatever the cwd
-from _timing import time_once  # noqa: E402
-
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+from _timing import out_dir, target_line, time_once  # noqa: E402
 
 
 # ---- models ---------------------------------------------------------------------------
@@ -128,17 +126,24 @@ class LoopEMA:
 
 
 class ForeachEMA:
-    """timm ModelEmaV3.apply_update_ (foreach path), or timm's own class if importable."""
+    """timm ModelEmaV3.apply_update_ (foreach path): timm's own class when importable and
+    the EMA has the model's dtype; otherwise the same ``torch._foreach_lerp_`` calls with the
+    model tensors cast to the EMA dtype first (foreach needs one dtype per pair; timm's
+    class fails on a bf16 model with an fp32 EMA). ``self.impl`` says which ran."""
 
     def __init__(self, model, dtype):
         self.ema = copy.deepcopy(model).to(dtype=dtype).eval()
         self.timm = None
+        self.impl = "foreach_lerp_ (timm-style, model cast to EMA dtype)"
+        model_dtype = next(model.parameters()).dtype
         try:
             from timm.utils.model_ema import ModelEmaV3
 
-            self.timm = ModelEmaV3(model, decay=0.9999)
-            self.timm.module.to(dtype=dtype)
-            self.ema = None
+            if model_dtype == dtype:
+                self.timm = ModelEmaV3(model, decay=0.9999)
+                self.timm.module.to(dtype=dtype)
+                self.ema = None
+                self.impl = "timm ModelEmaV3"
         except ImportError:
             pass
 
@@ -227,7 +232,8 @@ def run_case(which, dtype_name, device, methods, reps, loop_max_params):
             rows.append({"method": name, "error": errors[name]})
             continue
         t = statistics.median(times[name])
-        rows.append({"method": name, "ms": t * 1e3, "GBps": nbytes / t / 1e9, "pct_floor": 100 * floor / t})
+        rows.append({"method": name, "ms": t * 1e3, "GBps": nbytes / t / 1e9, "pct_floor": 100 * floor / t,
+                     "impl": getattr(impls[name], "impl", name)})
     impls = None
     del model
     return {"model": which, "source": source, "dtype": dtype_name, "params": n_params, "tensors": n_tensors,
@@ -245,7 +251,37 @@ def print_case(c):
             print(f"  {r['method']:<10} error: {r['error']}")
             continue
         ratio = f"{r['ms'] / ours:.2f}x" if ours else "-"
-        print(f"  {r['method']:<10}{r['ms']:>11.2f}{r['GBps']:>8.1f}{r['pct_floor']:>8.0f}%{ratio:>19}")
+        impl = f"  ({r['impl']})" if r.get("impl", r["method"]) != r["method"] and r["method"] != "shardkit" else ""
+        print(f"  {r['method']:<10}{r['ms']:>11.2f}{r['GBps']:>8.1f}{r['pct_floor']:>8.0f}%{ratio:>19}{impl}")
+
+
+def check_targets(cases, device):
+    """Issue 2's targets on the cases measured: on CUDA, on the large model >= 85% of the
+    copy-bandwidth floor and >= 1.0x foreach, on ResNet-50 >= 2x foreach, everywhere >= 10x
+    the per-tensor loop; on the CPU >= 1.0x foreach. Prints one TARGET line each."""
+    def ms(c, m):
+        return next((r["ms"] for r in c["rows"] if r["method"] == m and "ms" in r), None)
+
+    out = []
+    for c in cases:
+        ours, tag = ms(c, "shardkit"), f"{c['model']} {c['dtype']}"
+        if ours is None:
+            out.append(target_line(f"ema {tag}", None, "shardkit did not run"))
+            continue
+        foreach, loop = ms(c, "foreach"), ms(c, "loop")
+        if device.type == "cuda":
+            if c["model"] == "350m":
+                pct = 100 * c["floor_ms"] / ours
+                out.append(target_line(f"ema {tag} >= 85% of copy bandwidth", pct >= 85, f"{pct:.0f}%"))
+            need = 2.0 if c["model"] == "resnet50" else 1.0
+        else:
+            need = 1.0
+        out.append(target_line(f"ema {tag} >= {need:.1f}x foreach", None if foreach is None else foreach / ours >= need,
+                               "foreach did not run" if foreach is None else f"{foreach / ours:.2f}x"))
+        if device.type == "cuda":
+            out.append(target_line(f"ema {tag} >= 10x per-tensor loop", None if loop is None else loop / ours >= 10,
+                                   "loop did not run" if loop is None else f"{loop / ours:.1f}x"))
+    return out
 
 
 def plot(cases, path):
@@ -289,10 +325,13 @@ def main():
         for dt in args.dtypes.split(","):
             cases.append(run_case(which, dt, device, args.methods.split(","), reps, args.loop_max_params))
             print_case(cases[-1])
-    os.makedirs(OUT, exist_ok=True)
-    stem = os.path.join(OUT, f"bench_ema_{device.type}")
+    print()
+    targets = check_targets(cases, device)
+    stem = os.path.join(out_dir(), f"bench_ema_{device.type}")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     with open(stem + ".json", "w") as f:
-        json.dump({"torch": torch.__version__, "device": str(device), "cases": cases}, f, indent=1)
+        json.dump({"torch": torch.__version__, "device": str(device), "device_name": name, "cases": cases,
+                   "targets": targets}, f, indent=1)
     plot(cases, stem + ".png")
     print(f"\nwrote {stem}.json and {stem}.png")
 

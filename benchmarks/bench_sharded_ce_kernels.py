@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import shardkit
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _timing, whatever the cwd
-from _timing import time_median  # noqa: E402
+from _timing import out_dir, time_median  # noqa: E402
 
 
 def _timeit(fn, device, reps):
@@ -38,10 +38,12 @@ def main():
     ap.add_argument("--chunks", default="", help="comma-separated chunk sizes (default: the wrapper's default)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--normalize", action="store_true", help="cosine logits with an ArcFace margin (s=64, m=0.5)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "sharded_ce_kernels.json"))
+    ap.add_argument("--out", default=None,
+                    help="JSON path (default: sharded_ce_kernels_<device>.json in $SHARDKIT_BENCH_OUT or benchmarks/out)")
     args = ap.parse_args()
 
     dev = torch.device(args.device)
+    args.out = args.out or os.path.join(out_dir(), f"sharded_ce_kernels_{dev.type}.json")
     dt = getattr(torch, args.dtype)
     B, D, C = args.batch, args.dim, args.classes
     x = torch.randn(B, D, device=dev, dtype=dt, requires_grad=True)

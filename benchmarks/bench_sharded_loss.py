@@ -19,8 +19,14 @@ as after optimizer.zero_grad()):
 Usage:
   python benchmarks/bench_sharded_loss.py --cpu-target          # D=128, B=256, C=200k fp32 (CPU)
   python benchmarks/bench_sharded_loss.py --device cuda         # D=512, B {256,1024}, C {100k,1M} bf16
-  python benchmarks/bench_sharded_loss.py --device cuda --max-classes   # largest trainable C per method
-Writes benchmarks/out/bench_sharded_loss.json and .png.
+  python benchmarks/bench_sharded_loss.py --device cuda --max-classes-only   # largest trainable C per method
+Writes bench_sharded_loss[_maxc].json and .png to benchmarks/out/ (or $SHARDKIT_BENCH_OUT).
+
+GPU run time: each method's timed steps are capped at --method-budget seconds (slow peers
+get fewer steps; at least 3); the largest-C search runs each method in its own subprocess
+(an illegal address or a kernel's int32 overflow at huge C kills that process, not the
+run) with --search-budget seconds each, reporting the largest C that trained so far.
+Targets (issue 3) are printed as TARGET lines at the end.
 """
 
 import argparse
@@ -29,6 +35,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +45,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "python"))
 sys.path.insert(0, HERE)  # _timing, whatever the cwd (also under python -m)
 
 import shardkit  # noqa: E402
-from _timing import time_all  # noqa: E402
+from _timing import out_dir, target_line, time_all, time_once  # noqa: E402
 
 METHODS = ["shardkit", "shardkit+checks", "linear+cross_entropy", "torch.linear_cross_entropy",
            "cut_cross_entropy", "liger_flce"]
@@ -52,13 +59,14 @@ def unavailable(method, device):
     if method in ("cut_cross_entropy", "liger_flce"):
         if device.type != "cuda":
             return "GPU-only (Triton kernels)"
-        try:
+        try:  # the exact symbols build_step uses
             if method == "cut_cross_entropy":
-                import cut_cross_entropy  # noqa: F401
+                from cut_cross_entropy import linear_cross_entropy  # noqa: F401
             else:
-                import liger_kernel  # noqa: F401
+                from liger_kernel.transformers.fused_linear_cross_entropy import (  # noqa: F401
+                    LigerFusedLinearCrossEntropyLoss)
         except ImportError as err:
-            return f"not importable ({err})"
+            return f"not installed ({err}); on the GPU machine install the carried wheels"
     return None
 
 
@@ -92,9 +100,12 @@ def build_step(method, batch, classes, dim, dtype, device):
         elif method == "torch.linear_cross_entropy":
             fwd = lambda: F.linear_cross_entropy(x, weight, y)  # noqa: E731
         elif method == "cut_cross_entropy":
+            # linear_cross_entropy(e [..., D], c [C, D] classifier, targets [...]); its defaults
+            # (mean reduction, gradient filtering "high") as a user gets them.
             from cut_cross_entropy import linear_cross_entropy
             fwd = lambda: linear_cross_entropy(x, weight, y)  # noqa: E731
         elif method == "liger_flce":
+            # LigerFusedLinearCrossEntropyLoss.forward(lin_weight [C, D], _input [B, D], target [B])
             from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
             loss_fn = LigerFusedLinearCrossEntropyLoss()
             fwd = lambda: loss_fn(weight, x, y)  # noqa: E731
@@ -104,7 +115,9 @@ def build_step(method, batch, classes, dim, dtype, device):
     def step():
         for p in params:
             p.grad = None
-        fwd().backward()
+        loss = fwd()
+        loss.backward()
+        return loss
     return step, params
 
 
@@ -123,8 +136,18 @@ def build_gemms(batch, classes, dim, dtype, device):
     return step
 
 
+METHOD_BUDGET_S = 20.0  # GPU: seconds of timed steps per method and shape (--method-budget)
+
+
 def time_it(step, device, repeat):
-    """Per-step seconds of ``repeat`` timed steps (2 warm-up steps; CUDA: events, device sync)."""
+    """Per-step seconds of ``repeat`` timed steps (2 warm-up steps; CUDA: events, device sync).
+    On the GPU, a method whose step is slow gets fewer timed steps (at least 3) so that its
+    timed steps take about METHOD_BUDGET_S: one slow peer must not use up the run's time."""
+    if device.type == "cuda":
+        step()
+        first = time_once(step, device, sync="device")
+        repeat = max(3, min(repeat, int(METHOD_BUDGET_S / max(first, 1e-6))))
+        return time_all(step, device, repeat, warmup=0, sync="device")
     return time_all(step, device, repeat, warmup=2, sync="device")
 
 
@@ -174,31 +197,66 @@ def gemm_floor(batch, classes, dim, dtype, device, repeat):
     return time_it(step, device, repeat)
 
 
-def max_classes(method, batch, dim, dtype, device, lo=100_000, hi=1 << 27):
-    """Largest C (to ~3%) for which one fwd+bwd step succeeds on the device."""
-    def fits(classes):
-        step = None
-        try:
-            step, _ = build_step(method, batch, classes, dim, dtype, device)
-            step()
-            step()
+def _fits(method, batch, classes, dim, dtype, device):
+    """(ok, error) of two fwd+bwd steps at C=classes with a finite loss; frees everything."""
+    step = params = None
+    try:
+        step, params = build_step(method, batch, classes, dim, dtype, device)
+        step()
+        loss = step()
+        ok = bool(torch.isfinite(loss.detach().float()).item())  # a wrong result is no success
+        return ok, None if ok else "non-finite loss"
+    except torch.OutOfMemoryError:
+        return False, "out of memory"
+    finally:
+        step = params = None
+        if device.type == "cuda":
             torch.cuda.synchronize()
-            return True
-        except torch.OutOfMemoryError:
-            return False
-        finally:
-            step = None
             torch.cuda.empty_cache()
-    if not fits(lo):
-        return 0
+
+
+def max_classes_child(method, batch, dim, dtype, device, lo=100_000, hi=1 << 27):
+    """Doubling then bisection (to ~3%) for the largest C that trains; prints one JSON line
+    per probe (flushed), so the parent keeps every probe even if this process dies."""
+    def probe(classes):
+        t0 = time.perf_counter()
+        ok, err = _fits(method, batch, classes, dim, dtype, device)
+        print(json.dumps({"classes": classes, "ok": ok, "error": err, "s": time.perf_counter() - t0}), flush=True)
+        return ok
+    if not probe(lo):
+        return
     good = lo
-    while good * 2 <= hi and fits(good * 2):
+    while good * 2 <= hi and probe(good * 2):
         good *= 2
     bad = good * 2
     while bad - good > good // 32:
         mid = (good + bad) // 2
-        good, bad = (mid, bad) if fits(mid) else (good, mid)
-    return good
+        good, bad = (mid, bad) if probe(mid) else (good, mid)
+
+
+def max_classes(method, batch, dim, dtype_name, device, budget_s, lo, hi):
+    """Largest C that trains for ``method``, searched in a subprocess bounded by budget_s
+    seconds. Returns a dict: largest (0 if even the smallest failed), complete (the search
+    finished), probes, and the reason it stopped early if it did."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--_maxc_child", method, "--batch", str(batch),
+           "--dim", str(dim), "--dtype", dtype_name, "--device", str(device), "--shards", str(SHARDS),
+           "--max-classes-range", str(lo), str(hi)]
+    stopped = None
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=budget_s)
+        out, err, rc = proc.stdout, proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        err, rc, stopped = "", None, f"search stopped at its {budget_s:.0f} s budget"
+    probes = []
+    for line in out.splitlines():
+        if line.startswith("{"):
+            probes.append(json.loads(line))
+    if rc not in (0, None):
+        tail = err.strip().splitlines()[-1] if err.strip() else f"exit code {rc}"
+        stopped = f"search process died: {tail[:160]}"
+    largest = max((p["classes"] for p in probes if p["ok"]), default=0)
+    return {"largest": largest, "complete": stopped is None, "stopped": stopped, "probes": probes}
 
 
 def run(args):
@@ -259,24 +317,81 @@ def run(args):
                              device=str(device), gemm_floor_s=floor_t, gemm_gflops=rate,
                              time_ratio_vs_a=t_ratio, extra_ratio_vs_a=m_ratio, **res))
     largest = {}
-    if args.max_classes:
-        if device.type != "cuda":
-            print("\n--max-classes needs --device cuda")
+    if args.max_classes or args.max_classes_only:
+        if device.type != "cuda" and args.max_classes_range is None:
+            print("\n--max-classes needs --device cuda (on the CPU only with an explicit --max-classes-range)")
         else:
-            print(f"\nlargest C one GPU trains (B={args.batch[-1]}, D={args.dim}, {args.dtype}):")
+            lo, hi = args.max_classes_range or (100_000, 1 << 27)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the search runs in subprocesses: leave them the memory
+            print(f"\nlargest C one GPU trains (B={args.batch[-1]}, D={args.dim}, {args.dtype}; "
+                  f"<= {args.search_budget:.0f} s per method):", flush=True)
             for method in ("shardkit", "linear+cross_entropy", "cut_cross_entropy", "liger_flce"):
-                if unavailable(method, device) is None:
-                    largest[method] = max_classes(method, args.batch[-1], args.dim, dtype, device)
-                    print(f"  {method:28s} {largest[method]:>12,d}")
+                reason = unavailable(method, device)
+                if reason:
+                    print(f"  {method:28s} skipped: {reason}")
+                    continue
+                res = max_classes(method, args.batch[-1], args.dim, args.dtype, device, args.search_budget, lo, hi)
+                largest[method] = res
+                note = "" if res["complete"] else f"  (at least; {res['stopped']})"
+                fails = sorted({p["error"] for p in res["probes"] if not p["ok"] and p["error"]})
+                print(f"  {method:28s} {res['largest']:>12,d}{note}"
+                      + (f"  [failed probes: {'; '.join(fails)[:100]}]" if fails else ""), flush=True)
     return rows, largest
 
 
-def save(rows, largest, args):
-    out_dir = os.path.join(HERE, "out")
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "bench_sharded_loss.json")
+def check_targets(rows, largest, device, dtype_name):
+    """Issue 3's targets, one TARGET line each. GPU (bf16): shardkit fwd+bwd <= 1.5x the three
+    GEMMs, <= 256 MiB beyond weights and gradients at B=1024 C=1M, faster than every peer
+    that ran, largest C vs (a). CPU (fp32, D=128 B=256 C=200k): <= 1.0x (a) time, <= 25%
+    of (a)'s extra memory."""
+    out = []
+    by_shape = {}
+    for r in rows:
+        by_shape.setdefault((r["batch"], r["classes"], r["dim"]), {})[r["method"]] = r
+    for (b, c, d), res in by_shape.items():
+        ours, tag = res.get("shardkit"), f"B={b} C={c} D={d} {dtype_name}"
+        if ours is None:
+            out.append(target_line(f"sharded loss {tag}", None, "shardkit did not run"))
+            continue
+        if device.type == "cuda":
+            x = ours["time_s"] / ours["gemm_floor_s"]
+            out.append(target_line(f"sharded loss {tag} <= 1.5x the 3 GEMMs", x <= 1.5, f"{x:.2f}x"))
+            if (b, c) == (1024, 1_000_000):
+                out.append(target_line(f"sharded loss {tag} <= 256 MiB beyond weights+grads",
+                                       ours["extra_mib"] <= 256, f"{ours['extra_mib']:.1f} MiB"))
+            for peer in ("linear+cross_entropy", "torch.linear_cross_entropy", "cut_cross_entropy", "liger_flce"):
+                if peer in res:
+                    x = res[peer]["time_s"] / ours["time_s"]
+                    out.append(target_line(f"sharded loss {tag} faster than {peer}", x > 1.0, f"{x:.2f}x"))
+                else:
+                    out.append(target_line(f"sharded loss {tag} faster than {peer}", None, "peer did not run"))
+        else:
+            base = res.get("linear+cross_entropy")
+            if base:
+                x = ours["time_s"] / base["time_s"]
+                out.append(target_line(f"sharded loss {tag} <= 1.0x (a) time", x <= 1.0, f"{x:.2f}x"))
+                if base["extra_mib"] > 0:
+                    m = ours["extra_mib"] / base["extra_mib"]
+                    out.append(target_line(f"sharded loss {tag} <= 25% of (a) extra memory", m <= 0.25,
+                                           f"{100 * m:.1f}%"))
+    if largest.get("shardkit") and largest.get("linear+cross_entropy"):
+        a, o = largest["linear+cross_entropy"]["largest"], largest["shardkit"]["largest"]
+        out.append(target_line("largest C one GPU trains, shardkit vs (a)", o > a,
+                               f"{o:,d} vs {a:,d} ({o / max(a, 1):.1f}x)"))
+    return out
+
+
+def save(rows, largest, targets, args):
+    folder = out_dir()
+    stem = "bench_sharded_loss" + ("_maxc" if args.max_classes_only else "")
+    path = os.path.join(folder, stem + ".json")
     with open(path, "w") as f:
-        json.dump(dict(torch=torch.__version__, argv=sys.argv, rows=rows, largest_classes=largest), f, indent=1)
+        json.dump(dict(torch=torch.__version__, argv=sys.argv, rows=rows, largest_classes=largest,
+                       targets=targets), f, indent=1)
+    if not rows:
+        print(f"wrote {path}")
+        return
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -294,8 +409,8 @@ def save(rows, largest, args):
         ax.tick_params(axis="x", labelrotation=60, labelsize=7)
     fig.suptitle(f"sharded cross-entropy, {rows[0]['device'] if rows else ''}, {args.dtype}")
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "bench_sharded_loss.png"), dpi=110)
-    print(f"wrote {path} and bench_sharded_loss.png")
+    fig.savefig(os.path.join(folder, stem + ".png"), dpi=110)
+    print(f"wrote {path} and {stem}.png")
 
 
 def main():
@@ -308,12 +423,18 @@ def main():
     p.add_argument("--repeat", type=int, default=None, help="timed steps per method per round")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 2 on CPU, 1 on GPU)")
     p.add_argument("--cpu-target", action="store_true", help="the CPU target case: D=128, B=256, C=200k fp32")
-    p.add_argument("--max-classes", action="store_true", help="GPU: largest C each method trains")
+    p.add_argument("--max-classes", action="store_true", help="GPU: also the largest C each method trains")
+    p.add_argument("--max-classes-only", action="store_true", help="GPU: only the largest-C search")
+    p.add_argument("--search-budget", type=float, default=120.0, help="seconds per method for the largest-C search")
+    p.add_argument("--method-budget", type=float, default=20.0, help="GPU: seconds of timed steps per method/shape")
+    p.add_argument("--max-classes-range", type=int, nargs=2, default=None, metavar=("LO", "HI"),
+                   help="search range of the largest-C search (default 100000 134217728)")
+    p.add_argument("--_maxc_child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--shards", type=int, default=1, help="shards of the shardkit head (all on --device)")
     p.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
-    global SHARDS
-    SHARDS = args.shards
+    global SHARDS, METHOD_BUDGET_S
+    SHARDS, METHOD_BUDGET_S = args.shards, args.method_budget
     if args.cpu_target:
         args.device, args.dtype = "cpu", args.dtype or "fp32"
         args.batch, args.classes, args.dim = args.batch or [256], args.classes or [200_000], args.dim or 128
@@ -329,8 +450,17 @@ def main():
                       torch.device(args.device), args.repeat)
         print(json.dumps(res))
         return
+    if args._maxc_child:
+        lo, hi = args.max_classes_range or (100_000, 1 << 27)
+        max_classes_child(args._maxc_child, args.batch[-1], args.dim, DTYPES[args.dtype], torch.device(args.device),
+                          lo, hi)
+        return
+    if args.max_classes_only:
+        args.classes = []  # no timed shapes
     rows, largest = run(args)
-    save(rows, largest, args)
+    print()
+    targets = check_targets(rows, largest, torch.device(args.device), args.dtype)
+    save(rows, largest, targets, args)
 
 
 if __name__ == "__main__":
