@@ -134,8 +134,9 @@ class ForeachEMA:
     def __init__(self, model, dtype):
         self.ema = copy.deepcopy(model).to(dtype=dtype).eval()
         self.timm = None
-        self.impl = "foreach_lerp_ (timm-style, model cast to EMA dtype)"
         model_dtype = next(model.parameters()).dtype
+        self.impl = ("foreach_lerp_ (timm's calls; model cast to the EMA dtype)" if model_dtype != dtype
+                     else "foreach_lerp_ (timm's calls; timm not importable)")
         try:
             from timm.utils.model_ema import ModelEmaV3
 

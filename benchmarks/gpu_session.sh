@@ -9,8 +9,8 @@
 #
 #   bash benchmarks/gpu_session.sh test      # info, wheels, build, GPU tests, the rest of the suite
 #   bash benchmarks/gpu_session.sh bench-a   # info, wheels, build, ema/normalize/parallel/distributed/
-#                                            #   ce-kernels benchmarks, largest-C search
-#   bash benchmarks/gpu_session.sh bench-b   # info, wheels, build, the sharded-loss timing benchmark
+#                                            #   ce-kernels benchmarks
+#   bash benchmarks/gpu_session.sh bench-b   # info, wheels, build, the sharded-loss benchmark, largest C
 #   bash benchmarks/gpu_session.sh STAGE BUDGET_S   # another budget (default 540 s)
 #
 # Build: `FORCE_CUDA=1 MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 python3 setup.py build_ext --inplace`
@@ -161,11 +161,11 @@ case "$STAGE" in
     step bench-distributed 150 "$B/bench_distributed.py --device cuda --timeout 130"
     step bench-ce-kernels 120 "$B/bench_sharded_ce_kernels.py --device cuda --batch 1024 --dim 512 \
       --classes 1000000 --dtype bfloat16 --reps 10 --chunks 4096,16384,65536,262144"
-    step bench-maxc 200 "$B/bench_sharded_loss.py --device cuda --max-classes-only --search-budget 45"
     ;;
   bench-b)
     info; wheels; build
-    step bench-sharded-loss 420 "$B/bench_sharded_loss.py --device cuda --method-budget 12"
+    step bench-sharded-loss 330 "$B/bench_sharded_loss.py --device cuda --method-budget 12"
+    step bench-maxc 200 "$B/bench_sharded_loss.py --device cuda --max-classes-only --search-budget 40"
     ;;
   *) echo "unknown stage $STAGE (test, bench-a, bench-b)"; exit 2 ;;
 esac
