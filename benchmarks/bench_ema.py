@@ -134,6 +134,7 @@ class ForeachEMA:
     def __init__(self, model, dtype):
         self.ema = copy.deepcopy(model).to(dtype=dtype).eval()
         self.timm = None
+        self.dtype = dtype
         model_dtype = next(model.parameters()).dtype
         self.impl = ("foreach_lerp_ (timm's calls; model cast to the EMA dtype)" if model_dtype != dtype
                      else "foreach_lerp_ (timm's calls; timm not importable)")
@@ -151,7 +152,12 @@ class ForeachEMA:
     @torch.no_grad()
     def update(self, model, d=0.9999):
         if self.timm is not None:
-            return self.timm.update(model)
+            try:
+                return self.timm.update(model)
+            except Exception as exc:  # an API change in timm must not cost the foreach row
+                self.timm = None
+                self.ema = copy.deepcopy(model).to(dtype=self.dtype).eval()
+                self.impl = f"foreach_lerp_ (timm's calls; timm's class failed: {type(exc).__name__})"
         ema_v, model_v = [], []
         for e, m in zip(self.ema.state_dict().values(), model.state_dict().values()):
             if e.is_floating_point():
