@@ -149,6 +149,19 @@ PYEOF
 }
 
 # ---- stages -------------------------------------------------------------------------------
+# Estimated times on one H100 (nothing has run there yet: from bytes and FLOPs at ~3.0 TB/s
+# and ~700 TFLOP/s bf16, plus process start-up and Triton compilation), caps in brackets:
+#   info + wheels + import check  ~30 s; build ~1.5-3 min [420 s] (the .cu files took 3.5-5 min
+#     each on the 2-core dev machine; here they compile in parallel) or ~5 s unpacked/reused
+#   tests-gpu  ~1-3 min [300] (the largest case: a 2049 x 1M-class chunk, 12 GB)
+#   tests-rest ~2-4 min with xdist [400, or what is left]
+#   bench-ema ~45-90 s [180]: 2 models x 2 dtypes x 50 rounds of 5 timings of 1-10 ms, model set-up
+#   bench-normalize ~20 s per dtype [90]; bench-parallel ~30 s [120]: 318 MB logits, 5 cases x 53
+#   bench-distributed ~45-90 s [150]: NCCL start, two 1M-class heads initialized on the CPU, 100 steps
+#   bench-ce-kernels ~30-60 s [120]: B=1024 C=1M, 5 variants x 12 fwd + 12 fwd+bwd (~5-20 ms each)
+#   bench-sharded-loss ~2-4 min [330]: 4 shapes x 5 methods, each <= 12 s of timed steps, plus
+#     Triton compiles of the peers (~20-60 s the first time) and liger's ~1 s steps at C=1M
+#   bench-maxc ~2.5-3.5 min [200]: 4 methods x <= 40 s (each probe ~1-3 s; liger's slower)
 PYTEST_OPTS="-rfEs -p no:cacheprovider"
 $PY -c "import pytest_timeout" 2>/dev/null && PYTEST_OPTS="$PYTEST_OPTS --timeout=240"
 B="$PY benchmarks"
