@@ -208,6 +208,10 @@ def _fits(method, batch, classes, dim, dtype, device):
         return ok, None if ok else "non-finite loss"
     except torch.OutOfMemoryError:
         return False, "out of memory"
+    except Exception as err:  # e.g. a grid or index limit of a peer's kernel at this C: does not fit
+        # (a sticky CUDA error fails every later probe too: the search then ends at the last
+        # C that trained, and the probes' errors say why)
+        return False, f"{type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''}"
     finally:
         step = params = None
         if device.type == "cuda":
