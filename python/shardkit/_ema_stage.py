@@ -14,12 +14,27 @@ import collections
 import torch
 
 
+def _pinned_like(t):
+    """A pinned host buffer with ``t``'s shape, dtype and, when ``t`` is dense, strides.
+
+    Keeping the strides of a dense tensor (e.g. a channels_last conv weight) makes the
+    device-to-host copy one flat memcpy (no device-side contiguous temporary) and keeps
+    the buffer flat-compatible with the EMA tensor (which ModelEMA creates with the
+    model's strides), so the CPU update takes the fused kernel rather than the strided
+    fallback."""
+    dense = t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)) or (
+        t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d))
+    if dense:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu", pin_memory=True)
+    return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+
+
 class HostStage:
     """Two sets of pinned buffers shaped like ``tensors`` (same dtypes), and the queue of
     copies in flight."""
 
     def __init__(self, tensors):
-        self._bufs = [[torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors] for _ in range(2)]
+        self._bufs = [[_pinned_like(t) for t in tensors] for _ in range(2)]
         self._device = next(t.device for t in tensors if t.is_cuda)
         self._pending = collections.deque()  # (event, buffer set, decay)
         self._next = 0
