@@ -185,7 +185,8 @@ def test_model_ema_cuda_matches_foreach_and_swap(model_dtype, channels_last):
         net = net.to(memory_format=torch.channels_last)
     ema = shardkit.ModelEMA(net, 0.95, tau=None, dtype=torch.float32)
     # Floating tensors in float32; integer buffers keep their dtype (they are copied, not averaged).
-    ref = [t.detach().float().clone() if t.is_floating_point() else t.detach().clone() for t in net.state_dict().values()]
+    ref = [t.detach().float().clone() if t.is_floating_point() else t.detach().clone()
+           for t in net.state_dict().values()]
     for step in range(1, 8):
         train_step(net)
         ema.update(net)
