@@ -69,15 +69,14 @@ inline void fallback_update(const at::Tensor& e, const at::Tensor& m, double dec
   const auto acc = wide ? at::kDouble : at::kFloat;
   auto rounded = [&](double x) { return wide ? x : static_cast<double>(static_cast<float>(x)); };
   const double w = model_weight(decay);
-  at::Tensor ea = e.to(acc);
-  at::Tensor ma = m.to(acc);
+  // Tensor::to returns the tensor itself when it already has dtype `acc`, so `ea` and `ma`
+  // may alias `e` and `m`: only out-of-place ops on them (an in-place op on `ma` would
+  // overwrite the model's tensor; only `e` may be written, and only by the final copy).
+  const at::Tensor ea = e.to(acc);
+  const at::Tensor ma = m.to(acc);
   at::Tensor diff = ma.sub(ea);
-  if (w < 0.5) {
-    ea.add_(diff.mul_(rounded(w)));
-  } else {
-    ea = ma.sub_(diff.mul_(rounded(1.0 - w)));
-  }
-  e.copy_(ea);
+  const at::Tensor out = w < 0.5 ? ea.add(diff.mul_(rounded(w))) : ma.sub(diff.mul_(rounded(1.0 - w)));
+  e.copy_(out);
 }
 
 // ---- The bfloat16 packing of ema.swap for a float32 EMA of a bfloat16 model ----------

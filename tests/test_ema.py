@@ -83,6 +83,21 @@ def test_update_non_contiguous_pairs():
     assert ema[0].data_ptr() == base_e.data_ptr()  # updated in place, through the view
 
 
+@pytest.mark.parametrize("decay", [0.9, 0.3, 0.0])
+@pytest.mark.parametrize("ema_dtype,model_dtype", [(torch.float32, torch.float32), (torch.float64, torch.float64),
+                                                   (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])
+def test_update_strided_pair_leaves_model_untouched(ema_dtype, model_dtype, decay, device="cpu"):
+    # Pairs that are not flat-compatible take the ATen fallback; with decay <= 0.5 it once
+    # computed the result in place in the model's tensor (Tensor.to returned the model itself).
+    ema = [torch.randn(37, 65, device=device).to(ema_dtype), torch.randn(2, 3, 5, 7, device=device).to(ema_dtype)]
+    model = [torch.randn(65, 37, device=device).to(model_dtype).t(),
+             torch.randn(2, 3, 5, 7, device=device).to(model_dtype).to(memory_format=torch.channels_last)]
+    model_before = [bits(m.clone()) for m in model]
+    check_update(ema, model, decay)
+    for m, b in zip(model, model_before):
+        assert torch.equal(bits(m.clone()), b)
+
+
 def test_update_edge_decays_and_empty():
     e, m = torch.randn(1000), torch.randn(1000)
     e0 = e.clone()
@@ -166,7 +181,8 @@ class Net(nn.Module):
 
 def train_step(model, opt=None):
     model.train()
-    out = model(torch.randn(4, 3, 9, 9, dtype=next(model.parameters()).dtype))
+    p0 = next(model.parameters())
+    out = model(torch.randn(4, 3, 9, 9, dtype=p0.dtype, device=p0.device))
     out.float().square().mean().backward()
     if opt is None:
         with torch.no_grad():

@@ -1,8 +1,10 @@
 """GPU tests of the ema op family and of ModelEMA (marked `gpu`; conftest skips them,
 with the reason, where no CUDA GPU is visible). They exercise the CUDA multi-tensor
-launcher: chunk boundaries, more tensors than one launch takes, unaligned views, mixed
-dtypes, non-default streams, the bf16 packing of swap, and a CPU-resident EMA fed by
-non-blocking copies from a CUDA model."""
+launcher: chunk boundaries, more tensors than one launch takes, views at every alignment
+(vector and element-wise paths) compared with the CPU kernel, mixed dtypes, empty tensors,
+non-default streams and CUDA-graph capture (no host sync, current stream only), the bf16
+packing of swap, ModelEMA swap of float32/bfloat16/float16 and channels_last models, and
+a CPU-resident EMA fed by non-blocking copies that are still in flight."""
 
 import math
 
@@ -12,6 +14,7 @@ import torch
 import shardkit
 from shardkit.ops import ema_swap_, ema_unswap_, ema_update_
 
+import test_ema as cpu_tests  # module import: its test functions are not collected twice
 from test_ema import CUDA_CHUNK, PAIRS, Net, bits, rel_err, train_step
 
 MAX_TENSORS_PER_LAUNCH = 96  # csrc/cuda/multi_tensor.cuh Caps<2>::kMaxTensors
@@ -47,18 +50,80 @@ def test_cuda_update_chunk_boundaries_and_tensor_cap(ema_dtype, model_dtype):
     check_cuda_update(ema, model, 0.9)
 
 
-def test_cuda_update_unaligned_views_and_strides():
+@pytest.mark.parametrize("decay", [0.3, 0.9])
+@pytest.mark.parametrize("ema_dtype,model_dtype", [(torch.float32, torch.bfloat16), (torch.float32, torch.float32),
+                                                   (torch.bfloat16, torch.float32), (torch.float64, torch.float64)])
+def test_cuda_update_views_at_every_alignment(ema_dtype, model_dtype, decay):
+    # Every view has its own base tensor (views of one EMA base would overlap, and an update
+    # of overlapping EMA tensors has no defined result). Element offsets on either side: both
+    # aligned (the vector path on views with a storage offset), one side or both misaligned
+    # (element-wise path), and lengths leaving a tail after the last full vector.
     needs_cuda_build()
-    base_e = torch.randn(CUDA_CHUNK * 2 + 50, device="cuda")
-    base_m = torch.randn(CUDA_CHUNK * 2 + 50, device="cuda").bfloat16()
+    offsets = [(0, 0), (8, 8), (16, 8), (1, 0), (0, 1), (4, 0), (0, 4), (3, 5), (7, 2)]
     ema, model = [], []
-    for off in range(1, 9):  # every misalignment of the 16-byte vectors
-        n = CUDA_CHUNK + off
-        ema.append(base_e[off:off + n])
-        model.append(base_m[9 - off:9 - off + n])
-    ema.append(torch.randn(33, 17, device="cuda").t())
-    model.append(torch.randn(17, 33, device="cuda"))
-    check_cuda_update(ema, model, 0.6)
+    for k, (oe, om) in enumerate(offsets):
+        n = CUDA_CHUNK + 2 * k + 3
+        ema.append(torch.randn(n + oe, device="cuda").to(ema_dtype)[oe:])
+        model.append(torch.randn(n + om, device="cuda").to(model_dtype)[om:])
+    ema.append(torch.randn(33, 17, device="cuda").to(ema_dtype).t())  # different strides: the ATen fallback
+    model.append(torch.randn(17, 33, device="cuda").to(model_dtype))
+    ema_cpu, model_cpu = [e.cpu() for e in ema], [m.cpu() for m in model]
+    check_cuda_update(ema, model, decay)
+    ema_update_(ema_cpu, model_cpu, decay)  # the CPU kernel agrees (up to fma contraction)
+    for e, c in zip(ema, ema_cpu):
+        torch.testing.assert_close(e.cpu(), c)
+
+
+@pytest.mark.parametrize("decay", [0.9, 0.3, 0.0])
+def test_cuda_strided_pair_leaves_model_untouched(decay):
+    needs_cuda_build()
+    for ema_dtype, model_dtype in [(torch.float32, torch.float32), (torch.float32, torch.bfloat16)]:
+        cpu_tests.test_update_strided_pair_leaves_model_untouched(ema_dtype, model_dtype, decay, device="cuda")
+
+
+def test_cuda_update_empty_tensors_and_exact_decays():
+    needs_cuda_build()
+    e = torch.randn(CUDA_CHUNK + 3, device="cuda")
+    m = torch.randn(CUDA_CHUNK + 3, device="cuda").bfloat16()
+    e0 = e.clone()
+    z = torch.empty(0, 3, device="cuda")
+    ema_update_([z, z.clone()], [z.bfloat16(), z.clone()], 0.5)  # only empty tensors: nothing to launch
+    ema_update_([z, e], [torch.empty(0, 3, device="cuda"), m], 1.0)
+    assert torch.equal(e, e0)  # decay 1 keeps the EMA exactly
+    ema_update_([e, z], [m, torch.empty(0, 3, device="cuda")], 0.0)
+    assert torch.equal(e, m.float())  # decay 0 copies the model exactly
+
+
+def test_cuda_ops_capture_in_a_cuda_graph():
+    # Capture fails if an op launches on a stream other than the current one or waits for
+    # the host; replaying the graphs must then update / swap the same tensors.
+    needs_cuda_build()
+    sizes = [int(s) for s in torch.randint(1, 3 * CUDA_CHUNK, (MAX_TENSORS_PER_LAUNCH + 7,))]
+    ema = [torch.randn(n, device="cuda") for n in sizes] + [torch.randn(9, 5, device="cuda").t()]
+    model = [torch.randn(n, device="cuda").bfloat16() for n in sizes] + [torch.randn(5, 9, device="cuda")]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture, as torch.cuda.graph advises
+        ema_update_(ema, model, 0.5)
+    torch.cuda.current_stream().wait_stream(side)
+    update, swap, unswap = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(update):
+        ema_update_(ema, model, 0.8)
+    with torch.cuda.graph(swap):
+        ema_swap_(ema[:-1], model[:-1])
+    with torch.cuda.graph(unswap):
+        ema_unswap_(ema[:-1], model[:-1])
+    ref = [e.double() for e in ema]
+    for _ in range(2):
+        update.replay()
+        ref = [r + 0.2 * (m.double() - r) for r, m in zip(ref, model)]
+    for e, r in zip(ema, ref):
+        assert rel_err(e, r) <= 1e-5
+    e0, m0 = [e.clone() for e in ema[:-1]], [m.clone() for m in model[:-1]]
+    swap.replay()
+    assert all(torch.allclose(m.float(), e, rtol=2**-8, atol=0) for m, e in zip(model, e0))
+    unswap.replay()
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(ema[:-1] + model[:-1], e0 + m0))
 
 
 def test_cuda_update_on_current_stream_and_launch_count():
@@ -73,7 +138,8 @@ def test_cuda_update_on_current_stream_and_launch_count():
         with torch.cuda.stream(stream):
             ema_update_(ema, model, 0.75)
         torch.cuda.synchronize()
-    launches = [e for e in prof.events() if "multi_tensor_kernel" in e.name]
+    launches = [e for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA and "multi_tensor_kernel" in e.name]
     assert len(launches) == math.ceil(n / MAX_TENSORS_PER_LAUNCH)
     for e, r in zip(ema, ref):
         assert rel_err(e, r) <= 1e-5
@@ -108,12 +174,19 @@ def test_cuda_swap_packing_bit_exact():
     assert torch.equal(bits(e.cpu()), bits(ec)) and torch.equal(bits(m.cpu()), bits(mc))
 
 
-@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
-def test_model_ema_cuda_matches_foreach_and_swap(model_dtype):
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_model_ema_cuda_matches_foreach_and_swap(model_dtype, channels_last):
+    # float32 and bfloat16 models swap in place (exchange, bf16 packing, also for the
+    # channels_last conv weight); a float16 model goes through the host stash.
     needs_cuda_build()
     net = Net().cuda().to(model_dtype)
+    if channels_last:
+        net = net.to(memory_format=torch.channels_last)
     ema = shardkit.ModelEMA(net, 0.95, tau=None, dtype=torch.float32)
-    ref = [t.detach().float().clone() for t in net.state_dict().values()]
+    # Floating tensors in float32; integer buffers keep their dtype (they are copied, not averaged).
+    ref = [t.detach().float().clone() if t.is_floating_point() else t.detach().clone()
+           for t in net.state_dict().values()]
     for step in range(1, 8):
         train_step(net)
         ema.update(net)
@@ -124,12 +197,15 @@ def test_model_ema_cuda_matches_foreach_and_swap(model_dtype):
         for r, c in zip(ref, cur):
             if not r.is_floating_point():
                 r.copy_(c)
-    for r, v in zip(ref, ema.module.state_dict().values()):
+    ema_sd = {k: v.clone() for k, v in ema.module.state_dict().items()}
+    for r, v in zip(ref, ema_sd.values()):
         assert torch.allclose(v.float(), r.float(), rtol=1e-5, atol=1e-6)
     before = {k: v.clone() for k, v in net.state_dict().items()}
     with ema.swap(net):
-        pass
+        for k, v in net.state_dict().items():  # the model holds the EMA, rounded to its dtype
+            assert v.is_cuda and torch.allclose(v.double(), ema_sd[k].double(), rtol=2**-8, atol=1e-7), k
     assert all(torch.equal(bits(v), bits(before[k])) for k, v in net.state_dict().items())
+    assert all(torch.equal(bits(v), bits(ema_sd[k])) for k, v in ema.module.state_dict().items())
 
 
 def test_cpu_resident_ema_fed_from_cuda():
@@ -151,6 +227,34 @@ def test_cpu_resident_ema_fed_from_cuda():
     with on_cpu.swap(net):  # host-stash path (different devices)
         assert torch.allclose(net.fc.weight.cpu(), on_cpu.module.fc.weight)
     assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
+
+
+def test_cpu_resident_ema_with_copies_in_flight():
+    # torch.cuda._sleep keeps the stream busy, so each update's device-to-host copies are
+    # still queued when the next training step is enqueued behind them and the host goes on:
+    # the CPU must average what each copy read at its update (stream order, then the
+    # event), never a staging buffer that is still being written or about to be rewritten.
+    needs_cuda_build()
+    net = Net().cuda().to(memory_format=torch.channels_last)  # a channels_last conv weight
+    ema = shardkit.ModelEMA(net, 0.8, tau=None, device="cpu")
+    averaged = [t.is_floating_point() for t in net.state_dict().values()]  # integer buffers are copied
+    ref = [t.detach().double().cpu() for t in net.state_dict().values()]
+    snaps = []
+    for _ in range(7):
+        train_step(net)
+        torch.cuda._sleep(50_000_000)  # tens of milliseconds of GPU time
+        ema.update(net)
+        snaps.append([t.detach().clone() for t in net.state_dict().values()])  # after the copies, same stream
+    assert len(ema._stage._pending) >= 1
+    assert all(b.is_pinned() for bufs in ema._stage._bufs for b in bufs)
+    # Staging keeps the channels_last strides: one memcpy per tensor, and the fused CPU update.
+    assert [b.stride() for b in ema._stage._bufs[0] if b.dim() == 4] == [net.conv.weight.stride()]
+    sd = ema.state_dict()  # drains
+    for step, snap in enumerate(snaps, 1):
+        d = 0.0 if step == 1 else 0.8
+        ref = [d * r + (1 - d) * s.double().cpu() if a else s.double().cpu() for r, s, a in zip(ref, snap, averaged)]
+    for (k, v), r in zip(sd["module"].items(), ref):
+        assert v.device.type == "cpu" and torch.allclose(v.double(), r, rtol=1e-5, atol=1e-6), k
 
 
 def test_cuda_update_and_swap_more_than_2_31_elements():

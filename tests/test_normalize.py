@@ -220,6 +220,42 @@ def test_cuda_misaligned_and_strided():
 
 
 @GPU
+@pytest.mark.parametrize("offset", [2, 4, 12])
+def test_cuda_views_with_storage_offsets(offset):
+    # Dense views that start `offset` bytes into their storage: 4-byte aligned starts keep
+    # the vectorized NHWC -> NCHW kernel, the others take the generic one; both must agree
+    # with the reference, and batch slices of an aligned batch stay aligned.
+    mean, std = random_stats(3)
+    flat = random_images((offset + 3 * 8 * 12 * 3,), device="cuda")
+    images = flat[offset:].view(3, 8, 12, 3)
+    for fmt in (torch.contiguous_format, torch.channels_last):
+        check_against_reference(images, mean, std, "NHWC", torch.float32, fmt)
+        check_against_reference(images[1:], mean, std, "NHWC", torch.bfloat16, fmt)
+    check_against_reference(images.permute(0, 3, 1, 2), mean, std, "NCHW", torch.float32, torch.contiguous_format)
+
+
+@GPU
+def test_cuda_captures_in_a_cuda_graph():
+    # Capture fails if the op launches on a stream other than the current one or waits for
+    # the host; replays must read the images' current contents.
+    mean, std = random_stats(3)
+    images = random_images((4, 16, 16, 3), device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture
+        normalize_images(images, mean, std)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = normalize_images(images, mean, std)  # vectorized kernel
+        out_cl = normalize_images(images[:, :, 1:8], mean, std, memory_format=torch.channels_last)  # copy + generic
+    images.copy_(random_images(images.shape, device="cuda"))
+    graph.replay()
+    assert rel_err(out, reference(images, mean, std, "NHWC")) <= 1e-5
+    assert rel_err(out_cl, reference(images[:, :, 1:8], mean, std, "NHWC")) <= 1e-5
+
+
+@GPU
 def test_cuda_opcheck_and_module():
     mean, std = random_stats(3)
     images = random_images((2, 8, 8, 3), device="cuda")

@@ -240,6 +240,7 @@ class ModelEMA:
                 self._stage = HostStage(src)
             self._stage.push(src, d, self._apply)
         else:
+            self._flush()  # updates still staged (the model was on the GPU before) go first
             self._apply(src, d)
 
     def _apply(self, src, d):

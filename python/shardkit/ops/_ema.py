@@ -33,7 +33,10 @@ def ema_update_(ema_tensors: Sequence[torch.Tensor], model_tensors: Sequence[tor
         model_tensors: list of N floating tensors, ``model_tensors[i].shape ==
             ema_tensors[i].shape``, on the same device as the EMA; the dtype may differ
             from the EMA's (e.g. a float32 EMA of a bfloat16 model).
-        decay: float in [0, 1]; 0 copies the model, 1 leaves the EMA unchanged.
+        decay: float in [0, 1]; 0 copies the model, 1 leaves the EMA unchanged. The op
+            takes a host scalar (the decay travels in the kernel's arguments); a tensor
+            is read with ``float()``, which for a CUDA tensor waits for the device, so
+            keep schedules on the host as ``ModelEMA`` does.
 
     Arithmetic is float32 (float64 when either side of a pair is float64), with one
     rounding to the EMA dtype at the store, in torch.lerp's two forms (``e + w (m - e)``
