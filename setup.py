@@ -71,7 +71,10 @@ def _extension():
             os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
         sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")) + glob.glob(os.path.join("csrc", "cuda", "*.cpp")))
         define_macros.append(("SHARDKIT_WITH_CUDA", None))
-        nvcc = opt + ["-std=c++17", "--expt-relaxed-constexpr", "--use_fast_math", "-lineinfo"]
+        # No --use_fast_math: it flushes float32 subnormals to zero and approximates division
+        # and sqrt everywhere (EMA with decay 1 would stop being exact); the one hot
+        # transcendental, exp in the softmax statistics, uses the __expf intrinsic explicitly.
+        nvcc = opt + ["-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
         print(f"shardkit setup: building CPU + CUDA kernels ({reason}); "
               f"TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', '(from visible GPUs)')}, "
               f"CUDA_HOME={CUDA_HOME}, torch {torch.__version__}", flush=True)
