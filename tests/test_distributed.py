@@ -11,6 +11,7 @@ import os
 import time
 import traceback
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -243,3 +244,34 @@ def test_constructor_errors():
     with pytest.raises(RuntimeError, match="needs torch.distributed to be initialized"):
         shardkit.ShardedSoftmaxLoss(4, 10, process_group=object())
 
+
+
+def test_default_shard_device_follows_the_group_backend(monkeypatch):
+    """Without `devices`: the GPU for any group that runs CUDA tensors on NCCL, including
+    init_process_group() without a backend ("undefined") and "cpu:gloo,cuda:nccl"; the
+    group's bound device first; the CPU for gloo or without CUDA (checked without a GPU)."""
+    from shardkit._dist_loss import default_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    group = SimpleNamespace(bound_device_id=None)
+    for backend, expected in (("nccl", "cuda:3"), ("undefined", "cuda:3"), ("cpu:gloo,cuda:nccl", "cuda:3"),
+                              ("gloo", "cpu")):
+        monkeypatch.setattr(dist, "get_backend", lambda g, b=backend: dist.Backend(b))
+        assert default_device(group) == torch.device(expected), backend
+    monkeypatch.setattr(dist, "get_backend", lambda g: dist.Backend("nccl"))
+    group.bound_device_id = torch.device("cuda", 1)
+    assert default_device(group) == torch.device("cuda", 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_device(group) == torch.device("cpu")
+
+
+def test_embeddings_must_be_on_the_shard_device():
+    # Checked before the size exchange, so every rank raises instead of one failing in the
+    # first collective (NCCL takes no CPU tensor) while the others wait there.
+    from shardkit._dist_loss import check_local_input
+
+    x, y = torch.randn(3, D, device="meta"), torch.zeros(3, dtype=torch.int64, device="meta")
+    with pytest.raises(ValueError, match="argument `embeddings` is on meta but this rank's weight shard is on cpu"):
+        check_local_input(x, y, D, 11, -100, False, torch.device("cpu"))
