@@ -81,7 +81,7 @@ def test_gpu_streams_and_autocast_carried():
 
     def probe(out, target):
         seen.append((out.device.index, torch.cuda.current_device(), torch.cuda.current_stream().stream_id,
-                     torch.is_autocast_enabled("cuda")))
+                     torch.is_autocast_enabled("cuda"), [torch.cuda.current_stream(d).stream_id for d in (0, 1)]))
         return nn.functional.cross_entropy(out, target)
 
     crit = DataParallelCriterion(Lambda(probe), device_ids=[0, 1])
@@ -89,8 +89,9 @@ def test_gpu_streams_and_autocast_carried():
     side = [torch.cuda.Stream(0), torch.cuda.Stream(1)]
     with torch.cuda.stream(side[0]), torch.cuda.stream(side[1]), torch.autocast("cuda", dtype=torch.float16):
         crit(outs, torch.randint(0, 5, (6,)))
-    for dev, cur, stream_id, ac in seen:
+    for dev, cur, stream_id, ac, every in seen:
         assert dev == cur and stream_id == side[dev].stream_id and ac
+        assert every == [s.stream_id for s in side]  # the caller's stream on the other device too
 
 
 @pytest.mark.gpu
