@@ -87,6 +87,8 @@ def test_gpu_streams_and_autocast_carried():
     crit = DataParallelCriterion(Lambda(probe), device_ids=[0, 1])
     outs = DataParallelModel(Net().cuda(), device_ids=[0, 1])(torch.randn(6, 7, device="cuda"))
     side = [torch.cuda.Stream(0), torch.cuda.Stream(1)]
+    for d, s in enumerate(side):
+        s.wait_stream(torch.cuda.current_stream(d))  # the outputs were made on the default streams
     with torch.cuda.stream(side[0]), torch.cuda.stream(side[1]), torch.autocast("cuda", dtype=torch.float16):
         crit(outs, torch.randint(0, 5, (6,)))
     for dev, cur, stream_id, ac, every in seen:
