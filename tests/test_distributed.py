@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dist_scenarios import D, SCENARIOS, WORLDS, IGNORE, check_against_reference, make_data, run_scenario
+from dist_scenarios import D, IGNORE, SCENARIOS, WORLDS, check_against_reference, make_data, rel, run_scenario
 
 import shardkit
 from shardkit.distributed import CollectiveError, DistributedInputError, split_classes
@@ -106,6 +106,32 @@ def _failing_rank(rank, group):
     return out
 
 
+_SUBGROUP = (1, 2)
+
+
+def _subgroup_batch():
+    gen = torch.Generator().manual_seed(7)
+    return torch.randn(5, D, generator=gen), torch.randint(0, 13, (5,), generator=gen)
+
+
+def _subgroup_head(rank, data):
+    """A head on a subgroup made with a backend string ("cpu:gloo", as "cpu:gloo,cuda:nccl"
+    on GPUs) that only its members construct (rank 1 brings 2 rows of the batch, rank 2 the
+    other 3); then a new group of the whole job still forms (no group-count drift)."""
+    group = dist.new_group(list(_SUBGROUP), backend="cpu:gloo", timeout=timedelta(seconds=30))
+    loss = None
+    if rank in _SUBGROUP:
+        head = shardkit.ShardedSoftmaxLoss(D, 13, process_group=group)
+        shardkit.import_full_weight(head, data["ckpt"])
+        x, y = _subgroup_batch()
+        rows = slice(0, 2) if rank == _SUBGROUP[0] else slice(2, 5)
+        loss = head(x[rows], y[rows]).detach()
+    everyone = dist.new_group(list(range(max(WORLDS))), timeout=timedelta(seconds=30))
+    count = torch.ones(1)
+    dist.all_reduce(count, group=everyone)
+    return {"loss": loss, "everyone": int(count)}
+
+
 def _worker(rank, init_file, tmp):
     # One spawned job of 4 processes covers world sizes 1..4 through subgroups {0..W-1}
     # (spawning is the slow part); the failure scenario breaks its group, so it runs last.
@@ -131,6 +157,7 @@ def _worker(rank, init_file, tmp):
         dist.barrier()
         results["ckpt"] = _checkpoints(rank, data, tmp, groups)
         dist.barrier()
+        results["subgroup"] = _subgroup_head(rank, data)
         if rank < 3:
             results["fail"] = _failing_rank(rank, fail_group)
     except Exception:
@@ -221,6 +248,17 @@ def test_constructor_errors_with_a_process_group(runs):
         assert "argument `devices` must name ONE device per rank" in errs["devices"]
         if rank > 0:
             assert "argument `process_group` does not contain this process" in errs["member"]
+
+
+def test_head_on_a_subgroup_built_by_its_members_alone(runs):
+    data, per_rank = runs[0], runs[3]
+    ref = shardkit.ShardedSoftmaxLoss(D, 13)
+    shardkit.import_full_weight(ref, data["ckpt"])
+    expected = ref(*_subgroup_batch()).detach()
+    for r, res in enumerate(per_rank):
+        assert res["subgroup"]["everyone"] == max(WORLDS)
+        if r in _SUBGROUP:
+            assert rel(res["subgroup"]["loss"], expected) <= 1e-6
 
 
 def test_failing_rank_gives_clear_error_everywhere(runs):
