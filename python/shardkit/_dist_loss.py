@@ -32,7 +32,9 @@ def setup(module, num_classes: int, process_group, input_layout: str, sample_rat
     one-process mode (then ``devices`` passes through unchanged), else ``devices`` is this
     rank's one device."""
     module.sample_rate = check_sample_rate(sample_rate)
-    module.sample_generator: Optional[torch.Generator] = None  # set to seed the sampling
+    # Set to seed the sampling: a torch.Generator of the shard's device (a CPU generator
+    # for a CUDA shard is refused by the sampling op).
+    module.sample_generator: Optional[torch.Generator] = None
     if process_group is None:
         if module.sample_rate < 1.0:
             raise ValueError("argument `sample_rate` < 1 (PartialFC) needs `process_group`; a one-process job "
