@@ -106,3 +106,23 @@ def test_checkpoint_errors(tmp_path):
         shardkit.import_full_weight(head, torch.randn(5, 4))
     with pytest.raises(ValueError, match="argument `class_offset`"):
         save_shard_file(str(tmp_path / "bad"), torch.randn(3, 4), 9, 10)
+
+
+@pytest.mark.gpu
+def test_cuda_shards_with_momentum_round_trip(tmp_path):
+    """Shards and SparseRowSGD momentum on the GPU: saved as CPU tensors, loaded bit-exact
+    into GPU or CPU heads, the optimizer state on each parameter's device."""
+    head = shardkit.ShardedSoftmaxLoss(5, 23, devices=["cuda:0", "cuda:0"])
+    opt = shardkit.SparseRowSGD(head.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    head(torch.randn(6, 5, device="cuda"), torch.randint(0, 23, (6,), device="cuda")).backward()
+    opt.step()
+    shardkit.save_sharded(head, str(tmp_path / "ck"), opt)
+    buf = torch.cat([opt.state[p]["momentum_buffer"].cpu() for p in head.weight_shards])
+    for devices in (["cuda:0"], ["cpu"] * 3):
+        other = shardkit.ShardedSoftmaxLoss(5, 23, devices=devices)
+        opt2 = shardkit.SparseRowSGD(other.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+        shardkit.load_sharded(other, str(tmp_path / "ck"), opt2)
+        assert torch.equal(other.full_weight("cpu"), head.full_weight("cpu"))
+        for p in other.weight_shards:
+            assert opt2.state[p]["momentum_buffer"].device == p.device == opt2.state[p]["seen"].device
+        assert torch.equal(torch.cat([opt2.state[p]["momentum_buffer"].cpu() for p in other.weight_shards]), buf)

@@ -77,6 +77,15 @@ def test_ops_opcheck_and_gradcheck():
         assert rel(got, ref) <= (2 ** -8 if got.dtype == torch.bfloat16 else 1e-6)
     ls = [torch.randn(3, dtype=torch.float64, requires_grad=True) for _ in range(3)]
     torch.autograd.gradcheck(lambda *l: shardkit.ops.weighted_loss_reduce(l, [2, 5, 1], "cpu"), ls)
+    # float64 losses keep float64 precision with weights that float32 would round (gradcheck's
+    # tolerance would not notice a float32 scale)
+    ws = [0.3, 0.7, torch.tensor(0.11, dtype=torch.float64)]
+    got = shardkit.ops.weighted_loss_reduce(ls, ws, "cpu")
+    got.sum().backward()
+    total = 0.3 + 0.7 + 0.11
+    assert rel(got, (ls[0] * 0.3 + ls[1] * 0.7 + ls[2] * 0.11) / total) <= 1e-14
+    for l, w in zip(ls, [0.3, 0.7, 0.11]):
+        assert rel(l.grad, torch.full_like(l, w / total)) <= 1e-14
 
     x = torch.randn(9, 4, 3)[:, ::2]  # non-contiguous
     for tensors, sizes, dim, n in [
@@ -111,3 +120,59 @@ def test_op_errors():
         torch.ops.shardkit.split_to_devices([torch.randn(3)], [4, -1], 0, [cpu, cpu])
     with pytest.raises(RuntimeError, match="index 0 has size 3 along dim 0 but `split_sizes`"):
         torch.ops.shardkit.split_to_devices([torch.randn(3)], [1, 1], 0, [cpu, cpu])
+
+
+# ---- real GPU (one is enough) -----------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_ops_across_host_and_device():
+    """Both ops with CUDA tensors, host tensors and both as sources / destinations; a
+    NaN loss of weight 0 (a chunk whose targets are all ignored) adds nothing."""
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    losses = [torch.randn((), device=cuda, requires_grad=True), torch.randn((), requires_grad=True),
+              torch.randn((), device=cuda, dtype=torch.float64, requires_grad=True)]
+    # device counts (int64 on the GPU, as the criterion computes them) and host numbers
+    weights = [torch.tensor(4, device=cuda), torch.tensor(2.5), torch.tensor(3.0, device=cuda)]
+    for out in (cuda, cpu):
+        torch.library.opcheck(torch.ops.shardkit.weighted_loss_reduce, (losses, weights, out, True))
+        got = shardkit.ops.weighted_loss_reduce(losses, weights, out)
+        ref = sum(l.detach().double().cpu() * w.double().cpu() for l, w in zip(losses, weights)) / 9.5
+        assert got.device == out and got.dtype == torch.float64 and rel(got, ref) <= 1e-12
+        for l in losses:
+            l.grad = None
+        got.backward()
+        for l, w in zip(losses, weights):  # each gradient rounded once to its loss's dtype
+            tol = 1e-12 if l.dtype == torch.float64 else 1e-7
+            assert l.grad.device == l.device and l.grad.dtype == l.dtype
+            assert rel(l.grad, w.double().cpu() / 9.5) <= tol
+    nan = torch.full((), float("nan"), device=cuda, requires_grad=True)
+    got = shardkit.ops.weighted_loss_reduce([losses[0], nan], [weights[0], torch.tensor(0, device=cuda)], cuda)
+    got.backward()
+    assert torch.isfinite(got) and rel(got, losses[0].detach()) <= 1e-6 and nan.grad.item() == 0.0
+
+    x = torch.randn(9, 6, 3).pin_memory()[:, ::2]  # pinned host memory, non-contiguous
+    labels = torch.randint(0, 5, (9,), device=cuda)
+    devices = [cuda, cuda, cpu]
+    torch.library.opcheck(torch.ops.shardkit.split_to_devices, ([x, labels], [4, 0, 5], 0, devices))
+    pieces = shardkit.ops.split_to_devices([x, labels], [4, 0, 5], devices)
+    for i, t in enumerate([x, labels]):
+        for piece, dev, r in zip([pc[i] for pc in pieces], devices, t.split([4, 0, 5])):
+            assert piece.device == dev and piece.is_contiguous() and torch.equal(piece.cpu(), r.cpu())
+    host = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
+    dev = torch.randn(3, 7, dtype=torch.float64, device=cuda, requires_grad=True)
+    torch.autograd.gradcheck(
+        lambda h, d: tuple(p[0] * (k + 1) for k, p in enumerate(shardkit.ops.split_to_devices([h], [2, 0, 5], devices)))
+        + tuple(p[0] for p in shardkit.ops.split_to_devices([d], [3, 4], [cpu, cuda], 1)), (host, dev))
+
+
+@pytest.mark.gpu
+def test_gpu_allreduce():
+    groups = [tuple(torch.randn(n, dtype=torch.float64, device=d, requires_grad=True) for n in (4, 3))
+              for d in ("cuda", "cpu", "cuda")]
+    flat = [t for g in groups for t in g]
+    out = allreduce(2, *flat)
+    for k, g in enumerate(groups):
+        for j in range(2):
+            assert out[2 * k + j].device == g[j].device
+            assert rel(out[2 * k + j].cpu(), sum(h[j].detach().cpu() for h in groups)) <= 1e-12
+    torch.autograd.gradcheck(lambda *ts: allreduce(2, *ts), flat)

@@ -87,6 +87,11 @@ def test_sample_errors():
         check_sample_rate(1.5)
     with pytest.raises(TypeError, match="argument `sample_rate` must be a float"):
         check_sample_rate("0.1")
+    # the fake kernel refuses a generator of another device type, like the op (GPU test below)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode(), pytest.raises(RuntimeError, match="argument `generator` must be a generator of the labels'"):
+        partial_fc_sample(torch.empty(9, dtype=torch.int64, device="cuda"), class_offset=0, num_local=10,
+                          num_sample=5, generator=torch.Generator())
 
 
 def test_opcheck_partial_fc_sample():
@@ -202,3 +207,40 @@ def test_torch_sgd_with_momentum_on_a_sampled_shard_warns():
         warnings.simplefilter("error")
         plain.step()
         ours.step()
+
+
+@pytest.mark.gpu
+def test_sample_generator_must_be_on_the_labels_device():
+    labels = torch.randint(0, 100, (9,), device="cuda")
+    with pytest.raises(RuntimeError, match="argument `generator` must be a generator of the labels' device cuda"):
+        partial_fc_sample(labels, class_offset=0, num_local=100, num_sample=20, generator=torch.Generator())
+    with pytest.raises(RuntimeError, match="argument `generator` must be a generator of the labels' device cpu"):
+        partial_fc_sample(labels.cpu(), class_offset=0, num_local=100, num_sample=20,
+                          generator=torch.Generator(device="cuda"))
+    seed = int(torch.randint(0, 2**31, ()).item())
+    a, b = (partial_fc_sample(labels, class_offset=0, num_local=100, num_sample=20,
+                              generator=torch.Generator(device="cuda").manual_seed(seed)) for _ in range(2))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.gpu
+def test_sampled_shard_and_sparse_row_sgd_on_cuda_match_cpu():
+    """sample_shard on CUDA gives a row-sparse CUDA gradient; SparseRowSGD (momentum, weight
+    decay, Nesterov) on it equals the same steps on the CPU and leaves other rows bit-exact."""
+    start = torch.randn(40, 6, dtype=torch.float64)
+    p_gpu, p_cpu = torch.nn.Parameter(start.cuda()), torch.nn.Parameter(start.clone())
+    opts = [shardkit.SparseRowSGD([p], lr=0.3, momentum=0.9, weight_decay=1e-2, nesterov=True) for p in (p_gpu, p_cpu)]
+    for _ in range(3):
+        labels = torch.randint(0, 80, (12,), device="cuda")
+        sub_w, _, index = sample_shard(p_gpu, labels, 20, 15)
+        sub_w.sin().sum().backward()
+        F.embedding(index.cpu(), p_cpu, sparse=True).sin().sum().backward()
+        assert p_gpu.grad.is_sparse and p_gpu.grad.device.type == "cuda"
+        before = p_gpu.detach().clone()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        untouched = torch.ones(40, dtype=torch.bool, device="cuda")
+        untouched[index] = False
+        assert torch.equal(p_gpu.detach()[untouched], before[untouched])
+        torch.testing.assert_close(p_gpu.detach().cpu(), p_cpu.detach(), rtol=1e-12, atol=1e-14)

@@ -26,6 +26,17 @@ std::tuple<at::Tensor, at::Tensor> partial_fc_sample(const at::Tensor& labels, i
   TORCH_CHECK(num_sample >= 0 && num_sample <= num_local, "argument `num_sample` must be in [0, num_local=",
               num_local, "], got ", num_sample);
   TORCH_CHECK(class_offset >= 0, "argument `class_offset` must be >= 0, got ", class_offset);
+  // at::rand would reject a generator of another device type with a message that names
+  // no argument (a CPU generator for CUDA labels is the easy mistake); one of another
+  // CUDA device would silently draw from that device's stream.
+  if (generator.has_value() && generator->defined()) {
+    const auto gen_device = generator->device();
+    TORCH_CHECK(gen_device.type() == labels.device().type() &&
+                    (!gen_device.has_index() || !labels.device().has_index() ||
+                     gen_device.index() == labels.device().index()),
+                "argument `generator` must be a generator of the labels' device ", labels.device(),
+                ", got one of ", gen_device);
+  }
   const auto long_opts = labels.options();
   // Local id of each row's label, or the dummy slot num_local for labels of other shards
   // (and ignore_index): the dummy slot absorbs their writes without a boolean mask, whose

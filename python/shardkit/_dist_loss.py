@@ -32,7 +32,9 @@ def setup(module, num_classes: int, process_group, input_layout: str, sample_rat
     one-process mode (then ``devices`` passes through unchanged), else ``devices`` is this
     rank's one device."""
     module.sample_rate = check_sample_rate(sample_rate)
-    module.sample_generator: Optional[torch.Generator] = None  # set to seed the sampling
+    # Set to seed the sampling: a torch.Generator of the shard's device (a CPU generator
+    # for a CUDA shard is refused by the sampling op).
+    module.sample_generator: Optional[torch.Generator] = None
     if process_group is None:
         if module.sample_rate < 1.0:
             raise ValueError("argument `sample_rate` < 1 (PartialFC) needs `process_group`; a one-process job "
@@ -45,13 +47,29 @@ def setup(module, num_classes: int, process_group, input_layout: str, sample_rat
                          "shardkit.distributed.split_classes(num_classes, world_size)[r] classes")
     ctx = DistContext(num_classes, process_group, input_layout)
     if devices is None:
-        on_gpu = dist.get_backend(ctx.group) == dist.Backend.NCCL
-        devices = [torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")]
+        devices = [default_device(ctx.group)]
     if isinstance(devices, (str, torch.device)):
         devices = [devices]
     if len(list(devices)) != 1:
         raise ValueError(f"argument `devices` must name ONE device per rank with `process_group`, got {devices}")
     return ctx, list(devices)
+
+
+def default_device(group) -> torch.device:
+    """This rank's shard device when ``devices`` is not given: the group's bound device
+    (``init_process_group(device_id=...)``) or the current CUDA device when the group
+    runs CUDA tensors on NCCL, else the CPU. A group made by ``init_process_group()``
+    without a backend, or by "cpu:gloo,cuda:nccl", is NCCL for CUDA tensors too (its
+    backend name is not "nccl"), so the name is searched, not compared."""
+    backend = str(dist.get_backend(group)).lower()
+    on_gpu = torch.cuda.is_available() and (
+        "nccl" in backend or (backend == dist.Backend.UNDEFINED and dist.is_nccl_available()))
+    if not on_gpu:
+        return torch.device("cpu")
+    bound = getattr(group, "bound_device_id", None)
+    if isinstance(bound, torch.device) and bound.type == "cuda" and bound.index is not None:
+        return bound
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 @torch.no_grad()
@@ -97,10 +115,16 @@ def forward(module, embeddings, labels, return_details: bool, topk: Optional[Seq
     return ShardedLossOutput(loss, stats.lse, correct, valid.sum())
 
 
-def check_local_input(embeddings, labels, dim: int, num_classes: int, ignore_index: int, check_inputs):
+def check_local_input(embeddings, labels, dim: int, num_classes: int, ignore_index: int, check_inputs,
+                      device: Optional[torch.device] = None):
     """The one-process mode's argument checks, except that a rank may bring an EMPTY batch
-    (only the global batch must be non-empty). Returns labels as int64; raises
-    ValueError / TypeError naming the argument."""
+    (only the global batch must be non-empty), plus the shard's ``device``: embeddings
+    elsewhere would fail in the first collective on this rank alone (NCCL takes no CPU
+    tensor) while the others wait in it. Returns labels as int64; raises ValueError /
+    TypeError naming the argument."""
+    if device is not None and isinstance(embeddings, torch.Tensor) and embeddings.device != device:
+        raise ValueError(f"argument `embeddings` is on {embeddings.device} but this rank's weight shard is on "
+                         f"{device}; move the embeddings (and labels) there")
     if isinstance(embeddings, torch.Tensor) and embeddings.dim() == 2 and embeddings.shape[0] == 0:
         # check_tensors rejects empty batches; run it on a one-row stand-in for the rest.
         fake_labels = labels[:1] if isinstance(labels, torch.Tensor) and labels.dim() == 1 else labels
@@ -141,7 +165,7 @@ def distributed_statistics(dctx: DistContext, embeddings, labels, weight: torch.
     error = None
     try:
         labels = check_local_input(embeddings, labels, weight.shape[1], dctx.num_classes, ignore_index,
-                                   check_inputs)
+                                   check_inputs, weight.device)
         dtype = _compute_dtype(weight)
         if embeddings.dtype != dtype:
             embeddings = embeddings.to(dtype)  # cast before the gather: fewer bytes on the wire

@@ -194,7 +194,8 @@ def _slot(k: int) -> _Slot:
 
 class ThreadState:
     """The caller's thread-local state that a worker thread must see: grad mode, inference
-    mode, autocast (per device type: enabled, dtype, cache) and the current CUDA streams."""
+    mode, autocast (per device type: enabled, dtype, cache) and the current CUDA stream of
+    every device of the call."""
 
     def __init__(self, devices: Sequence[torch.device]):
         self.grad = torch.is_grad_enabled()
@@ -211,9 +212,14 @@ class ThreadState:
             stack.enter_context(torch.set_grad_enabled(self.grad))
             for device_type, dtype in self.autocast:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=self.autocast_cache))
+            # The caller's stream on EVERY device of the call, not only the worker's own: a
+            # module spread over the devices (a class-sharded head under DataParallelCriterion)
+            # also works on the others, and must queue there behind the caller's work. The
+            # worker's own device becomes current last (setting a stream switches devices).
+            for stream in self.streams.values():
+                stack.enter_context(torch.cuda.stream(stream))
             if device.type == "cuda":
                 stack.enter_context(torch.cuda.device(device))
-                stack.enter_context(torch.cuda.stream(self.streams[device]))
             yield
 
 

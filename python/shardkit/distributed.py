@@ -87,13 +87,30 @@ class DistributedInputError(ValueError):
 def _cpu_group_for(group) -> object:
     """A gloo group with the same ranks as ``group``, for the host-side size exchange.
 
-    Reuses ``group`` when it already is gloo. Creating a group is collective over the
-    default group: every process must construct the loss module in the same order.
+    Reuses ``group`` when it runs CPU tensors on gloo (a gloo group, or "cpu:gloo,cuda:nccl").
+    Otherwise a new gloo group is made. Over the whole job that is torch's usual collective
+    new_group(). For a SUBGROUP only its members build the loss (others are refused), and
+    a plain new_group() called by them alone advances their group counter only: every
+    later new_group() of the job would then pair groups of different names and time out.
+    So a subgroup's gloo group synchronizes among its members (torch's
+    use_local_synchronization), which needs the members to have created the same number
+    of groups before; creating the subgroup as "cpu:gloo,cuda:nccl" avoids all of this.
     """
-    if dist.get_backend(group) == dist.Backend.GLOO:
+    backend = str(dist.get_backend(group)).lower()
+    if backend == dist.Backend.GLOO or "cpu:gloo" in backend:
         return group
     ranks = dist.get_process_group_ranks(group)
-    return dist.new_group(ranks=ranks, backend="gloo", timeout=_group_timeout(group))
+    timeout = _group_timeout(group)
+    if len(ranks) == dist.get_world_size():
+        return dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+    try:
+        return dist.new_group(ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=True)
+    except RuntimeError as err:
+        raise CollectiveError(
+            f"ShardedSoftmaxLoss: creating the gloo group for the size exchange among ranks {ranks} failed "
+            f"({err}); torch names such a group from the number of groups each member has created, so they "
+            f"must have created the same groups before. Create the subgroup with backend "
+            f"'cpu:gloo,cuda:nccl' instead: it is then reused and nothing is created") from err
 
 
 def _group_timeout(group):

@@ -32,6 +32,10 @@ class SparseRowSGD(torch.optim.Optimizer):
     gradient every row is in R: the step equals ``torch.optim.SGD``'s. Momentum buffers are
     dense [rows, ...] tensors in ``state[p]["momentum_buffer"]`` with a [rows] bool
     ``state[p]["seen"]`` (rows whose buffer has been started).
+
+    Cost on CUDA: a sparse gradient is coalesced first (its rows must be unique), and torch
+    sizes a coalesced CUDA tensor on the host: one device-to-host sync per sparse parameter
+    per step (autograd does not keep the coalesced flag of the sampled shard's gradient).
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,

@@ -84,6 +84,35 @@ def _init_parallel(self: nn.DataParallel, module: nn.Module, device_ids, output_
     self._devices, self._shared = devices, shared
 
 
+def _replicate(module: nn.Module, device_ids: Sequence[Any], what: str = "DataParallelModel") -> list[nn.Module]:
+    """``torch.nn.parallel.replicate`` onto CUDA ``device_ids`` from wherever the module's
+    state lives. torch broadcasts from its FIRST device and requires every parameter and
+    buffer there, so a split that leaves device 0 out (``gpu0_bsz=0``, a zero chunk size)
+    or a criterion whose state sits on another device in the list would fail inside
+    torch. Its device goes first, its own copy is dropped when not used: as
+    BalancedDataParallel, that device's BatchNorm running statistics then miss the step."""
+    ids = [U.as_device(d).index for d in device_ids]
+    state = {t.device for t in chain(module.parameters(), module.buffers())}
+    if not state:
+        return _torch_replicate(module, ids, not torch.is_grad_enabled())
+    src = next(iter(state))
+    if len(state) > 1 or src.type != "cuda":
+        raise ValueError(f"{what}: the module's parameters and buffers must all be on one CUDA device to be "
+                         f"replicated onto {[f'cuda:{i}' for i in ids]}, found them on {sorted(map(str, state))}; "
+                         f"move it there first (e.g. module.cuda({ids[0]}))")
+    order = replication_order(src.index, ids)
+    if order == ids:
+        return _torch_replicate(module, ids, not torch.is_grad_enabled())
+    copies = dict(zip(order, _torch_replicate(module, order, not torch.is_grad_enabled())))
+    return [copies[i] for i in ids]
+
+
+def replication_order(src: int, ids: Sequence[int]) -> list[int]:
+    """The device list torch's replicate() needs: ``src`` (where the module is) first, then
+    the other distinct ``ids`` in order; equals ``ids`` when ``ids[0] == src``."""
+    return [src] + [i for i in dict.fromkeys(ids) if i != src]
+
+
 def _call(module: nn.Module, output: Any, targets: tuple, kwargs: dict) -> Any:
     if isinstance(output, tuple):
         return module(*output, *targets, **kwargs)
@@ -156,8 +185,7 @@ class DataParallelModel(nn.DataParallel):
     def replicate(self, module: nn.Module, device_ids) -> list[nn.Module]:
         """Replicas for ``device_ids`` (the same object for repeated devices), then the
         ``__data_parallel_replicate__`` callbacks, as encoding.parallel does."""
-        modules = [module] * len(device_ids) if self._shared else _torch_replicate(
-            module, device_ids, not torch.is_grad_enabled())
+        modules = [module] * len(device_ids) if self._shared else _replicate(module, device_ids)
         execute_replication_callbacks(modules)
         return modules
 
@@ -220,6 +248,11 @@ class DataParallelCriterion(nn.DataParallel):
             calls = [functools.partial(_call, m, out, t, k) for m, out, (t, k) in zip(replicas, inputs, per_device)]
             results = U.run_parallel(calls, devices, "DataParallelCriterion")
             return self._reduce(results, replicas, per_device, sizes)
+
+    def replicate(self, module: nn.Module, device_ids) -> list[nn.Module]:
+        """Replicas of a criterion with state (e.g. a class ``weight``) for ``device_ids``,
+        broadcast from the device that holds it."""
+        return _replicate(module, device_ids, "DataParallelCriterion")
 
     def _input_layout(self, inputs: Any) -> tuple[list[torch.device], list[int]]:
         n_dev = len(self._devices)

@@ -48,7 +48,9 @@ def weighted_loss_reduce(
         Differentiable in ``losses``: loss k receives ``grad * w_k / sum w`` on its own
         device and dtype. Weights get no gradient.
     """
-    ws = [w if isinstance(w, torch.Tensor) else torch.tensor(float(w)) for w in weights]
+    # Python numbers as float64: a float32 tensor would round them (0.1, counts > 2^24)
+    # before the reduction of float64 losses.
+    ws = [w if isinstance(w, torch.Tensor) else torch.tensor(float(w), dtype=torch.float64) for w in weights]
     return torch.ops.shardkit.weighted_loss_reduce(list(losses), ws, _device(output_device), normalize)
 
 
@@ -106,11 +108,9 @@ def _split_to_devices_fake(tensors, split_sizes, dim, devices):
 
 # ---- autograd ----
 
-def _place_weight(w: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _place_weight(w: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     # One-element host weights act as scalars in device arithmetic (no copy, no sync).
-    w = w.reshape(())
-    if not w.is_floating_point():
-        w = w.to(torch.float32)
+    w = w.reshape(()).to(dtype)
     if w.device == device or w.device.type == "cpu":
         return w
     return w.to(device, non_blocking=device.type == "cuda")
@@ -124,7 +124,10 @@ def _reduce_setup(ctx, inputs, output):
 
 
 def _reduce_backward(ctx, grad):
-    weights = [_place_weight(w, grad.device) for w in ctx.saved_tensors]
+    # The scales w_k / sum w in the gradient's precision, at least float32 (float64 losses
+    # must not get float32-rounded scales; half losses are scaled in float32).
+    dtype = torch.promote_types(grad.dtype, torch.float32)
+    weights = [_place_weight(w, grad.device, dtype) for w in ctx.saved_tensors]
     total = None
     if ctx.normalize:
         total = weights[0]

@@ -14,6 +14,8 @@ def _partial_fc_sample_fake(labels, class_offset, num_local, num_sample, generat
     torch._check(labels.dim() == 1, lambda: f"argument `labels` must be 1-D [B], got {labels.dim()} dimensions")
     torch._check(0 <= num_sample <= num_local,
                  lambda: f"argument `num_sample` must be in [0, num_local={num_local}], got {num_sample}")
+    torch._check(generator is None or generator.device.type == labels.device.type,
+                 lambda: f"argument `generator` must be a generator of the labels' device {labels.device}")
     return labels.new_empty(num_sample), torch.empty_like(labels)
 
 
