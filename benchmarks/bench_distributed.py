@@ -13,7 +13,10 @@ The step is forward + backward of the head alone (embeddings are a leaf tensor),
 distributed mode's extra work (size exchange, byte-packed all_gather, stats all_gather,
 reduce-scatter; all trivial at world size 1 but still real collectives) is measured
 against the identical kernels in the one-process mode. The two modes alternate step by
-step (--iters each, after --warmup); medians; CUDA events on the GPU. The floor is the
+step (--iters samples each, after --warmup); medians; CUDA events on the GPU. One sample
+times --steps consecutive steps (default 10 on the GPU) between one pair of events and
+divides: in training, a step's host work (the size exchange, Python) overlaps the GPU work
+queued before it, and a step timed alone from an idle GPU would charge it in full. The floor is the
 layer's three GEMMs (logits, dX, dW) timed unfused with torch.mm at the same shapes
 (on the GPU; on the CPU those stream a [B, C] matrix through memory and are no floor).
 
@@ -55,6 +58,8 @@ def parse():
     p.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: fp32 on cpu, bf16 on cuda")
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=None, help="consecutive steps per timed sample "
+                   "(default: 1 on cpu, 10 on cuda)")
     p.add_argument("--table-worlds", default="1,8", help="world sizes of the communication table")
     p.add_argument("--port", type=int, default=0, help="rendezvous port of the spawned rank (0: a free one)")
     p.add_argument("--timeout", type=float, default=480.0, help="seconds to wait for the spawned rank")
@@ -63,15 +68,19 @@ def parse():
     a.classes = a.classes or (200_000 if cpu else 1_000_000)
     a.dim = a.dim or (128 if cpu else 512)
     a.dtype = a.dtype or ("fp32" if cpu else "bf16")
-    a.iters = a.iters or (8 if cpu else 50)
+    a.iters = a.iters or (8 if cpu else 30)
+    a.steps = a.steps or (1 if cpu else 10)
+    if a.steps < 1:
+        p.error("--steps must be >= 1")
     return a
 
 
-def _step_fn(head, x, labels):
+def _step_fn(head, x, labels, steps=1):
     def step():
-        head.zero_grad(set_to_none=True)
-        x.grad = None
-        head(x, labels).backward()
+        for _ in range(steps):
+            head.zero_grad(set_to_none=True)
+            x.grad = None
+            head(x, labels).backward()
     return step
 
 
@@ -88,7 +97,8 @@ def measure(args, device):
     ours = shardkit.ShardedSoftmaxLoss(args.dim, args.classes, devices=[device], process_group=dist.group.WORLD,
                                        **common)
     shardkit.import_full_weight(ours, one.full_weight())
-    steps = {"one_process_s": _step_fn(one, x, labels), "distributed_ws1_s": _step_fn(ours, x, labels)}
+    k = args.steps
+    steps = {"one_process_s": _step_fn(one, x, labels, k), "distributed_ws1_s": _step_fn(ours, x, labels, k)}
     for fn in steps.values():
         for _ in range(args.warmup):
             fn()
@@ -97,7 +107,7 @@ def measure(args, device):
     order = list(steps)
     for _ in range(args.iters):
         for key in order:
-            times[key].append(time_once(steps[key], device))
+            times[key].append(time_once(steps[key], device) / k)
         order.reverse()  # neither mode always runs right after the other
     results = {k: statistics.median(v) for k, v in times.items()}
     w = one.weight_shards[0].detach()
