@@ -33,12 +33,9 @@ def setup(module, num_classes: int, process_group, input_layout: str, sample_rat
     rank's one device."""
     module.sample_rate = check_sample_rate(sample_rate)
     # Set to seed the sampling: a torch.Generator of the shard's device (a CPU generator
-    # for a CUDA shard is refused by the sampling op).
+    # for a CUDA shard is refused by the sampling op), or in the one-process mode one per shard.
     module.sample_generator: Optional[torch.Generator] = None
     if process_group is None:
-        if module.sample_rate < 1.0:
-            raise ValueError("argument `sample_rate` < 1 (PartialFC) needs `process_group`; a one-process job "
-                             "can pass a world of one (torch.distributed.init_process_group with world_size=1)")
         if input_layout != DATA_PARALLEL:
             raise ValueError("argument `input_layout` needs `process_group`")
         return None, devices

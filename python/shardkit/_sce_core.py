@@ -96,12 +96,15 @@ def shard_statistics(
     margin: Optional[Margin],
     chunk_memory: Optional[int],
     with_rank: bool,
+    shard_labels: Optional[Sequence[torch.Tensor]] = None,
 ) -> List[ShardStatistics]:
     """Launch :func:`shardkit.ops.ce_shard_stats` on every shard's device.
 
     embeddings [B, D] and labels [B] int64 go to each shard's device once per device
     (asynchronously); each op is enqueued on its device's current stream without a host
-    sync, so CUDA shards run concurrently. Returns each shard's stats on its own device.
+    sync, so CUDA shards run concurrently. ``shard_labels`` (PartialFC sampling): one [B]
+    int64 tensor per shard, on its device, used by that shard instead of ``labels``.
+    Returns each shard's stats on its own device.
     """
     scale, m1, m2, m3 = margin.params() if margin is not None else (1.0, 1.0, 0.0, 0.0)
     normalize = margin is not None
@@ -114,6 +117,8 @@ def shard_statistics(
         if key not in cache:
             cache[key] = (_to(embeddings, w.device, dtype), _to(labels, w.device))
         inputs.append(cache[key])
+    if shard_labels is not None:
+        inputs = [(x_k, y_k) for (x_k, _), y_k in zip(inputs, shard_labels)]
     target_ref = None
     if with_rank:
         target_ref = _plain_target_logit(inputs, shards, offsets, labels, margin, embeddings.device)

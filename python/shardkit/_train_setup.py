@@ -134,12 +134,6 @@ def build(args, world) -> Parts:
     group = None
     if world.size > 1:
         group = dist.group.WORLD
-    elif args.sample_rate < 1:
-        if len(devices) > 1:
-            raise SystemExit("error: --sample-rate < 1 runs on one device per process; use torchrun for several")
-        # PartialFC sampling lives in the process-group mode: a world of one.
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        group = dist.group.WORLD
     head = shardkit.ShardedSoftmaxLoss(
         args.dim, num_classes, margin=margin, sample_rate=args.sample_rate, process_group=group,
         devices=None if group is not None else devices, topk=(1,))

@@ -25,12 +25,15 @@ from shardkit._sce_checks import (
 )
 from shardkit._sce_core import (
     ShardStatistics,
+    _to,
     combine_statistics,
     loss_from_statistics,
     shard_statistics,
 )
 from shardkit import _dist_loss  # distributed hook
 from shardkit.margins import Margin
+from shardkit.distributed import sampled_class_counts
+from shardkit.sampling import check_sample_rate, mark_sampled, sample_shard
 
 __all__ = ["ShardedSoftmaxLoss", "sharded_cross_entropy", "ShardedLossOutput", "ShardStatistics"]
 
@@ -70,6 +73,8 @@ def sharded_cross_entropy(
     check_inputs=True,
     return_details: bool = False,
     topk: Sequence[int] = (1,),
+    sample_rate: float = 1.0,
+    generator=None,
 ):
     """Cross-entropy of ``embeddings @ cat(weight_shards).T`` without forming those logits.
 
@@ -95,6 +100,14 @@ def sharded_cross_entropy(
             labels then silently act as "target in no shard").
         return_details: also return per-row log-sum-exp and top-k correct counts.
         topk: the k of the correct counts (with ``return_details``).
+        sample_rate: PartialFC in (0, 1]: below 1, each shard uses every positive class of
+            the batch plus uniformly sampled negatives, ``ceil(rate * C_k)`` classes (at
+            least min(B, C_k)); the other classes take no part and get no gradient (each
+            shard's gradient is a row-sparse COO tensor: step it with
+            :class:`shardkit.SparseRowSGD`). Smoothing then spreads over the sampled classes
+            and the lse / top-k counts are over them. 1: every class (the default).
+        generator: for the sampling: None (the default generators), a torch.Generator of
+            the shards' device, or a sequence of one per shard.
 
     Returns:
         The loss on the embeddings' device (float32; [B] for "none"), or a
@@ -117,7 +130,12 @@ def sharded_cross_entropy(
     if 0 <= ignore_index < num_classes:
         # An ignore_index that is also a class id must not pick up a target (nor a margin).
         op_labels = labels.masked_fill(labels == ignore_index, -1)
-    per_shard = shard_statistics(embeddings, shards, offsets, op_labels, margin, budget, with_rank=bool(ks))
+    shard_labels = None
+    if check_sample_rate(sample_rate) < 1.0:
+        shards, shard_labels, num_classes = _sample_shards(shards, offsets, op_labels, sample_rate, generator)
+        offsets = [0] * len(shards)
+    per_shard = shard_statistics(embeddings, shards, offsets, op_labels, margin, budget, with_rank=bool(ks),
+                                 shard_labels=shard_labels)
     # The statistics are fp32 already; autocast must not lower the combining arithmetic.
     with torch.autocast(embeddings.device.type, enabled=False):
         stats = combine_statistics(per_shard, embeddings.device)
@@ -129,6 +147,26 @@ def sharded_cross_entropy(
         return loss
     correct = {k: ((stats.greater_count < k) & valid).sum() for k in ks}
     return ShardedLossOutput(loss, stats.lse, correct, valid.sum())
+
+
+def _sample_shards(shards, offsets, labels, sample_rate, generator):
+    """PartialFC in the one-process mode: ``(sub_shards, shard_labels, classes_used)``; each
+    shard keeps the batch's positives plus sampled negatives (see :mod:`shardkit.sampling`)."""
+    if generator is None or isinstance(generator, torch.Generator):
+        generators = [generator] * len(shards)
+    else:
+        generators = list(generator)
+        if len(generators) != len(shards) or not all(isinstance(g, torch.Generator) for g in generators):
+            raise TypeError("argument `generator` must be None, a torch.Generator or one torch.Generator per "
+                            f"shard ({len(shards)}), got {generator!r}")
+    counts = sampled_class_counts([w.shape[0] for w in shards], sample_rate, labels.shape[0])
+    subs, sub_labels = [], []
+    for w, offset, count, gen in zip(shards, offsets, counts, generators):
+        mark_sampled(w)
+        sub_w, sub_y, _ = sample_shard(w, _to(labels, w.device), offset, count, gen)
+        subs.append(sub_w)
+        sub_labels.append(sub_y)
+    return subs, sub_labels, sum(counts)
 
 
 def _split_sizes(num_classes: int, num_shards: int, shard_sizes) -> list:
@@ -207,13 +245,16 @@ class ShardedSoftmaxLoss(nn.Module):
             the CPU until the backbone's forward is done); "async": same check with no sync
             (``torch._assert_async``; on CUDA a failure is a device-side assert); False: none.
         topk: default k's of the correct counts returned by ``return_details=True``.
-        process_group, input_layout, sample_rate: the torch.distributed mode (see
+        sample_rate: PartialFC sampling in training mode when < 1, in one process or
+            distributed (see ``sharded_cross_entropy``: row-sparse weight gradients, use
+            :class:`shardkit.SparseRowSGD`); evaluation mode uses every class. Seed it by
+            setting ``.sample_generator`` (a torch.Generator of the shards' device, or one
+            per shard).
+        process_group, input_layout: the torch.distributed mode (see
             :mod:`shardkit.distributed` and the README): this rank holds ONE shard, classes
             ``split_classes(C, world_size)[rank]``, on ``devices[0]`` (default: the current GPU
             under NCCL, else the CPU); ``input_layout`` "data_parallel" (each rank its own batch;
-            the embedding gradient is world_size * dL/dX_r) or "replicated"; ``sample_rate`` < 1:
-            PartialFC sampling in training mode (row-sparse weight gradient: use
-            :class:`shardkit.SparseRowSGD`).
+            the embedding gradient is world_size * dL/dX_r) or "replicated".
 
     Attributes:
         weight_shards (nn.ParameterList): one [C_k, D] Parameter per device; shard k holds
@@ -342,6 +383,7 @@ class ShardedSoftmaxLoss(nn.Module):
             reduction=self.reduction, class_offsets=self.class_offsets, chunk_memory=self.chunk_memory,
             check_inputs=self.check_inputs, return_details=return_details,
             topk=self.topk if topk is None else topk,
+            sample_rate=self.sample_rate if self.training else 1.0, generator=self.sample_generator,
         )
 
     def extra_repr(self) -> str:

@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     try:
         return _train_run.run(args, world)
     finally:
-        # Leave the process as we found it (a one-process --sample-rate run makes a world of one).
+        # Leave the process as we found it.
         if not had_group and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
 
