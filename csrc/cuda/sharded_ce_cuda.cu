@@ -180,7 +180,10 @@ __global__ void dw_fixup_kernel(const tmp_t* tmp, const scalar_t* __restrict__ w
       dot += static_cast<T>(tmp[row * D + k]) * static_cast<T>(w[row * s0 + k * s1]);
     for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
     const T r = rw[row];
-    coef = r < T(0.5 / kEps) ? r * r * dot : T(0);  // r == 1/eps: the clamp is active
+    // The clamp is active where r == 1/eps (up to the rounding of the approximate division
+    // of --use_fast_math); a norm just above eps (up to 2 eps under the former 0.5/eps
+    // threshold) must keep its projection term, as on the CPU.
+    coef = r < T(0.999 / kEps) ? r * r * dot : T(0);
   }
   __syncwarp();
   for (int64_t k = lane; k < D; k += 32)
