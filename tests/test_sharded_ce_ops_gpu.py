@@ -1,0 +1,108 @@
+"""GPU tests of the per-shard ops shardkit::ce_shard_stats / ce_shard_stats_backward (marked
+``gpu``: skipped with the reason where no GPU is visible). The CUDA kernels must give the
+CPU kernel's results: the same float64 reference and tolerances (fp32 1e-5 with torch's
+default of no TF32; bf16 / fp16 within 2x torch's own error)."""
+
+import pytest
+import torch
+
+import shardkit
+from sce_checks import (
+    MARGINS,
+    check_against_reference,
+    check_low_precision,
+    check_plain_by_rows,
+    kw,
+    make_case,
+    opcheck_samples,
+)
+from shardkit.ops import ce_shard_stats
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(MARGINS))
+@pytest.mark.parametrize("B,D,C,off,chunk", [(37, 29, 300, 50, 64), (256, 128, 5000, 7, 1024), (1, 3, 17, 0, 7),
+                                             (9, 5, 0, 0, 4), (5, 16, 1, 3, 1), (300, 64, 777, 0, None)])
+def test_cuda_matches_reference(name, B, D, C, off, chunk):
+    assert shardkit.cuda_built(), "this build has no CUDA kernels"
+    x, w, labels = make_case(B, D, C, off, device="cuda")
+    check_against_reference(x, w, labels, off, name, chunk)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["plain", "arcface", "combined"])
+def test_cuda_low_precision(dtype, name):
+    check_low_precision("cuda", dtype, name)
+
+
+@pytest.mark.gpu
+def test_cuda_theta_past_pi_and_noncontiguous():
+    w = torch.randn(80, 33, device="cuda")[::2]  # [40, 33], strided rows
+    labels = torch.randint(0, 40, (10,), device="cuda")
+    x = (-w[labels] + 0.05 * torch.randn(10, 33, device="cuda"))
+    check_against_reference(x, w, labels, 0, "arcface", 16)
+    check_against_reference(x.t().contiguous().t(), w, labels, 0, "combined", 5)
+
+
+@pytest.mark.gpu
+def test_cuda_opcheck():
+    for x, w, labels, tref, *rest in opcheck_samples():
+        args = (x.cuda().requires_grad_(), w.cuda().requires_grad_(), labels.cuda(),
+                None if tref is None else tref.cuda(), *rest)
+        torch.library.opcheck(torch.ops.shardkit.ce_shard_stats.default, args)
+
+
+@pytest.mark.gpu
+def test_cuda_device_errors():
+    x, w, labels = make_case(4, 8, 10, 0, device="cuda")
+    op = torch.ops.shardkit.ce_shard_stats
+    with pytest.raises(RuntimeError, match=r"argument `w` must be on the device of `x`"):
+        op(x, w.cpu(), labels, None, 0, 1.0, 1.0, 0.0, 0.0, False, 4)
+    with pytest.raises(RuntimeError, match=r"argument `labels` must be on the device of `x`"):
+        op(x, w, labels.cpu(), None, 0, 1.0, 1.0, 0.0, 0.0, False, 4)
+    with pytest.raises(RuntimeError, match=r"argument `target_ref` must be on the device of `x`"):
+        op(x, w, labels, torch.zeros(4), 0, 1.0, 1.0, 0.0, 0.0, False, 4)
+    lse = torch.zeros(4, device="cuda")
+    with pytest.raises(RuntimeError, match=r"argument `grad_lse` must be on the device of `x`"):
+        torch.ops.shardkit.ce_shard_stats_backward(lse.cpu(), lse, lse, x, w, labels, lse, 0, 1.0, 1.0, 0.0, 0.0,
+                                                    False, 4)
+
+
+@pytest.mark.gpu
+def test_cuda_more_than_2_31_logits_in_one_chunk():
+    # B * C_chunk > 2^31: element offsets into the chunk's logit / dlogit buffers (row i at
+    # i * n) do not fit an int32. About 12 GB of GPU memory at peak (8.6 GB logit buffer).
+    B, D, C = 2049, 8, (1 << 20) + 3
+    assert B * C > 2**31
+    x = torch.randn(B, D, device="cuda")
+    w = torch.randn(C, D, device="cuda")
+    labels = torch.randint(0, C, (B,), device="cuda")
+    labels[-1] = C - 1  # the very last logit of the buffer is a target
+    check_plain_by_rows(x, w, labels, 0.7, C)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (a shard on cuda:1 while cuda:0 is current)")
+@pytest.mark.parametrize("name", ["plain", "arcface"])
+def test_cuda_shard_on_non_current_device(name):
+    x, w, labels = make_case(33, 24, 500, 7, device="cuda:1")
+    with torch.cuda.device(0):
+        check_against_reference(x, w, labels, 7, name, 64)
+
+
+@pytest.mark.gpu
+def test_cuda_side_stream_matches_default_stream():
+    # Kernels, GEMMs and temporaries all on the caller's current stream.
+    x, w, labels = make_case(64, 32, 3000, 0, device="cuda")
+    ref = ce_shard_stats(x, w, labels, chunk_classes=256, **kw("arcface"))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = ce_shard_stats(x, w, labels, chunk_classes=256, **kw("arcface"))
+    torch.cuda.current_stream().wait_stream(side)
+    for a, b in zip(out[:3], ref[:3]):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+    assert torch.equal(out[3], ref[3])
