@@ -196,3 +196,22 @@ def test_minus_inf_logits_add_nothing(device):
     assert torch.isfinite(lse).all()
     assert rel(lse.cpu(), ref) <= 1e-5
     assert rel(t.cpu(), 0.7 * (x.double() * w.double()[labels]).sum(1)) <= 1e-5
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_row_of_minus_inf_logits_has_minus_inf_lse(device, dtype):
+    # Row 0's logits all overflow to -inf: lse = log(0) = -inf (as for a shard without
+    # classes), not NaN, on every device and whatever the chunk / thread split; the other
+    # rows are unaffected.
+    C = 50
+    w = -1e20 * (1.0 + torch.rand(C, 1, dtype=torch.float64))
+    x = torch.tensor([[1e300 if dtype == torch.float64 else 1e20], [1e-21], [-1e-20]], dtype=torch.float64)
+    labels = torch.tensor([3, 17, C + 4])
+    assert torch.isneginf((x[:1].to(dtype) @ w.to(dtype).t())).all()
+    ref = torch.logsumexp(x[1:] @ w.t(), 1)
+    for chunk in (1, 8, C):
+        lse, t, s, _ = ce_shard_stats(x.to(device, dtype), w.to(device, dtype), labels.to(device), chunk_classes=chunk)
+        assert lse.dtype == dtype
+        assert torch.isneginf(lse[0]) and torch.isneginf(t[0]) and torch.isneginf(s[0])
+        assert rel(lse[1:].cpu(), ref) <= 1e-5 and t[2] == 0
