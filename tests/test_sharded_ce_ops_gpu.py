@@ -3,6 +3,8 @@
 CPU kernel's results: the same float64 reference and tolerances (fp32 1e-5 with torch's
 default of no TF32; bf16 / fp16 within 2x torch's own error)."""
 
+import math
+
 import pytest
 import torch
 
@@ -15,10 +17,17 @@ from sce_checks import (
     kw,
     make_case,
     opcheck_samples,
+    rel,
 )
-from shardkit.ops import ce_shard_stats
+from shardkit.ops import ce_shard_stats, chunk_classes_for_budget
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    # The 1e-5 tolerances assume true fp32 GEMMs (torch's default); fail loudly otherwise.
+    assert not torch.backends.cuda.matmul.allow_tf32, "TF32 matmuls enabled: fp32 tolerances do not apply"
 
 
 @pytest.mark.gpu
@@ -106,3 +115,72 @@ def test_cuda_side_stream_matches_default_stream():
     for a, b in zip(out[:3], ref[:3]):
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
     assert torch.equal(out[3], ref[3])
+
+
+@pytest.mark.parametrize("name", list(MARGINS))
+def test_cuda_float64_matches_reference_and_gradchecks(name):
+    # float64 runs the kernels with double statistics (as the CPU kernel does): tight
+    # agreement with the reference, and gradcheck.
+    x, w, labels = make_case(19, 6, 70, 3, dtype=torch.float64, device="cuda")
+    check_against_reference(x, w, labels, 3, name, 16, tol=1e-9)
+    x = torch.randn(3, 4, dtype=torch.float64, device="cuda", requires_grad=True)
+    w = torch.randn(7, 4, dtype=torch.float64, device="cuda", requires_grad=True)
+    labels = torch.tensor([1, 9, 6], device="cuda")  # class_offset 2: rows 0 and 2 in the shard
+    coef = torch.randn(3, 3, dtype=torch.float64, device="cuda")
+
+    def fn(x, w):
+        lse, t, s, _ = ce_shard_stats(x, w, labels, class_offset=2, chunk_classes=3, **kw(name))
+        return coef[0] * lse + coef[1] * t + coef[2] * s
+
+    assert torch.autograd.gradcheck(fn, (x, w))
+
+
+def test_cuda_batch_above_grid_y_limit():
+    # B > 65535: the backward's dlogit grid caps gridDim.y at 65535 and strides over rows;
+    # the forward launches one block per row (gridDim.x, no such cap).
+    B = 65535 + 38
+    x, w, labels = make_case(B, 8, 40, 0, device="cuda")
+    check_against_reference(x, w, labels, 0, "arcface", 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_low_precision_noncontiguous(dtype):
+    # Column-major x and transposed w in 16-bit: the strided weight reads of the norm and
+    # dW fix-up kernels, and the GEMMs on transposed operands.
+    check_low_precision("cuda", dtype, "arcface", noncontiguous=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_low_precision_scale_64(dtype):
+    # CosFace at s = 64 (the face-recognition setting): exp sums stay in fp32, the fp16
+    # dlogits (at most s * |dpsi| * |g| / |w_j|) stay finite.
+    check_low_precision("cuda", dtype, "cosface64", margin=(64.0, 1.0, 0.0, 0.35, True))
+
+
+def test_cuda_default_budget_several_chunks_face_recognition_shape():
+    # B = 1024, D = 512 at the default 64 MiB budget: several chunks, the last one partial,
+    # statistics and gradients accumulated across chunks.
+    B, D, C = 1024, 512, 50_003
+    chunk = chunk_classes_for_budget(B, embedding_dim=D, num_classes=C)
+    assert chunk < C and C % chunk != 0
+    x = torch.randn(B, D, device="cuda") / math.sqrt(D)  # logits of order 1
+    w = torch.randn(C, D, device="cuda")
+    labels = torch.randint(0, C, (B,), device="cuda")
+    check_plain_by_rows(x, w, labels, 1.0, None, rows=256)
+
+
+@pytest.mark.parametrize("name", list(MARGINS))
+def test_cuda_matches_cpu_kernel(name):
+    # The same inputs through both kernels, chunked differently: the same statistics and
+    # gradients (the top-k count may differ at exact ties only, so it is left out).
+    x, w, labels = make_case(50, 40, 1000, 10)
+    g = [torch.randn(50) for _ in range(3)]
+    outs = []
+    for device, chunk in (("cpu", 96), ("cuda", 128)):
+        xx, ww = x.to(device).requires_grad_(), w.to(device).requires_grad_()
+        lse, t, s, _ = ce_shard_stats(xx, ww, labels.to(device), class_offset=10, chunk_classes=chunk, **kw(name))
+        gx, gw = torch.autograd.grad(sum((o * gg.to(device)).sum() for o, gg in zip((lse, t, s), g)), (xx, ww))
+        outs.append([v.detach().cpu() for v in (lse, t, gx, gw)])
+    floor = kw(name)["scale"] * math.sqrt(50)  # gradients: as in check_against_reference
+    for a, b, fl in zip(*outs, (1e-30, 1e-30, floor, floor)):
+        assert rel(b, a, fl) <= 2e-5

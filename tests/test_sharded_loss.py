@@ -318,3 +318,45 @@ def test_cuda_step_has_no_host_sync():
     finally:
         torch.cuda.set_sync_debug_mode(previous)
     assert torch.isfinite(out.loss).item() and x.grad is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_16bit_weights_scale_64(dtype):
+    # 16-bit weights (no autocast) with CosFace at s = 64: the loss and both gradients within
+    # 2x the error of torch's own computation at that dtype (normalize, GEMM, then fp32).
+    margin = shardkit.CosFace(s=64.0, m=0.35)
+    loss_fn = shardkit.ShardedSoftmaxLoss(48, 700, margin=margin, devices=["cuda:0"] * 2, shard_sizes=[0.6, 0.4],
+                                          dtype=dtype, reduction="none", chunk_memory="16KiB")
+    x, y = torch.randn(40, 48, device="cuda").to(dtype), make_labels(40, 700, ignore=(5,)).cuda()
+    w = loss_fn.full_weight()
+    g = torch.rand(40, device="cuda")
+    ref = reference_loss_and_grads(x.cpu(), w.cpu(), y.cpu(), g.cpu(), reduction="none", **margin_kwargs(margin))
+    xt, wt = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    cos = F.linear(F.normalize(xt, dim=1), F.normalize(wt, dim=1)).float()
+    onehot = F.one_hot(torch.where(y < 0, 0, y), 700) * (y >= 0)[:, None]
+    t_loss = F.cross_entropy(margin.scale * (cos - margin.m3 * onehot), y, reduction="none")
+    t_gx, t_gw = torch.autograd.grad(t_loss, (xt, wt), g)
+    loss, gx, gw, _ = grads_of(loss_fn, x, y, grad_out=g)
+    assert gx.dtype == dtype and gw.dtype == dtype and torch.isfinite(gw).all() and torch.isfinite(gx).all()
+    assert rel(loss.cpu(), ref.loss) <= 2 * rel(t_loss.cpu(), ref.loss)
+    assert rel(gx.cpu(), ref.grad_x) <= 2 * rel(t_gx.cpu(), ref.grad_x)
+    assert rel(gw.cpu(), ref.grad_w) <= 2 * rel(t_gw.cpu(), ref.grad_w)
+
+
+@pytest.mark.gpu
+def test_cuda_check_inputs_raise_named_errors():
+    # check_inputs=True on CUDA: one sync, then the same ValueErrors as on the CPU.
+    loss_fn = shardkit.ShardedSoftmaxLoss(4, 10, devices=["cuda:0"] * 2)
+    x, y = torch.randn(5, 4, device="cuda"), make_labels(5, 10).cuda()
+    bad_labels = y.clone()
+    bad_labels[1] = 10
+    with pytest.raises(ValueError, match=r"`labels` has class ids >= num_classes=10"):
+        loss_fn(x, bad_labels)
+    bad_x = x.clone()
+    bad_x[3, 2] = math.nan
+    with pytest.raises(ValueError, match=r"`embeddings` contains NaN or infinite values"):
+        loss_fn(bad_x, y)
+    with pytest.raises(ValueError, match=r"`labels` is on cpu but `embeddings` is on cuda:0"):
+        loss_fn(x, y.cpu())
+    assert torch.isfinite(loss_fn(x, y))
