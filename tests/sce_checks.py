@@ -85,7 +85,10 @@ def check_against_reference(x, w, labels, class_offset, name, chunk, tol=1e-5, g
     else:
         assert rel(lse.cpu(), r_lse) <= tol
         assert rel(t.cpu(), r_t) <= tol or r_t.abs().max() == 0 and (t == 0).all()
-        assert rel(s.cpu(), r_s) <= max(tol, 1e-6 * r_s.abs().max().item() / r_s.norm().clamp_min(1e-30).item())
+        # A row's logit sum can cancel to ~0 (D = 1: logits +-scale): where the relative error
+        # does not hold, bound the error by the sum of the logits' magnitudes.
+        r_abs = plain.detach().abs().sum(1) + r_t.detach().abs()
+        assert rel(s.cpu(), r_s) <= tol or ((s.cpu().double() - r_s.detach()).abs() <= min(tol, 1e-6) * r_abs).all()
     lo, hi = count_bracket(plain.detach(), tref)
     assert ((cnt.cpu() >= lo) & (cnt.cpu() <= hi)).all()
     # Gradients of a random combination of the three differentiable outputs.

@@ -25,7 +25,14 @@ from shardkit.ops import ce_shard_stats, chunk_classes_for_budget
                                              (6, 1, 40, 3, 1), (11, 5, 23, 2, 100)])
 def test_matches_reference(name, B, D, C, off, chunk):
     x, w, labels = make_case(B, D, C, off)
-    check_against_reference(x, w, labels, off, name, chunk)
+    # D = 1 with an angular margin: every cosine is exactly +-1, at the clamp of acos, where
+    # psi has infinite slope (psi' jumps from 0 to ~m1 sin(m2) / 4.5e-4): fp32 rounding of
+    # x / |x| (cos = 1 - 1.2e-7 instead of 1) moves the target logit by up to ~1e-4 of
+    # itself, and the exact gradients are 0 (the normalization projects everything out) but
+    # rounding leaves ~psi' * eps of the rest. Tolerances 1e-3 there.
+    _, m1, m2, _, _ = MARGINS[name]
+    tol = 1e-3 if D == 1 and (m1, m2) != (1.0, 0.0) else 1e-5
+    check_against_reference(x, w, labels, off, name, chunk, tol=tol)
 
 
 @pytest.mark.parametrize("name", ["plain", "arcface"])
