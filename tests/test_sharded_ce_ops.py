@@ -222,3 +222,16 @@ def test_row_of_minus_inf_logits_has_minus_inf_lse(device, dtype):
         assert lse.dtype == dtype
         assert torch.isneginf(lse[0]) and torch.isneginf(t[0]) and torch.isneginf(s[0])
         assert rel(lse[1:].cpu(), ref) <= 1e-5 and t[2] == 0
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("name", ["plain", "arcface"])
+def test_empty_batch(device, name):
+    # B = 0 (the module refuses it, the op must not): [0] statistics, zero weight gradient.
+    x = torch.randn(0, 6, device=device, requires_grad=True)
+    w = torch.randn(11, 6, device=device, requires_grad=True)
+    labels = torch.zeros(0, dtype=torch.long, device=device)
+    lse, t, s, cnt = ce_shard_stats(x, w, labels, chunk_classes=4, **kw(name))
+    assert lse.shape == t.shape == s.shape == cnt.shape == (0,) and lse.dtype == torch.float32
+    gx, gw = torch.autograd.grad(lse.sum() + t.sum() + s.sum(), (x, w))
+    assert gx.shape == (0, 6) and gw.shape == (11, 6) and (gw == 0).all()
