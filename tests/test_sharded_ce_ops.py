@@ -235,3 +235,16 @@ def test_empty_batch(device, name):
     assert lse.shape == t.shape == s.shape == cnt.shape == (0,) and lse.dtype == torch.float32
     gx, gw = torch.autograd.grad(lse.sum() + t.sum() + s.sum(), (x, w))
     assert gx.shape == (0, 6) and gw.shape == (11, 6) and (gw == 0).all()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_nan_logit_among_minus_inf_gives_nan(device):
+    # A NaN logit (a NaN weight row) in a row whose other logits are all -inf: the max skips
+    # NaN, and the NaN must still reach lse (never a silent -inf), whichever thread holds it.
+    C = 300
+    w = -1e20 * (1.0 + torch.rand(C, 1))
+    w[C // 2 + 7] = math.nan
+    x = torch.tensor([[1e20], [1e-21]])
+    for chunk in (1, 64, C):
+        lse = ce_shard_stats(x.to(device), w.to(device), torch.tensor([0, 1], device=device), chunk_classes=chunk)[0]
+        assert torch.isnan(lse).all(), lse

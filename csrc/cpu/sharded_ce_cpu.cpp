@@ -168,7 +168,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> ce_shard_stats_cpu(const Tensor& x, c
         // All logits so far -inf: exp(z - m) would be exp(-inf - -inf) = NaN; any finite
         // reference gives the right sum, 0 (NaN logits, skipped by the max, still give NaN).
         const T se = expsum_f(z, n, m_new == -std::numeric_limits<T>::infinity() ? T(0) : m_new, &zs);
-        S[i] = (M[i] == -std::numeric_limits<T>::infinity() ? T(0) : S[i] * std::exp(M[i] - m_new)) + se;
+        // While the max is -inf, S is 0, or NaN from a NaN logit (the max skips NaN): keep it.
+        S[i] = (M[i] == -std::numeric_limits<T>::infinity() ? S[i] : S[i] * std::exp(M[i] - m_new)) + se;
         M[i] = m_new;
         ls[i] += zs;
         cn[i] += c;
