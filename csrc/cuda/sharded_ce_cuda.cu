@@ -54,7 +54,12 @@ __device__ __forceinline__ float dev_exp<float>(float v) {
 template <typename T>
 __device__ __forceinline__ void merge_ms(T& m, T& s, T m2, T s2) {
   const T mn = m > m2 ? m : m2;
-  if (mn == -std::numeric_limits<T>::infinity()) return;  // both empty
+  if (mn == -std::numeric_limits<T>::infinity()) {
+    // Both hold only -inf logits: s and s2 are 0, or NaN from a NaN logit (which the max
+    // skips), and that NaN must survive the merge from either side, as on the CPU.
+    s += s2;
+    return;
+  }
   s = s * dev_exp(m - mn) + s2 * dev_exp(m2 - mn);
   m = mn;
 }
