@@ -5,6 +5,10 @@ devices exercise the multi-device path. Module API, checkpoints and errors:
 test_sharded_loss_api.py."""
 
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -364,3 +368,24 @@ def test_cuda_check_inputs_raise_named_errors():
     with pytest.raises(ValueError, match=r"`labels` is on cpu but `embeddings` is on cuda:0"):
         loss_fn(x, y.cpu())
     assert torch.isfinite(loss_fn(x, y))
+
+
+@pytest.mark.gpu
+def test_cuda_async_check_asserts_on_the_device():
+    # check_inputs="async" never syncs: a bad label surfaces later (at the next sync at the
+    # latest) as a device-side assert, which ends the process's CUDA context: a child process.
+    code = textwrap.dedent("""
+        import torch, shardkit
+        loss_fn = shardkit.ShardedSoftmaxLoss(4, 10, devices=["cuda:0"], check_inputs="async")
+        loss = loss_fn(torch.randn(5, 4, device="cuda"), torch.tensor([0, 1, 10, 2, 3], device="cuda"))
+        print("ENQUEUED", flush=True)
+        torch.cuda.synchronize()
+        print("NOT REACHED", flush=True)
+    """)
+    package_root = os.path.dirname(os.path.dirname(shardkit.__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    # (The sticky CUDA error may already surface at a kernel launch after the assert ran,
+    # before "ENQUEUED": only its kind is checked, and that no host-side check raised.)
+    assert proc.returncode != 0 and "NOT REACHED" not in proc.stdout, (proc.stdout, proc.stderr[-2000:])
+    assert "device-side assert" in proc.stderr and "ValueError" not in proc.stderr, proc.stderr[-2000:]
