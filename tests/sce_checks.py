@@ -110,12 +110,14 @@ def check_against_reference(x, w, labels, class_offset, name, chunk, tol=1e-5, g
     assert rel(gw.cpu(), rgw, floor) <= (grad_tol or tol)
 
 
-def torch_low_precision_stats(x, w, labels, scale, m1, m2, m3, normalize):
+def torch_low_precision_stats(x, w, labels, scale, m1, m2, m3, normalize, *, fp32_normalize=False):
     """What plain torch computes at the inputs' dtype: GEMM (and normalization) in that dtype,
-    the rest in float32 (as an fp32 loss would)."""
+    the rest in float32 (as an fp32 loss would). ``fp32_normalize``: normalize in float32 and
+    round back, as under autocast (an fp16 normalization of a zero row is 0 / fp16(1e-12) = NaN)."""
     if normalize:
-        x = torch.nn.functional.normalize(x, dim=1)
-        w = torch.nn.functional.normalize(w, dim=1)
+        def unit(t):
+            return torch.nn.functional.normalize(t.float() if fp32_normalize else t, dim=1).to(t.dtype)
+        x, w = unit(x), unit(w)
     z = (x @ w.t()).float()
     if normalize:
         zt = z.gather(1, labels[:, None])
