@@ -1,107 +1,23 @@
-"""Tests of the per-shard ops shardkit::ce_shard_stats / ce_shard_stats_backward against a
-float64 full-logit reference (tests/sce_reference.py)."""
+"""CPU tests of the per-shard ops shardkit::ce_shard_stats / ce_shard_stats_backward against
+a float64 full-logit reference (tests/sce_reference.py); the GPU ones are in
+test_sharded_ce_ops_gpu.py, the shared checks in tests/sce_checks.py."""
 
 import math
 
 import pytest
 import torch
 
-import shardkit
-from sce_reference import full_logits, margin_psi
+from sce_checks import (
+    MARGINS,
+    check_against_reference,
+    check_low_precision,
+    check_plain_by_rows,
+    kw,
+    make_case,
+    opcheck_samples,
+    rel,
+)
 from shardkit.ops import ce_shard_stats, chunk_classes_for_budget
-
-# name -> (scale, m1, m2, m3, normalize)
-MARGINS = {
-    "plain": (0.7, 1.0, 0.0, 0.0, False),
-    "cosine": (16.0, 1.0, 0.0, 0.0, True),
-    "cosface": (30.0, 1.0, 0.0, 0.35, True),
-    "arcface": (30.0, 1.0, 0.5, 0.0, True),
-    "combined": (20.0, 1.1, 0.3, 0.2, True),
-}
-
-
-def rel(a, b, floor=1e-30):
-    """||a - b|| / max(||b||, floor); the floor covers references that are exactly zero in
-    theory (e.g. d/dx through the normalization when D == 1) and rounding noise in practice."""
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(floor)).item()
-
-
-def kw(name):
-    s, m1, m2, m3, norm = MARGINS[name]
-    return dict(scale=s, m1=m1, m2=m2, m3=m3, normalize=norm)
-
-
-def ref_stats(x, w, labels, class_offset, *, scale, m1, m2, m3, normalize):
-    """float64 (lse, target, sum, plain logits) of one shard from its full logits."""
-    local = labels - class_offset  # outside [0, C_k): no target in this shard (no margin)
-    plain = full_logits(x, w, local, scale=scale, normalize=normalize, margin_on_target=False)
-    C = w.shape[0]
-    if C == 0:
-        zero = torch.zeros(x.shape[0], dtype=torch.float64)
-        return torch.full_like(zero, -math.inf), zero, zero, plain
-    z = full_logits(x, w, local, scale=scale, m1=m1, m2=m2, m3=m3, normalize=normalize)
-    inside = (local >= 0) & (local < C)
-    tgt = torch.where(inside, z.gather(1, torch.where(inside, local, 0)[:, None])[:, 0], 0.0)
-    return torch.logsumexp(z, 1), tgt, z.sum(1), plain
-
-
-def count_bracket(plain, tref, tol=1e-4):
-    band = tol * tref.double().abs().clamp_min(1.0)
-    t = tref.double()[:, None]
-    return (plain > t + band[:, None]).sum(1), (plain > t - band[:, None]).sum(1)
-
-
-def make_case(B, D, C, class_offset, dtype=torch.float32, device="cpu", spread=None):
-    x = torch.randn(B, D, dtype=dtype, device=device)
-    w = torch.randn(C, D, dtype=dtype, device=device)
-    if D == 1:  # normalization divides rounding noise by |x| (exact gradient 0): keep |x| away from 0
-        x = x.sign() * (x.abs() + 0.5)
-        w = w.sign() * (w.abs() + 0.5)
-    spread = spread or (class_offset + C + 5)
-    labels = torch.randint(0, spread, (B,), device=device)
-    if C > 0 and B > 1:  # make sure some rows have their target in this shard
-        labels[: B // 2] = class_offset + torch.randint(0, C, (B // 2,), device=device)
-    return x, w, labels
-
-
-def check_against_reference(x, w, labels, class_offset, name, chunk, tol=1e-5, grad_tol=None):
-    k = kw(name)
-    B = x.shape[0]
-    xr = x.detach().double().cpu().requires_grad_()
-    wr = w.detach().double().cpu().requires_grad_()
-    r_lse, r_t, r_s, plain = ref_stats(xr, wr, labels.cpu(), class_offset, **k)
-    tref = (r_t.detach() + 0.3 * torch.randn(B, dtype=torch.float64)).float()
-    xx = x.detach().clone().requires_grad_()
-    ww = w.detach().clone().requires_grad_()
-    lse, t, s, cnt = ce_shard_stats(xx, ww, labels, class_offset=class_offset, chunk_classes=chunk,
-                                    target_ref=tref.to(x.device), **k)
-    assert lse.dtype == torch.float32 and cnt.dtype == torch.int64 and lse.shape == (B,)
-    if w.shape[0] == 0:
-        assert torch.isneginf(lse).all() and (t == 0).all() and (s == 0).all() and (cnt == 0).all()
-    else:
-        assert rel(lse.cpu(), r_lse) <= tol
-        assert rel(t.cpu(), r_t) <= tol or r_t.abs().max() == 0 and (t == 0).all()
-        assert rel(s.cpu(), r_s) <= max(tol, 1e-6 * r_s.abs().max().item() / r_s.norm().clamp_min(1e-30).item())
-    lo, hi = count_bracket(plain.detach(), tref)
-    assert ((cnt.cpu() >= lo) & (cnt.cpu() <= hi)).all()
-    # Gradients of a random combination of the three differentiable outputs.
-    g = [torch.randn(B, dtype=torch.float64) for _ in range(3)]
-    loss = sum((o * gg.to(o.device, o.dtype)).sum() for o, gg in zip((lse, t, s), g) if torch.isfinite(o).all())
-    if w.shape[0] == 0:
-        gx, gw = torch.autograd.grad(loss + xx.sum() * 0 + ww.sum() * 0, (xx, ww))
-        assert (gx == 0).all() and gw.shape == w.shape
-        return
-    gx, gw = torch.autograd.grad(loss, (xx, ww))
-    r_loss = sum((o * gg).sum() for o, gg in zip((r_lse, r_t, r_s), g))
-    rgx, rgw = torch.autograd.grad(r_loss, (xr, wr))
-    assert gx.dtype == x.dtype and gw.dtype == w.dtype
-    # Floor: the size of the logit gradients (scale * sqrt(B)). It only matters where the exact
-    # gradient vanishes: with D == 1 and normalize, d/dx and d/dw are 0 in theory but fp32
-    # rounding of x / |x| leaves ~1e-7 of the unprojected gradient.
-    floor = k["scale"] * math.sqrt(B)
-    assert rel(gx.cpu(), rgx, floor) <= (grad_tol or tol)
-    assert rel(gw.cpu(), rgw, floor) <= (grad_tol or tol)
 
 
 @pytest.mark.parametrize("name", list(MARGINS))
@@ -109,7 +25,14 @@ def check_against_reference(x, w, labels, class_offset, name, chunk, tol=1e-5, g
                                              (6, 1, 40, 3, 1), (11, 5, 23, 2, 100)])
 def test_matches_reference(name, B, D, C, off, chunk):
     x, w, labels = make_case(B, D, C, off)
-    check_against_reference(x, w, labels, off, name, chunk)
+    # D = 1 with an angular margin: every cosine is exactly +-1, at the clamp of acos, where
+    # psi has infinite slope (psi' jumps from 0 to ~m1 sin(m2) / 4.5e-4): fp32 rounding of
+    # x / |x| (cos = 1 - 1.2e-7 instead of 1) moves the target logit by up to ~1e-4 of
+    # itself, and the exact gradients are 0 (the normalization projects everything out) but
+    # rounding leaves ~psi' * eps of the rest. Tolerances 1e-3 there.
+    _, m1, m2, _, _ = MARGINS[name]
+    tol = 1e-3 if D == 1 and (m1, m2) != (1.0, 0.0) else 1e-5
+    check_against_reference(x, w, labels, off, name, chunk, tol=tol)
 
 
 @pytest.mark.parametrize("name", ["plain", "arcface"])
@@ -165,43 +88,6 @@ def test_low_precision_within_2x_torch_error(dtype, name):
     check_low_precision("cpu", dtype, name)
 
 
-def torch_low_precision_stats(x, w, labels, scale, m1, m2, m3, normalize):
-    """What plain torch computes at the inputs' dtype: GEMM (and normalization) in that dtype,
-    the rest in float32 (as an fp32 loss would)."""
-    if normalize:
-        x = torch.nn.functional.normalize(x, dim=1)
-        w = torch.nn.functional.normalize(w, dim=1)
-    z = (x @ w.t()).float()
-    if normalize:
-        zt = z.gather(1, labels[:, None])
-        z = z.scatter(1, labels[:, None], margin_psi(zt, m1, m2, m3))
-    z = scale * z
-    return torch.logsumexp(z, 1), z.gather(1, labels[:, None])[:, 0], z.sum(1)
-
-
-def check_low_precision(device, dtype, name):
-    k = kw(name)
-    B, D, C = 33, 64, 257
-    x32, w32, labels = make_case(B, D, C, 0)
-    labels = torch.randint(0, C, (B,))
-    x = x32.to(device, dtype).requires_grad_()
-    w = w32.to(device, dtype).requires_grad_()
-    g = [torch.randn(B, dtype=torch.float64) for _ in range(3)]
-    xr = x.detach().double().cpu().requires_grad_()
-    wr = w.detach().double().cpu().requires_grad_()
-    ref = ref_stats(xr, wr, labels, 0, **k)[:3]
-    rg = torch.autograd.grad(sum((o * gg).sum() for o, gg in zip(ref, g)), (xr, wr))
-    xt = x.detach().clone().requires_grad_()
-    wt = w.detach().clone().requires_grad_()
-    tor = torch_low_precision_stats(xt, wt, labels.to(device), **k)
-    tg = torch.autograd.grad(sum((o * gg.to(device).float()).sum() for o, gg in zip(tor, g)), (xt, wt))
-    ours = ce_shard_stats(x, w, labels.to(device), chunk_classes=60, **k)[:3]
-    og = torch.autograd.grad(sum((o * gg.to(device).float()).sum() for o, gg in zip(ours, g)), (x, w))
-    assert og[0].dtype == dtype and og[1].dtype == dtype
-    for a, b, r in zip(list(ours) + list(og), list(tor) + list(tg), list(ref) + list(rg)):
-        err_ours, err_torch = rel(a.cpu(), r), rel(b.cpu(), r)
-        assert err_ours <= 2 * err_torch + 1e-6, (err_ours, err_torch)
-
 
 def test_gradcheck_float64():
     B, D, C = 3, 4, 7
@@ -219,26 +105,16 @@ def test_gradcheck_float64():
         assert torch.autograd.gradcheck(lambda x, w: fn(x, w, 2), (x, w))
 
 
-def _opcheck_samples():
-    samples = []
-    for name, (B, D, C, off, chunk) in [("plain", (5, 8, 13, 0, 4)), ("arcface", (4, 3, 9, 2, 100)),
-                                        ("combined", (1, 5, 6, 0, 1)), ("cosface", (3, 2, 0, 0, 2))]:
-        s, m1, m2, m3, norm = MARGINS[name]
-        x, w, labels = make_case(B, D, C, off)
-        tref = torch.randn(B) if name != "arcface" else None
-        samples.append((x, w, labels, tref, off, s, m1, m2, m3, norm, chunk))
-    return samples
-
 
 def test_opcheck_forward():
-    for x, w, labels, tref, *rest in _opcheck_samples():
+    for x, w, labels, tref, *rest in opcheck_samples():
         for rg in (False, True):
             args = (x.clone().requires_grad_(rg), w.clone().requires_grad_(rg), labels, tref, *rest)
             torch.library.opcheck(torch.ops.shardkit.ce_shard_stats.default, args)
 
 
 def test_opcheck_backward():
-    for x, w, labels, tref, off, s, m1, m2, m3, norm, chunk in _opcheck_samples():
+    for x, w, labels, tref, off, s, m1, m2, m3, norm, chunk in opcheck_samples():
         lse = torch.ops.shardkit.ce_shard_stats(x, w, labels, tref, off, s, m1, m2, m3, norm, chunk)[0]
         B = x.shape[0]
         grads = [torch.randn(B) for _ in range(3)]
@@ -304,135 +180,12 @@ def test_compile_traces_the_op():
     assert rel(fn(x, w), ce_shard_stats(x, w, labels, chunk_classes=8, **kw("arcface"))[0].sum()) <= 1e-6
 
 
-# ---- GPU (run on the device machine) ----------------------------------------------------
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", list(MARGINS))
-@pytest.mark.parametrize("B,D,C,off,chunk", [(37, 29, 300, 50, 64), (256, 128, 5000, 7, 1024), (1, 3, 17, 0, 7),
-                                             (9, 5, 0, 0, 4), (5, 16, 1, 3, 1), (300, 64, 777, 0, None)])
-def test_cuda_matches_reference(name, B, D, C, off, chunk):
-    assert shardkit.cuda_built(), "this build has no CUDA kernels"
-    x, w, labels = make_case(B, D, C, off, device="cuda")
-    check_against_reference(x, w, labels, off, name, chunk)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("name", ["plain", "arcface", "combined"])
-def test_cuda_low_precision(dtype, name):
-    check_low_precision("cuda", dtype, name)
-
-
-@pytest.mark.gpu
-def test_cuda_theta_past_pi_and_noncontiguous():
-    w = torch.randn(80, 33, device="cuda")[::2]  # [40, 33], strided rows
-    labels = torch.randint(0, 40, (10,), device="cuda")
-    x = (-w[labels] + 0.05 * torch.randn(10, 33, device="cuda"))
-    check_against_reference(x, w, labels, 0, "arcface", 16)
-    check_against_reference(x.t().contiguous().t(), w, labels, 0, "combined", 5)
-
-
-@pytest.mark.gpu
-def test_cuda_opcheck():
-    for x, w, labels, tref, *rest in _opcheck_samples():
-        args = (x.cuda().requires_grad_(), w.cuda().requires_grad_(), labels.cuda(),
-                None if tref is None else tref.cuda(), *rest)
-        torch.library.opcheck(torch.ops.shardkit.ce_shard_stats.default, args)
-
-
-@pytest.mark.gpu
-def test_cuda_device_errors():
-    x, w, labels = make_case(4, 8, 10, 0, device="cuda")
-    op = torch.ops.shardkit.ce_shard_stats
-    with pytest.raises(RuntimeError, match=r"argument `w` must be on the device of `x`"):
-        op(x, w.cpu(), labels, None, 0, 1.0, 1.0, 0.0, 0.0, False, 4)
-    with pytest.raises(RuntimeError, match=r"argument `labels` must be on the device of `x`"):
-        op(x, w, labels.cpu(), None, 0, 1.0, 1.0, 0.0, 0.0, False, 4)
-    with pytest.raises(RuntimeError, match=r"argument `target_ref` must be on the device of `x`"):
-        op(x, w, labels, torch.zeros(4), 0, 1.0, 1.0, 0.0, 0.0, False, 4)
-    lse = torch.zeros(4, device="cuda")
-    with pytest.raises(RuntimeError, match=r"argument `grad_lse` must be on the device of `x`"):
-        torch.ops.shardkit.ce_shard_stats_backward(lse.cpu(), lse, lse, x, w, labels, lse, 0, 1.0, 1.0, 0.0, 0.0,
-                                                    False, 4)
-
-
-def plain_reference_by_rows(x, w, labels, scale, g, rows=64):
-    """float64 (lse, target, sum) of the plain logits z = scale * x @ w.T (labels all inside
-    the shard) and the gradients of sum(g[0] * lse + g[1] * target + g[2] * sum) w.r.t. x and
-    w, in blocks of rows: for shards whose full float64 logit matrix would not fit in memory."""
-    xd, wd = x.double(), w.double()
-    B = x.shape[0]
-    lse, tgt, zsum = (torch.empty(B, dtype=torch.float64, device=x.device) for _ in range(3))
-    gx, gw = torch.empty_like(xd), torch.zeros_like(wd)
-    for r0 in range(0, B, rows):
-        r = slice(r0, min(B, r0 + rows))
-        z = scale * (xd[r] @ wd.t())
-        lse[r] = torch.logsumexp(z, 1)
-        tgt[r] = z.gather(1, labels[r, None])[:, 0]
-        zsum[r] = z.sum(1)
-        dz = torch.exp(z - lse[r, None]).mul_(g[0][r, None]).add_(g[2][r, None])
-        dz.scatter_add_(1, labels[r, None], g[1][r, None])
-        gx[r] = scale * (dz @ wd)
-        gw += scale * (dz.t() @ xd[r])
-    return lse, tgt, zsum, gx, gw
-
-
-def check_plain_by_rows(x, w, labels, scale, chunk):
-    g = [torch.randn(x.shape[0], dtype=torch.float64, device=x.device) for _ in range(3)]
-    xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
-    lse, t, s, _ = ce_shard_stats(xx, ww, labels, scale=scale, chunk_classes=chunk)
-    gx, gw = torch.autograd.grad(sum((o * gg.to(o.dtype)).sum() for o, gg in zip((lse, t, s), g)), (xx, ww))
-    r_lse, r_t, r_s, r_gx, r_gw = plain_reference_by_rows(x, w, labels, scale, g)
-    assert rel(lse, r_lse) <= 1e-5 and rel(t, r_t) <= 1e-5
-    # The sum of a row's logits cancels: bound its error by the sum of their magnitudes.
-    r_abs = scale * (x.double().abs() @ w.double().abs().t().sum(1, keepdim=True))[:, 0]
-    assert ((s.double() - r_s).abs() <= 1e-6 * r_abs).all()
-    floor = scale * math.sqrt(x.shape[0])
-    assert rel(gx, r_gx, floor) <= 1e-5 and rel(gw, r_gw, floor) <= 1e-5
-
 
 def test_plain_reference_by_rows_matches_the_op():
     # The row-block reference of the large GPU test below, checked here against the op.
     x, w, _ = make_case(70, 6, 300, 0)
     labels = torch.randint(0, 300, (70,))
     check_plain_by_rows(x, w, labels, 0.7, 64)
-
-
-@pytest.mark.gpu
-def test_cuda_more_than_2_31_logits_in_one_chunk():
-    # B * C_chunk > 2^31: element offsets into the chunk's logit / dlogit buffers (row i at
-    # i * n) do not fit an int32. About 12 GB of GPU memory at peak (8.6 GB logit buffer).
-    B, D, C = 2049, 8, (1 << 20) + 3
-    assert B * C > 2**31
-    x = torch.randn(B, D, device="cuda")
-    w = torch.randn(C, D, device="cuda")
-    labels = torch.randint(0, C, (B,), device="cuda")
-    labels[-1] = C - 1  # the very last logit of the buffer is a target
-    check_plain_by_rows(x, w, labels, 0.7, C)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (a shard on cuda:1 while cuda:0 is current)")
-@pytest.mark.parametrize("name", ["plain", "arcface"])
-def test_cuda_shard_on_non_current_device(name):
-    x, w, labels = make_case(33, 24, 500, 7, device="cuda:1")
-    with torch.cuda.device(0):
-        check_against_reference(x, w, labels, 7, name, 64)
-
-
-@pytest.mark.gpu
-def test_cuda_side_stream_matches_default_stream():
-    # Kernels, GEMMs and temporaries all on the caller's current stream.
-    x, w, labels = make_case(64, 32, 3000, 0, device="cuda")
-    ref = ce_shard_stats(x, w, labels, chunk_classes=256, **kw("arcface"))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        out = ce_shard_stats(x, w, labels, chunk_classes=256, **kw("arcface"))
-    torch.cuda.current_stream().wait_stream(side)
-    for a, b in zip(out[:3], ref[:3]):
-        assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
-    assert torch.equal(out[3], ref[3])
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -450,3 +203,48 @@ def test_minus_inf_logits_add_nothing(device):
     assert torch.isfinite(lse).all()
     assert rel(lse.cpu(), ref) <= 1e-5
     assert rel(t.cpu(), 0.7 * (x.double() * w.double()[labels]).sum(1)) <= 1e-5
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_row_of_minus_inf_logits_has_minus_inf_lse(device, dtype):
+    # Row 0's logits all overflow to -inf: lse = log(0) = -inf (as for a shard without
+    # classes), not NaN, on every device and whatever the chunk / thread split; the other
+    # rows are unaffected.
+    C = 50
+    w = -1e20 * (1.0 + torch.rand(C, 1, dtype=torch.float64))
+    x = torch.tensor([[1e300 if dtype == torch.float64 else 1e20], [1e-21], [-1e-20]], dtype=torch.float64)
+    labels = torch.tensor([3, 17, C + 4])
+    assert torch.isneginf((x[:1].to(dtype) @ w.to(dtype).t())).all()
+    ref = torch.logsumexp(x[1:] @ w.t(), 1)
+    for chunk in (1, 8, C):
+        lse, t, s, _ = ce_shard_stats(x.to(device, dtype), w.to(device, dtype), labels.to(device), chunk_classes=chunk)
+        assert lse.dtype == dtype
+        assert torch.isneginf(lse[0]) and torch.isneginf(t[0]) and torch.isneginf(s[0])
+        assert rel(lse[1:].cpu(), ref) <= 1e-5 and t[2] == 0
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("name", ["plain", "arcface"])
+def test_empty_batch(device, name):
+    # B = 0 (the module refuses it, the op must not): [0] statistics, zero weight gradient.
+    x = torch.randn(0, 6, device=device, requires_grad=True)
+    w = torch.randn(11, 6, device=device, requires_grad=True)
+    labels = torch.zeros(0, dtype=torch.long, device=device)
+    lse, t, s, cnt = ce_shard_stats(x, w, labels, chunk_classes=4, **kw(name))
+    assert lse.shape == t.shape == s.shape == cnt.shape == (0,) and lse.dtype == torch.float32
+    gx, gw = torch.autograd.grad(lse.sum() + t.sum() + s.sum(), (x, w))
+    assert gx.shape == (0, 6) and gw.shape == (11, 6) and (gw == 0).all()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_nan_logit_among_minus_inf_gives_nan(device):
+    # A NaN logit (a NaN weight row) in a row whose other logits are all -inf: the max skips
+    # NaN, and the NaN must still reach lse (never a silent -inf), whichever thread holds it.
+    C = 300
+    w = -1e20 * (1.0 + torch.rand(C, 1))
+    w[C // 2 + 7] = math.nan
+    x = torch.tensor([[1e20], [1e-21]])
+    for chunk in (1, 64, C):
+        lse = ce_shard_stats(x.to(device), w.to(device), torch.tensor([0, 1], device=device), chunk_classes=chunk)[0]
+        assert torch.isnan(lse).all(), lse

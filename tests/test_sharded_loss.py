@@ -1,10 +1,14 @@
-"""ShardedSoftmaxLoss / sharded_cross_entropy / margins against the float64 full-logit
-reference (tests/sce_reference.py). Repeated "cpu" devices exercise the multi-device path."""
+"""ShardedSoftmaxLoss / sharded_cross_entropy numerics against the float64 full-logit
+reference (tests/sce_reference.py): margins, reductions, shards, smoothing, top-k, low
+precision, autocast, gradcheck; then the same on the GPU (marked ``gpu``). Repeated "cpu"
+devices exercise the multi-device path. Module API, checkpoints and errors:
+test_sharded_loss_api.py."""
 
-import copy
-import io
 import math
-import pickle
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -12,6 +16,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import shardkit
+from sce_checks import LOSS_MARGINS as MARGINS
+from sce_checks import assert_matches_reference, grads_of, make_labels, rel
 from sce_reference import (
     margin_kwargs,
     reference_correct,
@@ -20,42 +26,6 @@ from sce_reference import (
     reference_lse,
     split_rows,
 )
-
-MARGINS = {
-    "plain": None,
-    "cosface": shardkit.CosFace(s=8.0, m=0.35),
-    "arcface": shardkit.ArcFace(s=8.0, m=0.5),
-    "combined": shardkit.CombinedMargin(6.0, 1.15, 0.3, 0.1),
-}
-
-
-def rel(a, b):
-    b = b.double()
-    return ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def make_labels(batch, num_classes, ignore=()):
-    y = torch.randint(0, num_classes, (batch,))
-    for i in ignore:
-        y[i] = -100
-    return y
-
-
-def grads_of(loss_fn, x, y, grad_out=None, **kw):
-    x = x.detach().clone().requires_grad_(True)
-    loss = loss_fn(x, y, **kw)
-    grad_out = torch.randn_like(loss) if grad_out is None else grad_out
-    gx, *gw = torch.autograd.grad(loss, [x, *loss_fn.weight_shards], grad_out)
-    return loss, gx, torch.cat(gw), grad_out
-
-
-def assert_matches_reference(loss_fn, x, y, margin, tol=1e-5, **ref_kw):
-    loss, gx, gw, g = grads_of(loss_fn, x, y)
-    ref = reference_loss_and_grads(x, loss_fn.full_weight(), y, g, **margin_kwargs(margin), **ref_kw)
-    assert loss.dtype == torch.float32 and loss.shape == ref.loss.shape
-    assert rel(loss, ref.loss) <= tol
-    assert rel(gx, ref.grad_x) <= tol
-    assert rel(gw, ref.grad_w) <= tol
 
 
 @pytest.mark.parametrize("margin_name", list(MARGINS))
@@ -206,36 +176,6 @@ def test_checkpointed_backbone():
         assert rel(b, a) <= 1e-6
 
 
-def test_init_matches_nn_linear():
-    torch.manual_seed(1234)
-    linear = torch.nn.Linear(37, 101, bias=False)
-    torch.manual_seed(1234)
-    loss_fn = shardkit.ShardedSoftmaxLoss(37, 101, devices=["cpu"] * 4)
-    assert torch.equal(loss_fn.full_weight(), linear.weight.detach())
-
-
-@pytest.mark.parametrize("new_shards", [1, 3])
-def test_state_dict_is_shard_agnostic(new_shards):
-    saved = shardkit.ShardedSoftmaxLoss(6, 23, margin=MARGINS["arcface"], devices=["cpu"] * 4)
-    state = saved.state_dict()
-    assert list(state) == ["weight"] and state["weight"].shape == (23, 6)
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    loaded_state = torch.load(buffer, weights_only=True)
-    loaded = shardkit.ShardedSoftmaxLoss(6, 23, margin=MARGINS["arcface"], devices=["cpu"] * new_shards)
-    loaded.load_state_dict(loaded_state)
-    assert torch.equal(loaded.full_weight(), saved.full_weight())
-    x, y = torch.randn(5, 6), make_labels(5, 23)
-    assert rel(loaded(x, y), saved(x, y)) <= 1e-6
-    # Nested inside a model: the prefix is respected.
-    model = torch.nn.ModuleDict({"head": loaded})
-    assert list(model.state_dict()) == ["head.weight"]
-    model.load_state_dict({"head.weight": state["weight"] * 2})
-    assert torch.equal(loaded.full_weight(), saved.full_weight() * 2)
-    with pytest.raises(RuntimeError, match=r"size mismatch for weight.*\[num_classes, embedding_dim\]"):
-        loaded.load_state_dict({"weight": torch.randn(22, 6)})
-
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_within_2x_torch_error(dtype):
@@ -277,99 +217,6 @@ def test_cpu_autocast_bf16():
     assert rel(gx, ref.grad_x) <= 2 * rel(t_gx, ref.grad_x)
     assert rel(torch.cat(gw), ref.grad_w) <= 2 * rel(t_gw, ref.grad_w)
 
-
-def test_int32_labels_accepted():
-    loss_fn = shardkit.ShardedSoftmaxLoss(4, 10, devices=["cpu"] * 2)
-    x, y = torch.randn(5, 4), make_labels(5, 10)
-    assert rel(loss_fn(x, y.int()), loss_fn(x, y)) == 0
-
-
-def _bad(loss_fn, x, y, exc, match):
-    with pytest.raises(exc, match=match):
-        loss_fn(x, y)
-
-
-def test_bad_inputs_name_the_argument():
-    loss_fn = shardkit.ShardedSoftmaxLoss(4, 10, devices=["cpu"] * 2)
-    x, y = torch.randn(5, 4), make_labels(5, 10)
-    _bad(loss_fn, x, torch.tensor([0, 1, 10, 2, 3]), ValueError, r"`labels` has class ids >= num_classes=10")
-    _bad(loss_fn, x, torch.tensor([0, 1, -3, 2, 3]), ValueError,
-         r"`labels` has negative class ids other than ignore_index")
-    _bad(loss_fn, x, y.float(), TypeError, r"`labels` must be an integer tensor")
-    _bad(loss_fn, x, y.bool(), TypeError, r"`labels` must be an integer tensor")
-    _bad(loss_fn, x, y[:4], ValueError, r"`labels` must be 1-D with 5 entries")
-    _bad(loss_fn, x, y[:, None], ValueError, r"`labels` must be 1-D with 5 entries")
-    _bad(loss_fn, x[0], y, ValueError, r"`embeddings` must be 2-D")
-    _bad(loss_fn, torch.randn(5, 3), y, ValueError, r"`embeddings` has dim 3, but this loss has embedding_dim=4")
-    _bad(loss_fn, x.long(), y, TypeError, r"`embeddings` must be floating point")
-    _bad(loss_fn, x[:0], y[:0], ValueError, r"`embeddings` is an empty batch")
-    _bad(loss_fn, x, y.to("meta"), ValueError, r"`labels` is on meta but `embeddings` is on cpu")
-    for value in (math.nan, math.inf, -math.inf):
-        bad = x.clone()
-        bad[2, 1] = value
-        _bad(loss_fn, bad, y, ValueError, r"`embeddings` contains NaN or infinite values")
-    # ignore_index itself passes, and may be any value.
-    y2 = y.clone()
-    y2[0] = -100
-    loss_fn(x, y2)
-    with pytest.raises(ValueError, match=r"`embeddings` has dim 3, but the weights have embedding dim 4"):
-        shardkit.sharded_cross_entropy(torch.randn(5, 3), list(loss_fn.weight_shards), y)
-    with pytest.raises(ValueError, match=r"`weight_shards\[1\]` has embedding dim 3"):
-        shardkit.sharded_cross_entropy(x, [torch.randn(3, 4), torch.randn(2, 3)], y)
-    with pytest.raises(TypeError, match=r"`margin` must be None or a shardkit margin"):
-        shardkit.sharded_cross_entropy(x, [torch.randn(10, 4)], y, margin=0.5)
-
-
-def test_check_inputs_modes():
-    x, y = torch.randn(5, 4), make_labels(5, 10)
-    x[0, 0] = math.nan
-    quiet = shardkit.ShardedSoftmaxLoss(4, 10, check_inputs=False)
-    assert torch.isnan(quiet(x, y))  # no check: NaN propagates
-    eager = shardkit.ShardedSoftmaxLoss(4, 10, check_inputs="async")
-    with pytest.raises(RuntimeError, match="non-finite `embeddings`"):
-        eager(x, y)  # on the CPU, _assert_async raises at once
-
-
-def test_constructor_errors():
-    with pytest.raises(ValueError, match=r"`shard_sizes` \[5, 4\] sums to 9, not num_classes=10"):
-        shardkit.ShardedSoftmaxLoss(4, 10, devices=["cpu", "cpu"], shard_sizes=[5, 4])
-    with pytest.raises(ValueError, match=r"`shard_sizes` has 3 entries for 2 devices"):
-        shardkit.ShardedSoftmaxLoss(4, 10, devices=["cpu", "cpu"], shard_sizes=[5, 4, 1])
-    with pytest.raises(ValueError, match=r"`num_classes` must be a positive int"):
-        shardkit.ShardedSoftmaxLoss(4, 0)
-    with pytest.raises(ValueError, match=r"`reduction` must be one of"):
-        shardkit.ShardedSoftmaxLoss(4, 10, reduction="avg")
-    with pytest.raises(ValueError, match=r"`label_smoothing` must be in \[0, 1\]"):
-        shardkit.ShardedSoftmaxLoss(4, 10, label_smoothing=1.5)
-    with pytest.raises(ValueError, match=r"`chunk_memory` must look like"):
-        shardkit.ShardedSoftmaxLoss(4, 10, chunk_memory="lots")
-    with pytest.raises(ValueError, match=r"`check_inputs` must be True, False or 'async'"):
-        shardkit.ShardedSoftmaxLoss(4, 10, check_inputs="sometimes")
-    assert shardkit.ShardedSoftmaxLoss(4, 10, chunk_memory="1.5KiB").chunk_memory == 1536
-
-
-def test_margin_objects():
-    arc = shardkit.ArcFace(64, 0.5)
-    assert arc.params() == (64.0, 1.0, 0.5, 0.0) and repr(arc) == "ArcFace(s=64.0, m=0.5)"
-    assert shardkit.CosFace().params() == (64.0, 1.0, 0.0, 0.4)
-    assert arc == shardkit.CombinedMargin(64, 1.0, 0.5, 0.0)
-    assert hash(arc) == hash(shardkit.CombinedMargin(64, 1, 0.5, 0))
-    assert pickle.loads(pickle.dumps(arc)) == arc and copy.deepcopy(arc) == arc
-    assert abs(arc.c_max - math.cos(math.pi - 0.5)) < 1e-15 and shardkit.CosFace().c_max == -1.0
-    with pytest.raises(AttributeError, match="immutable"):
-        arc.scale = 3.0
-    with pytest.raises(ValueError, match=r"ArcFace: argument `m` \(radians\) must be in \[0, pi\)"):
-        shardkit.ArcFace(64, 4.0)
-    with pytest.raises(ValueError, match=r"CosFace: argument `s` \(the scale\) must be > 0"):
-        shardkit.CosFace(0.0, 0.4)
-    with pytest.raises(ValueError, match=r"CosFace: argument `m` must be >= 0"):
-        shardkit.CosFace(64, -0.1)
-    with pytest.raises(ValueError, match=r"CombinedMargin: argument `m1` must be > 0"):
-        shardkit.CombinedMargin(64, 0.0, 0.3, 0.2)
-    with pytest.raises(ValueError, match=r"CombinedMargin: argument `m3` must be finite"):
-        shardkit.CombinedMargin(64, 1.0, 0.3, math.inf)
-    with pytest.raises(TypeError, match=r"ArcFace: argument `m` must be a real number"):
-        shardkit.ArcFace(64, "0.5")
 
 
 def test_arcface_past_pi_is_continuous_and_monotone():
@@ -438,21 +285,25 @@ def test_cuda_autocast_bf16_module_moves_with_to():
     assert [p.device.type for p in loss_fn.weight_shards] == ["cuda", "cuda"]
     x, y = torch.randn(48, 64, device="cuda"), make_labels(48, 999).cuda()
     kw = margin_kwargs(loss_fn.margin)
-    ref = reference_loss(x.cpu(), loss_fn.full_weight("cpu"), y.cpu(), reduction="none", **kw)
+    w = loss_fn.full_weight("cuda")
+    ref = reference_loss(x.cpu(), w.cpu(), y.cpu(), reduction="none", **kw)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         loss = loss_fn(x, y)
+        # torch's own bf16 path: the cosine logits by F.linear under autocast.
+        cos = F.linear(F.normalize(x, dim=1), F.normalize(w, dim=1))
     loss.sum().backward()
     assert loss.dtype == torch.float32 and all(p.grad.dtype == torch.float32 for p in loss_fn.weight_shards)
-    # torch's own bf16 error: the same cosine logits from bf16-rounded inputs, in fp64.
-    x16, w16 = x.cpu().bfloat16(), loss_fn.full_weight("cpu").bfloat16()
-    torch_like = reference_loss(x16, w16, y.cpu(), reduction="none", **kw)
-    assert rel(loss.cpu(), ref) <= 2 * rel(torch_like, ref) + 1e-6
-    # Top-k under bf16: rows built to be top-1 correct must count as such.
+    m = loss_fn.margin  # CosFace: target logit s * (cos - m3)
+    torch_own = F.cross_entropy(m.scale * (cos.float() - m.m3 * F.one_hot(y, 999)), y, reduction="none")
+    assert rel(loss.cpu(), ref) <= 2 * rel(torch_own.cpu(), ref)
+    # Top-k under bf16: rows built to be top-1 correct must count as such (the bracket from
+    # the bf16-rounded inputs the kernels see, taken AFTER the rows are rebuilt).
     with torch.no_grad():
-        x[::2] = F.normalize(loss_fn.full_weight("cuda")[y[::2]], dim=1) + 0.02 * x[::2]
+        x[::2] = F.normalize(w[y[::2]], dim=1) + 0.02 * x[::2]
     with torch.autocast("cuda", dtype=torch.bfloat16):
         out = loss_fn(x, y, return_details=True, topk=(1, 5))
-    bounds = reference_correct(x16.float(), w16, y.cpu(), (1, 5), abs_tol=2 * 64 * 2.0**-8, **kw)
+    x16, w16 = x.cpu().bfloat16(), w.cpu().bfloat16()
+    bounds = reference_correct(x16, w16, y.cpu(), (1, 5), abs_tol=2 * 64 * 2.0**-8, **kw)
     for k, (lo, hi) in bounds.items():
         assert lo <= int(out.correct[k]) <= hi
     assert int(out.correct[1]) >= 24
@@ -475,3 +326,66 @@ def test_cuda_step_has_no_host_sync():
     finally:
         torch.cuda.set_sync_debug_mode(previous)
     assert torch.isfinite(out.loss).item() and x.grad is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_16bit_weights_scale_64(dtype):
+    # 16-bit weights (no autocast) with CosFace at s = 64: the loss and both gradients within
+    # 2x the error of torch's own computation at that dtype (normalize, GEMM, then fp32).
+    margin = shardkit.CosFace(s=64.0, m=0.35)
+    loss_fn = shardkit.ShardedSoftmaxLoss(48, 700, margin=margin, devices=["cuda:0"] * 2, shard_sizes=[0.6, 0.4],
+                                          dtype=dtype, reduction="none", chunk_memory="16KiB")
+    x, y = torch.randn(40, 48, device="cuda").to(dtype), make_labels(40, 700, ignore=(5,)).cuda()
+    w = loss_fn.full_weight()
+    g = torch.rand(40, device="cuda")
+    ref = reference_loss_and_grads(x.cpu(), w.cpu(), y.cpu(), g.cpu(), reduction="none", **margin_kwargs(margin))
+    xt, wt = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    cos = F.linear(F.normalize(xt, dim=1), F.normalize(wt, dim=1)).float()
+    onehot = F.one_hot(torch.where(y < 0, 0, y), 700) * (y >= 0)[:, None]
+    t_loss = F.cross_entropy(margin.scale * (cos - margin.m3 * onehot), y, reduction="none")
+    t_gx, t_gw = torch.autograd.grad(t_loss, (xt, wt), g)
+    loss, gx, gw, _ = grads_of(loss_fn, x, y, grad_out=g)
+    assert gx.dtype == dtype and gw.dtype == dtype and torch.isfinite(gw).all() and torch.isfinite(gx).all()
+    assert rel(loss.cpu(), ref.loss) <= 2 * rel(t_loss.cpu(), ref.loss)
+    assert rel(gx.cpu(), ref.grad_x) <= 2 * rel(t_gx.cpu(), ref.grad_x)
+    assert rel(gw.cpu(), ref.grad_w) <= 2 * rel(t_gw.cpu(), ref.grad_w)
+
+
+@pytest.mark.gpu
+def test_cuda_check_inputs_raise_named_errors():
+    # check_inputs=True on CUDA: one sync, then the same ValueErrors as on the CPU.
+    loss_fn = shardkit.ShardedSoftmaxLoss(4, 10, devices=["cuda:0"] * 2)
+    x, y = torch.randn(5, 4, device="cuda"), make_labels(5, 10).cuda()
+    bad_labels = y.clone()
+    bad_labels[1] = 10
+    with pytest.raises(ValueError, match=r"`labels` has class ids >= num_classes=10"):
+        loss_fn(x, bad_labels)
+    bad_x = x.clone()
+    bad_x[3, 2] = math.nan
+    with pytest.raises(ValueError, match=r"`embeddings` contains NaN or infinite values"):
+        loss_fn(bad_x, y)
+    with pytest.raises(ValueError, match=r"`labels` is on cpu but `embeddings` is on cuda:0"):
+        loss_fn(x, y.cpu())
+    assert torch.isfinite(loss_fn(x, y))
+
+
+@pytest.mark.gpu
+def test_cuda_async_check_asserts_on_the_device():
+    # check_inputs="async" never syncs: a bad label surfaces later (at the next sync at the
+    # latest) as a device-side assert, which ends the process's CUDA context: a child process.
+    code = textwrap.dedent("""
+        import torch, shardkit
+        loss_fn = shardkit.ShardedSoftmaxLoss(4, 10, devices=["cuda:0"], check_inputs="async")
+        loss = loss_fn(torch.randn(5, 4, device="cuda"), torch.tensor([0, 1, 10, 2, 3], device="cuda"))
+        print("ENQUEUED", flush=True)
+        torch.cuda.synchronize()
+        print("NOT REACHED", flush=True)
+    """)
+    package_root = os.path.dirname(os.path.dirname(shardkit.__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    # (The sticky CUDA error may already surface at a kernel launch after the assert ran,
+    # before "ENQUEUED": only its kind is checked, and that no host-side check raised.)
+    assert proc.returncode != 0 and "NOT REACHED" not in proc.stdout, (proc.stdout, proc.stderr[-2000:])
+    assert "device-side assert" in proc.stderr and "ValueError" not in proc.stderr, proc.stderr[-2000:]

@@ -165,8 +165,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> ce_shard_stats_cpu(const Tensor& x, c
         if (has_t && count) c += (s * c_t > ref ? 1 : 0) - (z[t] > ref ? 1 : 0);  // plain logit counts
         const T m_new = std::max(M[i], mx);
         T zs = 0;
-        const T se = expsum_f(z, n, m_new, &zs);
-        S[i] = (M[i] == -std::numeric_limits<T>::infinity() ? T(0) : S[i] * std::exp(M[i] - m_new)) + se;
+        // All logits so far -inf: exp(z - m) would be exp(-inf - -inf) = NaN; any finite
+        // reference gives the right sum, 0 (NaN logits, skipped by the max, still give NaN).
+        const T se = expsum_f(z, n, m_new == -std::numeric_limits<T>::infinity() ? T(0) : m_new, &zs);
+        // While the max is -inf, S is 0, or NaN from a NaN logit (the max skips NaN): keep it.
+        S[i] = (M[i] == -std::numeric_limits<T>::infinity() ? S[i] : S[i] * std::exp(M[i] - m_new)) + se;
         M[i] = m_new;
         ls[i] += zs;
         cn[i] += c;
@@ -174,9 +177,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> ce_shard_stats_cpu(const Tensor& x, c
       }
     });
   });
-  // Merge the threads' statistics (threads without chunks have max -inf and sum 0).
+  // Merge the threads' statistics (threads without chunks have max -inf and sum 0). Rows
+  // whose logits are all -inf get lse = log(0) = -inf, as a shard without classes (and the
+  // CUDA kernel): shift by 0 there, not by M (Mt - M would be -inf - -inf = NaN).
   Tensor M = Mt.amax(0);
-  Tensor lse = M + (St * (Mt - M).exp_()).sum(0).log_();
+  const Tensor shift = M.masked_fill(M == -std::numeric_limits<double>::infinity(), 0);
+  Tensor lse = M + (St * (Mt - shift).exp_()).sum(0).log_();
   return {lse, tgt, LSt.sum(0), CNt.sum(0)};
 }
 

@@ -7,8 +7,10 @@
 //   backward: an elementwise kernel turns the logits into dlogits, written in the GEMM input
 //             dtype, then dX += G @ W_chunk (fp32 accumulation) and dW_chunk = G^T @ X written
 //             straight into grad_w (through a fix-up kernel for normalization / dtype).
-// With normalize=True the weights are never copied: logits of the raw chunk are scaled by
-// 1 / |w_j| in the fused kernels, and the normalization backward is applied per chunk.
+// With normalize=True the forward never copies the weights: logits of the raw chunk are
+// scaled by 1 / |w_j| in the fused kernel. The fp32/fp64 backward folds 1 / |w_j| into the
+// dlogits too; the 16-bit one cannot (fp16 dlogits would overflow for small rows) and uses a
+// normalized copy of the chunk instead. The normalization backward is applied per chunk.
 // Extra memory: O(B * chunk + chunk * D).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -54,15 +56,21 @@ __device__ __forceinline__ float dev_exp<float>(float v) {
 template <typename T>
 __device__ __forceinline__ void merge_ms(T& m, T& s, T m2, T s2) {
   const T mn = m > m2 ? m : m2;
-  if (mn == -std::numeric_limits<T>::infinity()) return;  // both empty
+  if (mn == -std::numeric_limits<T>::infinity()) {
+    // Both hold only -inf logits: s and s2 are 0, or NaN from a NaN logit (which the max
+    // skips), and that NaN must survive the merge from either side, as on the CPU.
+    s += s2;
+    return;
+  }
   s = s * dev_exp(m - mn) + s2 * dev_exp(m2 - mn);
   m = mn;
 }
 
-// 1 / max(|w_j|, eps) for the chunk's rows (one warp per row).
+// 1 / max(|w_j|, eps) for the chunk's rows (one warp per row) and, if what is given, the
+// normalized rows w_j / max(|w_j|, eps) in w's dtype, contiguous [n, D].
 template <typename scalar_t, typename T>
 __global__ void inv_row_norm_kernel(const scalar_t* __restrict__ w, int64_t s0, int64_t s1, int64_t n, int64_t D,
-                                    T* __restrict__ rnorm) {
+                                    T* __restrict__ rnorm, scalar_t* __restrict__ what) {
   const int64_t row = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= n) return;
@@ -71,8 +79,11 @@ __global__ void inv_row_norm_kernel(const scalar_t* __restrict__ w, int64_t s0, 
     const T v = static_cast<T>(w[row * s0 + k * s1]);
     ss += v * v;
   }
-  for (int o = 16; o > 0; o /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  if (lane == 0) rnorm[row] = T(1) / max(sqrt(ss), T(kEps));
+  for (int o = 16; o > 0; o /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, o);  // every lane: the sum
+  const T rn = T(1) / max(sqrt(ss), T(kEps));
+  if (lane == 0) rnorm[row] = rn;
+  if (what)
+    for (int64_t k = lane; k < D; k += 32) what[row * D + k] = static_cast<scalar_t>(static_cast<T>(w[row * s0 + k * s1]) * rn);
 }
 
 // Forward: row i = blockIdx.x of the chunk's logits L [B, n] (raw dots; times rw[j] when
@@ -140,16 +151,19 @@ __global__ void row_stats_kernel(const T* __restrict__ L, int64_t n, int64_t j0,
   }
 }
 
-// Backward: G[i, j] = d loss / d(raw logit L[i, j]) (times rw[j] when normalizing, which makes
-// G the gradient w.r.t. the dots with the RAW weight rows), in the GEMM dtype g_t.
+// Backward: G[i, j] = d loss / d(cos_ij) (d loss / d(z_ij) without normalization), in the GEMM
+// dtype g_t; with g_times_r also times rw[j], which makes G the gradient w.r.t. the dots with
+// the RAW weight rows (fp32 / fp64 only: in 16 bits, 1 / |w_j| would overflow fp16 for small
+// rows, and inf * 0 in the dX GEMM would turn every row's dX into NaN).
 template <typename T, typename g_t>
 __global__ void dlogit_kernel(const T* L, g_t* G, int64_t B, int64_t n, int64_t j0,  // G may alias L
-                              const T* __restrict__ rw, const int64_t* __restrict__ labels, int64_t class_offset,
-                              const T* __restrict__ lse, const T* __restrict__ gl, const T* __restrict__ gt,
-                              const T* __restrict__ gs, MarginT<T> mg) {
+                              const T* __restrict__ rw, bool g_times_r, const int64_t* __restrict__ labels,
+                              int64_t class_offset, const T* __restrict__ lse, const T* __restrict__ gl,
+                              const T* __restrict__ gt, const T* __restrict__ gs, MarginT<T> mg) {
   const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= n) return;
   const T r = rw ? rw[j] : T(1);
+  const T rg = g_times_r ? r : T(1);
   for (int64_t i = blockIdx.y; i < B; i += gridDim.y) {
     const int64_t idx = i * n + j;
     const T c = L[idx] * r;
@@ -161,31 +175,37 @@ __global__ void dlogit_kernel(const T* L, g_t* G, int64_t B, int64_t n, int64_t 
       z = mg.scale * psi;
     }
     const T dz = gl[i] * dev_exp(z - lse[i]) + gs[i] + (is_t ? gt[i] : T(0));
-    G[idx] = static_cast<g_t>(mg.scale * dpsi * dz * r);  // in place when g_t == T
+    G[idx] = static_cast<g_t>(mg.scale * dpsi * dz * rg);  // in place when g_t == T
   }
 }
 
 // grad_w rows from tmp = G^T @ X (fp32 or the grad's dtype; may alias out): plain copy /
-// convert, or with normalize the projection dw = tmp - [|w| >= eps] rw^2 (tmp . w) w.
+// convert, or with normalize the projection through w_hat = w / max(|w|, eps):
+//   v = w (raw rows, G had the factor rw):      dw = tmp - [|w| > eps] rw^2 (tmp . w) w
+//   v = w_hat (hat, G without rw, 16-bit path): dw = rw (tmp - [|w| > eps] (tmp . w_hat) w_hat)
 template <typename scalar_t, typename T, typename tmp_t>
-__global__ void dw_fixup_kernel(const tmp_t* tmp, const scalar_t* __restrict__ w, int64_t s0, int64_t s1,
-                                const T* __restrict__ rw, int64_t n, int64_t D, scalar_t* out) {
+__global__ void dw_fixup_kernel(const tmp_t* tmp, const scalar_t* __restrict__ v, int64_t s0, int64_t s1,
+                                const T* __restrict__ rw, bool hat, int64_t n, int64_t D, scalar_t* out) {
   const int64_t row = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= n) return;
-  T coef = 0;
+  T coef = 0, post = 1;
   if (rw) {
     T dot = 0;
     for (int64_t k = lane; k < D; k += 32)
-      dot += static_cast<T>(tmp[row * D + k]) * static_cast<T>(w[row * s0 + k * s1]);
+      dot += static_cast<T>(tmp[row * D + k]) * static_cast<T>(v[row * s0 + k * s1]);
     for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
     const T r = rw[row];
-    coef = r < T(0.5 / kEps) ? r * r * dot : T(0);  // r == 1/eps: the clamp is active
+    // The clamp is active where r == 1/eps (up to the rounding of the approximate division
+    // of --use_fast_math); a norm just above eps keeps its projection term, as on the CPU.
+    const bool active = r < T(0.999 / kEps);
+    coef = active ? (hat ? dot : r * r * dot) : T(0);
+    post = hat ? r : T(1);
   }
   __syncwarp();
   for (int64_t k = lane; k < D; k += 32)
-    out[row * D + k] = static_cast<scalar_t>(static_cast<T>(tmp[row * D + k]) -
-                                             coef * static_cast<T>(w[row * s0 + k * s1]));
+    out[row * D + k] = static_cast<scalar_t>(
+        (static_cast<T>(tmp[row * D + k]) - coef * static_cast<T>(v[row * s0 + k * s1])) * post);
 }
 
 struct Prepared {
@@ -209,9 +229,10 @@ Prepared prepare_x(const Tensor& x, bool normalize) {
 }
 
 // Logits of w[j0 : j0+n] into L (acc dtype, [B, n] contiguous) and, when normalizing, the
-// chunk's inverse row norms into rw.
+// chunk's inverse row norms into rw and, if what is defined, its normalized rows into what
+// (w's dtype, [n, D] contiguous).
 void chunk_logits(const Prepared& p, const Tensor& w, int64_t j0, int64_t n, bool normalize, Tensor& L,
-                  Tensor& rw, cudaStream_t stream) {
+                  Tensor& rw, const Tensor& what, cudaStream_t stream) {
   const Tensor wc = w.narrow(0, j0, n);
   const auto acc = L.scalar_type();
   if (normalize) {
@@ -219,7 +240,8 @@ void chunk_logits(const Prepared& p, const Tensor& w, int64_t j0, int64_t n, boo
       using T = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
       const int rows_per_block = kBlock / 32;
       inv_row_norm_kernel<scalar_t, T><<<(n + rows_per_block - 1) / rows_per_block, kBlock, 0, stream>>>(
-          wc.const_data_ptr<scalar_t>(), w.stride(0), w.stride(1), n, w.size(1), rw.mutable_data_ptr<T>());
+          wc.const_data_ptr<scalar_t>(), w.stride(0), w.stride(1), n, w.size(1), rw.mutable_data_ptr<T>(),
+          what.defined() ? what.mutable_data_ptr<scalar_t>() : nullptr);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
@@ -260,7 +282,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> ce_shard_stats_cuda(const Tensor& x, 
   for (int64_t j0 = 0; j0 < C; j0 += chunk) {
     const int64_t n = std::min(chunk, C - j0);
     Tensor L = lbuf.narrow(0, 0, B * n).view({B, n});
-    chunk_logits(p, w, j0, n, normalize, L, rw, stream);
+    chunk_logits(p, w, j0, n, normalize, L, rw, Tensor(), stream);
     AT_DISPATCH_FLOATING_TYPES(acc, "ce_shard_stats_cuda", [&] {
       using T = scalar_t;
       row_stats_kernel<T><<<B, kBlock, 0, stream>>>(
@@ -303,21 +325,26 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
   Tensor tbuf = low ? at::empty({chunk * D}, opts) : Tensor();
   Tensor dxc = low ? at::empty({B, D}, opts) : Tensor();
   Tensor rw = normalize ? at::empty({chunk}, opts) : Tensor();
+  // 16-bit with normalize: G stays d loss / d cos (bounded like torch's own 16-bit dlogits)
+  // and the dX GEMM uses the chunk's normalized rows, [chunk, D] in the input dtype.
+  const bool hat = low && normalize;
+  Tensor whatbuf = hat ? at::empty({chunk * D}, x.options()) : Tensor();
   Tensor dx = at::zeros({B, D}, opts);  // w.r.t. the GEMM's x (normalized x when normalize)
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   for (int64_t j0 = 0; j0 < C; j0 += chunk) {
     const int64_t n = std::min(chunk, C - j0);
     Tensor L = lbuf.narrow(0, 0, B * n).view({B, n});
-    chunk_logits(p, w, j0, n, normalize, L, rw, stream);
+    const Tensor what = hat ? whatbuf.narrow(0, 0, n * D).view({n, D}) : Tensor();
+    chunk_logits(p, w, j0, n, normalize, L, rw, what, stream);
     Tensor G = low ? gbuf.narrow(0, 0, B * n).view({B, n}) : L;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dt, "sce_dlogit", [&] {
       using T = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
       const dim3 grid((n + kBlock - 1) / kBlock, std::min<int64_t>(B, 65535));
       dlogit_kernel<T, scalar_t><<<grid, kBlock, 0, stream>>>(
           L.const_data_ptr<T>(), G.mutable_data_ptr<scalar_t>(), B, n, j0,
-          normalize ? rw.const_data_ptr<T>() : nullptr, lab.const_data_ptr<int64_t>(), class_offset,
-          lse.const_data_ptr<T>(), gl.const_data_ptr<T>(), gt.const_data_ptr<T>(), gs.const_data_ptr<T>(),
-          to_device_margin<T>(mg));
+          normalize ? rw.const_data_ptr<T>() : nullptr, /*g_times_r=*/!hat, lab.const_data_ptr<int64_t>(),
+          class_offset, lse.const_data_ptr<T>(), gl.const_data_ptr<T>(), gt.const_data_ptr<T>(),
+          gs.const_data_ptr<T>(), to_device_margin<T>(mg));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
     const Tensor wc = w.narrow(0, j0, n);
@@ -325,14 +352,15 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
     if (low) {
       // (addmm with out_dtype wants `self` in the input dtype in some torch versions: GEMM into
       // an fp32 temporary and add, an extra O(B*D) per chunk.)
-      at::mm_out(dxc, G, wc, acc);
+      const Tensor& v = hat ? what : wc;  // the rows the dX GEMM and the dW fix-up use
+      at::mm_out(dxc, G, v, acc);
       dx.add_(dxc);
       Tensor tmp = tbuf.narrow(0, 0, n * D).view({n, D});
       at::mm_out(tmp, G.t(), p.xin, acc);
       AT_DISPATCH_REDUCED_FLOATING_TYPES(dt, "sce_dw_low", [&] {
         dw_fixup_kernel<scalar_t, float, float><<<(n + kBlock / 32 - 1) / (kBlock / 32), kBlock, 0, stream>>>(
-            tmp.const_data_ptr<float>(), wc.const_data_ptr<scalar_t>(), w.stride(0), w.stride(1),
-            normalize ? rw.const_data_ptr<float>() : nullptr, n, D, gw.mutable_data_ptr<scalar_t>());
+            tmp.const_data_ptr<float>(), v.const_data_ptr<scalar_t>(), v.stride(0), v.stride(1),
+            normalize ? rw.const_data_ptr<float>() : nullptr, hat, n, D, gw.mutable_data_ptr<scalar_t>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     } else {
@@ -342,7 +370,7 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
         AT_DISPATCH_FLOATING_TYPES(dt, "sce_dw", [&] {
           dw_fixup_kernel<scalar_t, scalar_t, scalar_t><<<(n + kBlock / 32 - 1) / (kBlock / 32), kBlock, 0, stream>>>(
               gw.const_data_ptr<scalar_t>(), wc.const_data_ptr<scalar_t>(), w.stride(0), w.stride(1),
-              rw.const_data_ptr<scalar_t>(), n, D, gw.mutable_data_ptr<scalar_t>());
+              rw.const_data_ptr<scalar_t>(), /*hat=*/false, n, D, gw.mutable_data_ptr<scalar_t>());
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         });
       }

@@ -112,7 +112,8 @@ def ce_shard_stats(
 
     Returns:
         ``(lse, target_logit, logit_sum, greater_count)``, each [B]: float32 (float64 for
-        float64 inputs) ``log sum_j exp(z_ij)`` (-inf when C_k == 0), the target logit
+        float64 inputs) ``log sum_j exp(z_ij)`` (-inf when C_k == 0 or all the row's logits
+        are -inf; NaN as soon as one logit is NaN), the target logit
         ``z_{i, y_i}`` (0 when the target is not in the shard), ``sum_j z_ij`` (with the
         margin), and int64 counts. Differentiable w.r.t. ``x`` and ``w`` (not the count).
     """

@@ -1,0 +1,239 @@
+"""Checks shared by the sharded cross-entropy test files (CPU and GPU). For the per-shard op
+shardkit::ce_shard_stats and its backward: test cases, the float64 comparison, the
+low-precision comparison with torch's own error, and a row-block float64 reference for
+shards too large to materialize. For the module: margins, labels, gradients and the
+comparison with the float64 reference loss."""
+
+import math
+
+import torch
+
+import shardkit
+from sce_reference import full_logits, margin_kwargs, margin_psi, reference_loss_and_grads
+from shardkit.ops import ce_shard_stats
+
+# name -> (scale, m1, m2, m3, normalize)
+MARGINS = {
+    "plain": (0.7, 1.0, 0.0, 0.0, False),
+    "cosine": (16.0, 1.0, 0.0, 0.0, True),
+    "cosface": (30.0, 1.0, 0.0, 0.35, True),
+    "arcface": (30.0, 1.0, 0.5, 0.0, True),
+    "combined": (20.0, 1.1, 0.3, 0.2, True),
+}
+
+
+def rel(a, b, floor=1e-30):
+    """||a - b|| / max(||b||, floor); the floor covers references that are exactly zero in
+    theory (e.g. d/dx through the normalization when D == 1) and rounding noise in practice."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(floor)).item()
+
+
+def kw(name):
+    s, m1, m2, m3, norm = MARGINS[name]
+    return dict(scale=s, m1=m1, m2=m2, m3=m3, normalize=norm)
+
+
+def ref_stats(x, w, labels, class_offset, *, scale, m1, m2, m3, normalize):
+    """float64 (lse, target, sum, plain logits) of one shard from its full logits."""
+    local = labels - class_offset  # outside [0, C_k): no target in this shard (no margin)
+    plain = full_logits(x, w, local, scale=scale, normalize=normalize, margin_on_target=False)
+    C = w.shape[0]
+    if C == 0:
+        zero = torch.zeros(x.shape[0], dtype=torch.float64)
+        return torch.full_like(zero, -math.inf), zero, zero, plain
+    z = full_logits(x, w, local, scale=scale, m1=m1, m2=m2, m3=m3, normalize=normalize)
+    inside = (local >= 0) & (local < C)
+    tgt = torch.where(inside, z.gather(1, torch.where(inside, local, 0)[:, None])[:, 0], 0.0)
+    return torch.logsumexp(z, 1), tgt, z.sum(1), plain
+
+
+def count_bracket(plain, tref, tol=1e-4):
+    band = tol * tref.double().abs().clamp_min(1.0)
+    t = tref.double()[:, None]
+    return (plain > t + band[:, None]).sum(1), (plain > t - band[:, None]).sum(1)
+
+
+def make_case(B, D, C, class_offset, dtype=torch.float32, device="cpu", spread=None):
+    x = torch.randn(B, D, dtype=dtype, device=device)
+    w = torch.randn(C, D, dtype=dtype, device=device)
+    if D == 1:  # normalization divides rounding noise by |x| (exact gradient 0): keep |x| away from 0
+        x = x.sign() * (x.abs() + 0.5)
+        w = w.sign() * (w.abs() + 0.5)
+    spread = spread or (class_offset + C + 5)
+    labels = torch.randint(0, spread, (B,), device=device)
+    if C > 0 and B > 1:  # make sure some rows have their target in this shard
+        labels[: B // 2] = class_offset + torch.randint(0, C, (B // 2,), device=device)
+    return x, w, labels
+
+
+def check_against_reference(x, w, labels, class_offset, name, chunk, tol=1e-5, grad_tol=None):
+    k = kw(name)
+    B = x.shape[0]
+    xr = x.detach().double().cpu().requires_grad_()
+    wr = w.detach().double().cpu().requires_grad_()
+    r_lse, r_t, r_s, plain = ref_stats(xr, wr, labels.cpu(), class_offset, **k)
+    tref = (r_t.detach() + 0.3 * torch.randn(B, dtype=torch.float64)).float()
+    xx = x.detach().clone().requires_grad_()
+    ww = w.detach().clone().requires_grad_()
+    lse, t, s, cnt = ce_shard_stats(xx, ww, labels, class_offset=class_offset, chunk_classes=chunk,
+                                    target_ref=tref.to(x.device), **k)
+    stats_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    assert lse.dtype == stats_dtype and cnt.dtype == torch.int64 and lse.shape == (B,)
+    if w.shape[0] == 0:
+        assert torch.isneginf(lse).all() and (t == 0).all() and (s == 0).all() and (cnt == 0).all()
+    else:
+        assert rel(lse.cpu(), r_lse) <= tol
+        assert rel(t.cpu(), r_t) <= tol or r_t.abs().max() == 0 and (t == 0).all()
+        # A row's logit sum can cancel to ~0 (D = 1: logits +-scale): where the relative error
+        # does not hold, bound the error by the sum of the logits' magnitudes.
+        r_abs = plain.detach().abs().sum(1) + r_t.detach().abs()
+        assert rel(s.cpu(), r_s) <= tol or ((s.cpu().double() - r_s.detach()).abs() <= min(tol, 1e-6) * r_abs).all()
+    lo, hi = count_bracket(plain.detach(), tref)
+    assert ((cnt.cpu() >= lo) & (cnt.cpu() <= hi)).all()
+    # Gradients of a random combination of the three differentiable outputs.
+    g = [torch.randn(B, dtype=torch.float64) for _ in range(3)]
+    loss = sum((o * gg.to(o.device, o.dtype)).sum() for o, gg in zip((lse, t, s), g) if torch.isfinite(o).all())
+    if w.shape[0] == 0:
+        gx, gw = torch.autograd.grad(loss + xx.sum() * 0 + ww.sum() * 0, (xx, ww))
+        assert (gx == 0).all() and gw.shape == w.shape
+        return
+    gx, gw = torch.autograd.grad(loss, (xx, ww))
+    r_loss = sum((o * gg).sum() for o, gg in zip((r_lse, r_t, r_s), g))
+    rgx, rgw = torch.autograd.grad(r_loss, (xr, wr))
+    assert gx.dtype == x.dtype and gw.dtype == w.dtype
+    # Floor: the size of the logit gradients (scale * sqrt(B)). It only matters where the exact
+    # gradient vanishes: with D == 1 and normalize, d/dx and d/dw are 0 in theory but fp32
+    # rounding of x / |x| leaves ~1e-7 of the unprojected gradient.
+    floor = k["scale"] * math.sqrt(B)
+    assert rel(gx.cpu(), rgx, floor) <= (grad_tol or tol)
+    assert rel(gw.cpu(), rgw, floor) <= (grad_tol or tol)
+
+
+def torch_low_precision_stats(x, w, labels, scale, m1, m2, m3, normalize, *, fp32_normalize=False):
+    """What plain torch computes at the inputs' dtype: GEMM (and normalization) in that dtype,
+    the rest in float32 (as an fp32 loss would). ``fp32_normalize``: normalize in float32 and
+    round back, as under autocast (an fp16 normalization of a zero row is 0 / fp16(1e-12) = NaN)."""
+    if normalize:
+        def unit(t):
+            return torch.nn.functional.normalize(t.float() if fp32_normalize else t, dim=1).to(t.dtype)
+        x, w = unit(x), unit(w)
+    z = (x @ w.t()).float()
+    if normalize:
+        zt = z.gather(1, labels[:, None])
+        z = z.scatter(1, labels[:, None], margin_psi(zt, m1, m2, m3))
+    z = scale * z
+    return torch.logsumexp(z, 1), z.gather(1, labels[:, None])[:, 0], z.sum(1)
+
+
+
+def check_low_precision(device, dtype, name, *, margin=None, noncontiguous=False, chunk=60):
+    """Ours vs the float64 reference within 2x the error of torch's own computation at
+    ``dtype``, for the three outputs and both gradients. ``margin``: explicit
+    (scale, m1, m2, m3, normalize) instead of ``MARGINS[name]``; ``noncontiguous``: a
+    column-major ``x`` and a transposed ``w`` (strided weight reads in every kernel)."""
+    k = kw(name) if margin is None else dict(zip(("scale", "m1", "m2", "m3", "normalize"), margin))
+    B, D, C = 33, 64, 257
+    x32, w32, labels = make_case(B, D, C, 0)
+    labels = torch.randint(0, C, (B,))
+    if noncontiguous:
+        x32, w32 = x32.t().contiguous().t(), w32.t().contiguous().t()
+    x = x32.to(device, dtype).requires_grad_()
+    w = w32.to(device, dtype).requires_grad_()
+    assert x.is_contiguous() != noncontiguous and w.is_contiguous() != noncontiguous
+    g = [torch.randn(B, dtype=torch.float64) for _ in range(3)]
+    xr = x.detach().double().cpu().requires_grad_()
+    wr = w.detach().double().cpu().requires_grad_()
+    ref = ref_stats(xr, wr, labels, 0, **k)[:3]
+    rg = torch.autograd.grad(sum((o * gg).sum() for o, gg in zip(ref, g)), (xr, wr))
+    xt = x.detach().clone().requires_grad_()
+    wt = w.detach().clone().requires_grad_()
+    tor = torch_low_precision_stats(xt, wt, labels.to(device), **k)
+    tg = torch.autograd.grad(sum((o * gg.to(device).float()).sum() for o, gg in zip(tor, g)), (xt, wt))
+    ours = ce_shard_stats(x, w, labels.to(device), chunk_classes=chunk, **k)[:3]
+    og = torch.autograd.grad(sum((o * gg.to(device).float()).sum() for o, gg in zip(ours, g)), (x, w))
+    assert og[0].dtype == dtype and og[1].dtype == dtype
+    assert all(torch.isfinite(t).all() for t in list(ours) + list(og))
+    for a, b, r in zip(list(ours) + list(og), list(tor) + list(tg), list(ref) + list(rg)):
+        err_ours, err_torch = rel(a.cpu(), r), rel(b.cpu(), r)
+        assert err_ours <= 2 * err_torch + 1e-6, (err_ours, err_torch)
+
+
+def opcheck_samples():
+    samples = []
+    for name, (B, D, C, off, chunk) in [("plain", (5, 8, 13, 0, 4)), ("arcface", (4, 3, 9, 2, 100)),
+                                        ("combined", (1, 5, 6, 0, 1)), ("cosface", (3, 2, 0, 0, 2))]:
+        s, m1, m2, m3, norm = MARGINS[name]
+        x, w, labels = make_case(B, D, C, off)
+        tref = torch.randn(B) if name != "arcface" else None
+        samples.append((x, w, labels, tref, off, s, m1, m2, m3, norm, chunk))
+    return samples
+
+
+def plain_reference_by_rows(x, w, labels, scale, g, rows=64):
+    """float64 (lse, target, sum) of the plain logits z = scale * x @ w.T (labels all inside
+    the shard) and the gradients of sum(g[0] * lse + g[1] * target + g[2] * sum) w.r.t. x and
+    w, in blocks of rows: for shards whose full float64 logit matrix would not fit in memory."""
+    xd, wd = x.double(), w.double()
+    B = x.shape[0]
+    lse, tgt, zsum = (torch.empty(B, dtype=torch.float64, device=x.device) for _ in range(3))
+    gx, gw = torch.empty_like(xd), torch.zeros_like(wd)
+    for r0 in range(0, B, rows):
+        r = slice(r0, min(B, r0 + rows))
+        z = scale * (xd[r] @ wd.t())
+        lse[r] = torch.logsumexp(z, 1)
+        tgt[r] = z.gather(1, labels[r, None])[:, 0]
+        zsum[r] = z.sum(1)
+        dz = torch.exp(z - lse[r, None]).mul_(g[0][r, None]).add_(g[2][r, None])
+        dz.scatter_add_(1, labels[r, None], g[1][r, None])
+        gx[r] = scale * (dz @ wd)
+        gw += scale * (dz.t() @ xd[r])
+    return lse, tgt, zsum, gx, gw
+
+
+def check_plain_by_rows(x, w, labels, scale, chunk, rows=64):
+    g = [torch.randn(x.shape[0], dtype=torch.float64, device=x.device) for _ in range(3)]
+    xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+    lse, t, s, _ = ce_shard_stats(xx, ww, labels, scale=scale, chunk_classes=chunk)
+    gx, gw = torch.autograd.grad(sum((o * gg.to(o.dtype)).sum() for o, gg in zip((lse, t, s), g)), (xx, ww))
+    r_lse, r_t, r_s, r_gx, r_gw = plain_reference_by_rows(x, w, labels, scale, g, rows)
+    assert rel(lse, r_lse) <= 1e-5 and rel(t, r_t) <= 1e-5
+    # The sum of a row's logits cancels: bound its error by the sum of their magnitudes.
+    r_abs = scale * (x.double().abs() @ w.double().abs().t().sum(1, keepdim=True))[:, 0]
+    assert ((s.double() - r_s).abs() <= 1e-6 * r_abs).all()
+    floor = scale * math.sqrt(x.shape[0])
+    assert rel(gx, r_gx, floor) <= 1e-5 and rel(gw, r_gw, floor) <= 1e-5
+
+
+# ---- module-level helpers (ShardedSoftmaxLoss / sharded_cross_entropy tests) ----------------
+
+LOSS_MARGINS = {
+    "plain": None,
+    "cosface": shardkit.CosFace(s=8.0, m=0.35),
+    "arcface": shardkit.ArcFace(s=8.0, m=0.5),
+    "combined": shardkit.CombinedMargin(6.0, 1.15, 0.3, 0.1),
+}
+
+
+def make_labels(batch, num_classes, ignore=()):
+    y = torch.randint(0, num_classes, (batch,))
+    for i in ignore:
+        y[i] = -100
+    return y
+
+
+def grads_of(loss_fn, x, y, grad_out=None, **kw):
+    x = x.detach().clone().requires_grad_(True)
+    loss = loss_fn(x, y, **kw)
+    grad_out = torch.randn_like(loss) if grad_out is None else grad_out
+    gx, *gw = torch.autograd.grad(loss, [x, *loss_fn.weight_shards], grad_out)
+    return loss, gx, torch.cat(gw), grad_out
+
+
+def assert_matches_reference(loss_fn, x, y, margin, tol=1e-5, **ref_kw):
+    loss, gx, gw, g = grads_of(loss_fn, x, y)
+    ref = reference_loss_and_grads(x, loss_fn.full_weight(), y, g, **margin_kwargs(margin), **ref_kw)
+    assert loss.dtype == torch.float32 and loss.shape == ref.loss.shape
+    assert rel(loss, ref.loss) <= tol
+    assert rel(gx, ref.grad_x) <= tol
+    assert rel(gw, ref.grad_w) <= tol

@@ -1,0 +1,222 @@
+"""GPU tests of the per-shard ops shardkit::ce_shard_stats / ce_shard_stats_backward (marked
+``gpu``: skipped with the reason where no GPU is visible). The CUDA kernels must give the
+CPU kernel's results: the same float64 reference and tolerances (fp32 1e-5 with torch's
+default of no TF32; bf16 / fp16 within 2x torch's own error)."""
+
+import math
+
+import pytest
+import torch
+
+import shardkit
+from sce_checks import (
+    MARGINS,
+    check_against_reference,
+    check_low_precision,
+    check_plain_by_rows,
+    kw,
+    make_case,
+    opcheck_samples,
+    ref_stats,
+    rel,
+    torch_low_precision_stats,
+)
+from shardkit.ops import ce_shard_stats, chunk_classes_for_budget
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    # The 1e-5 tolerances assume true fp32 GEMMs (torch's default); fail loudly otherwise.
+    assert not torch.backends.cuda.matmul.allow_tf32, "TF32 matmuls enabled: fp32 tolerances do not apply"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(MARGINS))
+@pytest.mark.parametrize("B,D,C,off,chunk", [(37, 29, 300, 50, 64), (256, 128, 5000, 7, 1024), (1, 3, 17, 0, 7),
+                                             (9, 5, 0, 0, 4), (5, 16, 1, 3, 1), (300, 64, 777, 0, None)])
+def test_cuda_matches_reference(name, B, D, C, off, chunk):
+    assert shardkit.cuda_built(), "this build has no CUDA kernels"
+    x, w, labels = make_case(B, D, C, off, device="cuda")
+    check_against_reference(x, w, labels, off, name, chunk)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["plain", "arcface", "combined"])
+def test_cuda_low_precision(dtype, name):
+    check_low_precision("cuda", dtype, name)
+
+
+@pytest.mark.gpu
+def test_cuda_theta_past_pi_and_noncontiguous():
+    w = torch.randn(80, 33, device="cuda")[::2]  # [40, 33], strided rows
+    labels = torch.randint(0, 40, (10,), device="cuda")
+    x = (-w[labels] + 0.05 * torch.randn(10, 33, device="cuda"))
+    check_against_reference(x, w, labels, 0, "arcface", 16)
+    check_against_reference(x.t().contiguous().t(), w, labels, 0, "combined", 5)
+
+
+@pytest.mark.gpu
+def test_cuda_opcheck():
+    for x, w, labels, tref, *rest in opcheck_samples():
+        args = (x.cuda().requires_grad_(), w.cuda().requires_grad_(), labels.cuda(),
+                None if tref is None else tref.cuda(), *rest)
+        torch.library.opcheck(torch.ops.shardkit.ce_shard_stats.default, args)
+
+
+@pytest.mark.gpu
+def test_cuda_device_errors():
+    x, w, labels = make_case(4, 8, 10, 0, device="cuda")
+    op = torch.ops.shardkit.ce_shard_stats
+    with pytest.raises(RuntimeError, match=r"argument `w` must be on the device of `x`"):
+        op(x, w.cpu(), labels, None, 0, 1.0, 1.0, 0.0, 0.0, False, 4)
+    with pytest.raises(RuntimeError, match=r"argument `labels` must be on the device of `x`"):
+        op(x, w, labels.cpu(), None, 0, 1.0, 1.0, 0.0, 0.0, False, 4)
+    with pytest.raises(RuntimeError, match=r"argument `target_ref` must be on the device of `x`"):
+        op(x, w, labels, torch.zeros(4), 0, 1.0, 1.0, 0.0, 0.0, False, 4)
+    lse = torch.zeros(4, device="cuda")
+    with pytest.raises(RuntimeError, match=r"argument `grad_lse` must be on the device of `x`"):
+        torch.ops.shardkit.ce_shard_stats_backward(lse.cpu(), lse, lse, x, w, labels, lse, 0, 1.0, 1.0, 0.0, 0.0,
+                                                    False, 4)
+
+
+@pytest.mark.gpu
+def test_cuda_more_than_2_31_logits_in_one_chunk():
+    # B * C_chunk > 2^31: element offsets into the chunk's logit / dlogit buffers (row i at
+    # i * n) do not fit an int32. About 12 GB of GPU memory at peak (8.6 GB logit buffer).
+    B, D, C = 2049, 8, (1 << 20) + 3
+    assert B * C > 2**31
+    x = torch.randn(B, D, device="cuda")
+    w = torch.randn(C, D, device="cuda")
+    labels = torch.randint(0, C, (B,), device="cuda")
+    labels[-1] = C - 1  # the very last logit of the buffer is a target
+    check_plain_by_rows(x, w, labels, 0.7, C)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (a shard on cuda:1 while cuda:0 is current)")
+@pytest.mark.parametrize("name", ["plain", "arcface"])
+def test_cuda_shard_on_non_current_device(name):
+    x, w, labels = make_case(33, 24, 500, 7, device="cuda:1")
+    with torch.cuda.device(0):
+        check_against_reference(x, w, labels, 7, name, 64)
+
+
+@pytest.mark.gpu
+def test_cuda_side_stream_matches_default_stream():
+    # Kernels, GEMMs and temporaries all on the caller's current stream.
+    x, w, labels = make_case(64, 32, 3000, 0, device="cuda")
+    ref = ce_shard_stats(x, w, labels, chunk_classes=256, **kw("arcface"))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = ce_shard_stats(x, w, labels, chunk_classes=256, **kw("arcface"))
+    torch.cuda.current_stream().wait_stream(side)
+    for a, b in zip(out[:3], ref[:3]):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+    assert torch.equal(out[3], ref[3])
+
+
+@pytest.mark.parametrize("name", list(MARGINS))
+def test_cuda_float64_matches_reference_and_gradchecks(name):
+    # float64 runs the kernels with double statistics (as the CPU kernel does): tight
+    # agreement with the reference, and gradcheck.
+    x, w, labels = make_case(19, 6, 70, 3, dtype=torch.float64, device="cuda")
+    check_against_reference(x, w, labels, 3, name, 16, tol=1e-9)
+    x = torch.randn(3, 4, dtype=torch.float64, device="cuda", requires_grad=True)
+    w = torch.randn(7, 4, dtype=torch.float64, device="cuda", requires_grad=True)
+    labels = torch.tensor([1, 9, 6], device="cuda")  # class_offset 2: rows 0 and 2 in the shard
+    coef = torch.randn(3, 3, dtype=torch.float64, device="cuda")
+
+    def fn(x, w):
+        lse, t, s, _ = ce_shard_stats(x, w, labels, class_offset=2, chunk_classes=3, **kw(name))
+        return coef[0] * lse + coef[1] * t + coef[2] * s
+
+    assert torch.autograd.gradcheck(fn, (x, w))
+
+
+def test_cuda_batch_above_grid_y_limit():
+    # B > 65535: the backward's dlogit grid caps gridDim.y at 65535 and strides over rows;
+    # the forward launches one block per row (gridDim.x, no such cap).
+    B = 65535 + 38
+    x, w, labels = make_case(B, 8, 40, 0, device="cuda")
+    check_against_reference(x, w, labels, 0, "arcface", 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_low_precision_noncontiguous(dtype):
+    # Column-major x and transposed w in 16-bit: the strided weight reads of the norm and
+    # dW fix-up kernels, and the GEMMs on transposed operands.
+    check_low_precision("cuda", dtype, "arcface", noncontiguous=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_low_precision_scale_64(dtype):
+    # CosFace at s = 64 (the face-recognition setting): exp sums stay in fp32, the fp16
+    # dlogits (at most s * |dpsi| * |g| / |w_j|) stay finite.
+    check_low_precision("cuda", dtype, "cosface64", margin=(64.0, 1.0, 0.0, 0.35, True))
+
+
+def test_cuda_default_budget_several_chunks_face_recognition_shape():
+    # B = 1024, D = 512 at the default 64 MiB budget: several chunks, the last one partial,
+    # statistics and gradients accumulated across chunks.
+    B, D, C = 1024, 512, 50_003
+    chunk = chunk_classes_for_budget(B, embedding_dim=D, num_classes=C)
+    assert chunk < C and C % chunk != 0
+    x = torch.randn(B, D, device="cuda") / math.sqrt(D)  # logits of order 1
+    w = torch.randn(C, D, device="cuda")
+    labels = torch.randint(0, C, (B,), device="cuda")
+    check_plain_by_rows(x, w, labels, 1.0, None, rows=256)
+
+
+@pytest.mark.parametrize("name", list(MARGINS))
+def test_cuda_matches_cpu_kernel(name):
+    # The same inputs through both kernels, chunked differently: the same statistics and
+    # gradients (the top-k count may differ at exact ties only, so it is left out).
+    x, w, labels = make_case(50, 40, 1000, 10)
+    g = [torch.randn(50) for _ in range(3)]
+    outs = []
+    for device, chunk in (("cpu", 96), ("cuda", 128)):
+        xx, ww = x.to(device).requires_grad_(), w.to(device).requires_grad_()
+        lse, t, s, _ = ce_shard_stats(xx, ww, labels.to(device), class_offset=10, chunk_classes=chunk, **kw(name))
+        gx, gw = torch.autograd.grad(sum((o * gg.to(device)).sum() for o, gg in zip((lse, t, s), g)), (xx, ww))
+        outs.append([v.detach().cpu() for v in (lse, t, gx, gw)])
+    floor = kw(name)["scale"] * math.sqrt(50)  # gradients: as in check_against_reference
+    for a, b, fl in zip(*outs, (1e-30, 1e-30, floor, floor)):
+        assert rel(b, a, fl) <= 2e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_16bit_zero_and_small_weight_rows(dtype):
+    # A zero weight row (e.g. a padding class) and rows with |w_j| ~ 5e-3, targets among them:
+    # 1 / |w_j| must stay out of the 16-bit dlogits (fp16 would overflow to inf, and inf * 0
+    # in the dX GEMM would make every row's dX NaN). Within 2x the error of torch's own 16-bit
+    # path (normalized in fp32 as under autocast), except the zero row's own gradient
+    # (1e12 * ..., inf in 16 bits for torch too).
+    k = kw("arcface")
+    B, D, C = 24, 32, 200
+    x32, w32, _ = make_case(B, D, C, 0)
+    w32[7] = 0.0
+    w32[11:20] *= 1e-3
+    labels = torch.randint(0, C, (B,))
+    labels[:3] = torch.tensor([7, 12, 15])
+    x, w = x32.to("cuda", dtype), w32.to("cuda", dtype)
+    g = [torch.randn(B, dtype=torch.float64) for _ in range(3)]
+    xr, wr = x.double().cpu().requires_grad_(), w.double().cpu().requires_grad_()
+    ref = ref_stats(xr, wr, labels, 0, **k)[:3]
+    rg = torch.autograd.grad(sum((o * gg).sum() for o, gg in zip(ref, g)), (xr, wr))
+    results = []
+    for fn in (lambda a, b: ce_shard_stats(a, b, labels.cuda(), chunk_classes=64, **k)[:3],
+               lambda a, b: torch_low_precision_stats(a, b, labels.cuda(), fp32_normalize=True, **k)):
+        a, b = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = fn(a, b)
+        grads = torch.autograd.grad(sum((o * gg.cuda().float()).sum() for o, gg in zip(out, g)), (a, b))
+        results.append((out, grads))
+    (ours, og), (tor, tg) = results
+    keep = torch.arange(C) != 7
+    assert torch.isfinite(og[0]).all() and torch.isfinite(og[1][keep.cuda()]).all()
+    pairs = list(zip(ours, tor, ref)) + [(og[0], tg[0], rg[0]), (og[1][keep.cuda()], tg[1][keep.cuda()], rg[1][keep])]
+    for a, b, r in pairs:
+        assert rel(a.cpu(), r) <= 2 * rel(b.cpu(), r) + 1e-6, (rel(a.cpu(), r), rel(b.cpu(), r))

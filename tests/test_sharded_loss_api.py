@@ -1,0 +1,140 @@
+"""ShardedSoftmaxLoss as a module: nn.Linear-compatible init, shard-agnostic checkpoints,
+label dtypes, argument errors (each asserts its message), margin objects. The numerics
+against the float64 reference are in test_sharded_loss.py."""
+
+import copy
+import io
+import math
+import pickle
+
+import pytest
+import torch
+
+import shardkit
+from sce_checks import LOSS_MARGINS as MARGINS
+from sce_checks import make_labels, rel
+
+
+def test_init_matches_nn_linear():
+    torch.manual_seed(1234)
+    linear = torch.nn.Linear(37, 101, bias=False)
+    torch.manual_seed(1234)
+    loss_fn = shardkit.ShardedSoftmaxLoss(37, 101, devices=["cpu"] * 4)
+    assert torch.equal(loss_fn.full_weight(), linear.weight.detach())
+
+
+@pytest.mark.parametrize("new_shards", [1, 3])
+def test_state_dict_is_shard_agnostic(new_shards):
+    saved = shardkit.ShardedSoftmaxLoss(6, 23, margin=MARGINS["arcface"], devices=["cpu"] * 4)
+    state = saved.state_dict()
+    assert list(state) == ["weight"] and state["weight"].shape == (23, 6)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    loaded_state = torch.load(buffer, weights_only=True)
+    loaded = shardkit.ShardedSoftmaxLoss(6, 23, margin=MARGINS["arcface"], devices=["cpu"] * new_shards)
+    loaded.load_state_dict(loaded_state)
+    assert torch.equal(loaded.full_weight(), saved.full_weight())
+    x, y = torch.randn(5, 6), make_labels(5, 23)
+    assert rel(loaded(x, y), saved(x, y)) <= 1e-6
+    # Nested inside a model: the prefix is respected.
+    model = torch.nn.ModuleDict({"head": loaded})
+    assert list(model.state_dict()) == ["head.weight"]
+    model.load_state_dict({"head.weight": state["weight"] * 2})
+    assert torch.equal(loaded.full_weight(), saved.full_weight() * 2)
+    with pytest.raises(RuntimeError, match=r"size mismatch for weight.*\[num_classes, embedding_dim\]"):
+        loaded.load_state_dict({"weight": torch.randn(22, 6)})
+
+
+def test_int32_labels_accepted():
+    loss_fn = shardkit.ShardedSoftmaxLoss(4, 10, devices=["cpu"] * 2)
+    x, y = torch.randn(5, 4), make_labels(5, 10)
+    assert rel(loss_fn(x, y.int()), loss_fn(x, y)) == 0
+
+
+def _bad(loss_fn, x, y, exc, match):
+    with pytest.raises(exc, match=match):
+        loss_fn(x, y)
+
+
+def test_bad_inputs_name_the_argument():
+    loss_fn = shardkit.ShardedSoftmaxLoss(4, 10, devices=["cpu"] * 2)
+    x, y = torch.randn(5, 4), make_labels(5, 10)
+    _bad(loss_fn, x, torch.tensor([0, 1, 10, 2, 3]), ValueError, r"`labels` has class ids >= num_classes=10")
+    _bad(loss_fn, x, torch.tensor([0, 1, -3, 2, 3]), ValueError,
+         r"`labels` has negative class ids other than ignore_index")
+    _bad(loss_fn, x, y.float(), TypeError, r"`labels` must be an integer tensor")
+    _bad(loss_fn, x, y.bool(), TypeError, r"`labels` must be an integer tensor")
+    _bad(loss_fn, x, y[:4], ValueError, r"`labels` must be 1-D with 5 entries")
+    _bad(loss_fn, x, y[:, None], ValueError, r"`labels` must be 1-D with 5 entries")
+    _bad(loss_fn, x[0], y, ValueError, r"`embeddings` must be 2-D")
+    _bad(loss_fn, torch.randn(5, 3), y, ValueError, r"`embeddings` has dim 3, but this loss has embedding_dim=4")
+    _bad(loss_fn, x.long(), y, TypeError, r"`embeddings` must be floating point")
+    _bad(loss_fn, x[:0], y[:0], ValueError, r"`embeddings` is an empty batch")
+    _bad(loss_fn, x, y.to("meta"), ValueError, r"`labels` is on meta but `embeddings` is on cpu")
+    for value in (math.nan, math.inf, -math.inf):
+        bad = x.clone()
+        bad[2, 1] = value
+        _bad(loss_fn, bad, y, ValueError, r"`embeddings` contains NaN or infinite values")
+    # ignore_index itself passes, and may be any value.
+    y2 = y.clone()
+    y2[0] = -100
+    loss_fn(x, y2)
+    with pytest.raises(ValueError, match=r"`embeddings` has dim 3, but the weights have embedding dim 4"):
+        shardkit.sharded_cross_entropy(torch.randn(5, 3), list(loss_fn.weight_shards), y)
+    with pytest.raises(ValueError, match=r"`weight_shards\[1\]` has embedding dim 3"):
+        shardkit.sharded_cross_entropy(x, [torch.randn(3, 4), torch.randn(2, 3)], y)
+    with pytest.raises(TypeError, match=r"`margin` must be None or a shardkit margin"):
+        shardkit.sharded_cross_entropy(x, [torch.randn(10, 4)], y, margin=0.5)
+
+
+def test_check_inputs_modes():
+    x, y = torch.randn(5, 4), make_labels(5, 10)
+    x[0, 0] = math.nan
+    quiet = shardkit.ShardedSoftmaxLoss(4, 10, check_inputs=False)
+    assert torch.isnan(quiet(x, y))  # no check: NaN propagates
+    eager = shardkit.ShardedSoftmaxLoss(4, 10, check_inputs="async")
+    with pytest.raises(RuntimeError, match="non-finite `embeddings`"):
+        eager(x, y)  # on the CPU, _assert_async raises at once
+
+
+def test_constructor_errors():
+    with pytest.raises(ValueError, match=r"`shard_sizes` \[5, 4\] sums to 9, not num_classes=10"):
+        shardkit.ShardedSoftmaxLoss(4, 10, devices=["cpu", "cpu"], shard_sizes=[5, 4])
+    with pytest.raises(ValueError, match=r"`shard_sizes` has 3 entries for 2 devices"):
+        shardkit.ShardedSoftmaxLoss(4, 10, devices=["cpu", "cpu"], shard_sizes=[5, 4, 1])
+    with pytest.raises(ValueError, match=r"`num_classes` must be a positive int"):
+        shardkit.ShardedSoftmaxLoss(4, 0)
+    with pytest.raises(ValueError, match=r"`reduction` must be one of"):
+        shardkit.ShardedSoftmaxLoss(4, 10, reduction="avg")
+    with pytest.raises(ValueError, match=r"`label_smoothing` must be in \[0, 1\]"):
+        shardkit.ShardedSoftmaxLoss(4, 10, label_smoothing=1.5)
+    with pytest.raises(ValueError, match=r"`chunk_memory` must look like"):
+        shardkit.ShardedSoftmaxLoss(4, 10, chunk_memory="lots")
+    with pytest.raises(ValueError, match=r"`check_inputs` must be True, False or 'async'"):
+        shardkit.ShardedSoftmaxLoss(4, 10, check_inputs="sometimes")
+    assert shardkit.ShardedSoftmaxLoss(4, 10, chunk_memory="1.5KiB").chunk_memory == 1536
+
+
+def test_margin_objects():
+    arc = shardkit.ArcFace(64, 0.5)
+    assert arc.params() == (64.0, 1.0, 0.5, 0.0) and repr(arc) == "ArcFace(s=64.0, m=0.5)"
+    assert shardkit.CosFace().params() == (64.0, 1.0, 0.0, 0.4)
+    assert arc == shardkit.CombinedMargin(64, 1.0, 0.5, 0.0)
+    assert hash(arc) == hash(shardkit.CombinedMargin(64, 1, 0.5, 0))
+    assert pickle.loads(pickle.dumps(arc)) == arc and copy.deepcopy(arc) == arc
+    assert abs(arc.c_max - math.cos(math.pi - 0.5)) < 1e-15 and shardkit.CosFace().c_max == -1.0
+    with pytest.raises(AttributeError, match="immutable"):
+        arc.scale = 3.0
+    with pytest.raises(ValueError, match=r"ArcFace: argument `m` \(radians\) must be in \[0, pi\)"):
+        shardkit.ArcFace(64, 4.0)
+    with pytest.raises(ValueError, match=r"CosFace: argument `s` \(the scale\) must be > 0"):
+        shardkit.CosFace(0.0, 0.4)
+    with pytest.raises(ValueError, match=r"CosFace: argument `m` must be >= 0"):
+        shardkit.CosFace(64, -0.1)
+    with pytest.raises(ValueError, match=r"CombinedMargin: argument `m1` must be > 0"):
+        shardkit.CombinedMargin(64, 0.0, 0.3, 0.2)
+    with pytest.raises(ValueError, match=r"CombinedMargin: argument `m3` must be finite"):
+        shardkit.CombinedMargin(64, 1.0, 0.3, math.inf)
+    with pytest.raises(TypeError, match=r"ArcFace: argument `m` must be a real number"):
+        shardkit.ArcFace(64, "0.5")
