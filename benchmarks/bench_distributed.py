@@ -241,7 +241,7 @@ def main():
                   + ("; plus a .item() host sync in backward" if name == "PartialFC_V2" else ""))
             for desc, n, _, nbytes, wire in rows:
                 print(f"     {n} x {desc:42s} in {nbytes / 2**10:10.1f} KiB   received {wire / 2**10:10.1f} KiB")
-        print(f"  logits held: ours one chunk [B_g, chunk] (the op's default budget; 64 MiB on GPUs); "
+        print(f"  logits held: ours one chunk [B_g, chunk] (the op's default budget; 192 MiB on GPUs); "
               f"PartialFC_V2 the whole [B_g, C/N] = {mem['pfc_logits_bytes'] / 2**20:.1f} MiB (fp32"
               f"{' + the autocast copy' if args.dtype != 'fp32' else ''})")
     folder = out_dir()

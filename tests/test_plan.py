@@ -65,7 +65,7 @@ def test_shardkit_working_set_independent_of_classes():
     small = plan_memory(10**6, 512, 1, 128).devices[0]
     large = plan_memory(10**7, 512, 1, 128).devices[0]
     assert small.loss_working_set == large.loss_working_set
-    assert small.loss_parts["chunk logits + weight rows"] <= 64 * MiB
+    assert small.loss_parts["chunk logits + weight rows"] <= 192 * MiB
     # The naive working set grows linearly with C: B * C * (4 + 4 + 4) bytes in fp32.
     n1, n2 = plan_memory(10**6, 512, 1, 128).naive, plan_memory(2 * 10**6, 512, 1, 128).naive
     assert n2.loss_working_set - n1.loss_working_set == 128 * 10**6 * 12

@@ -160,7 +160,7 @@ def test_cuda_low_precision_scale_64(dtype):
 
 
 def test_cuda_default_budget_several_chunks_face_recognition_shape():
-    # B = 1024, D = 512 at the default 64 MiB budget: several chunks, the last one partial,
+    # B = 1024, D = 512 at the default 192 MiB budget: several chunks, the last one partial,
     # statistics and gradients accumulated across chunks.
     B, D, C = 1024, 512, 50_003
     chunk = chunk_classes_for_budget(B, embedding_dim=D, num_classes=C)

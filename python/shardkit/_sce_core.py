@@ -46,7 +46,7 @@ def _to(t: torch.Tensor, device: torch.device, dtype=None) -> torch.Tensor:
 
 
 def _chunk_classes(batch: int, shard_classes: int, dim: int, dtype: torch.dtype, budget: Optional[int]):
-    # None: the op's own default (64 MiB on GPUs, a cache-sized chunk on the CPU).
+    # None: the op's own default (192 MiB on GPUs, a cache-sized chunk on the CPU).
     if budget is None:
         return None
     return ops.chunk_classes_for_budget(batch, budget, embedding_dim=dim, dtype=dtype,

@@ -93,7 +93,7 @@ def sharded_cross_entropy(
             ranges must tile [0, C).
         chunk_memory: working-set budget per shard (bytes or a string like "64MiB"): sets
             the classes per chunk, so extra memory is O(B x chunk), never O(B x C). None: the
-            op's default, a 64 MiB budget on GPUs and a cache-sized (1 MiB) chunk on the CPU.
+            op's default, a 192 MiB budget on GPUs and a cache-sized (1 MiB) chunk on the CPU.
         check_inputs: True: one fused device->host sync per call to check labels and
             finiteness of the embeddings (clear ValueError); "async": the same check by
             ``torch._assert_async`` without a sync; False: no value check (out-of-range
@@ -239,7 +239,7 @@ class ShardedSoftmaxLoss(nn.Module):
             all C classes; reduction "mean" over non-ignored rows, "sum", "none").
         dtype: the weights' dtype (default: torch's default dtype).
         chunk_memory: working-set budget per shard, bytes or a string like "64MiB"; None
-            (default): 64 MiB on GPUs, a cache-sized chunk on the CPU.
+            (default): 192 MiB on GPUs, a cache-sized chunk on the CPU.
         check_inputs: True (default): validate labels and embedding finiteness with ONE
             device->host sync per forward (~ a [B] and a [B, D] scan; on a GPU, the sync stalls
             the CPU until the backbone's forward is done); "async": same check with no sync

@@ -44,7 +44,7 @@ GiB = 1 << 30
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 OPTIMIZER_STATES = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
 #: Chunk working-set budget of ShardedSoftmaxLoss when no chunk size is given.
-DEFAULT_CHUNK_BUDGET = 64 * MiB
+DEFAULT_CHUNK_BUDGET = 192 * MiB
 _UNITS = {
     "": 1, "b": 1,
     "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
@@ -177,7 +177,7 @@ def plan_memory(
         master_weights: fp32 master copy for fp16/bf16 (default: True unless fp32).
         sparse_grad: sampled mode keeps gradients of sampled rows only (else a dense buffer);
             None (default) = True, what shardkit's sampled mode does.
-        chunk_budget: ShardedSoftmaxLoss's chunk working-set budget (default 64 MiB).
+        chunk_budget: ShardedSoftmaxLoss's chunk working-set budget (default 192 MiB).
         reserve: bytes set aside per device for everything not counted here.
 
     Returns:
@@ -325,7 +325,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--sample-rate", type=float, default=1.0, help="PartialFC sampling rate in (0, 1]")
     ap.add_argument("--gpu-memory", type=_size_arg, default=None, help="memory per device, e.g. 80GiB, 80GB, 81920MiB")
     ap.add_argument("--reserve", type=_size_arg, default=0, help="memory per device kept for the rest (backbone, context)")
-    ap.add_argument("--chunk-budget", type=_size_arg, default=DEFAULT_CHUNK_BUDGET, help="ShardedSoftmaxLoss chunk budget (default 64MiB)")
+    ap.add_argument("--chunk-budget", type=_size_arg, default=DEFAULT_CHUNK_BUDGET, help="ShardedSoftmaxLoss chunk budget (default 192MiB)")
     ap.add_argument("--no-master-weights", action="store_true", help="fp16/bf16 without fp32 master weights")
     ap.add_argument("--dense-grad", action="store_true",
                     help="model a dense weight-sized gradient in the sampled mode (shardkit's is row-sparse)")

@@ -15,8 +15,12 @@ from torch import Tensor
 
 __all__ = ["ce_shard_stats", "chunk_classes_for_budget"]
 
-#: Working-set budget of one call when ``chunk_classes`` is not given (GPU).
-DEFAULT_BUDGET_BYTES = 64 << 20
+#: Working-set budget of one call when ``chunk_classes`` is not given (GPU). Each chunk
+#: costs a fixed ~15 kernel launches of host time, so chunks must be large enough for
+#: their GEMMs to outlast it: at D=512 the weight rows dominate a chunk's bytes, and 64 MiB
+#: gave ~6.5k classes per chunk at B=1024, bf16 (150+ chunks per 1M classes). 192 MiB gives 20k
+#: and keeps B=1024, C=1M under 256 MiB of working memory beyond weights and gradients.
+DEFAULT_BUDGET_BYTES = 192 << 20
 #: On the CPU a chunk's logits should stay in the L2 cache rather than fill the budget:
 #: larger chunks only add cache misses between the GEMM and the fused row pass.
 CPU_MAX_CHUNK_BYTES = 1 << 20
@@ -105,7 +109,7 @@ def ce_shard_stats(
         class_offset: global id of the shard's first class (>= 0).
         scale, m1, m2, m3: logit scale and margin parameters (see above).
         normalize: L2-normalize ``x`` and ``w`` rows (required by margins).
-        chunk_classes: classes per chunk (>= 1); default from a 64 MiB working-set budget
+        chunk_classes: classes per chunk (>= 1); default from a 192 MiB working-set budget
             (:func:`chunk_classes_for_budget`), capped to a cache-sized chunk on the CPU.
         target_ref: optional float32 [B]: ``greater_count`` counts the classes whose PLAIN
             logit (no margin) exceeds it; zeros when None.
