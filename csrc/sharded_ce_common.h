@@ -68,6 +68,11 @@ inline at::ScalarType acc_dtype(at::ScalarType t) {
   return t == at::kDouble ? at::kDouble : at::kFloat;
 }
 
+// True for the mixed dtype pairs: x bf16 / fp16 with w fp32.
+inline bool is_mixed(at::ScalarType xt, at::ScalarType wt) {
+  return (xt == at::kBFloat16 || xt == at::kHalf) && wt == at::kFloat;
+}
+
 inline void check_common(const at::Tensor& x, const at::Tensor& w, const at::Tensor& labels,
                          int64_t class_offset, double scale, double m1, double m2, double m3,
                          bool normalize, int64_t chunk_classes) {
@@ -76,8 +81,11 @@ inline void check_common(const at::Tensor& x, const at::Tensor& w, const at::Ten
   TORCH_CHECK(xt == at::kFloat || xt == at::kDouble || xt == at::kHalf || xt == at::kBFloat16,
               "argument `x` must be float32, float64, float16 or bfloat16, got ", xt);
   TORCH_CHECK(w.dim() == 2, "argument `w` must be 2-D [C_k, D], got shape ", w.sizes());
-  TORCH_CHECK(w.scalar_type() == xt, "argument `w` must have the dtype of `x` (", xt, "), got ",
-              w.scalar_type());
+  // Mixed mode: fp32 weights with 16-bit embeddings (fp32 master weights under autocast). The
+  // kernels convert w chunk by chunk to x's dtype where they need it and write grad_w in fp32,
+  // so the caller need not hold a 16-bit copy of the whole shard nor of its gradient.
+  TORCH_CHECK(w.scalar_type() == xt || is_mixed(xt, w.scalar_type()), "argument `w` must have the dtype of `x` (",
+              xt, "), or be float32 when `x` is bfloat16 or float16, got ", w.scalar_type());
   TORCH_CHECK(w.device() == x.device(), "argument `w` must be on the device of `x` (", x.device(),
               "), got ", w.device());
   TORCH_CHECK(w.size(1) == x.size(1), "argument `w` has embedding dim ", w.size(1), " but `x` has ",

@@ -11,6 +11,9 @@
 // scaled by 1 / |w_j| in the fused kernel. The fp32/fp64 backward folds 1 / |w_j| into the
 // dlogits too; the 16-bit one cannot (fp16 dlogits would overflow for small rows) and uses a
 // normalized copy of the chunk instead. The normalization backward is applied per chunk.
+// Mixed mode (fp32 w, bf16/fp16 x): each chunk of w is first converted into a chunk-sized
+// buffer in x's dtype, and the computation is the 16-bit one on that chunk, except that
+// dW_chunk is written in fp32 straight into the fp32 grad_w (the GEMM's fp32 output).
 // Extra memory: O(B * chunk + chunk * D).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -183,9 +186,9 @@ __global__ void dlogit_kernel(const T* L, g_t* G, int64_t B, int64_t n, int64_t 
 // convert, or with normalize the projection through w_hat = w / max(|w|, eps):
 //   v = w (raw rows, G had the factor rw):      dw = tmp - [|w| > eps] rw^2 (tmp . w) w
 //   v = w_hat (hat, G without rw, 16-bit path): dw = rw (tmp - [|w| > eps] (tmp . w_hat) w_hat)
-template <typename scalar_t, typename T, typename tmp_t>
+template <typename scalar_t, typename T, typename tmp_t, typename out_t = scalar_t>
 __global__ void dw_fixup_kernel(const tmp_t* tmp, const scalar_t* __restrict__ v, int64_t s0, int64_t s1,
-                                const T* __restrict__ rw, bool hat, int64_t n, int64_t D, scalar_t* out) {
+                                const T* __restrict__ rw, bool hat, int64_t n, int64_t D, out_t* out) {
   const int64_t row = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= n) return;
@@ -204,7 +207,7 @@ __global__ void dw_fixup_kernel(const tmp_t* tmp, const scalar_t* __restrict__ v
   }
   __syncwarp();
   for (int64_t k = lane; k < D; k += 32)
-    out[row * D + k] = static_cast<scalar_t>(
+    out[row * D + k] = static_cast<out_t>(
         (static_cast<T>(tmp[row * D + k]) - coef * static_cast<T>(v[row * s0 + k * s1])) * post);
 }
 
@@ -228,24 +231,33 @@ Prepared prepare_x(const Tensor& x, bool normalize) {
   return p;
 }
 
-// Logits of w[j0 : j0+n] into L (acc dtype, [B, n] contiguous) and, when normalizing, the
-// chunk's inverse row norms into rw and, if what is defined, its normalized rows into what
-// (w's dtype, [n, D] contiguous).
-void chunk_logits(const Prepared& p, const Tensor& w, int64_t j0, int64_t n, bool normalize, Tensor& L,
-                  Tensor& rw, const Tensor& what, cudaStream_t stream) {
+// The chunk w[j0 : j0+n] in x's dtype: a view of w, or (mixed mode, wbuf defined) w's rows
+// converted into wbuf, [n, D] contiguous. The copy runs on the current stream.
+Tensor weight_chunk(const Tensor& w, const Tensor& wbuf, int64_t j0, int64_t n) {
   const Tensor wc = w.narrow(0, j0, n);
+  if (!wbuf.defined()) return wc;
+  Tensor out = wbuf.narrow(0, 0, n * w.size(1)).view({n, w.size(1)});
+  out.copy_(wc);
+  return out;
+}
+
+// Logits of the chunk wc ([n, D], x's dtype) into L (acc dtype, [B, n] contiguous) and, when
+// normalizing, the chunk's inverse row norms into rw and, if what is defined, its normalized
+// rows into what (x's dtype, [n, D] contiguous).
+void chunk_logits(const Prepared& p, const Tensor& wc, int64_t n, bool normalize, Tensor& L, Tensor& rw,
+                  const Tensor& what, cudaStream_t stream) {
   const auto acc = L.scalar_type();
   if (normalize) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.scalar_type(), "sce_inv_norm", [&] {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, wc.scalar_type(), "sce_inv_norm", [&] {
       using T = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
       const int rows_per_block = kBlock / 32;
       inv_row_norm_kernel<scalar_t, T><<<(n + rows_per_block - 1) / rows_per_block, kBlock, 0, stream>>>(
-          wc.const_data_ptr<scalar_t>(), w.stride(0), w.stride(1), n, w.size(1), rw.mutable_data_ptr<T>(),
+          wc.const_data_ptr<scalar_t>(), wc.stride(0), wc.stride(1), n, wc.size(1), rw.mutable_data_ptr<T>(),
           what.defined() ? what.mutable_data_ptr<scalar_t>() : nullptr);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
-  if (w.scalar_type() == acc)
+  if (wc.scalar_type() == acc)
     at::mm_out(L, p.xin, wc.t());
   else
     at::mm_out(L, p.xin, wc.t(), acc);  // bf16/fp16 inputs, fp32 accumulation and output
@@ -278,11 +290,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> ce_shard_stats_cuda(const Tensor& x, 
   const int64_t chunk = std::min(chunk_classes, C);
   Tensor lbuf = at::empty({B * chunk}, opts);
   Tensor rw = normalize ? at::empty({chunk}, opts) : Tensor();
+  // Mixed mode: the chunk's rows converted to x's dtype, [chunk, D].
+  const Tensor wbuf = w.scalar_type() != x.scalar_type() ? at::empty({chunk * w.size(1)}, x.options()) : Tensor();
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   for (int64_t j0 = 0; j0 < C; j0 += chunk) {
     const int64_t n = std::min(chunk, C - j0);
     Tensor L = lbuf.narrow(0, 0, B * n).view({B, n});
-    chunk_logits(p, w, j0, n, normalize, L, rw, Tensor(), stream);
+    chunk_logits(p, weight_chunk(w, wbuf, j0, n), n, normalize, L, rw, Tensor(), stream);
     AT_DISPATCH_FLOATING_TYPES(acc, "ce_shard_stats_cuda", [&] {
       using T = scalar_t;
       row_stats_kernel<T><<<B, kBlock, 0, stream>>>(
@@ -320,9 +334,13 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
   const Prepared p = prepare_x(x, normalize);
   const int64_t chunk = std::min(chunk_classes, C);
   const bool low = dt != acc;  // bf16 / fp16: dlogits in the input dtype, fp32 temporaries
+  // Mixed mode (fp32 w, 16-bit x): w's chunks converted into wbuf (x's dtype); dW is the fp32
+  // GEMM output written straight into grad_w (fp32), so no fp32 temporary tbuf.
+  const bool mixed = w.scalar_type() != dt;
   Tensor lbuf = at::empty({B * chunk}, opts);
   Tensor gbuf = low ? at::empty({B * chunk}, x.options()) : Tensor();
-  Tensor tbuf = low ? at::empty({chunk * D}, opts) : Tensor();
+  Tensor tbuf = low && !mixed ? at::empty({chunk * D}, opts) : Tensor();
+  const Tensor wbuf = mixed ? at::empty({chunk * D}, x.options()) : Tensor();
   Tensor dxc = low ? at::empty({B, D}, opts) : Tensor();
   Tensor rw = normalize ? at::empty({chunk}, opts) : Tensor();
   // 16-bit with normalize: G stays d loss / d cos (bounded like torch's own 16-bit dlogits)
@@ -335,7 +353,8 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
     const int64_t n = std::min(chunk, C - j0);
     Tensor L = lbuf.narrow(0, 0, B * n).view({B, n});
     const Tensor what = hat ? whatbuf.narrow(0, 0, n * D).view({n, D}) : Tensor();
-    chunk_logits(p, w, j0, n, normalize, L, rw, what, stream);
+    const Tensor wc = weight_chunk(w, wbuf, j0, n);  // x's dtype
+    chunk_logits(p, wc, n, normalize, L, rw, what, stream);
     Tensor G = low ? gbuf.narrow(0, 0, B * n).view({B, n}) : L;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dt, "sce_dlogit", [&] {
       using T = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
@@ -347,7 +366,6 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
           gs.const_data_ptr<T>(), to_device_margin<T>(mg));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
-    const Tensor wc = w.narrow(0, j0, n);
     Tensor gw = grad_w.narrow(0, j0, n);
     if (low) {
       // (addmm with out_dtype wants `self` in the input dtype in some torch versions: GEMM into
@@ -355,21 +373,32 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
       const Tensor& v = hat ? what : wc;  // the rows the dX GEMM and the dW fix-up use
       at::mm_out(dxc, G, v, acc);
       dx.add_(dxc);
-      Tensor tmp = tbuf.narrow(0, 0, n * D).view({n, D});
+      // Mixed: the fp32 GEMM output goes straight into the fp32 grad_w rows (contiguous: a
+      // narrow of rows of a fresh [C, D] tensor); with normalize the fix-up then runs in place.
+      Tensor tmp = mixed ? gw : tbuf.narrow(0, 0, n * D).view({n, D});
       at::mm_out(tmp, G.t(), p.xin, acc);
-      AT_DISPATCH_REDUCED_FLOATING_TYPES(dt, "sce_dw_low", [&] {
-        dw_fixup_kernel<scalar_t, float, float><<<(n + kBlock / 32 - 1) / (kBlock / 32), kBlock, 0, stream>>>(
-            tmp.const_data_ptr<float>(), v.const_data_ptr<scalar_t>(), v.stride(0), v.stride(1),
-            normalize ? rw.const_data_ptr<float>() : nullptr, hat, n, D, gw.mutable_data_ptr<scalar_t>());
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      });
+      if (mixed && normalize) {  // (mixed without normalize: the GEMM wrote the final dW)
+        AT_DISPATCH_REDUCED_FLOATING_TYPES(dt, "sce_dw_mixed", [&] {
+          dw_fixup_kernel<scalar_t, float, float, float><<<(n + kBlock / 32 - 1) / (kBlock / 32), kBlock, 0, stream>>>(
+              tmp.const_data_ptr<float>(), v.const_data_ptr<scalar_t>(), v.stride(0), v.stride(1),
+              rw.const_data_ptr<float>(), hat, n, D, gw.mutable_data_ptr<float>());
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
+      } else if (!mixed) {
+        AT_DISPATCH_REDUCED_FLOATING_TYPES(dt, "sce_dw_low", [&] {
+          dw_fixup_kernel<scalar_t, float, float><<<(n + kBlock / 32 - 1) / (kBlock / 32), kBlock, 0, stream>>>(
+              tmp.const_data_ptr<float>(), v.const_data_ptr<scalar_t>(), v.stride(0), v.stride(1),
+              normalize ? rw.const_data_ptr<float>() : nullptr, hat, n, D, gw.mutable_data_ptr<scalar_t>());
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
+      }
     } else {
       dx.addmm_(G, wc);
       at::mm_out(gw, G.t(), p.xin);
       if (normalize) {
         AT_DISPATCH_FLOATING_TYPES(dt, "sce_dw", [&] {
           dw_fixup_kernel<scalar_t, scalar_t, scalar_t><<<(n + kBlock / 32 - 1) / (kBlock / 32), kBlock, 0, stream>>>(
-              gw.const_data_ptr<scalar_t>(), wc.const_data_ptr<scalar_t>(), w.stride(0), w.stride(1),
+              gw.const_data_ptr<scalar_t>(), wc.const_data_ptr<scalar_t>(), wc.stride(0), wc.stride(1),
               rw.const_data_ptr<scalar_t>(), /*hat=*/false, n, D, gw.mutable_data_ptr<scalar_t>());
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         });

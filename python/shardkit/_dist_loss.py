@@ -23,7 +23,7 @@ from shardkit.distributed import (
 )
 from shardkit import ops
 from shardkit._sce_checks import check_tensors, check_values
-from shardkit._sce_core import ShardStatistics, _chunk_classes, _compute_dtype, _plain_target_logit
+from shardkit._sce_core import ShardStatistics, _chunk_classes, _compute_dtype, _plain_target_logit, weights_for
 from shardkit.sampling import check_sample_rate, mark_sampled, sample_shard
 
 
@@ -186,8 +186,7 @@ def distributed_statistics(dctx: DistContext, embeddings, labels, weight: torch.
         offset, used = 0, sum(counts)
     else:
         w, y_shard, offset, used = weight, y_op, dctx.class_offset, dctx.num_classes
-    if w.dtype != xg.dtype:
-        w = w.to(xg.dtype)
+    w = weights_for(w, xg.dtype)  # fp32 weights with 16-bit (autocast) embeddings go as they are
     target_ref = None
     if with_rank:
         part = _plain_target_logit([(xg, y_shard)], [w], [offset], y_shard, margin, xg.device)

@@ -39,6 +39,22 @@ def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
+# Weight / embedding dtype pairs the op takes as they are ("mixed" mode): fp32 weights with
+# 16-bit embeddings, i.e. fp32 master weights under a 16-bit autocast. The op converts the
+# weights chunk by chunk and returns their gradient in fp32, so no 16-bit copy of the shard
+# (nor of its gradient) is ever made.
+_MIXED_PAIRS = {(torch.bfloat16, torch.float32), (torch.float16, torch.float32)}
+
+
+def weights_for(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``weight`` as the op takes it with embeddings of ``dtype``: unchanged when the dtypes
+    match or form a mixed pair (16-bit embeddings, fp32 weights), else cast to ``dtype``
+    (differentiable: the cast's gradient flows back in the weight's dtype)."""
+    if weight.dtype == dtype or (dtype, weight.dtype) in _MIXED_PAIRS:
+        return weight
+    return weight.to(dtype)
+
+
 def _to(t: torch.Tensor, device: torch.device, dtype=None) -> torch.Tensor:
     # Host-to-device and device-to-device copies may be asynchronous; a copy to the
     # CPU must not be (the host would read before the data lands).
@@ -124,7 +140,7 @@ def shard_statistics(
         target_ref = _plain_target_logit(inputs, shards, offsets, labels, margin, embeddings.device)
     stats = []
     for (x_k, labels_k), w, offset in zip(inputs, shards, offsets):
-        w_k = w if w.dtype == x_k.dtype else w.to(x_k.dtype)
+        w_k = weights_for(w, x_k.dtype)
         ref_k = None if target_ref is None else _to(target_ref, w.device)
         out = ops.ce_shard_stats(
             x_k, w_k, labels_k,

@@ -114,10 +114,13 @@ def sharded_cross_entropy(
         :class:`ShardedLossOutput` with ``return_details=True``.
 
     dtypes: outside autocast the embeddings are cast to the weights' dtype; under
-    ``torch.autocast`` for a shard's device type both are cast to the autocast dtype (as
-    nn.Linear). Statistics and the loss are float32 whatever the input dtype. With fp32
-    weights under autocast, each step therefore holds a 16-bit copy of every shard and its
-    16-bit gradient (2 x C_k x D x 2 bytes); 16-bit weights avoid that.
+    ``torch.autocast`` for a shard's device type the embeddings are cast to the autocast
+    dtype, which is the compute dtype (as nn.Linear). fp32 weights under a bf16 / fp16
+    autocast are NOT copied: the kernels convert them chunk by chunk (a chunk-sized
+    temporary within ``chunk_memory``) and write their gradient in fp32 straight into the
+    fp32 gradient, so no 16-bit copy of a shard or of its gradient is made. Other weight
+    dtypes under autocast (e.g. bf16 weights with an fp16 autocast) are cast to the autocast
+    dtype. Statistics and the loss are float32 whatever the input dtype.
     """
     check_options(margin, label_smoothing, ignore_index, reduction, check_inputs)
     shards, offsets, num_classes = check_shards(weight_shards, class_offsets)

@@ -38,13 +38,17 @@ def chunk_classes_for_budget(
 
     Per class of a chunk the kernels hold ``batch`` fp32 logits (plus ``batch`` gradient
     values in ``dtype`` when it is a 16-bit type) and two rows of ``embedding_dim`` values in
-    fp32 (the chunk's weights, normalized or converted, and their gradient).
+    fp32 (the chunk's weights, normalized or converted, and their gradient). This also bounds
+    the mixed mode (fp32 weights, 16-bit ``dtype`` embeddings): there a chunk holds its
+    weights converted to ``dtype`` (and, normalized, a normalized copy in ``dtype``) while the
+    fp32 weight gradient is written in place, at most 4 of the 8 bytes per value counted.
 
     Args:
         batch: rows B of the embeddings (int >= 0).
         budget_bytes: bytes available for the working set (int > 0).
         embedding_dim: D (int >= 0); 0 ignores the weight-sized part.
-        dtype: dtype of the embeddings and weights.
+        dtype: dtype of the embeddings (the compute dtype; weights may be fp32 with 16-bit
+            embeddings).
         num_classes: if given, the result is at most this (and at least 1).
 
     Returns:
@@ -103,7 +107,12 @@ def ce_shard_stats(
 
     Args:
         x: embeddings [B, D], float32 / bfloat16 / float16 (float64 for checks).
-        w: the shard's weights [C_k, D], same dtype and device as ``x``; C_k may be 0.
+        w: the shard's weights [C_k, D] on the device of ``x``; C_k may be 0. Same dtype as
+            ``x``, or float32 with bfloat16 / float16 ``x`` ("mixed" mode, fp32 master
+            weights under autocast): the kernels then convert ``w`` chunk by chunk (on CUDA
+            to ``x``'s dtype, the GEMMs' input dtype; the CPU kernels compute in fp32 from
+            the fp32 rows) and return its gradient in float32, without a full-size 16-bit
+            copy of ``w`` or of its gradient.
         labels: int64 [B] GLOBAL class ids; ids outside the shard (other shards' classes,
             ignore_index) simply have no target here.
         class_offset: global id of the shard's first class (>= 0).
@@ -119,7 +128,8 @@ def ce_shard_stats(
         float64 inputs) ``log sum_j exp(z_ij)`` (-inf when C_k == 0 or all the row's logits
         are -inf; NaN as soon as one logit is NaN), the target logit
         ``z_{i, y_i}`` (0 when the target is not in the shard), ``sum_j z_ij`` (with the
-        margin), and int64 counts. Differentiable w.r.t. ``x`` and ``w`` (not the count).
+        margin), and int64 counts. Differentiable w.r.t. ``x`` and ``w`` (not the count);
+        the gradients come in the dtype of ``x`` and of ``w`` respectively.
     """
     if chunk_classes is None:
         chunk_classes = _default_chunk(x, w)
@@ -132,12 +142,25 @@ def _stats_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+# dtype names as the kernels' messages print them, so that eager and traced errors match.
+_C10_NAMES = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16"}
+
+
+def _check_dtypes_fake(x: Tensor, w: Tensor) -> None:
+    # The kernels' dtype rule (equal dtypes, or fp32 w with 16-bit x), also under tracing.
+    mixed = x.dtype in (torch.bfloat16, torch.float16) and w.dtype == torch.float32
+    torch._check(w.dtype == x.dtype or mixed,
+                 lambda: f"argument `w` must have the dtype of `x` ({_C10_NAMES.get(x.dtype, x.dtype)}), or be "
+                         f"float32 when `x` is bfloat16 or float16, got {_C10_NAMES.get(w.dtype, w.dtype)}")
+
+
 @torch.library.register_fake("shardkit::ce_shard_stats")
 def _ce_shard_stats_fake(x, w, labels, target_ref, class_offset, scale, m1, m2, m3, normalize, chunk_classes):
     torch._check(x.dim() == 2, lambda: f"argument `x` must be 2-D [B, D], got shape {tuple(x.shape)}")
     torch._check(w.dim() == 2, lambda: f"argument `w` must be 2-D [C_k, D], got shape {tuple(w.shape)}")
     torch._check(w.shape[1] == x.shape[1],
                  lambda: f"argument `w` has embedding dim {w.shape[1]} but `x` has {x.shape[1]}")
+    _check_dtypes_fake(x, w)
     batch = x.shape[0]
     dt = _stats_dtype(x)
     return (x.new_empty(batch, dtype=dt), x.new_empty(batch, dtype=dt), x.new_empty(batch, dtype=dt),
@@ -148,6 +171,8 @@ def _ce_shard_stats_fake(x, w, labels, target_ref, class_offset, scale, m1, m2, 
 def _ce_shard_stats_backward_fake(grad_lse, grad_target, grad_sum, x, w, labels, lse, class_offset, scale,
                                   m1, m2, m3, normalize, chunk_classes):
     torch._check(x.dim() == 2 and w.dim() == 2, lambda: "arguments `x` and `w` must be 2-D")
+    _check_dtypes_fake(x, w)
+    # grad_x in x's dtype, grad_w in w's (fp32 in the mixed mode).
     return x.new_empty(x.shape), w.new_empty(w.shape)
 
 
