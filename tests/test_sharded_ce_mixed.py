@@ -128,6 +128,24 @@ def test_opcheck_mixed():
         assert gx.dtype == x.dtype and gw.dtype == torch.float32
 
 
+def test_compile_traces_the_mixed_op():
+    # The fake kernel's dtypes (grad_w in w's dtype) are what the traced backward allocates.
+    x, w, labels = make_case(6, 5, 30, 0)
+    x = x.bfloat16().requires_grad_()
+    w = w.requires_grad_()
+
+    def fn(x, w):
+        return ce_shard_stats(x, w, labels, chunk_classes=8, **kw("arcface"))[0].sum()
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    out = compiled(x, w)
+    gx, gw = torch.autograd.grad(out, (x, w))
+    ex = fn(x, w)
+    egx, egw = torch.autograd.grad(ex, (x, w))
+    assert gx.dtype == torch.bfloat16 and gw.dtype == torch.float32
+    assert rel(out, ex) <= 1e-6 and rel(gx, egx) <= 1e-6 and rel(gw, egw) <= 1e-6
+
+
 @pytest.mark.parametrize("xdt,wdt", [(torch.float32, torch.bfloat16), (torch.float64, torch.float32),
                                      (torch.bfloat16, torch.float16), (torch.float16, torch.float64),
                                      (torch.float32, torch.float16)])

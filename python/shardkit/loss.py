@@ -117,8 +117,10 @@ def sharded_cross_entropy(
     ``torch.autocast`` for a shard's device type the embeddings are cast to the autocast
     dtype, which is the compute dtype (as nn.Linear). fp32 weights under a bf16 / fp16
     autocast are NOT copied: the kernels convert them chunk by chunk (a chunk-sized
-    temporary within ``chunk_memory``) and write their gradient in fp32 straight into the
-    fp32 gradient, so no 16-bit copy of a shard or of its gradient is made. Other weight
+    temporary within ``chunk_memory``; on GPUs to the autocast dtype, the GEMMs' input
+    dtype, while the CPU kernels compute in fp32 from the fp32 rows) and write their
+    gradient in fp32 straight into the fp32 gradient, so no 16-bit copy of a shard or of its
+    gradient is made. Other weight
     dtypes under autocast (e.g. bf16 weights with an fp16 autocast) are cast to the autocast
     dtype. Statistics and the loss are float32 whatever the input dtype.
     """
