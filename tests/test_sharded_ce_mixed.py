@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardkit
-from sce_checks import MARGINS, kw, make_case, make_labels, opcheck_samples, ref_stats, rel, torch_low_precision_stats
+from sce_checks import kw, make_case, make_labels, opcheck_samples, ref_stats, rel, torch_low_precision_stats
 from sce_reference import margin_kwargs, reference_loss_and_grads
 from shardkit.ops import ce_shard_stats
 from shardkit.ops._sharded_ce import DEFAULT_BUDGET_BYTES
@@ -190,6 +190,18 @@ def _no_full_16bit_copy(seen, shard_numel):
     assert back and all(outs[0][0] == torch.bfloat16 and outs[1][0] == torch.float32 for outs in back), back
 
 
+def _large_cpu_allocations(fn, nbytes):
+    """Sizes of the CPU allocations of at least ``nbytes`` made by ``fn()``, C++ kernels'
+    internal ones included (profiler memory events, by the op that allocated)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the profiler's notes about event cycles
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            fn()
+    return sorted(e.self_cpu_memory_usage for e in prof.events() if e.self_cpu_memory_usage >= nbytes)
+
+
 @pytest.mark.parametrize("margin_name", ["plain", "arcface"])
 def test_module_autocast_fp32_weights_are_not_copied(margin_name):
     margin = {"plain": None, "arcface": shardkit.ArcFace(s=8.0, m=0.5)}[margin_name]
@@ -207,6 +219,15 @@ def test_module_autocast_fp32_weights_are_not_copied(margin_name):
         gx, gw = torch.autograd.grad(loss, [xr, loss_fn.weight_shards[0]], g)
     _no_full_16bit_copy(rec.seen, classes * dim)
     assert loss.dtype == torch.float32 and gw.dtype == torch.float32 and gx.dtype == torch.float32
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = loss_fn(xr, y)
+        torch.autograd.grad(out, [xr, loss_fn.weight_shards[0]], g)
+
+    # Inside the kernels too, nothing shard-sized is allocated but the fp32 gradient itself
+    # (a bf16 copy and its bf16 gradient would add two allocations of half that size).
+    assert _large_cpu_allocations(step, classes * dim * 2) == [classes * dim * 4]
     kwargs = margin_kwargs(margin)
     # Against the embeddings the loss computes with (rounded to bf16) and the exact fp32
     # weights: the CPU kernels compute in fp32, so only dX (returned in bf16) is rounded.
