@@ -132,7 +132,7 @@ def test_torchrun_two_ranks_and_resume(tmp_path):
 
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(shardkit.__file__))))
     out = str(tmp_path / "ddp")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "shardkit.train"] + TINY + [
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "shardkit.train"] + TINY + [
         "--batch", "16", "--sample-rate", "0.5", "--out", out]
     r = subprocess.run(cmd + ["--steps", "3"], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
