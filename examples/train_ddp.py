@@ -90,6 +90,7 @@ def main():
             acc = out.correct[1].item() / max(out.num_valid.item(), 1)
             print(f"{name:4s} backbone: loss {out.loss.item():.4f}  top-1 {acc:.3f} on {world} x {args.batch} samples")
     shardkit.save_sharded(head, args.checkpoint, opt)  # reload with any number of ranks: load_sharded
+    dist.barrier()  # leave together: a rank still writing must not see its peers' connections close
     dist.destroy_process_group()
 
 

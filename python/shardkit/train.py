@@ -146,7 +146,12 @@ def main(argv=None) -> int:
     had_group = dist.is_available() and dist.is_initialized()
     world = _train_run.init_distributed(args)
     try:
-        return _train_run.run(args, world)
+        code = _train_run.run(args, world)
+        if world.size > 1 and dist.is_initialized():
+            # Tear down together: rank 0 still plots while the others would close their gloo
+            # connections, and a peer's socket closing under a rank that still reads it aborts it.
+            dist.barrier()
+        return code
     finally:
         # Leave the process as we found it.
         if not had_group and dist.is_available() and dist.is_initialized():
