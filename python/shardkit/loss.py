@@ -122,7 +122,9 @@ def sharded_cross_entropy(
     gradient in fp32 straight into the fp32 gradient, so no 16-bit copy of a shard or of its
     gradient is made. Other weight
     dtypes under autocast (e.g. bf16 weights with an fp16 autocast) are cast to the autocast
-    dtype. Statistics and the loss are float32 whatever the input dtype.
+    dtype. Statistics and the loss are float32 whatever the input dtype. With a margin and
+    fp16 autocast on a GPU, each fp32 row is rounded to fp16 before it is normalized, so
+    rows of norm below ~1e-3 lose cosine accuracy (fp16 subnormals); bf16 has no such limit.
     """
     check_options(margin, label_smoothing, ignore_index, reduction, check_inputs)
     shards, offsets, num_classes = check_shards(weight_shards, class_offsets)
