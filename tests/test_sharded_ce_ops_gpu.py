@@ -189,13 +189,10 @@ def test_cuda_matches_cpu_kernel(name):
         assert rel(b, a, fl) <= 2e-5
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_cuda_16bit_zero_and_small_weight_rows(dtype):
-    # A zero weight row (e.g. a padding class) and rows with |w_j| ~ 5e-3, targets among them:
-    # 1 / |w_j| must stay out of the 16-bit dlogits (fp16 would overflow to inf, and inf * 0
-    # in the dX GEMM would make every row's dX NaN). Within 2x the error of torch's own 16-bit
-    # path (normalized in fp32 as under autocast), except the zero row's own gradient
-    # (1e12 * ..., inf in 16 bits for torch too).
+def _small_rows_case(x_dtype, w_dtype):
+    """ArcFace case with a zero weight row (7) and rows with |w_j| ~ 5e-3 (11-19), targets
+    among them, on CUDA; with the float64 reference stats and gradients of a random
+    combination ``g`` of the three outputs."""
     k = kw("arcface")
     B, D, C = 24, 32, 200
     x32, w32, _ = make_case(B, D, C, 0)
@@ -203,45 +200,53 @@ def test_cuda_16bit_zero_and_small_weight_rows(dtype):
     w32[11:20] *= 1e-3
     labels = torch.randint(0, C, (B,))
     labels[:3] = torch.tensor([7, 12, 15])
-    x, w = x32.to("cuda", dtype), w32.to("cuda", dtype)
+    x, w = x32.to("cuda", x_dtype), w32.to("cuda", w_dtype)
     g = [torch.randn(B, dtype=torch.float64) for _ in range(3)]
     xr, wr = x.double().cpu().requires_grad_(), w.double().cpu().requires_grad_()
     ref = ref_stats(xr, wr, labels, 0, **k)[:3]
     rg = torch.autograd.grad(sum((o * gg).sum() for o, gg in zip(ref, g)), (xr, wr))
+    return k, labels, x, w, g, ref, rg
+
+
+def _within_twice_torch(case, torch_fn):
+    """ce_shard_stats against ``torch_fn`` (torch's own low-precision computation) on a
+    :func:`_small_rows_case`: every output and gradient within 2x torch's error from the
+    float64 reference, the zero row's own weight gradient excepted. Returns our gradients."""
+    k, labels, x, w, g, ref, rg = case
     results = []
-    for fn in (lambda a, b: ce_shard_stats(a, b, labels.cuda(), chunk_classes=64, **k)[:3],
-               lambda a, b: torch_low_precision_stats(a, b, labels.cuda(), fp32_normalize=True, **k)):
+    for fn in (lambda a, b: ce_shard_stats(a, b, labels.cuda(), chunk_classes=64, **k)[:3], torch_fn):
         a, b = x.clone().requires_grad_(), w.clone().requires_grad_()
         out = fn(a, b)
         grads = torch.autograd.grad(sum((o * gg.cuda().float()).sum() for o, gg in zip(out, g)), (a, b))
         results.append((out, grads))
     (ours, og), (tor, tg) = results
-    keep = torch.arange(C) != 7
+    keep = torch.arange(w.shape[0]) != 7
     assert torch.isfinite(og[0]).all() and torch.isfinite(og[1][keep.cuda()]).all()
     pairs = list(zip(ours, tor, ref)) + [(og[0], tg[0], rg[0]), (og[1][keep.cuda()], tg[1][keep.cuda()], rg[1][keep])]
     for a, b, r in pairs:
         assert rel(a.cpu(), r) <= 2 * rel(b.cpu(), r) + 1e-6, (rel(a.cpu(), r), rel(b.cpu(), r))
+    return og
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_16bit_zero_and_small_weight_rows(dtype):
+    # 1 / |w_j| must stay out of the 16-bit dlogits (fp16 would overflow to inf, and inf * 0
+    # in the dX GEMM would make every row's dX NaN). Within 2x the error of torch's own 16-bit
+    # path (normalized in fp32 as under autocast), except the zero row's own gradient
+    # (1e12 * ..., inf in 16 bits for torch too).
+    case = _small_rows_case(dtype, dtype)
+    k, labels = case[0], case[1]
+    _within_twice_torch(case, lambda a, b: torch_low_precision_stats(a, b, labels.cuda(), fp32_normalize=True, **k))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_mixed_zero_and_small_weight_rows(dtype):
-    # Mixed mode (fp32 w, 16-bit x) with a zero weight row and rows with |w_j| ~ 6e-3, targets
-    # among them: the fp32 dW GEMM output is fixed up in place in grad_w, including the clamped
-    # (zero) row, whose gradient 1e12 * ... fits in fp32 and must be finite. Within 2x the error
-    # of torch's own autocast computation (normalized in fp32, GEMM in dtype), the zero row's
-    # own gradient excepted (torch rounds it through the 16-bit cast).
-    k = kw("arcface")
-    B, D, C = 24, 32, 200
-    x32, w32, _ = make_case(B, D, C, 0)
-    w32[7] = 0.0
-    w32[11:20] *= 1e-3
-    labels = torch.randint(0, C, (B,))
-    labels[:3] = torch.tensor([7, 12, 15])
-    x, w = x32.to("cuda", dtype), w32.to("cuda")
-    g = [torch.randn(B, dtype=torch.float64) for _ in range(3)]
-    xr, wr = x.double().cpu().requires_grad_(), w.double().cpu().requires_grad_()
-    ref = ref_stats(xr, wr, labels, 0, **k)[:3]
-    rg = torch.autograd.grad(sum((o * gg).sum() for o, gg in zip(ref, g)), (xr, wr))
+    # Mixed mode (fp32 w, 16-bit x): the fp32 dW GEMM output is fixed up in place in grad_w,
+    # including the clamped (zero) row, whose gradient 1e12 * ... fits in fp32 and must be
+    # finite. Within 2x the error of torch's own autocast computation (normalized in fp32,
+    # GEMM in dtype), the zero row's own gradient excepted (torch rounds it through 16 bits).
+    case = _small_rows_case(dtype, torch.float32)
+    k, labels = case[0], case[1]
 
     def torch_autocast(a, b):
         # F.normalize in fp32 on the fp32 rows, then the GEMM in dtype with fp32 logits.
@@ -252,16 +257,6 @@ def test_cuda_mixed_zero_and_small_weight_rows(dtype):
         z = k["scale"] * z.scatter(1, y, margin_psi(z.gather(1, y), k["m1"], k["m2"], k["m3"]))
         return torch.logsumexp(z, 1), z.gather(1, y)[:, 0], z.sum(1)
 
-    results = []
-    for fn in (lambda a, b: ce_shard_stats(a, b, labels.cuda(), chunk_classes=64, **k)[:3], torch_autocast):
-        a, b = x.clone().requires_grad_(), w.clone().requires_grad_()
-        out = fn(a, b)
-        grads = torch.autograd.grad(sum((o * gg.cuda().float()).sum() for o, gg in zip(out, g)), (a, b))
-        results.append((out, grads))
-    (ours, og), (tor, tg) = results
+    og = _within_twice_torch(case, torch_autocast)
     assert og[0].dtype == dtype and og[1].dtype == torch.float32
-    assert torch.isfinite(og[0]).all() and torch.isfinite(og[1]).all()
-    keep = torch.arange(C) != 7
-    pairs = list(zip(ours, tor, ref)) + [(og[0], tg[0], rg[0]), (og[1][keep.cuda()], tg[1][keep.cuda()], rg[1][keep])]
-    for a, b, r in pairs:
-        assert rel(a.cpu(), r) <= 2 * rel(b.cpu(), r) + 1e-6, (rel(a.cpu(), r), rel(b.cpu(), r))
+    assert torch.isfinite(og[1]).all()
