@@ -21,6 +21,18 @@ def _as_list(name: str, tensors) -> list:
     return tensors
 
 
+def _paired_lists(ema_tensors, model_tensors):
+    """Both arguments as lists of tensors of the same length (TypeError / ValueError naming them)."""
+    ema_tensors = _as_list("ema_tensors", ema_tensors)
+    model_tensors = _as_list("model_tensors", model_tensors)
+    if len(ema_tensors) != len(model_tensors):
+        raise ValueError(
+            f"arguments `ema_tensors` and `model_tensors` must have the same length, "
+            f"got {len(ema_tensors)} and {len(model_tensors)}"
+        )
+    return ema_tensors, model_tensors
+
+
 def ema_update_(ema_tensors: Sequence[torch.Tensor], model_tensors: Sequence[torch.Tensor], decay: float) -> None:
     """In place, for every i: ``ema[i] <- ema[i] + (1 - decay) * (model[i] - ema[i])``.
 
@@ -50,16 +62,10 @@ def ema_update_(ema_tensors: Sequence[torch.Tensor], model_tensors: Sequence[tor
         RuntimeError naming the argument: lengths, shapes or devices that do not match, a
         non-floating tensor, ``decay`` outside [0, 1].
     """
-    ema_tensors = _as_list("ema_tensors", ema_tensors)
-    model_tensors = _as_list("model_tensors", model_tensors)
+    ema_tensors, model_tensors = _paired_lists(ema_tensors, model_tensors)
     decay = float(decay)
     if not 0.0 <= decay <= 1.0:  # also rejects NaN
         raise ValueError(f"argument `decay` must lie in [0, 1], got {decay}")
-    if len(ema_tensors) != len(model_tensors):
-        raise ValueError(
-            f"arguments `ema_tensors` and `model_tensors` must have the same length, "
-            f"got {len(ema_tensors)} and {len(model_tensors)}"
-        )
     if not ema_tensors:
         return  # the dispatcher needs a tensor to pick a backend
     torch.ops.shardkit.ema_update_(ema_tensors, model_tensors, decay)
@@ -78,26 +84,14 @@ def ema_swap_(ema_tensors: Sequence[torch.Tensor], model_tensors: Sequence[torch
     EMA value may show in the model as another NaN or a signed zero, and a value within
     half a bfloat16 ulp of its maximum as infinity.
     """
-    ema_tensors = _as_list("ema_tensors", ema_tensors)
-    model_tensors = _as_list("model_tensors", model_tensors)
-    if len(ema_tensors) != len(model_tensors):
-        raise ValueError(
-            f"arguments `ema_tensors` and `model_tensors` must have the same length, "
-            f"got {len(ema_tensors)} and {len(model_tensors)}"
-        )
+    ema_tensors, model_tensors = _paired_lists(ema_tensors, model_tensors)
     if ema_tensors:
         torch.ops.shardkit.ema_swap_(ema_tensors, model_tensors)
 
 
 def ema_unswap_(ema_tensors: Sequence[torch.Tensor], model_tensors: Sequence[torch.Tensor]) -> None:
     """Inverse of :func:`ema_swap_` on the same lists: restores both bit-exactly."""
-    ema_tensors = _as_list("ema_tensors", ema_tensors)
-    model_tensors = _as_list("model_tensors", model_tensors)
-    if len(ema_tensors) != len(model_tensors):
-        raise ValueError(
-            f"arguments `ema_tensors` and `model_tensors` must have the same length, "
-            f"got {len(ema_tensors)} and {len(model_tensors)}"
-        )
+    ema_tensors, model_tensors = _paired_lists(ema_tensors, model_tensors)
     if ema_tensors:
         torch.ops.shardkit.ema_unswap_(ema_tensors, model_tensors)
 
