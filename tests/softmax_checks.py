@@ -9,7 +9,7 @@ import math
 import torch
 
 import shardkit
-from sce_reference import full_logits, margin_kwargs, margin_psi, reference_loss_and_grads
+from softmax_reference import full_logits, margin_kwargs, margin_psi, reference_loss_and_grads
 from shardkit.ops import ce_shard_stats
 
 # name -> (scale, m1, m2, m3, normalize)

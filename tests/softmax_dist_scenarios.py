@@ -1,15 +1,15 @@
 """Shared scenarios of the distributed ShardedSoftmaxLoss tests (tests only): the data,
 one rank's run of a scenario, and the comparison of every rank's results with the
-single-process float64 full-logit reference (tests/sce_reference.py) under the documented
+single-process float64 full-logit reference (tests/softmax_reference.py) under the documented
 semantics: every rank returns the global batch's loss, head gradients are exact, rank r's
 embedding gradient is world_size * dL/dX_r (data-parallel layout) or dL/dX (replicated).
 
-Used by test_distributed.py (gloo, spawned CPU processes) and test_distributed_nccl.py
+Used by test_softmax_distributed.py (gloo, spawned CPU processes) and test_softmax_distributed_nccl.py
 (NCCL on GPUs)."""
 
 import torch
 
-from sce_reference import margin_kwargs, reference_loss_and_grads, reference_lse
+from softmax_reference import margin_kwargs, reference_loss_and_grads, reference_lse
 
 import shardkit
 from shardkit.distributed import class_offsets, split_classes

@@ -10,7 +10,7 @@ from torch import nn
 
 import shardkit
 from shardkit.parallel import DataParallelCriterion, DataParallelModel, WeightedLoss, gather, replication_order
-from shardkit.parallel import _replicate
+from shardkit.parallel.data_parallel import replicate_module
 from test_parallel import Lambda, Net, grads, rel
 
 
@@ -45,7 +45,7 @@ def test_replication_order_puts_the_module_device_first():
     assert replication_order(0, [1, 2]) == [0, 1, 2]  # gpu0_bsz=0: device 0 left out
     assert replication_order(1, [0, 1]) == [1, 0]     # a criterion whose state is on GPU 1
     with pytest.raises(ValueError, match=r"must all be on one CUDA device .* found them on \['cpu'\]"):
-        _replicate(nn.CrossEntropyLoss(weight=torch.rand(5)), [0, 1], "DataParallelCriterion")
+        replicate_module(nn.CrossEntropyLoss(weight=torch.rand(5)), [0, 1], "DataParallelCriterion")
 
 
 # ---- real GPUs ----------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """ShardedSoftmaxLoss as a module: nn.Linear-compatible init, shard-agnostic checkpoints,
 label dtypes, argument errors (each asserts its message), margin objects. The numerics
-against the float64 reference are in test_sharded_loss.py."""
+against the float64 reference are in test_softmax_loss.py."""
 
 import copy
 import io
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import shardkit
-from sce_checks import LOSS_MARGINS as MARGINS
-from sce_checks import make_labels, rel
+from softmax_checks import LOSS_MARGINS as MARGINS
+from softmax_checks import make_labels, rel
 
 
 def test_init_matches_nn_linear():

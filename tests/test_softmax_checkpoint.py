@@ -2,7 +2,7 @@
 
 Saving and loading need no collective, so "rank r of N" is simulated in one process by a
 head holding the shard rank r would own (shardkit.distributed.split_classes). The real
-multi-process path is exercised in test_distributed.py."""
+multi-process path is exercised in test_softmax_distributed.py."""
 
 import os
 from types import SimpleNamespace
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import shardkit
-from shardkit.checkpoint import read_rows, save_shard_file
+from shardkit.softmax.checkpoint import read_rows, save_shard_file
 from shardkit.distributed import class_offsets, split_classes
 
 

@@ -1,10 +1,10 @@
 """ShardedSoftmaxLoss(process_group=...) on gloo with 1 to 4 spawned CPU processes.
 
-Spawning is slow, so one job per world size runs every scenario (dist_scenarios.SCENARIOS)
+Spawning is slow, so one job per world size runs every scenario (softmax_dist_scenarios.SCENARIOS)
 and each rank saves its results; the tests below compare them with the single-process
-float64 full-logit reference (see dist_scenarios.py), and check input errors, constructor
+float64 full-logit reference (see softmax_dist_scenarios.py), and check input errors, constructor
 errors, re-sharded checkpoints and the failing-rank path. NCCL on GPUs:
-test_distributed_nccl.py."""
+test_softmax_distributed_nccl.py."""
 
 import math
 import os
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dist_scenarios import D, IGNORE, SCENARIOS, WORLDS, check_against_reference, make_data, rel, run_scenario
+from softmax_dist_scenarios import D, IGNORE, SCENARIOS, WORLDS, check_against_reference, make_data, rel, run_scenario
 
 import shardkit
 from shardkit.distributed import CollectiveError, DistributedInputError, split_classes
@@ -286,7 +286,7 @@ def test_default_shard_device_follows_the_group_backend(monkeypatch):
     """Without `devices`: the GPU for any group that runs CUDA tensors on NCCL, including
     init_process_group() without a backend ("undefined") and "cpu:gloo,cuda:nccl"; the
     group's bound device first; the CPU for gloo or without CUDA (checked without a GPU)."""
-    from shardkit._dist_loss import default_device
+    from shardkit.softmax.distributed import default_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
@@ -306,7 +306,7 @@ def test_default_shard_device_follows_the_group_backend(monkeypatch):
 def test_embeddings_must_be_on_the_shard_device():
     # Checked before the size exchange, so every rank raises instead of one failing in the
     # first collective (NCCL takes no CPU tensor) while the others wait there.
-    from shardkit._dist_loss import check_local_input
+    from shardkit.softmax.distributed import check_local_input
 
     x, y = torch.randn(3, D, device="meta"), torch.zeros(3, dtype=torch.int64, device="meta")
     with pytest.raises(ValueError, match="argument `embeddings` is on meta but this rank's weight shard is on cpu"):

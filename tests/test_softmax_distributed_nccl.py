@@ -1,5 +1,5 @@
 """ShardedSoftmaxLoss(process_group=...) on NCCL, one spawned process per GPU (GPU-marked;
-one GPU is enough: world size 1). Scenarios and the reference check: dist_scenarios.py.
+one GPU is enough: world size 1). Scenarios and the reference check: softmax_dist_scenarios.py.
 Each test is one spawned job whose workers save their results; the assertions run here."""
 
 import os
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dist_scenarios import D, check_against_reference, make_data, rel, run_scenario
+from softmax_dist_scenarios import D, check_against_reference, make_data, rel, run_scenario
 
 import shardkit
 from shardkit.distributed import DistributedInputError, sampled_class_counts

@@ -1,8 +1,8 @@
 """ShardedSoftmaxLoss / sharded_cross_entropy numerics against the float64 full-logit
-reference (tests/sce_reference.py): margins, reductions, shards, smoothing, top-k, low
+reference (tests/softmax_reference.py): margins, reductions, shards, smoothing, top-k, low
 precision, autocast, gradcheck; then the same on the GPU (marked ``gpu``). Repeated "cpu"
 devices exercise the multi-device path. Module API, checkpoints and errors:
-test_sharded_loss_api.py."""
+test_softmax_api.py."""
 
 import math
 import os
@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import shardkit
-from sce_checks import LOSS_MARGINS as MARGINS
-from sce_checks import assert_matches_reference, grads_of, make_labels, rel
-from sce_reference import (
+from softmax_checks import LOSS_MARGINS as MARGINS
+from softmax_checks import assert_matches_reference, grads_of, make_labels, rel
+from softmax_reference import (
     margin_kwargs,
     reference_correct,
     reference_loss,

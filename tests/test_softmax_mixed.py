@@ -1,6 +1,6 @@
 """Mixed precision in the sharded cross-entropy: fp32 weights with bf16 / fp16 embeddings
 (fp32 master weights under a 16-bit autocast) go into shardkit::ce_shard_stats as they are.
-Checked against the float64 reference (tests/sce_reference.py): the op (several chunk
+Checked against the float64 reference (tests/softmax_reference.py): the op (several chunk
 sizes, margins, non-contiguous inputs, opcheck, errors), the module under
 torch.autocast (gradients, and no full-size 16-bit copy of a shard or of its gradient),
 the distributed mode on gloo with world size 1, and on the GPU (marked ``gpu``) the same op
@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardkit
-from sce_checks import kw, make_case, make_labels, opcheck_samples, ref_stats, rel, torch_low_precision_stats
-from sce_reference import margin_kwargs, reference_loss_and_grads
+from softmax_checks import kw, make_case, make_labels, opcheck_samples, ref_stats, rel, torch_low_precision_stats
+from softmax_reference import margin_kwargs, reference_loss_and_grads
 from shardkit.ops import ce_shard_stats
 from shardkit.ops._sharded_ce import DEFAULT_BUDGET_BYTES
 

@@ -1,13 +1,13 @@
 """CPU tests of the per-shard ops shardkit::ce_shard_stats / ce_shard_stats_backward against
-a float64 full-logit reference (tests/sce_reference.py); the GPU ones are in
-test_sharded_ce_ops_gpu.py, the shared checks in tests/sce_checks.py."""
+a float64 full-logit reference (tests/softmax_reference.py); the GPU ones are in
+test_softmax_ops_gpu.py, the shared checks in tests/softmax_checks.py."""
 
 import math
 
 import pytest
 import torch
 
-from sce_checks import (
+from softmax_checks import (
     MARGINS,
     check_against_reference,
     check_low_precision,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import shardkit
-from sce_checks import (
+from softmax_checks import (
     MARGINS,
     check_against_reference,
     check_low_precision,
@@ -21,7 +21,7 @@ from sce_checks import (
     rel,
     torch_low_precision_stats,
 )
-from sce_reference import margin_psi
+from softmax_reference import margin_psi
 from shardkit.ops import ce_shard_stats, chunk_classes_for_budget
 
 pytestmark = pytest.mark.gpu

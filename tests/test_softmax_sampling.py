@@ -1,7 +1,7 @@
 """PartialFC sampling op (shardkit::partial_fc_sample) and SparseRowSGD, in one process.
 
 The distributed sampled loss (rate respected per rank, loss against a reference over the
-sampled classes, unsampled rows untouched after a step) is in test_distributed.py."""
+sampled classes, unsampled rows untouched after a step) is in test_softmax_distributed.py."""
 
 import math
 import warnings
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import shardkit
 from shardkit.distributed import sampled_class_counts
 from shardkit.ops import partial_fc_sample
-from shardkit.sampling import check_sample_rate, sample_shard
+from shardkit.softmax.sampling import check_sample_rate, sample_shard
 
 
 def _labels(batch, num_classes, offset, num_local, ignore=-100):
@@ -193,7 +193,7 @@ def test_sample_on_cuda_matches_contract():
 
 
 def test_torch_sgd_with_momentum_on_a_sampled_shard_warns():
-    from shardkit.sampling import mark_sampled
+    from shardkit.softmax.sampling import mark_sampled
 
     weight = torch.nn.Parameter(torch.randn(8, 3))
     mark_sampled(weight)

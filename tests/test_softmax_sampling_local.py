@@ -7,7 +7,7 @@ import torch
 
 import shardkit
 from shardkit.distributed import sampled_class_counts
-from sce_reference import margin_kwargs, reference_loss_and_grads
+from softmax_reference import margin_kwargs, reference_loss_and_grads
 
 MARGINS = {"plain": lambda: None, "arcface": lambda: shardkit.ArcFace(s=16.0, m=0.3),
            "cosface": lambda: shardkit.CosFace(s=16.0, m=0.2)}

@@ -8,14 +8,15 @@ import sys
 import pytest
 import torch
 
-from shardkit import _train_run, train
+from shardkit import train
+from shardkit.train import loop as train_loop
 
 TINY = ["--classes", "16", "--per-class", "8", "--image-size", "16", "--batch", "32", "--val-classes", "4",
         "--val-per-class", "3", "--dim", "32", "--no-progress", "--ema", "0.9", "--ema-tau", "2"]
 
 
 def _history(out):
-    state = torch.load(os.path.join(out, "checkpoint", _train_run.CKPT_FILE), weights_only=False)
+    state = torch.load(os.path.join(out, "checkpoint", train_loop.CKPT_FILE), weights_only=False)
     return state
 
 
@@ -35,7 +36,7 @@ def test_tiny_run_learns_and_writes_outputs(tmp_path, capsys):
 
 def _interrupt_after(monkeypatch, n_steps):
     """Make the run receive SIGINT (as from Ctrl-C) right after its n-th step."""
-    real = _train_run.train_step
+    real = train_loop.train_step
     count = {"n": 0}
 
     def step_then_interrupt(*a, **k):
@@ -45,7 +46,7 @@ def _interrupt_after(monkeypatch, n_steps):
             os.kill(os.getpid(), signal.SIGINT)
         return result
 
-    monkeypatch.setattr(_train_run, "train_step", step_then_interrupt)
+    monkeypatch.setattr(train_loop, "train_step", step_then_interrupt)
 
 
 @pytest.mark.parametrize("extra", [[], ["--accumulate", "2", "--margin", "cosface"]])
@@ -140,5 +141,5 @@ def test_torchrun_two_ranks_and_resume(tmp_path):
     r = subprocess.run(cmd + ["--steps", "4", "--resume", out], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stdout
-    state = torch.load(os.path.join(out, "checkpoint", _train_run.CKPT_FILE + ".rank1"), weights_only=False)
+    state = torch.load(os.path.join(out, "checkpoint", train_loop.CKPT_FILE + ".rank1"), weights_only=False)
     assert state["step"] == 4

@@ -1,4 +1,4 @@
-"""shardkit.data: synthetic identities, verification pairs, image folders, loaders."""
+"""shardkit.train.data: synthetic identities, verification pairs, image folders, loaders."""
 
 import os
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import shardkit
-from shardkit.data import (EpochBatchSampler, ImageFolderDataset, Nuisance, SyntheticIdentities, collate_uint8,
+from shardkit.train.data import (EpochBatchSampler, ImageFolderDataset, Nuisance, SyntheticIdentities, collate_uint8,
                            make_loader, verification_split)
 
 

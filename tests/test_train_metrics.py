@@ -1,11 +1,11 @@
-"""shardkit.metrics against brute-force float64 computations."""
+"""shardkit.train.metrics against brute-force float64 computations."""
 
 import math
 
 import pytest
 import torch
 
-from shardkit.metrics import (best_threshold_accuracy, cosine_scores, evaluate_verification, kfold_accuracy,
+from shardkit.train.metrics import (best_threshold_accuracy, cosine_scores, evaluate_verification, kfold_accuracy,
                               tar_at_far)
 
 

@@ -1,12 +1,12 @@
-"""shardkit.models: shapes, presets, checkpointing equivalence, errors, a learning smoke test."""
+"""shardkit.train.models: shapes, presets, checkpointing equivalence, errors, a learning smoke test."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import shardkit
-from shardkit.data import SyntheticIdentities
-from shardkit.models import Backbone, build_backbone
+from shardkit.train.data import SyntheticIdentities
+from shardkit.train.models import Backbone, build_backbone
 
 
 @pytest.mark.parametrize("name", ["tiny", "small"])

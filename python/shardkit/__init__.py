@@ -1,7 +1,9 @@
 """shardkit: million-class sharded softmax losses, balanced data parallelism and a fused
 model-weight EMA for PyTorch, as a C++/CUDA extension.
 
-Public names only; see the README for usage.
+Public names only; see the README for usage. The wings: :mod:`shardkit.softmax`,
+:mod:`shardkit.parallel`, :mod:`shardkit.ema`, :mod:`shardkit.transforms`, :mod:`shardkit.plan`,
+all over :mod:`shardkit.ops`; the application :mod:`shardkit.train` sits on top.
 """
 
 import torch  # noqa: F401  (loads libtorch before our extension)
@@ -26,8 +28,8 @@ from shardkit.ema import ModelEMA  # noqa: E402
 # ---- end ema ----
 
 # ---- sharded cross-entropy ----
-from shardkit.loss import ShardedLossOutput, ShardedSoftmaxLoss, sharded_cross_entropy  # noqa: E402
-from shardkit.margins import ArcFace, CombinedMargin, CosFace  # noqa: E402
+from shardkit.softmax import (ArcFace, CombinedMargin, CosFace, ShardedLossOutput,  # noqa: E402
+                              ShardedSoftmaxLoss, sharded_cross_entropy)
 # ---- end sharded cross-entropy ----
 
 # ---- parallel ----
@@ -36,8 +38,8 @@ from shardkit import parallel  # noqa: F401  (shardkit.parallel.DataParallelMode
 
 # ---- distributed ----
 from shardkit import distributed  # noqa: F401,E402  (torch.distributed mode, see its docstring)
-from shardkit.checkpoint import export_full_weight, import_full_weight, load_sharded, save_sharded  # noqa: E402
-from shardkit.optim import SparseRowSGD  # noqa: E402
+from shardkit.softmax import (SparseRowSGD, export_full_weight, import_full_weight, load_sharded,  # noqa: E402
+                              save_sharded)
 # ---- end distributed ----
 
 # ---- normalize ----

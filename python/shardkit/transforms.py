@@ -24,7 +24,7 @@ class Normalize(nn.Module):
             ``(0.485, 0.456, 0.406)`` / ``(0.229, 0.224, 0.225)``; ``(0.5,) * 3`` twice maps
             [0, 255] to [-1, 1], the usual face-recognition input range).
         input_layout: ``"NHWC"`` (default: ``[N, H, W, C]``, as decoded images and
-            :func:`shardkit.data.collate_uint8` deliver them) or ``"NCHW"``; single images
+            :func:`shardkit.train.data.collate_uint8` deliver them) or ``"NCHW"``; single images
             (3-D) are accepted too.
         dtype: output dtype (float32, bfloat16, float16 or float64). Under autocast keep
             float32 or pass the autocast dtype explicitly; the op does not consult autocast.

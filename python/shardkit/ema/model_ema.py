@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from shardkit.ops._ema import ema_swap_, ema_unswap_
-from shardkit._ema_stage import HostStage
+from shardkit.ema.stage import HostStage
 
 __all__ = ["ModelEMA"]
 

@@ -3,7 +3,7 @@
 One call handles one class shard on one device: it walks the shard's classes chunk by
 chunk (one GEMM per chunk) and keeps only per-row statistics, so the [B, C_k] logits are
 never held in memory. Combining the statistics of all shards into a loss is ordinary
-differentiable torch code (see :mod:`shardkit.loss`).
+differentiable torch code (see :mod:`shardkit.softmax.core`).
 """
 
 from __future__ import annotations

@@ -33,13 +33,10 @@ import torch
 from torch import nn
 from torch.nn.parallel import replicate as _torch_replicate
 
-from shardkit import _parallel_utils as U
-from shardkit._parallel_sync import (CallbackContext, allreduce, execute_replication_callbacks,  # noqa: F401
-                                     patch_replication_callback)
 from shardkit.ops import weighted_loss_reduce
-
-__all__ = ["allreduce", "DataParallelModel", "DataParallelCriterion", "patch_replication_callback",
-           "execute_replication_callbacks", "CallbackContext", "WeightedLoss", "gather"]
+from shardkit.parallel import scatter as U
+from shardkit.parallel.sync import execute_replication_callbacks
+from shardkit.parallel.threads import run_parallel
 
 
 class WeightedLoss(NamedTuple):
@@ -84,7 +81,7 @@ def _init_parallel(self: nn.DataParallel, module: nn.Module, device_ids, output_
     self._devices, self._shared = devices, shared
 
 
-def _replicate(module: nn.Module, device_ids: Sequence[Any], what: str = "DataParallelModel") -> list[nn.Module]:
+def replicate_module(module: nn.Module, device_ids: Sequence[Any], what: str = "DataParallelModel") -> list[nn.Module]:
     """``torch.nn.parallel.replicate`` onto CUDA ``device_ids`` from wherever the module's
     state lives. torch broadcasts from its FIRST device and requires every parameter and
     buffer there, so a split that leaves device 0 out (``gpu0_bsz=0``, a zero chunk size)
@@ -185,14 +182,14 @@ class DataParallelModel(nn.DataParallel):
     def replicate(self, module: nn.Module, device_ids) -> list[nn.Module]:
         """Replicas for ``device_ids`` (the same object for repeated devices), then the
         ``__data_parallel_replicate__`` callbacks, as encoding.parallel does."""
-        modules = [module] * len(device_ids) if self._shared else _replicate(module, device_ids)
+        modules = [module] * len(device_ids) if self._shared else replicate_module(module, device_ids)
         execute_replication_callbacks(modules)
         return modules
 
     def parallel_apply(self, replicas, inputs, kwargs, devices=None) -> list[Any]:
         devices = devices if devices is not None else self._devices[: len(replicas)]
         calls = [functools.partial(m, *a, **k) for m, a, k in zip(replicas, inputs, kwargs)]
-        return U.run_parallel(calls, devices, "DataParallelModel")
+        return run_parallel(calls, devices, "DataParallelModel")
 
     def gather(self, outputs: list[Any], output_device) -> list[Any]:
         """No gather: the per-device outputs, for DataParallelCriterion."""
@@ -246,13 +243,13 @@ class DataParallelCriterion(nn.DataParallel):
             replicas = (self.replicate(self.module, [d.index for d in devices])
                         if len(state_devices) == 1 and not self._shared else [self.module] * len(devices))
             calls = [functools.partial(_call, m, out, t, k) for m, out, (t, k) in zip(replicas, inputs, per_device)]
-            results = U.run_parallel(calls, devices, "DataParallelCriterion")
+            results = run_parallel(calls, devices, "DataParallelCriterion")
             return self._reduce(results, replicas, per_device, sizes)
 
     def replicate(self, module: nn.Module, device_ids) -> list[nn.Module]:
         """Replicas of a criterion with state (e.g. a class ``weight``) for ``device_ids``,
         broadcast from the device that holds it."""
-        return _replicate(module, device_ids, "DataParallelCriterion")
+        return replicate_module(module, device_ids, "DataParallelCriterion")
 
     def _input_layout(self, inputs: Any) -> tuple[list[torch.device], list[int]]:
         n_dev = len(self._devices)

@@ -1,15 +1,11 @@
-"""Internals of ``shardkit.parallel``: device lists, balanced chunk sizes, splitting nested
-arguments with one operator call, and running per-device calls in threads that carry the
-caller's grad mode, autocast state and CUDA streams.
+"""Device lists, balanced chunk sizes and splitting nested arguments over devices with one
+operator call (the scatter half of ``shardkit.parallel``; the threads are in
+:mod:`shardkit.parallel.threads`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import queue
-import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -155,106 +151,3 @@ def to_device(obj: Any, device: torch.device) -> Any:
     spec = flatten(obj, leaves)
     nb = device.type == "cuda"
     return unflatten(spec, iter([t.to(device, non_blocking=nb) for t in leaves]))
-
-
-# ---- running per-device calls in threads --------------------------------------------
-
-_slots: list["_Slot"] = []
-_slots_lock = threading.Lock()
-_worker = threading.local()
-
-
-class _Slot:
-    """A long-lived worker thread for chunk k. One thread per chunk index (rather than a
-    shared pool) guarantees the K chunks really run concurrently; starting K threads per
-    step would cost more than a small criterion itself."""
-
-    def __init__(self, k: int):
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._loop, name=f"shardkit-parallel-{k}", daemon=True).start()
-
-    def _loop(self) -> None:
-        while True:
-            fn, done = self.queue.get()
-            fn()
-            done.set()
-
-    def submit(self, fn: Callable[[], None]) -> threading.Event:
-        done = threading.Event()
-        self.queue.put((fn, done))
-        return done
-
-
-def _slot(k: int) -> _Slot:
-    with _slots_lock:
-        while len(_slots) <= k:
-            _slots.append(_Slot(len(_slots)))
-        return _slots[k]
-
-
-class ThreadState:
-    """The caller's thread-local state that a worker thread must see: grad mode, inference
-    mode, autocast (per device type: enabled, dtype, cache) and the current CUDA stream of
-    every device of the call."""
-
-    def __init__(self, devices: Sequence[torch.device]):
-        self.grad = torch.is_grad_enabled()
-        self.inference = torch.is_inference_mode_enabled()
-        self.autocast = [(dt, torch.get_autocast_dtype(dt)) for dt in ("cpu", "cuda") if torch.is_autocast_enabled(dt)]
-        self.autocast_cache = torch.is_autocast_cache_enabled()
-        self.streams = {d: torch.cuda.current_stream(d) for d in set(devices) if d.type == "cuda"}
-
-    @contextlib.contextmanager
-    def applied(self, device: torch.device):
-        with contextlib.ExitStack() as stack:
-            if self.inference:
-                stack.enter_context(torch.inference_mode())
-            stack.enter_context(torch.set_grad_enabled(self.grad))
-            for device_type, dtype in self.autocast:
-                stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=self.autocast_cache))
-            # The caller's stream on EVERY device of the call, not only the worker's own: a
-            # module spread over the devices (a class-sharded head under DataParallelCriterion)
-            # also works on the others, and must queue there behind the caller's work. The
-            # worker's own device becomes current last (setting a stream switches devices).
-            for stream in self.streams.values():
-                stack.enter_context(torch.cuda.stream(stream))
-            if device.type == "cuda":
-                stack.enter_context(torch.cuda.device(device))
-            yield
-
-
-def run_parallel(calls: Sequence[Callable[[], Any]], devices: Sequence[torch.device], owner: str) -> list[Any]:
-    """Runs ``calls[k]()`` for every k concurrently, call k on ``devices[k]`` under the caller's
-    thread state; returns the results in order. Call 0 runs in the calling thread. A failing
-    call's exception is re-raised here, same type and message, with its original traceback
-    and a note naming the device."""
-    state = ThreadState(devices)
-    results: list[Any] = [None] * len(calls)
-    errors: list[BaseException | None] = [None] * len(calls)
-
-    def work(k: int) -> None:
-        nested = getattr(_worker, "active", False)
-        _worker.active = True
-        try:
-            with state.applied(devices[k]):
-                results[k] = calls[k]()
-        except BaseException as e:  # noqa: BLE001 (re-raised in the caller)
-            errors[k] = e
-        finally:
-            _worker.active = nested
-
-    if len(calls) == 1 or getattr(_worker, "active", False):
-        # Inside a worker already (nested data parallelism): run in order rather than wait
-        # on the pool from one of its own threads.
-        for k in range(len(calls)):
-            work(k)
-    else:
-        pending = [_slot(k).submit(functools.partial(work, k)) for k in range(1, len(calls))]
-        work(0)
-        for done in pending:
-            done.wait()
-    for k, e in enumerate(errors):
-        if e is not None:
-            e.add_note(f"(raised in the {owner} call for chunk {k} of {len(calls)}, on device {devices[k]})")
-            raise e.with_traceback(e.__traceback__)
-    return results

@@ -11,7 +11,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from shardkit.margins import Margin
+from shardkit.softmax.margins import Margin
 
 REDUCTIONS = ("none", "sum", "mean")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,

@@ -1,5 +1,6 @@
-"""ShardedSoftmaxLoss across processes: the class dimension split over the ranks of a
-``torch.distributed`` process group (NCCL on GPUs, gloo on CPUs).
+"""The collectives of the process-group mode and their autograd: the class dimension of
+ShardedSoftmaxLoss split over the ranks of a ``torch.distributed`` process group (NCCL on
+GPUs, gloo on CPUs).
 
 Rank ``r`` owns one contiguous class range (ranks in order, sizes as even as possible:
 the first ``C % W`` ranks hold one class more). Per step and rank:
@@ -32,7 +33,6 @@ and carries no world_size factor: it is exactly ``dL/dX``.
 
 from __future__ import annotations
 
-import math
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -64,15 +64,6 @@ def class_offsets(sizes: Sequence[int]) -> List[int]:
         out.append(acc)
         acc += s
     return out
-
-
-def sampled_class_counts(sizes: Sequence[int], sample_rate: float, global_batch: int) -> List[int]:
-    """PartialFC: classes used per rank this step, host-known so no sync is needed.
-
-    ``K_r = min(C_r, max(ceil(rate * C_r), min(B_g, C_r)))``: at least as many as the batch
-    can have distinct positives, so every positive always fits.
-    """
-    return [min(c, max(math.ceil(sample_rate * c), min(global_batch, c))) for c in sizes]
 
 
 class CollectiveError(RuntimeError):

@@ -1,4 +1,4 @@
-"""The three steps of the sharded cross-entropy (private; the public API is shardkit.loss).
+"""The three steps of the sharded cross-entropy, shared by both modes (one process, process group).
 
 :func:`shard_statistics` (fused op per shard, on the shard's device) ->
 :func:`combine_statistics` (here: copy the [B] stats to one device and reduce; the
@@ -8,13 +8,13 @@ differentiable torch code around the op, so autograd runs each shard's fused bac
 the shard's own device.
 """
 
-from typing import List, NamedTuple, Optional, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from shardkit import ops
-from shardkit.margins import Margin
+from shardkit.softmax.margins import Margin
 
 
 class ShardStatistics(NamedTuple):
@@ -30,7 +30,28 @@ class ShardStatistics(NamedTuple):
     greater_count: torch.Tensor
 
 
-def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
+class ShardedLossOutput(NamedTuple):
+    """What ``return_details=True`` returns.
+
+    loss: the reduced loss (float32; [B] for reduction="none"), differentiable.
+    lse: [B] float32 per-row log-sum-exp over ALL classes of the logits the loss uses
+        (margin at the target column), differentiable: ``z_loss = (lse ** 2).mean()``.
+        Defined for ignored rows too (their label plays no part in it except the margin,
+        which they do not get).
+    correct: {k: int64 0-d tensor}: non-ignored rows whose label is among the k highest
+        PLAIN logits (no margin), for each requested k; a class ranks above the target when
+        its logit is higher by more than a rounding band: 1e-5 (fp32), 2^-10 (fp16) or 2^-8
+        (bf16) times scale (or |x| |w_y| for plain logits); closer ties count for the target.
+    num_valid: int64 0-d tensor: the number of non-ignored rows (accuracy = correct / num_valid).
+    """
+
+    loss: torch.Tensor
+    lse: torch.Tensor
+    correct: Dict[int, torch.Tensor]
+    num_valid: torch.Tensor
+
+
+def compute_dtype(weight: torch.Tensor) -> torch.dtype:
     # Under autocast for the shard's device type, run in the autocast dtype as nn.Linear
     # would (both operands cast); otherwise the embeddings follow the weights' dtype.
     device_type = weight.device.type
@@ -55,13 +76,13 @@ def weights_for(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return weight.to(dtype)
 
 
-def _to(t: torch.Tensor, device: torch.device, dtype=None) -> torch.Tensor:
+def to_device(t: torch.Tensor, device: torch.device, dtype=None) -> torch.Tensor:
     # Host-to-device and device-to-device copies may be asynchronous; a copy to the
     # CPU must not be (the host would read before the data lands).
     return t.to(device=device, dtype=dtype, non_blocking=device.type != "cpu")
 
 
-def _chunk_classes(batch: int, shard_classes: int, dim: int, dtype: torch.dtype, budget: Optional[int]):
+def chunk_classes(batch: int, shard_classes: int, dim: int, dtype: torch.dtype, budget: Optional[int]):
     # None: the op's own default (192 MiB on GPUs, a cache-sized chunk on the CPU).
     if budget is None:
         return None
@@ -77,7 +98,7 @@ def _chunk_classes(batch: int, shard_classes: int, dim: int, dtype: torch.dtype,
 RANK_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-8}
 
 
-def _plain_target_logit(inputs, shards, offsets, labels, margin, device) -> torch.Tensor:
+def plain_target_logit(inputs, shards, offsets, labels, margin, device) -> torch.Tensor:
     """[B] float32: each row's plain target logit (scale * cos, or x . w) plus the rank
     tolerance, gathered from the shard owning its class (labels no shard owns get a value
     that never matters: their rows are ignored). No logits: one [B, D] row gather per
@@ -99,7 +120,7 @@ def _plain_target_logit(inputs, shards, offsets, labels, margin, device) -> torc
                 dot = (xf * rows).sum(1)
                 bound = xf.norm(dim=1) * rows.norm(dim=1)
             value = dot + RANK_TOLERANCE[x_k.dtype] * bound
-            part = _to(torch.where(inside, value, torch.zeros_like(value)), device)
+            part = to_device(torch.where(inside, value, torch.zeros_like(value)), device)
             total = part if total is None else total + part
     return total
 
@@ -128,24 +149,24 @@ def shard_statistics(
     cache = {}
     inputs = []
     for w in shards:
-        dtype = _compute_dtype(w)
+        dtype = compute_dtype(w)
         key = (w.device, dtype)
         if key not in cache:
-            cache[key] = (_to(embeddings, w.device, dtype), _to(labels, w.device))
+            cache[key] = (to_device(embeddings, w.device, dtype), to_device(labels, w.device))
         inputs.append(cache[key])
     if shard_labels is not None:
         inputs = [(x_k, y_k) for (x_k, _), y_k in zip(inputs, shard_labels)]
     target_ref = None
     if with_rank:
-        target_ref = _plain_target_logit(inputs, shards, offsets, labels, margin, embeddings.device)
+        target_ref = plain_target_logit(inputs, shards, offsets, labels, margin, embeddings.device)
     stats = []
     for (x_k, labels_k), w, offset in zip(inputs, shards, offsets):
         w_k = weights_for(w, x_k.dtype)
-        ref_k = None if target_ref is None else _to(target_ref, w.device)
+        ref_k = None if target_ref is None else to_device(target_ref, w.device)
         out = ops.ce_shard_stats(
             x_k, w_k, labels_k,
             class_offset=offset, scale=scale, m1=m1, m2=m2, m3=m3, normalize=normalize,
-            chunk_classes=_chunk_classes(batch, w.shape[0], dim, x_k.dtype, chunk_memory),
+            chunk_classes=chunk_classes(batch, w.shape[0], dim, x_k.dtype, chunk_memory),
             target_ref=ref_k,
         )
         stats.append(ShardStatistics(*out))
@@ -160,8 +181,8 @@ def combine_statistics(stats: Sequence[ShardStatistics], device: torch.device) -
     replaces this function by all-reduces of the same packed statistics.
     """
     if len(stats) == 1:
-        return ShardStatistics(*(_to(t, device) for t in stats[0]))
-    moved = [ShardStatistics(*(_to(t, device) for t in s)) for s in stats]
+        return ShardStatistics(*(to_device(t, device) for t in stats[0]))
+    moved = [ShardStatistics(*(to_device(t, device) for t in s)) for s in stats]
     lse = torch.logsumexp(torch.stack([s.lse for s in moved]), dim=0)
     target = torch.stack([s.target_logit for s in moved]).sum(0)
     logit_sum = torch.stack([s.logit_sum for s in moved]).sum(0)
@@ -197,3 +218,10 @@ def loss_from_statistics(
     if reduction == "sum":
         return total, valid
     return total / valid.sum(), valid
+
+
+def loss_output(loss: torch.Tensor, stats: ShardStatistics, valid: torch.Tensor, ks: Sequence[int]) -> ShardedLossOutput:
+    """The ``return_details=True`` result from the loss, the global statistics and the
+    valid-row mask: top-k hits counted without a host sync."""
+    correct = {k: ((stats.greater_count < k) & valid).sum() for k in ks}
+    return ShardedLossOutput(loss, stats.lse, correct, valid.sum())

@@ -1,9 +1,11 @@
-"""The torch.distributed mode of :class:`shardkit.ShardedSoftmaxLoss` (private glue; the
-collectives and their autograd live in :mod:`shardkit.distributed`).
+"""The process-group mode of the sharded loss: ONE weight shard per rank of a
+``torch.distributed`` group (classes ``[class_offset, class_offset + C_r)``, split as
+:func:`shardkit.softmax.collectives.split_classes`). The collectives and their autograd
+are in :mod:`shardkit.softmax.collectives`.
 
-``ShardedSoftmaxLoss(D, C, process_group=group)`` keeps ONE weight shard per rank (classes
-``[class_offset, class_offset + C_r)``, split as :func:`shardkit.distributed.split_classes`)
-and delegates ``forward``, ``full_weight`` and ``reset_parameters`` here.
+:class:`ProcessGroupShards` is the mode object :class:`shardkit.ShardedSoftmaxLoss` picks
+when it gets a ``process_group``; it answers the same calls as the one-process
+:class:`shardkit.softmax.local.LocalShards`.
 """
 
 from typing import Optional, Sequence
@@ -11,45 +13,19 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from shardkit.distributed import (
-    DATA_PARALLEL,
+from shardkit import ops
+from shardkit.softmax.checks import check_tensors, check_topk, check_values
+from shardkit.softmax.collectives import (
     DistContext,
     DistributedInputError,
     all_gather_rows,
     combine_stats,
     exchange_batch_info,
     gather_batch,
-    sampled_class_counts,
 )
-from shardkit import ops
-from shardkit._sce_checks import check_tensors, check_values
-from shardkit._sce_core import ShardStatistics, _chunk_classes, _compute_dtype, _plain_target_logit, weights_for
-from shardkit.sampling import check_sample_rate, mark_sampled, sample_shard
-
-
-def setup(module, num_classes: int, process_group, input_layout: str, sample_rate, devices, shard_sizes):
-    """Called by ShardedSoftmaxLoss.__init__: returns ``(ctx, devices)``; ctx is None in the
-    one-process mode (then ``devices`` passes through unchanged), else ``devices`` is this
-    rank's one device."""
-    module.sample_rate = check_sample_rate(sample_rate)
-    # Set to seed the sampling: a torch.Generator of the shard's device (a CPU generator
-    # for a CUDA shard is refused by the sampling op), or in the one-process mode one per shard.
-    module.sample_generator: Optional[torch.Generator] = None
-    if process_group is None:
-        if input_layout != DATA_PARALLEL:
-            raise ValueError("argument `input_layout` needs `process_group`")
-        return None, devices
-    if shard_sizes is not None:
-        raise ValueError("argument `shard_sizes` is not used with `process_group`: rank r holds "
-                         "shardkit.distributed.split_classes(num_classes, world_size)[r] classes")
-    ctx = DistContext(num_classes, process_group, input_layout)
-    if devices is None:
-        devices = [default_device(ctx.group)]
-    if isinstance(devices, (str, torch.device)):
-        devices = [devices]
-    if len(list(devices)) != 1:
-        raise ValueError(f"argument `devices` must name ONE device per rank with `process_group`, got {devices}")
-    return ctx, list(devices)
+from shardkit.softmax.core import (ShardStatistics, chunk_classes, compute_dtype, loss_from_statistics, loss_output,
+                                   plain_target_logit, weights_for)
+from shardkit.softmax.sampling import mark_sampled, sample_shard, sampled_class_counts
 
 
 def default_device(group) -> torch.device:
@@ -69,47 +45,64 @@ def default_device(group) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-@torch.no_grad()
-def reset_shard_(module) -> None:
-    """nn.Linear's U(-1/sqrt(D), 1/sqrt(D)) for this rank's shard, from a CPU generator seeded
-    by one draw of the global CPU generator plus the rank: ranks seeded alike still give
-    different classes different rows (the one-process draw is not reproduced; use
-    :func:`shardkit.import_full_weight` for an exact copy of a given weight)."""
-    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item()) + 1000003 * module._dist.rank
-    gen = torch.Generator().manual_seed(seed % 2**63)
-    bound = 1.0 / module.embedding_dim ** 0.5
-    for p in module.weight_shards:
-        if p.device.type != "meta":
-            p.copy_(torch.empty(p.shape, dtype=p.dtype).uniform_(-bound, bound, generator=gen))
+class ProcessGroupShards:
+    """This rank's one shard of a head split over the ranks of ``process_group``.
 
+    ``state_dict()`` holds the rank's own shard only; :func:`shardkit.save_sharded` writes
+    re-shardable files."""
 
-def full_weight(module, device=None) -> torch.Tensor:
-    """Class-ordered [C, D] copy gathered from every rank (a collective: all ranks call it)."""
-    local = module.weight_shards[0].detach()
-    full = all_gather_rows(module._dist, local)
-    return full if device is None else full.to(device)
+    def __init__(self, num_classes: int, process_group, input_layout: str, devices, shard_sizes):
+        if shard_sizes is not None:
+            raise ValueError("argument `shard_sizes` is not used with `process_group`: rank r holds "
+                             "shardkit.distributed.split_classes(num_classes, world_size)[r] classes")
+        self.ctx = DistContext(num_classes, process_group, input_layout)
+        if devices is None:
+            devices = [default_device(self.ctx.group)]
+        if isinstance(devices, (str, torch.device)):
+            devices = [devices]
+        devices = list(devices)
+        if len(devices) != 1:
+            raise ValueError(f"argument `devices` must name ONE device per rank with `process_group`, got {devices}")
+        self.devices = [torch.device(devices[0])]
+        self.sizes = [self.ctx.num_local]
 
+    def attach(self, module) -> None:
+        """Nothing to add: ranks keep their own shard in ``state_dict()``."""
 
-def forward(module, embeddings, labels, return_details: bool, topk: Optional[Sequence[int]]):
-    """ShardedSoftmaxLoss.forward in the distributed mode: the loss of the GLOBAL batch on
-    every rank (see :mod:`shardkit.distributed` for the gradient convention)."""
-    from shardkit._sce_checks import check_topk
-    from shardkit._sce_core import loss_from_statistics
-    from shardkit.loss import ShardedLossOutput
+    def class_offsets(self, module) -> tuple:
+        return (self.ctx.class_offset,)
 
-    ks = check_topk(module.topk if topk is None else topk) if return_details else ()
-    rate = module.sample_rate if module.training else 1.0  # evaluation uses every class
-    stats, labels_g, used = distributed_statistics(
-        module._dist, embeddings, labels, module.weight_shards[0], margin=module.margin,
-        chunk_memory=module.chunk_memory, with_rank=bool(ks), ignore_index=module.ignore_index,
-        check_inputs=module.check_inputs, sample_rate=rate, generator=module.sample_generator)
-    with torch.autocast(stats.lse.device.type, enabled=False):  # fp32 statistics stay fp32
-        loss, valid = loss_from_statistics(stats, labels_g, used, label_smoothing=module.label_smoothing,
-                                           ignore_index=module.ignore_index, reduction=module.reduction)
-    if not return_details:
-        return loss
-    correct = {k: ((stats.greater_count < k) & valid).sum() for k in ks}
-    return ShardedLossOutput(loss, stats.lse, correct, valid.sum())
+    @torch.no_grad()
+    def reset_parameters(self, module) -> None:
+        """nn.Linear's U(-1/sqrt(D), 1/sqrt(D)) for this rank's shard, from a CPU generator
+        seeded by one draw of the global CPU generator plus the rank: ranks seeded alike still
+        give different classes different rows (the one-process draw is not reproduced; use
+        :func:`shardkit.import_full_weight` for an exact copy of a given weight)."""
+        seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item()) + 1000003 * self.ctx.rank
+        gen = torch.Generator().manual_seed(seed % 2**63)
+        bound = 1.0 / module.embedding_dim ** 0.5
+        for p in module.weight_shards:
+            if p.device.type != "meta":
+                p.copy_(torch.empty(p.shape, dtype=p.dtype).uniform_(-bound, bound, generator=gen))
+
+    def full_weight(self, module, device=None) -> torch.Tensor:
+        """Class-ordered [C, D] copy gathered from every rank (a collective: all ranks call it)."""
+        full = all_gather_rows(self.ctx, module.weight_shards[0].detach())
+        return full if device is None else full.to(device)
+
+    def forward(self, module, embeddings, labels, return_details: bool, topk: Optional[Sequence[int]]):
+        """The loss of the GLOBAL batch on every rank (see :mod:`shardkit.softmax.collectives`
+        for the gradient convention)."""
+        ks = check_topk(module.topk if topk is None else topk) if return_details else ()
+        rate = module.sample_rate if module.training else 1.0  # evaluation uses every class
+        stats, labels_g, used = distributed_statistics(
+            self.ctx, embeddings, labels, module.weight_shards[0], margin=module.margin,
+            chunk_memory=module.chunk_memory, with_rank=bool(ks), ignore_index=module.ignore_index,
+            check_inputs=module.check_inputs, sample_rate=rate, generator=module.sample_generator)
+        with torch.autocast(stats.lse.device.type, enabled=False):  # fp32 statistics stay fp32
+            loss, valid = loss_from_statistics(stats, labels_g, used, label_smoothing=module.label_smoothing,
+                                               ignore_index=module.ignore_index, reduction=module.reduction)
+        return loss_output(loss, stats, valid, ks) if return_details else loss
 
 
 def check_local_input(embeddings, labels, dim: int, num_classes: int, ignore_index: int, check_inputs,
@@ -163,7 +156,7 @@ def distributed_statistics(dctx: DistContext, embeddings, labels, weight: torch.
     try:
         labels = check_local_input(embeddings, labels, weight.shape[1], dctx.num_classes, ignore_index,
                                    check_inputs, weight.device)
-        dtype = _compute_dtype(weight)
+        dtype = compute_dtype(weight)
         if embeddings.dtype != dtype:
             embeddings = embeddings.to(dtype)  # cast before the gather: fewer bytes on the wire
     except (ValueError, TypeError) as err:
@@ -189,7 +182,7 @@ def distributed_statistics(dctx: DistContext, embeddings, labels, weight: torch.
     w = weights_for(w, xg.dtype)  # fp32 weights with 16-bit (autocast) embeddings go as they are
     target_ref = None
     if with_rank:
-        part = _plain_target_logit([(xg, y_shard)], [w], [offset], y_shard, margin, xg.device)
+        part = plain_target_logit([(xg, y_shard)], [w], [offset], y_shard, margin, xg.device)
         target_ref = torch.zeros(batch, dtype=torch.float32, device=xg.device) if part is None else part
         try:  # the rank owning each row's class contributes its plain logit, the others 0
             dist.all_reduce(target_ref, group=dctx.group)
@@ -198,7 +191,7 @@ def distributed_statistics(dctx: DistContext, embeddings, labels, weight: torch.
     scale, m1, m2, m3 = margin.params() if margin is not None else (1.0, 1.0, 0.0, 0.0)
     lse, target, logit_sum, greater = ops.ce_shard_stats(
         xg, w, y_shard, class_offset=offset, scale=scale, m1=m1, m2=m2, m3=m3, normalize=margin is not None,
-        chunk_classes=_chunk_classes(batch, w.shape[0], xg.shape[1], xg.dtype, chunk_memory),
+        chunk_classes=chunk_classes(batch, w.shape[0], xg.shape[1], xg.dtype, chunk_memory),
         target_ref=target_ref)
     with torch.autocast(xg.device.type, enabled=False):  # fp32 statistics stay fp32
         lse_g, target_g, sum_g, greater_g = combine_stats(dctx, lse, target, logit_sum,

@@ -108,7 +108,7 @@ class CombinedMargin(Margin):
 
     ``CombinedMargin(64, 1.0, 0.3, 0.2)`` is InsightFace's "combined" setting. Embeddings
     and weights are L2-normalized by the loss. Past ``m1 * theta + m2 = pi`` the target
-    logit continues linearly in cos(theta) (see :mod:`shardkit.margins`).
+    logit continues linearly in cos(theta) (see :mod:`shardkit.softmax.margins`).
     """
 
     __slots__ = ()

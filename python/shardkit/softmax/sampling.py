@@ -16,15 +16,25 @@ the sampled classes, as PartialFC trains it. ``sample_rate=1`` runs the full pat
 equals the full loss exactly.
 """
 
+import math
 import warnings
 import weakref
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from shardkit.ops._sampling import partial_fc_sample
+
+
+def sampled_class_counts(sizes: Sequence[int], sample_rate: float, global_batch: int) -> List[int]:
+    """PartialFC: classes used per rank this step, host-known so no sync is needed.
+
+    ``K_r = min(C_r, max(ceil(rate * C_r), min(B_g, C_r)))``: at least as many as the batch
+    can have distinct positives, so every positive always fits.
+    """
+    return [min(c, max(math.ceil(sample_rate * c), min(global_batch, c))) for c in sizes]
 
 
 def check_sample_rate(sample_rate) -> float:
@@ -51,7 +61,7 @@ def sample_shard(
         labels: [B] int64 global class ids of the (global) batch, on the weight's device.
         class_offset: the shard's first global class id.
         num_sample: classes to keep (>= distinct positives, see
-            :func:`shardkit.distributed.sampled_class_counts`).
+            :func:`sampled_class_counts`).
         generator: optional torch.Generator on the weight's device.
 
     Returns:

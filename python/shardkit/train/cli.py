@@ -1,7 +1,7 @@
 """``python -m shardkit.train``: the whole shardkit recipe on a built-in default.
 
-A ResNet-style backbone (:mod:`shardkit.models`) learns face-recognition-style embeddings of
-procedurally generated identities (:mod:`shardkit.data`) through a class-sharded ArcFace head
+A ResNet-style backbone (:mod:`shardkit.train.models`) learns face-recognition-style embeddings of
+procedurally generated identities (:mod:`shardkit.train.data`) through a class-sharded ArcFace head
 (:class:`shardkit.ShardedSoftmaxLoss`); images travel as uint8 and are normalized on the device
 (:class:`shardkit.Normalize`); :class:`shardkit.ModelEMA` averages the backbone. At the end it
 reports train top-1 (from the head's statistics, no logits) and verification on held-out
@@ -25,8 +25,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from shardkit import _train_run
-from shardkit.models import PRESETS
+from shardkit.train import loop
+from shardkit.train.models import PRESETS
 
 __all__ = ["main", "build_parser"]
 
@@ -115,8 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.data is not None and not os.path.isdir(a.data):
         p.error(f"--data {a.data!r} is not a directory")
-    if a.resume is not None and _train_run.find_checkpoint(a.resume) is None:
-        p.error(f"--resume {a.resume!r}: no checkpoint found there (expected {_train_run.CKPT_FILE})")
+    if a.resume is not None and loop.find_checkpoint(a.resume) is None:
+        p.error(f"--resume {a.resume!r}: no checkpoint found there (expected {loop.CKPT_FILE})")
     if a.devices is None:
         a.devices = [torch.device("cuda", 0)] if torch.cuda.is_available() else [torch.device("cpu")]
     for dev in a.devices:
@@ -144,9 +144,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     _check_args(parser, args)
     had_group = dist.is_available() and dist.is_initialized()
-    world = _train_run.init_distributed(args)
+    world = loop.init_distributed(args)
     try:
-        code = _train_run.run(args, world)
+        code = loop.run(args, world)
         if world.size > 1 and dist.is_initialized():
             # Tear down together: rank 0 still plots while the others would close their gloo
             # connections, and a peer's socket closing under a rank that still reads it aborts it.
@@ -157,6 +157,3 @@ def main(argv=None) -> int:
         if not had_group and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,8 +8,8 @@
   trivially. Deterministic: image ``i`` depends only on ``(seed, i)``; rendering is
   vectorized torch (~10k 32x32 images/s on one core).
 * :func:`verification_split`: held-out identities (never in training) with genuine and
-  impostor pairs, for :mod:`shardkit.metrics`.
-* :class:`ImageFolderDataset` (in :mod:`shardkit._imagefolder`, re-exported): class
+  impostor pairs, for :mod:`shardkit.train.metrics`.
+* :class:`ImageFolderDataset` (in :mod:`shardkit.train.imagefolder`, re-exported): class
   subfolders of image files, decoded with Pillow, optionally cached in RAM.
 * :func:`collate_uint8` / :func:`make_loader`: uint8 NHWC batches (pinned when CUDA is
   available) in a deterministic, resumable order.
@@ -26,7 +26,7 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from shardkit._imagefolder import ImageFolderDataset
+from shardkit.train.imagefolder import ImageFolderDataset
 
 __all__ = [
     "Nuisance",
@@ -235,9 +235,9 @@ class VerificationSet:
         return torch.cat(out)
 
     def evaluate(self, embeddings: torch.Tensor, *, far: float = 1e-3, folds: int = 10):
-        """:class:`shardkit.metrics.VerificationResult` from per-image ``embeddings [M, D]``:
+        """:class:`shardkit.train.metrics.VerificationResult` from per-image ``embeddings [M, D]``:
         accuracy on the balanced pairs, TAR@FAR on all pairs."""
-        from shardkit import metrics
+        from shardkit.train import metrics
 
         e1, e2 = embeddings[self.pairs[:, 0]], embeddings[self.pairs[:, 1]]
         bal = slice(0, 2 * self.num_genuine)

@@ -1,4 +1,4 @@
-"""ImageFolder-style directory dataset (re-exported as :class:`shardkit.data.ImageFolderDataset`).
+"""ImageFolder-style directory dataset (re-exported as :class:`shardkit.train.data.ImageFolderDataset`).
 
 Pillow decodes; torchvision is not needed."""
 

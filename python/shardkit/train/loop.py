@@ -14,8 +14,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from shardkit import _train_report as report_mod
-from shardkit import _train_setup as setup
+from shardkit.train import report as report_mod
+from shardkit.train import setup
 
 CKPT_FILE = setup.CKPT_FILE
 

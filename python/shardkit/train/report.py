@@ -52,7 +52,7 @@ def _train_top1(parts, model, limit: int = 4096) -> float:
     valid = torch.zeros((), dtype=torch.int64)
     bs = parts.args.batch
     for i in range(0, per_rank, bs):
-        from shardkit.data import collate_uint8
+        from shardkit.train.data import collate_uint8
 
         images, labels = collate_uint8([parts.train_set[j] for j in idx[i:i + bs]])
         emb = _embed_fn(parts, model)(images)

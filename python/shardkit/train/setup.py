@@ -15,9 +15,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler, Subset
 
 import shardkit
-from shardkit.data import (EpochBatchSampler, ImageFolderDataset, SyntheticIdentities, VerificationSet,
+from shardkit.train.data import (EpochBatchSampler, ImageFolderDataset, SyntheticIdentities, VerificationSet,
                            collate_uint8, verification_split)
-from shardkit.models import build_backbone
+from shardkit.train.models import build_backbone
 from shardkit.parallel import DataParallelCriterion, DataParallelModel
 
 MEAN, STD = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)

@@ -1,0 +1,18 @@
+"""Balanced data parallelism: a drop-in for ``encoding.parallel`` (PyTorch-Encoding).
+
+``DataParallelModel`` returns the per-device outputs instead of gathering them on device 0,
+and ``DataParallelCriterion`` computes the loss on every device and reduces it exactly, so
+``from encoding.parallel import ...`` becomes ``from shardkit.parallel import ...``.
+
+Modules of the wing: :mod:`~shardkit.parallel.data_parallel` (the two classes, ``gather``),
+:mod:`~shardkit.parallel.scatter` (device lists, chunk sizes, splitting arguments),
+:mod:`~shardkit.parallel.threads` (per-device calls in threads),
+:mod:`~shardkit.parallel.sync` (SyncBN callbacks, ``allreduce``).
+"""
+
+from shardkit.parallel.data_parallel import (DataParallelCriterion, DataParallelModel, WeightedLoss, gather,
+                                             replication_order)
+from shardkit.parallel.sync import CallbackContext, allreduce, execute_replication_callbacks, patch_replication_callback
+
+__all__ = ["allreduce", "DataParallelModel", "DataParallelCriterion", "patch_replication_callback",
+           "execute_replication_callbacks", "CallbackContext", "WeightedLoss", "gather", "replication_order"]

@@ -1,0 +1,241 @@
+"""The one-process mode of the sharded loss: every shard in this process, each on its own
+device (repeats allowed), and the functional form :func:`sharded_cross_entropy`.
+
+:class:`LocalShards` is the mode object :class:`shardkit.ShardedSoftmaxLoss` picks when it
+gets no ``process_group``; :class:`shardkit.softmax.distributed.ProcessGroupShards` is the
+other one. Both answer the same calls (sizes, offsets, init, full weight, forward), so the
+module never asks which mode it is in.
+"""
+
+from typing import Optional, Sequence
+
+import torch
+
+from shardkit.softmax.checks import check_options, check_shards, check_tensors, check_topk, check_values, parse_memory
+from shardkit.softmax.core import (combine_statistics, loss_from_statistics, loss_output, shard_statistics,
+                                   to_device)
+from shardkit.softmax.margins import Margin
+from shardkit.softmax.sampling import check_sample_rate, mark_sampled, sample_shard, sampled_class_counts
+
+
+def sharded_cross_entropy(
+    embeddings: torch.Tensor,
+    weight_shards: Sequence[torch.Tensor],
+    labels: torch.Tensor,
+    *,
+    margin: Optional[Margin] = None,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    class_offsets: Optional[Sequence[int]] = None,
+    chunk_memory=None,
+    check_inputs=True,
+    return_details: bool = False,
+    topk: Sequence[int] = (1,),
+    sample_rate: float = 1.0,
+    generator=None,
+):
+    """Cross-entropy of ``embeddings @ cat(weight_shards).T`` without forming those logits.
+
+    Args:
+        embeddings: [B, D] float32/bfloat16/float16 (or float64, e.g. for gradcheck), B >= 1.
+        weight_shards: list of [C_k, D] tensors of one dtype, each on its own device (repeats
+            allowed); shard k holds classes [class_offsets[k], class_offsets[k] + C_k).
+        labels: [B] int64 (other integer dtypes are converted) on the embeddings' device:
+            class ids in [0, C) or ``ignore_index``.
+        margin: None (plain logits x . w) or CosFace / ArcFace / CombinedMargin (cosine logits
+            with the margin at the target; embeddings and weights L2-normalized).
+        label_smoothing: eps in [0, 1], spread over all C classes like F.cross_entropy.
+        ignore_index: label value of rows that count nowhere.
+        reduction: "mean" (over non-ignored rows), "sum" or "none" ([B], 0 for ignored rows).
+        class_offsets: first class of each shard (default: cumulative shard sizes); the
+            ranges must tile [0, C).
+        chunk_memory: working-set budget per shard (bytes or a string like "64MiB"): sets
+            the classes per chunk, so extra memory is O(B x chunk), never O(B x C). None: the
+            op's default, a 192 MiB budget on GPUs and a cache-sized (1 MiB) chunk on the CPU.
+        check_inputs: True: one fused device->host sync per call to check labels and
+            finiteness of the embeddings (clear ValueError); "async": the same check by
+            ``torch._assert_async`` without a sync; False: no value check (out-of-range
+            labels then silently act as "target in no shard").
+        return_details: also return per-row log-sum-exp and top-k correct counts.
+        topk: the k of the correct counts (with ``return_details``).
+        sample_rate: PartialFC in (0, 1]: below 1, each shard uses every positive class of
+            the batch plus uniformly sampled negatives, ``ceil(rate * C_k)`` classes (at
+            least min(B, C_k)); the other classes take no part and get no gradient (each
+            shard's gradient is a row-sparse COO tensor: step it with
+            :class:`shardkit.SparseRowSGD`). Smoothing then spreads over the sampled classes
+            and the lse / top-k counts are over them. 1: every class (the default).
+        generator: for the sampling: None (the default generators), a torch.Generator of
+            the shards' device, or a sequence of one per shard.
+
+    Returns:
+        The loss on the embeddings' device (float32; [B] for "none"), or a
+        :class:`ShardedLossOutput` with ``return_details=True``.
+
+    dtypes: outside autocast the embeddings are cast to the weights' dtype; under
+    ``torch.autocast`` for a shard's device type the embeddings are cast to the autocast
+    dtype, which is the compute dtype (as nn.Linear). fp32 weights under a bf16 / fp16
+    autocast are NOT copied: the kernels convert them chunk by chunk (a chunk-sized
+    temporary within ``chunk_memory``; on GPUs to the autocast dtype, the GEMMs' input
+    dtype, while the CPU kernels compute in fp32 from the fp32 rows) and write their
+    gradient in fp32 straight into the fp32 gradient, so no 16-bit copy of a shard or of its
+    gradient is made. Other weight
+    dtypes under autocast (e.g. bf16 weights with an fp16 autocast) are cast to the autocast
+    dtype. Statistics and the loss are float32 whatever the input dtype. With a margin and
+    fp16 autocast on a GPU, each fp32 row is rounded to fp16 before it is normalized, so
+    rows of norm below ~1e-3 lose cosine accuracy (fp16 subnormals); bf16 has no such limit.
+    """
+    check_options(margin, label_smoothing, ignore_index, reduction, check_inputs)
+    shards, offsets, num_classes = check_shards(weight_shards, class_offsets)
+    labels = check_tensors(embeddings, labels, shards[0].shape[1])
+    ks = check_topk(topk) if return_details else ()
+    budget = None if chunk_memory is None else parse_memory(chunk_memory)
+    if check_inputs:
+        check_values(embeddings, labels, num_classes, ignore_index, check_inputs)
+    op_labels = labels
+    if 0 <= ignore_index < num_classes:
+        # An ignore_index that is also a class id must not pick up a target (nor a margin).
+        op_labels = labels.masked_fill(labels == ignore_index, -1)
+    shard_labels = None
+    if check_sample_rate(sample_rate) < 1.0:
+        shards, shard_labels, num_classes = _sample_shards(shards, offsets, op_labels, sample_rate, generator)
+        offsets = [0] * len(shards)
+    per_shard = shard_statistics(embeddings, shards, offsets, op_labels, margin, budget, with_rank=bool(ks),
+                                 shard_labels=shard_labels)
+    # The statistics are fp32 already; autocast must not lower the combining arithmetic.
+    with torch.autocast(embeddings.device.type, enabled=False):
+        stats = combine_statistics(per_shard, embeddings.device)
+        loss, valid = loss_from_statistics(
+            stats, labels, num_classes,
+            label_smoothing=float(label_smoothing), ignore_index=ignore_index, reduction=reduction,
+        )
+    return loss_output(loss, stats, valid, ks) if return_details else loss
+
+
+def _sample_shards(shards, offsets, labels, sample_rate, generator):
+    """PartialFC in the one-process mode: ``(sub_shards, shard_labels, classes_used)``; each
+    shard keeps the batch's positives plus sampled negatives (see :mod:`shardkit.softmax.sampling`)."""
+    if generator is None or isinstance(generator, torch.Generator):
+        generators = [generator] * len(shards)
+    else:
+        generators = list(generator)
+        if len(generators) != len(shards) or not all(isinstance(g, torch.Generator) for g in generators):
+            raise TypeError("argument `generator` must be None, a torch.Generator or one torch.Generator per "
+                            f"shard ({len(shards)}), got {generator!r}")
+    counts = sampled_class_counts([w.shape[0] for w in shards], sample_rate, labels.shape[0])
+    subs, sub_labels = [], []
+    for w, offset, count, gen in zip(shards, offsets, counts, generators):
+        mark_sampled(w)
+        sub_w, sub_y, _ = sample_shard(w, to_device(labels, w.device), offset, count, gen)
+        subs.append(sub_w)
+        sub_labels.append(sub_y)
+    return subs, sub_labels, sum(counts)
+
+
+def split_sizes(num_classes: int, num_shards: int, shard_sizes) -> list:
+    """Shard sizes from None (even split, the first shards one larger), explicit ints
+    summing to num_classes, or proportions (floats, any positive total; largest remainder)."""
+    if shard_sizes is None:
+        base, extra = divmod(num_classes, num_shards)
+        return [base + (k < extra) for k in range(num_shards)]
+    sizes = list(shard_sizes)
+    if len(sizes) != num_shards:
+        raise ValueError(f"argument `shard_sizes` has {len(sizes)} entries for {num_shards} devices")
+    if any(isinstance(s, bool) or not isinstance(s, (int, float)) or s < 0 for s in sizes):
+        raise ValueError(f"argument `shard_sizes` must hold non-negative numbers, got {sizes}")
+    if all(isinstance(s, int) for s in sizes):
+        if sum(sizes) != num_classes:
+            raise ValueError(f"argument `shard_sizes` {sizes} sums to {sum(sizes)}, not num_classes={num_classes}")
+        return sizes
+    total = float(sum(sizes))
+    if total <= 0:
+        raise ValueError(f"argument `shard_sizes` proportions must have a positive sum, got {sizes}")
+    exact = [num_classes * s / total for s in sizes]
+    out = [int(e) for e in exact]
+    by_remainder = sorted(range(num_shards), key=lambda k: exact[k] - out[k], reverse=True)
+    for k in by_remainder[: num_classes - sum(out)]:
+        out[k] += 1
+    return out
+
+
+def _state_dict_post_hook(module, state_dict, prefix, local_metadata):
+    # One class-ordered `weight` [C, D] replaces the per-shard entries, so checkpoints do
+    # not depend on the shard count.
+    for k in range(len(module.weight_shards)):
+        state_dict.pop(f"{prefix}weight_shards.{k}", None)
+    state_dict[prefix + "weight"] = checkpoint_weight(module)
+
+
+def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+    key = prefix + "weight"
+    if key not in state_dict:
+        return  # per-shard keys (same shard count) load as ordinary parameters
+    full = state_dict.pop(key)
+    expected = (module.num_classes, module.embedding_dim)
+    if not isinstance(full, torch.Tensor) or tuple(full.shape) != expected:
+        shape = tuple(full.shape) if isinstance(full, torch.Tensor) else type(full).__name__
+        errors.append(f"size mismatch for {key}: the checkpoint has {shape}, this module expects {expected} "
+                      "[num_classes, embedding_dim]")
+        return
+    for k, (offset, size) in enumerate(zip(module.class_offsets, module.shard_sizes)):
+        state_dict[f"{prefix}weight_shards.{k}"] = full[offset:offset + size]
+
+
+def checkpoint_weight(module) -> torch.Tensor:
+    devices = {p.device for p in module.weight_shards}
+    # Gathering a million-class weight onto one GPU could exhaust it: the CPU holds it.
+    return module.full_weight(devices.pop() if len(devices) == 1 else "cpu")
+
+
+class LocalShards:
+    """Shards on a list of devices of this process: shard k holds ``sizes[k]`` classes on
+    ``devices[k]``, in class order. ``state_dict()`` holds one class-ordered ``weight``."""
+
+    def __init__(self, num_classes: int, devices, shard_sizes):
+        if devices is None:
+            devices = ["cpu"] if shard_sizes is None else ["cpu"] * len(list(shard_sizes))
+        if isinstance(devices, (str, torch.device)):
+            devices = [devices]
+        self.devices = [torch.device(d) for d in devices]
+        if not self.devices:
+            raise ValueError("argument `devices` must name at least one device")
+        self.sizes = split_sizes(num_classes, len(self.devices), shard_sizes)
+
+    def attach(self, module) -> None:
+        """One class-ordered ``weight`` in checkpoints, whatever the shard count."""
+        module.register_state_dict_post_hook(_state_dict_post_hook)
+        module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
+
+    def class_offsets(self, module) -> tuple:
+        out, acc = [], 0
+        for size in module.shard_sizes:
+            out.append(acc)
+            acc += size
+        return tuple(out)
+
+    @torch.no_grad()
+    def reset_parameters(self, module) -> None:
+        # Drawn on the CPU shard by shard in class order: the same numbers as one [C, D] draw.
+        bound = 1.0 / module.embedding_dim ** 0.5
+        for p in module.weight_shards:
+            if p.device.type == "meta":
+                continue
+            p.copy_(torch.empty(p.shape, dtype=p.dtype).uniform_(-bound, bound))
+
+    def full_weight(self, module, device=None) -> torch.Tensor:
+        device = module.weight_shards[0].device if device is None else torch.device(device)
+        return torch.cat([p.detach().to(device) for p in module.weight_shards], dim=0)
+
+    def forward(self, module, embeddings, labels, return_details: bool, topk):
+        if isinstance(embeddings, torch.Tensor) and embeddings.dim() == 2 \
+                and embeddings.shape[1] != module.embedding_dim:
+            raise ValueError(f"argument `embeddings` has dim {embeddings.shape[1]}, "
+                             f"but this loss has embedding_dim={module.embedding_dim}")
+        return sharded_cross_entropy(
+            embeddings, list(module.weight_shards), labels,
+            margin=module.margin, label_smoothing=module.label_smoothing, ignore_index=module.ignore_index,
+            reduction=module.reduction, class_offsets=module.class_offsets, chunk_memory=module.chunk_memory,
+            check_inputs=module.check_inputs, return_details=return_details,
+            topk=module.topk if topk is None else topk,
+            sample_rate=module.sample_rate if module.training else 1.0, generator=module.sample_generator,
+        )
