@@ -21,9 +21,8 @@ import glob
 import os
 import sys
 
-from setuptools import find_packages, setup
-
 import torch
+from setuptools import find_packages, setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -69,15 +68,20 @@ def _extension():
     if with_cuda:
         if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
             os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
-        sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")) + glob.glob(os.path.join("csrc", "cuda", "*.cpp")))
+        sources += sorted(
+            glob.glob(os.path.join("csrc", "cuda", "*.cu")) + glob.glob(os.path.join("csrc", "cuda", "*.cpp"))
+        )
         define_macros.append(("SHARDKIT_WITH_CUDA", None))
         # No --use_fast_math: it flushes float32 subnormals to zero and approximates division
         # and sqrt everywhere (EMA with decay 1 would stop being exact); the one hot
         # transcendental, exp in the softmax statistics, uses the __expf intrinsic explicitly.
         nvcc = opt + ["-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
-        print(f"shardkit setup: building CPU + CUDA kernels ({reason}); "
-              f"TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', '(from visible GPUs)')}, "
-              f"CUDA_HOME={CUDA_HOME}, torch {torch.__version__}", flush=True)
+        print(
+            f"shardkit setup: building CPU + CUDA kernels ({reason}); "
+            f"TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', '(from visible GPUs)')}, "
+            f"CUDA_HOME={CUDA_HOME}, torch {torch.__version__}",
+            flush=True,
+        )
         return CUDAExtension(
             "shardkit._C",
             sources,

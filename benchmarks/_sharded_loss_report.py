@@ -5,7 +5,6 @@ import os
 import sys
 
 import torch
-
 from _timing import out_dir, target_line
 
 
@@ -27,8 +26,13 @@ def check_targets(rows, largest, device, dtype_name):
             x = ours["time_s"] / ours["gemm_floor_s"]
             out.append(target_line(f"sharded loss {tag} <= 1.5x the 3 GEMMs", x <= 1.5, f"{x:.2f}x"))
             if (b, c) == (1024, 1_000_000):
-                out.append(target_line(f"sharded loss {tag} <= 256 MiB beyond weights+grads",
-                                       ours["extra_mib"] <= 256, f"{ours['extra_mib']:.1f} MiB"))
+                out.append(
+                    target_line(
+                        f"sharded loss {tag} <= 256 MiB beyond weights+grads",
+                        ours["extra_mib"] <= 256,
+                        f"{ours['extra_mib']:.1f} MiB",
+                    )
+                )
             for peer in ("linear+cross_entropy", "torch.linear_cross_entropy", "cut_cross_entropy", "liger_flce"):
                 if peer in res:
                     x = res[peer]["time_s"] / ours["time_s"]
@@ -42,16 +46,22 @@ def check_targets(rows, largest, device, dtype_name):
                 out.append(target_line(f"sharded loss {tag} <= 1.0x (a) time", x <= 1.0, f"{x:.2f}x"))
                 if base["extra_mib"] > 0:
                     m = ours["extra_mib"] / base["extra_mib"]
-                    out.append(target_line(f"sharded loss {tag} <= 25% of (a) extra memory", m <= 0.25,
-                                           f"{100 * m:.1f}%"))
+                    out.append(
+                        target_line(f"sharded loss {tag} <= 25% of (a) extra memory", m <= 0.25, f"{100 * m:.1f}%")
+                    )
     if largest.get("shardkit") and largest.get("linear+cross_entropy"):
         la, lo = largest["linear+cross_entropy"], largest["shardkit"]
         a, o = la["largest"], lo["largest"]
         # A search cut short by its budget gives a lower bound: a verdict only where it holds.
         ok = True if o > a and la["complete"] else (False if lo["complete"] and la["complete"] else None)
-        out.append(target_line("largest C one GPU trains, shardkit vs (a)", ok,
-                               f"{o:,d}{'' if lo['complete'] else '+'} vs {a:,d}{'' if la['complete'] else '+'} "
-                               f"({o / max(a, 1):.1f}x)"))
+        out.append(
+            target_line(
+                "largest C one GPU trains, shardkit vs (a)",
+                ok,
+                f"{o:,d}{'' if lo['complete'] else '+'} vs {a:,d}{'' if la['complete'] else '+'} "
+                f"({o / max(a, 1):.1f}x)",
+            )
+        )
     return out
 
 
@@ -60,13 +70,17 @@ def save(rows, largest, targets, args):
     stem = "bench_sharded_loss" + ("_maxc" if args.max_classes_only else "")
     path = os.path.join(folder, stem + ".json")
     with open(path, "w") as f:
-        json.dump(dict(torch=torch.__version__, argv=sys.argv, rows=rows, largest_classes=largest,
-                       targets=targets), f, indent=1)
+        json.dump(
+            dict(torch=torch.__version__, argv=sys.argv, rows=rows, largest_classes=largest, targets=targets),
+            f,
+            indent=1,
+        )
     if not rows:
         print(f"wrote {path}")
         return
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:

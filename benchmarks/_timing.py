@@ -36,6 +36,7 @@ def target_line(name, ok, detail):
     print(line, flush=True)
     return {"target": name, "ok": ok, "detail": detail}
 
+
 SYNCS = ("event", "device")
 
 

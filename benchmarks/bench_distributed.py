@@ -43,9 +43,11 @@ import torch.multiprocessing as mp
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 sys.path.insert(0, HERE)  # _timing, whatever the cwd (also under python -m)
+from _timing import out_dir, target_line, time_once  # noqa: E402
+
 import shardkit  # noqa: E402
 from shardkit.distributed import split_classes  # noqa: E402
-from _timing import out_dir, target_line, time_once  # noqa: E402
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -58,8 +60,9 @@ def parse():
     p.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: fp32 on cpu, bf16 on cuda")
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--steps", type=int, default=None, help="consecutive steps per timed sample "
-                   "(default: 1 on cpu, 10 on cuda)")
+    p.add_argument(
+        "--steps", type=int, default=None, help="consecutive steps per timed sample (default: 1 on cpu, 10 on cuda)"
+    )
     p.add_argument("--table-worlds", default="1,8", help="world sizes of the communication table")
     p.add_argument("--port", type=int, default=0, help="rendezvous port of the spawned rank (0: a free one)")
     p.add_argument("--timeout", type=float, default=480.0, help="seconds to wait for the spawned rank")
@@ -81,6 +84,7 @@ def _step_fn(head, x, labels, steps=1):
             head.zero_grad(set_to_none=True)
             x.grad = None
             head(x, labels).backward()
+
     return step
 
 
@@ -94,8 +98,9 @@ def measure(args, device):
     margin = shardkit.ArcFace(s=64.0, m=0.5)
     common = dict(margin=margin, dtype=dtype, check_inputs=False)
     one = shardkit.ShardedSoftmaxLoss(args.dim, args.classes, devices=[device], **common)
-    ours = shardkit.ShardedSoftmaxLoss(args.dim, args.classes, devices=[device], process_group=dist.group.WORLD,
-                                       **common)
+    ours = shardkit.ShardedSoftmaxLoss(
+        args.dim, args.classes, devices=[device], process_group=dist.group.WORLD, **common
+    )
     shardkit.import_full_weight(ours, one.full_weight())
     k = args.steps
     steps = {"one_process_s": _step_fn(one, x, labels, k), "distributed_ws1_s": _step_fn(ours, x, labels, k)}
@@ -119,6 +124,7 @@ def measure(args, device):
             torch.mm(xd, w.t())
             torch.mm(g, w)
             torch.mm(g.t(), xd)
+
         gemms()
         results["gemm_s"] = statistics.median(time_once(gemms, device) for _ in range(max(3, args.iters // 2)))
     return results
@@ -145,11 +151,14 @@ def _spawned(args):
                 break
             except queue_mod.Empty:
                 if not proc.is_alive():
-                    raise SystemExit(f"bench_distributed: the rank process died (exit code {proc.exitcode}) "
-                                     "before reporting; its error is printed above")
+                    raise SystemExit(
+                        f"bench_distributed: the rank process died (exit code {proc.exitcode}) "
+                        "before reporting; its error is printed above"
+                    )
                 if time.monotonic() > deadline:
-                    raise SystemExit(f"bench_distributed: the rank process gave no result within "
-                                     f"{args.timeout:.0f} s (--timeout)")
+                    raise SystemExit(
+                        f"bench_distributed: the rank process gave no result within {args.timeout:.0f} s (--timeout)"
+                    )
     finally:
         proc.join(timeout=30)
         if proc.is_alive():
@@ -163,8 +172,12 @@ def _worker(rank, args, queue):
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=1)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            init_method=f"tcp://127.0.0.1:{args.port}",
+            rank=rank,
+            world_size=1,
+        )
     res = measure(args, device)
     dist.destroy_process_group()
     if queue is not None:
@@ -175,8 +188,12 @@ def _worker(rank, args, queue):
 def _wire(kind, nbytes, world):
     """Bytes a rank receives for one collective under ring algorithms (what NCCL uses for
     these sizes): all_gather (N-1) n, reduce_scatter / reduce (N-1)/N n, all_reduce 2(N-1)/N n."""
-    factor = {"all_gather": world - 1, "reduce_scatter": (world - 1) / world, "reduce": (world - 1) / world,
-              "all_reduce": 2 * (world - 1) / world}[kind]
+    factor = {
+        "all_gather": world - 1,
+        "reduce_scatter": (world - 1) / world,
+        "reduce": (world - 1) / world,
+        "all_reduce": 2 * (world - 1) / world,
+    }[kind]
     return nbytes * factor
 
 
@@ -187,16 +204,20 @@ def comm_table(batch, dim, classes, dtype, world):
     bg = batch * world
     c_local = split_classes(classes, world)[0]
     row = 8 + (dim * elem + 7) // 8 * 8
-    ours = [("CPU all_gather: batch sizes + error flag", 1, "all_gather", 4 * 8),
-            ("all_gather labels+embeddings (bytes)", 1, "all_gather", batch * row),
-            ("all_gather packed stats [3, B_g] fp32", 1, "all_gather", 3 * bg * 4),
-            ("reduce_scatter dX [B_g, D]", 1, "reduce_scatter", bg * dim * elem)]
-    pfc = [("all_gather embeddings fp32", 1, "all_gather", batch * dim * 4),
-           ("all_gather labels int64", 1, "all_gather", batch * 8),
-           ("all_reduce max [B_g] fp32", 1, "all_reduce", bg * 4),
-           ("all_reduce exp-sum [B_g] fp32", 1, "all_reduce", bg * 4),
-           ("all_reduce target prob [B_g] fp32", 1, "all_reduce", bg * 4),
-           ("reduce dX [B, D] fp32 (one per rank)", world, "reduce", batch * dim * 4)]
+    ours = [
+        ("CPU all_gather: batch sizes + error flag", 1, "all_gather", 4 * 8),
+        ("all_gather labels+embeddings (bytes)", 1, "all_gather", batch * row),
+        ("all_gather packed stats [3, B_g] fp32", 1, "all_gather", 3 * bg * 4),
+        ("reduce_scatter dX [B_g, D]", 1, "reduce_scatter", bg * dim * elem),
+    ]
+    pfc = [
+        ("all_gather embeddings fp32", 1, "all_gather", batch * dim * 4),
+        ("all_gather labels int64", 1, "all_gather", batch * 8),
+        ("all_reduce max [B_g] fp32", 1, "all_reduce", bg * 4),
+        ("all_reduce exp-sum [B_g] fp32", 1, "all_reduce", bg * 4),
+        ("all_reduce target prob [B_g] fp32", 1, "all_reduce", bg * 4),
+        ("reduce dX [B, D] fp32 (one per rank)", world, "reduce", batch * dim * 4),
+    ]
     ours = [(d, n, k, b, n * _wire(k, b, world)) for d, n, k, b in ours]
     pfc = [(d, n, k, b, n * _wire(k, b, world)) for d, n, k, b in pfc]
     mem = {"pfc_logits_bytes": bg * c_local * 4 * (2 if dtype != "fp32" else 1)}
@@ -211,48 +232,72 @@ def main():
     else:
         res = _spawned(args)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"\nShardedSoftmaxLoss fwd+bwd, ArcFace, B={args.batch} D={args.dim} C={args.classes} {args.dtype} "
-          f"on {device_name}, torch {torch.__version__}")
+    print(
+        f"\nShardedSoftmaxLoss fwd+bwd, ArcFace, B={args.batch} D={args.dim} C={args.classes} {args.dtype} "
+        f"on {device_name}, torch {torch.__version__}"
+    )
     print(f"{'mode':32s} {'median ms':>10s} {'vs one-process':>15s}")
     base = res["one_process_s"]
-    for key, label in (("one_process_s", "one-process (devices=[dev])"),
-                       ("distributed_ws1_s", "process_group, world size 1")):
+    for key, label in (
+        ("one_process_s", "one-process (devices=[dev])"),
+        ("distributed_ws1_s", "process_group, world size 1"),
+    ):
         print(f"{label:32s} {res[key] * 1e3:10.2f} {res[key] / base:14.3f}x")
     overhead = res["distributed_ws1_s"] / base - 1
     print(f"distributed overhead: {overhead * 100:+.1f}% (target <= +5% on the GPU)")
-    targets = [target_line(f"distributed world size 1 ({args.device}) <= 5% over one-process",
-                           overhead <= 0.05 if args.device == "cuda" else None,
-                           f"{overhead * 100:+.1f}%" + ("" if args.device == "cuda" else " (target is for the GPU)"))]
+    targets = [
+        target_line(
+            f"distributed world size 1 ({args.device}) <= 5% over one-process",
+            overhead <= 0.05 if args.device == "cuda" else None,
+            f"{overhead * 100:+.1f}%" + ("" if args.device == "cuda" else " (target is for the GPU)"),
+        )
+    ]
     if "gemm_s" in res:
         # On the GPU this is the floor (the GEMMs at cuBLAS rate); on the CPU the unfused GEMMs
         # stream a [B, C] fp32 matrix through memory and can be slower than the fused step.
-        print(f"the layer's 3 GEMMs unfused (logits, dX, dW; torch.mm): {res['gemm_s'] * 1e3:.2f} ms; "
-              f"distributed step = {res['gemm_s'] / res['distributed_ws1_s'] * 100:.0f}% of that rate")
+        print(
+            f"the layer's 3 GEMMs unfused (logits, dX, dW; torch.mm): {res['gemm_s'] * 1e3:.2f} ms; "
+            f"distributed step = {res['gemm_s'] / res['distributed_ws1_s'] * 100:.0f}% of that rate"
+        )
     tables = {}
     for world in (int(w) for w in args.table_worlds.split(",")):
         ours, pfc, mem = comm_table(args.batch, args.dim, args.classes, args.dtype, world)
         tables[world] = {"ours": ours, "pfc_v2": pfc, **mem}
-        print(f"\nPer-step communication per rank, world size {world} (computed from shapes; "
-              f"b={args.batch}/rank, D={args.dim}, C={args.classes})")
+        print(
+            f"\nPer-step communication per rank, world size {world} (computed from shapes; "
+            f"b={args.batch}/rank, D={args.dim}, C={args.classes})"
+        )
         for name, rows in (("ours", ours), ("PartialFC_V2", pfc)):
             count = sum(r[1] for r in rows)
-            print(f"  {name}: {count} collectives, {sum(r[1] * r[3] for r in rows) / 2**20:.3f} MiB payload in, "
-                  f"{sum(r[4] for r in rows) / 2**20:.3f} MiB received (ring estimate)"
-                  + ("; plus a .item() host sync in backward" if name == "PartialFC_V2" else ""))
+            print(
+                f"  {name}: {count} collectives, {sum(r[1] * r[3] for r in rows) / 2**20:.3f} MiB payload in, "
+                f"{sum(r[4] for r in rows) / 2**20:.3f} MiB received (ring estimate)"
+                + ("; plus a .item() host sync in backward" if name == "PartialFC_V2" else "")
+            )
             for desc, n, _, nbytes, wire in rows:
                 print(f"     {n} x {desc:42s} in {nbytes / 2**10:10.1f} KiB   received {wire / 2**10:10.1f} KiB")
-        print(f"  logits held: ours one chunk [B_g, chunk] (the op's default budget; 192 MiB on GPUs); "
-              f"PartialFC_V2 the whole [B_g, C/N] = {mem['pfc_logits_bytes'] / 2**20:.1f} MiB (fp32"
-              f"{' + the autocast copy' if args.dtype != 'fp32' else ''})")
+        print(
+            f"  logits held: ours one chunk [B_g, chunk] (the op's default budget; 192 MiB on GPUs); "
+            f"PartialFC_V2 the whole [B_g, C/N] = {mem['pfc_logits_bytes'] / 2**20:.1f} MiB (fp32"
+            f"{' + the autocast copy' if args.dtype != 'fp32' else ''})"
+        )
     folder = out_dir()
-    blob = {"args": vars(args), "device": device_name, "torch": torch.__version__, "times": res,
-            "tables": {str(k): v for k, v in tables.items()}, "targets": targets}
+    blob = {
+        "args": vars(args),
+        "device": device_name,
+        "torch": torch.__version__,
+        "times": res,
+        "tables": {str(k): v for k, v in tables.items()},
+        "targets": targets,
+    }
     with open(os.path.join(folder, f"bench_distributed_{args.device}.json"), "w") as f:
         json.dump(blob, f, indent=1)
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+
         fig, ax = plt.subplots(figsize=(5, 3))
         ax.bar(["one-process", "world size 1"], [base * 1e3, res["distributed_ws1_s"] * 1e3])
         ax.set_ylabel("ms per fwd+bwd")

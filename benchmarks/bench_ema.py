@@ -46,9 +46,15 @@ def resnet50_shapes():
         out.append((f"{name}.weight", (cout, cin, k, k), True))
 
     def bn(name, c):
-        out.extend([(f"{name}.weight", (c,), True), (f"{name}.bias", (c,), True),
-                    (f"{name}.running_mean", (c,), False), (f"{name}.running_var", (c,), False),
-                    (f"{name}.num_batches_tracked", (), False)])
+        out.extend(
+            [
+                (f"{name}.weight", (c,), True),
+                (f"{name}.bias", (c,), True),
+                (f"{name}.running_mean", (c,), False),
+                (f"{name}.running_var", (c,), False),
+                (f"{name}.num_batches_tracked", (), False),
+            ]
+        )
 
     conv("conv1", 64, 3, 7)
     bn("bn1", 64)
@@ -74,12 +80,20 @@ def gpt_350m_shapes(layers=24, d=1024, vocab=50257, ctx=1024):
     out = [("wte", (vocab, d), True), ("wpe", (ctx, d), True)]
     for i in range(layers):
         p = f"h{i}"
-        out += [(f"{p}.ln1.w", (d,), True), (f"{p}.ln1.b", (d,), True),
-                (f"{p}.attn.w", (d, 3 * d), True), (f"{p}.attn.b", (3 * d,), True),
-                (f"{p}.proj.w", (d, d), True), (f"{p}.proj.b", (d,), True),
-                (f"{p}.ln2.w", (d,), True), (f"{p}.ln2.b", (d,), True),
-                (f"{p}.fc.w", (d, 4 * d), True), (f"{p}.fc.b", (4 * d,), True),
-                (f"{p}.out.w", (4 * d, d), True), (f"{p}.out.b", (d,), True)]
+        out += [
+            (f"{p}.ln1.w", (d,), True),
+            (f"{p}.ln1.b", (d,), True),
+            (f"{p}.attn.w", (d, 3 * d), True),
+            (f"{p}.attn.b", (3 * d,), True),
+            (f"{p}.proj.w", (d, d), True),
+            (f"{p}.proj.b", (d,), True),
+            (f"{p}.ln2.w", (d,), True),
+            (f"{p}.ln2.b", (d,), True),
+            (f"{p}.fc.w", (d, 4 * d), True),
+            (f"{p}.fc.b", (4 * d,), True),
+            (f"{p}.out.w", (4 * d, d), True),
+            (f"{p}.out.b", (d,), True),
+        ]
     return out + [("lnf.w", (d,), True), ("lnf.b", (d,), True)]
 
 
@@ -136,8 +150,11 @@ class ForeachEMA:
         self.timm = None
         self.dtype = dtype
         model_dtype = next(model.parameters()).dtype
-        self.impl = ("foreach_lerp_ (timm's calls; model cast to the EMA dtype)" if model_dtype != dtype
-                     else "foreach_lerp_ (timm's calls; timm not importable)")
+        self.impl = (
+            "foreach_lerp_ (timm's calls; model cast to the EMA dtype)"
+            if model_dtype != dtype
+            else "foreach_lerp_ (timm's calls; timm not importable)"
+        )
         try:
             from timm.utils.model_ema import ModelEmaV3
 
@@ -229,7 +246,7 @@ def run_case(which, dtype_name, device, methods, reps, loop_max_params):
         for k, fn in copies.items():
             copy_times[k].append(time_once(fn, device))
         for name, impl in impls.items():
-            times[name].append(time_once(lambda: impl.update(model), device))
+            times[name].append(time_once(lambda impl=impl: impl.update(model), device))  # noqa: F821
     bw = 2 * copy_src.numel() * 4 / min(statistics.median(v) for v in copy_times.values())
     floor = nbytes / bw
     copy_src = copy_dst = None
@@ -239,17 +256,35 @@ def run_case(which, dtype_name, device, methods, reps, loop_max_params):
             rows.append({"method": name, "error": errors[name]})
             continue
         t = statistics.median(times[name])
-        rows.append({"method": name, "ms": t * 1e3, "GBps": nbytes / t / 1e9, "pct_floor": 100 * floor / t,
-                     "impl": getattr(impls[name], "impl", name)})
+        rows.append(
+            {
+                "method": name,
+                "ms": t * 1e3,
+                "GBps": nbytes / t / 1e9,
+                "pct_floor": 100 * floor / t,
+                "impl": getattr(impls[name], "impl", name),
+            }
+        )
     impls = None
     del model
-    return {"model": which, "source": source, "dtype": dtype_name, "params": n_params, "tensors": n_tensors,
-            "bytes": nbytes, "copy_GBps": bw / 1e9, "floor_ms": floor * 1e3, "rows": rows}
+    return {
+        "model": which,
+        "source": source,
+        "dtype": dtype_name,
+        "params": n_params,
+        "tensors": n_tensors,
+        "bytes": nbytes,
+        "copy_GBps": bw / 1e9,
+        "floor_ms": floor * 1e3,
+        "rows": rows,
+    }
 
 
 def print_case(c):
-    print(f"\n{c['model']} ({c['source']}): {c['params'] / 1e6:.1f}M params, {c['tensors']} tensors, "
-          f"{c['dtype']} model / fp32 EMA, {c['bytes'] / 1e9:.3f} GB per update")
+    print(
+        f"\n{c['model']} ({c['source']}): {c['params'] / 1e6:.1f}M params, {c['tensors']} tensors, "
+        f"{c['dtype']} model / fp32 EMA, {c['bytes'] / 1e9:.3f} GB per update"
+    )
     print(f"  copy bandwidth {c['copy_GBps']:.1f} GB/s -> floor {c['floor_ms']:.2f} ms")
     ours = next((r["ms"] for r in c["rows"] if r["method"] == "shardkit" and "ms" in r), None)
     print(f"  {'method':<10}{'ms/update':>11}{'GB/s':>8}{'% floor':>9}{'shardkit speed-up':>19}")
@@ -266,6 +301,7 @@ def check_targets(cases, device):
     """Issue 2's targets on the cases measured: on CUDA, on the large model >= 85% of the
     copy-bandwidth floor and >= 1.0x foreach, on ResNet-50 >= 2x foreach, everywhere >= 10x
     the per-tensor loop; on the CPU >= 1.0x foreach. Prints one TARGET line each."""
+
     def ms(c, m):
         return next((r["ms"] for r in c["rows"] if r["method"] == m and "ms" in r), None)
 
@@ -283,11 +319,21 @@ def check_targets(cases, device):
             need = 2.0 if c["model"] == "resnet50" else 1.0
         else:
             need = 1.0
-        out.append(target_line(f"ema {tag} >= {need:.1f}x foreach", None if foreach is None else foreach / ours >= need,
-                               "foreach did not run" if foreach is None else f"{foreach / ours:.2f}x"))
+        out.append(
+            target_line(
+                f"ema {tag} >= {need:.1f}x foreach",
+                None if foreach is None else foreach / ours >= need,
+                "foreach did not run" if foreach is None else f"{foreach / ours:.2f}x",
+            )
+        )
         if device.type == "cuda":
-            out.append(target_line(f"ema {tag} >= 10x per-tensor loop", None if loop is None else loop / ours >= 10,
-                                   "loop did not run" if loop is None else f"{loop / ours:.1f}x"))
+            out.append(
+                target_line(
+                    f"ema {tag} >= 10x per-tensor loop",
+                    None if loop is None else loop / ours >= 10,
+                    "loop did not run" if loop is None else f"{loop / ours:.1f}x",
+                )
+            )
     return out
 
 
@@ -303,8 +349,13 @@ def plot(cases, path):
     for i, m in enumerate(methods):
         vals = [next((r.get("GBps", 0) for r in c["rows"] if r["method"] == m), 0) for c in cases]
         ax.bar([x + i * 0.2 for x in range(len(cases))], vals, 0.2, label=m)
-    ax.plot([x + 0.3 for x in range(len(cases))], [c["bytes"] / c["floor_ms"] / 1e6 for c in cases], "k_",
-            markersize=40, label="copy-bandwidth floor")
+    ax.plot(
+        [x + 0.3 for x in range(len(cases))],
+        [c["bytes"] / c["floor_ms"] / 1e6 for c in cases],
+        "k_",
+        markersize=40,
+        label="copy-bandwidth floor",
+    )
     ax.set_xticks([x + 0.3 for x in range(len(cases))], labels)
     ax.set_ylabel("GB/s (read ema + model, write ema)")
     ax.legend()
@@ -319,14 +370,20 @@ def main():
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--reps", type=int, default=0, help="timed repetitions (default: 5 on CPU, 50 on CUDA)")
-    ap.add_argument("--loop-max-params", type=float, default=1e8,
-                    help="on CPU, skip the (very slow) per-tensor loop for larger models")
+    ap.add_argument(
+        "--loop-max-params",
+        type=float,
+        default=1e8,
+        help="on CPU, skip the (very slow) per-tensor loop for larger models",
+    )
     args = ap.parse_args()
     device = torch.device(args.device)
     reps = args.reps or (5 if device.type == "cpu" else 50)
-    print(f"torch {torch.__version__}, device {device}"
-          f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, "
-          f"threads {torch.get_num_threads()}, shardkit CUDA kernels: {shardkit.cuda_built()}")
+    print(
+        f"torch {torch.__version__}, device {device}"
+        f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, "
+        f"threads {torch.get_num_threads()}, shardkit CUDA kernels: {shardkit.cuda_built()}"
+    )
     cases = []
     for which in args.models.split(","):
         for dt in args.dtypes.split(","):
@@ -337,8 +394,17 @@ def main():
     stem = os.path.join(out_dir(), f"bench_ema_{device.type}")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     with open(stem + ".json", "w") as f:
-        json.dump({"torch": torch.__version__, "device": str(device), "device_name": name, "cases": cases,
-                   "targets": targets}, f, indent=1)
+        json.dump(
+            {
+                "torch": torch.__version__,
+                "device": str(device),
+                "device_name": name,
+                "cases": cases,
+                "targets": targets,
+            },
+            f,
+            indent=1,
+        )
     plot(cases, stem + ".png")
     print(f"\nwrote {stem}.json and {stem}.png")
 

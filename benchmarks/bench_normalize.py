@@ -26,8 +26,9 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 sys.path.insert(0, HERE)  # _timing, whatever the cwd (also under python -m)
-from shardkit.ops import normalize_images  # noqa: E402
 from _timing import copy_bandwidth, out_dir, time_median  # noqa: E402
+
+from shardkit.ops import normalize_images  # noqa: E402
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 SHAPES = [(256, 32, 32, 3), (128, 112, 112, 3), (64, 224, 224, 3)]
@@ -69,7 +70,7 @@ def main(argv=None):
     header = f"{'shape (NHWC)':>20} {'floor ms':>9} " + " ".join(f"{k + ' ms':>12}" for k in peers)
     header += f" {'vs chain':>9} {'vs chain+ct':>11} {'% floor':>8}"
     print(header)
-    for shape in (GPU_SHAPES if device.type == "cuda" else SHAPES):
+    for shape in GPU_SHAPES if device.type == "cuda" else SHAPES:
         x = torch.randint(0, 256, shape, dtype=torch.uint8, device=device)
         out_elem = torch.empty((), dtype=dtype).element_size()
         n = x.numel()
@@ -80,15 +81,27 @@ def main(argv=None):
         got = peers["shardkit"](x).double()
         rel = float((got - ref).norm() / ref.norm())
         times = {k: time_median(lambda f=f: f(x), device, args.repeats, **TIMING) for k, f in peers.items()}
-        row = dict(shape=list(shape), floor_s=floor, copy_bandwidth_GBps=bandwidth / 1e9, rel_err_vs_chain=rel,
-                   times_s=times, speedup_vs_chain=times["chain"] / times["shardkit"],
-                   speedup_vs_chain_contiguous=times["chain+ct"] / times["shardkit"],
-                   pct_of_floor=100 * floor / times["shardkit"])
+        row = dict(
+            shape=list(shape),
+            floor_s=floor,
+            copy_bandwidth_GBps=bandwidth / 1e9,
+            rel_err_vs_chain=rel,
+            times_s=times,
+            speedup_vs_chain=times["chain"] / times["shardkit"],
+            speedup_vs_chain_contiguous=times["chain+ct"] / times["shardkit"],
+            pct_of_floor=100 * floor / times["shardkit"],
+        )
         rows.append(row)
-        print(f"{str(tuple(shape)):>20} {floor * 1e3:9.3f} " + " ".join(f"{times[k] * 1e3:12.3f}" for k in peers)
-              + f" {row['speedup_vs_chain']:8.2f}x {row['speedup_vs_chain_contiguous']:10.2f}x {row['pct_of_floor']:7.0f}%")
-    print(f"copy bandwidth (float copy, last shape): {rows[-1]['copy_bandwidth_GBps']:.1f} GB/s; "
-          f"max rel. difference vs chain: {max(r['rel_err_vs_chain'] for r in rows):.1e}")
+        print(
+            f"{str(tuple(shape)):>20} {floor * 1e3:9.3f} "
+            + " ".join(f"{times[k] * 1e3:12.3f}" for k in peers)
+            + f" {row['speedup_vs_chain']:8.2f}x {row['speedup_vs_chain_contiguous']:10.2f}x"
+            + f" {row['pct_of_floor']:7.0f}%"
+        )
+    print(
+        f"copy bandwidth (float copy, last shape): {rows[-1]['copy_bandwidth_GBps']:.1f} GB/s; "
+        f"max rel. difference vs chain: {max(r['rel_err_vs_chain'] for r in rows):.1e}"
+    )
     os.makedirs(args.out, exist_ok=True)
     tag = f"normalize_{device.type}_{args.dtype}"
     with open(os.path.join(args.out, tag + ".json"), "w") as f:

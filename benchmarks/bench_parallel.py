@@ -32,8 +32,9 @@ from torch import nn
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 sys.path.insert(0, HERE)  # _timing, whatever the cwd (also under python -m)
-from shardkit.parallel import DataParallelCriterion  # noqa: E402
 from _timing import copy_bandwidth, out_dir, target_line, time_once  # noqa: E402
+
+from shardkit.parallel import DataParallelCriterion  # noqa: E402
 
 
 def timer_interleaved(device, cases, reps, warmup):
@@ -55,6 +56,7 @@ def overhead(device, batch, classes, hw, chunks, reps):
     logits = torch.randn(batch, classes, hw, hw, device=device, requires_grad=True)
     target = torch.randint(0, classes, (batch, hw, hw), device=device)
     target[torch.rand(batch, hw, hw, device=device) < 0.1] = 255
+
     # Per-chunk outputs as a data-parallel model would return them (leaves, so each
     # measured step is only the criterion's forward + backward).
     def chunked(k):
@@ -74,7 +76,7 @@ def overhead(device, batch, classes, hw, chunks, reps):
     for k in chunks:
         dp = DataParallelCriterion(crit, device_ids=[device] * k)
         parts = chunked(k)
-        cases[f"ours k={k}"] = (lambda dp=dp, parts=parts: dp(parts, target).backward())
+        cases[f"ours k={k}"] = lambda dp=dp, parts=parts: dp(parts, target).backward()
     res = timer_interleaved(device, cases, reps, 3)
     bw = copy_bandwidth(logits.numel() * 4, device, reps, warmup=2, sync="device")
     floor_ms = 4 * logits.numel() * 4 / bw * 1e3
@@ -88,8 +90,8 @@ def bytes_and_memory(batch=16, classes=19, hw=512, devices=(2, 4, 8)):
     rows = []
     for k in devices:
         own = logits // k  # balanced split: device 0's share of the logits
-        dp_in = (logits - own) + target          # gather of the other outputs + full targets
-        ours_in = 4 * (k - 1) + target // k      # K-1 fp32 losses + its own target chunk
+        dp_in = (logits - own) + target  # gather of the other outputs + full targets
+        ours_in = 4 * (k - 1) + target // k  # K-1 fp32 losses + its own target chunk
         # nn.DataParallel + criterion on device 0: its own output chunk, the gathered logits,
         # the saved log-softmax and the gradient of the gathered logits (at the backward's
         # peak), the full targets. Other devices: their output chunk and its gradient.
@@ -97,8 +99,16 @@ def bytes_and_memory(batch=16, classes=19, hw=512, devices=(2, 4, 8)):
         dp_mem_other = 2 * (logits // k)
         # Ours, every device alike: output chunk, its log-softmax, its gradient, target chunk.
         ours_mem = 3 * (logits // k) + target // k
-        rows.append({"devices": k, "dp_bytes_into_dev0": dp_in, "ours_bytes_into_dev0": ours_in,
-                     "dp_mem_dev0": dp_mem0, "dp_mem_other": dp_mem_other, "ours_mem_each": ours_mem})
+        rows.append(
+            {
+                "devices": k,
+                "dp_bytes_into_dev0": dp_in,
+                "ours_bytes_into_dev0": ours_in,
+                "dp_mem_dev0": dp_mem0,
+                "dp_mem_other": dp_mem_other,
+                "ours_mem_each": ours_mem,
+            }
+        )
     return rows
 
 
@@ -121,10 +131,11 @@ def main():
     reps = args.reps or (50 if device.type == "cuda" else 15)
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"# shardkit.parallel benchmark on {name}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} CPU threads")
-    print(f"\n## 1. criterion forward+backward, CE(ignore_index) on [{args.batch}, {args.classes}, {hw}, {hw}] "
-          f"fp32, median of {reps}")
+    print(f"# shardkit.parallel benchmark on {name}, torch {torch.__version__}, {torch.get_num_threads()} CPU threads")
+    print(
+        f"\n## 1. criterion forward+backward, CE(ignore_index) on [{args.batch}, {args.classes}, {hw}, {hw}] "
+        f"fp32, median of {reps}"
+    )
     res, floor_ms, bw = overhead(device, args.batch, args.classes, hw, args.chunks, reps)
     base, base_min = res["plain"]
     print(f"{'case':<14}{'median ms':>11}{'vs plain':>10}{'min ms':>10}{'vs plain':>10}{'% of floor':>12}")
@@ -135,36 +146,59 @@ def main():
     # what a one-device run gets; k>1 (the full split/threads/reduction on one device) is shown
     # as information.
     over = res["ours k=1"][0] / base - 1
-    targets = [target_line(f"parallel criterion overhead on one {device.type} device (k=1) <= 3%",
-                           over <= 0.03 if device.type == "cuda" else None,
-                           f"{over * 100:+.1f}%" + ("" if device.type == "cuda" else " (target is for the GPU)"))]
+    targets = [
+        target_line(
+            f"parallel criterion overhead on one {device.type} device (k=1) <= 3%",
+            over <= 0.03 if device.type == "cuda" else None,
+            f"{over * 100:+.1f}%" + ("" if device.type == "cuda" else " (target is for the GPU)"),
+        )
+    ]
     for k in args.chunks:
         o = res[f"ours k={k}"][0] / base - 1
-        print(f"(information) k={k} chunks on one device: {o * 100:+.1f}% over plain, "
-              f"{(res[f'ours k={k}'][0] / res['gather+crit'][0] - 1) * 100:+.1f}% over gather+crit")
+        print(
+            f"(information) k={k} chunks on one device: {o * 100:+.1f}% over plain, "
+            f"{(res[f'ours k={k}'][0] / res['gather+crit'][0] - 1) * 100:+.1f}% over gather+crit"
+        )
 
     print("\n## 2. per step, B=16, 19 x 512 x 512 fp32 logits, int64 targets: COMPUTED FROM THE SHAPES")
     print("bytes into device 0: nn.DataParallel gathers the other devices' logits and takes the full")
     print("targets; ours receives K-1 scalar losses and its own target chunk. Memory: loss-related")
     print("tensors only (outputs, saved log-softmax, logit gradients, targets), model excluded.")
     rows = bytes_and_memory(args.batch, args.classes, 512)
-    mib = 2 ** 20
-    print(f"{'K':>3}{'DP into dev0 MiB':>18}{'ours into dev0 MiB':>20}{'reduction':>11}"
-          f"{'DP dev0 MiB':>13}{'DP other MiB':>14}{'ours each MiB':>15}")
+    mib = 2**20
+    print(
+        f"{'K':>3}{'DP into dev0 MiB':>18}{'ours into dev0 MiB':>20}{'reduction':>11}"
+        f"{'DP dev0 MiB':>13}{'DP other MiB':>14}{'ours each MiB':>15}"
+    )
     for r in rows:
-        print(f"{r['devices']:>3}{r['dp_bytes_into_dev0'] / mib:>18.1f}{r['ours_bytes_into_dev0'] / mib:>20.2f}"
-              f"{r['dp_bytes_into_dev0'] / r['ours_bytes_into_dev0']:>10.1f}x"
-              f"{r['dp_mem_dev0'] / mib:>13.1f}{r['dp_mem_other'] / mib:>14.1f}{r['ours_mem_each'] / mib:>15.1f}")
+        print(
+            f"{r['devices']:>3}{r['dp_bytes_into_dev0'] / mib:>18.1f}{r['ours_bytes_into_dev0'] / mib:>20.2f}"
+            f"{r['dp_bytes_into_dev0'] / r['ours_bytes_into_dev0']:>10.1f}x"
+            f"{r['dp_mem_dev0'] / mib:>13.1f}{r['dp_mem_other'] / mib:>14.1f}{r['ours_mem_each'] / mib:>15.1f}"
+        )
 
     stem = os.path.join(out_dir(), f"bench_parallel_{device.type}")
     with open(stem + ".json", "w") as f:
-        json.dump({"device": name, "torch": torch.__version__, "shape": [args.batch, args.classes, hw, hw],
-                   "ms": res, "floor_ms": floor_ms, "copy_GBps": bw / 1e9, "bytes_memory": rows,
-                   "targets": targets}, f, indent=1)
+        json.dump(
+            {
+                "device": name,
+                "torch": torch.__version__,
+                "shape": [args.batch, args.classes, hw, hw],
+                "ms": res,
+                "floor_ms": floor_ms,
+                "copy_GBps": bw / 1e9,
+                "bytes_memory": rows,
+                "targets": targets,
+            },
+            f,
+            indent=1,
+        )
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
         a1.bar(list(res), [v[0] for v in res.values()])
         a1.axhline(floor_ms, color="k", ls="--", label="floor")

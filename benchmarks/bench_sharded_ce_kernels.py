@@ -38,8 +38,11 @@ def main():
     ap.add_argument("--chunks", default="", help="comma-separated chunk sizes (default: the wrapper's default)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--normalize", action="store_true", help="cosine logits with an ArcFace margin (s=64, m=0.5)")
-    ap.add_argument("--out", default=None,
-                    help="JSON path (default: sharded_ce_kernels_<device>.json in $SHARDKIT_BENCH_OUT or benchmarks/out)")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="JSON path (default: sharded_ce_kernels_<device>.json in $SHARDKIT_BENCH_OUT or benchmarks/out)",
+    )
     args = ap.parse_args()
 
     dev = torch.device(args.device)
@@ -68,12 +71,16 @@ def main():
 
     xd, wd = x.detach(), w.detach()
     gl = torch.randn(B, C, device=dev, dtype=dt)
-    t_gemm = (_timeit(lambda: xd @ wd.t(), dev, args.reps) * 2 + _timeit(lambda: gl @ wd, dev, args.reps)
-              + _timeit(lambda: gl.t() @ xd, dev, args.reps))
+    t_gemm = (
+        _timeit(lambda: xd @ wd.t(), dev, args.reps) * 2
+        + _timeit(lambda: gl @ wd, dev, args.reps)  # noqa: F821 (deleted after timing)
+        + _timeit(lambda: gl.t() @ xd, dev, args.reps)  # noqa: F821
+    )
     del gl
 
     chunks = [int(c) for c in args.chunks.split(",") if c] or [None]
     for ch in chunks:
+
         def ours_fwd(ch=ch):
             with torch.no_grad():
                 lse, t, _, _ = shardkit.ops.ce_shard_stats(xd, wd, labels, chunk_classes=ch, **margin)
@@ -85,19 +92,36 @@ def main():
             lse, t, _, _ = shardkit.ops.ce_shard_stats(x, w, labels, chunk_classes=ch, **margin)
             (lse - t).mean().backward()
 
-        rows.append((f"ce_shard_stats chunk={ch or 'default'}", ch, _timeit(ours_fwd, dev, args.reps),
-                     _timeit(ours_fb, dev, args.reps)))
+        rows.append(
+            (
+                f"ce_shard_stats chunk={ch or 'default'}",
+                ch,
+                _timeit(ours_fwd, dev, args.reps),
+                _timeit(ours_fb, dev, args.reps),
+            )
+        )
 
-    print(f"device={dev} dtype={args.dtype} B={B} D={D} C={C} torch {torch.__version__} threads={torch.get_num_threads()}")
+    print(
+        f"device={dev} dtype={args.dtype} B={B} D={D} C={C} torch {torch.__version__} threads={torch.get_num_threads()}"
+    )
     print(f"GEMM floor (4 GEMMs: logits x2, dX, dW): {t_gemm * 1e3:.1f} ms")
     print(f"{'variant':<36}{'fwd ms':>10}{'fwd+bwd ms':>12}{'fwd ratio':>11}{'f+b ratio':>11}{'floor %':>9}")
     for name, _, tf, tfb in rows:
-        print(f"{name:<36}{tf * 1e3:>10.1f}{tfb * 1e3:>12.1f}{tf / t_bf:>11.2f}{tfb / t_bfb:>11.2f}"
-              f"{100 * t_gemm / tfb:>9.0f}")
+        print(
+            f"{name:<36}{tf * 1e3:>10.1f}{tfb * 1e3:>12.1f}{tf / t_bf:>11.2f}{tfb / t_bfb:>11.2f}"
+            f"{100 * t_gemm / tfb:>9.0f}"
+        )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "gemm_floor_s": t_gemm,
-                   "rows": [{"name": n, "chunk": c, "fwd_s": a, "fwd_bwd_s": b} for n, c, a, b in rows]}, f, indent=1)
+        json.dump(
+            {
+                "args": vars(args),
+                "gemm_floor_s": t_gemm,
+                "rows": [{"name": n, "chunk": c, "fwd_s": a, "fwd_bwd_s": b} for n, c, a, b in rows],
+            },
+            f,
+            indent=1,
+        )
 
 
 if __name__ == "__main__":

@@ -44,12 +44,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 sys.path.insert(0, HERE)  # _timing, whatever the cwd (also under python -m)
 
-import shardkit  # noqa: E402
-from _timing import time_all, time_once  # noqa: E402
 from _sharded_loss_report import check_targets, save  # noqa: E402
+from _timing import time_all, time_once  # noqa: E402
 
-METHODS = ["shardkit", "shardkit+checks", "linear+cross_entropy", "torch.linear_cross_entropy",
-           "cut_cross_entropy", "liger_flce"]
+import shardkit  # noqa: E402
+
+METHODS = [
+    "shardkit",
+    "shardkit+checks",
+    "linear+cross_entropy",
+    "torch.linear_cross_entropy",
+    "cut_cross_entropy",
+    "liger_flce",
+]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -64,8 +71,7 @@ def unavailable(method, device):
             if method == "cut_cross_entropy":
                 from cut_cross_entropy import linear_cross_entropy  # noqa: F401
             else:
-                from liger_kernel.transformers.fused_linear_cross_entropy import (  # noqa: F401
-                    LigerFusedLinearCrossEntropyLoss)
+                from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss  # noqa: F401
         except ImportError as err:
             return f"not installed ({err}); on the GPU machine install the carried wheels"
     return None
@@ -85,15 +91,16 @@ def build_step(method, batch, classes, dim, dtype, device):
     if method.startswith("shardkit"):
         # Built on "meta" and initialized on the device: the default init draws nn.Linear's
         # numbers on the CPU, which takes seconds per million classes.
-        head = shardkit.ShardedSoftmaxLoss(dim, classes, devices=["meta"] * SHARDS, dtype=dtype,
-                                           check_inputs=method == "shardkit+checks").to_empty(device=device)
+        head = shardkit.ShardedSoftmaxLoss(
+            dim, classes, devices=["meta"] * SHARDS, dtype=dtype, check_inputs=method == "shardkit+checks"
+        ).to_empty(device=device)
         with torch.no_grad():
             for shard in head.weight_shards:
-                shard.uniform_(-dim ** -0.5, dim ** -0.5)
+                shard.uniform_(-(dim**-0.5), dim**-0.5)
         params = [x, *head.weight_shards]
         fwd = lambda: head(x, y)  # noqa: E731
     else:
-        weight = torch.empty(classes, dim, device=device, dtype=dtype).uniform_(-dim ** -0.5, dim ** -0.5)
+        weight = torch.empty(classes, dim, device=device, dtype=dtype).uniform_(-(dim**-0.5), dim**-0.5)
         weight.requires_grad_(True)
         params = [x, weight]
         if method == "linear+cross_entropy":
@@ -104,10 +111,12 @@ def build_step(method, batch, classes, dim, dtype, device):
             # linear_cross_entropy(e [..., D], c [C, D] classifier, targets [...]); its defaults
             # (mean reduction, gradient filtering "high") as a user gets them.
             from cut_cross_entropy import linear_cross_entropy
+
             fwd = lambda: linear_cross_entropy(x, weight, y)  # noqa: E731
         elif method == "liger_flce":
             # LigerFusedLinearCrossEntropyLoss.forward(lin_weight [C, D], _input [B, D], target [B])
             from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
             loss_fn = LigerFusedLinearCrossEntropyLoss()
             fwd = lambda: loss_fn(weight, x, y)  # noqa: E731
         else:
@@ -119,6 +128,7 @@ def build_step(method, batch, classes, dim, dtype, device):
         loss = fwd()
         loss.backward()
         return loss
+
     return step, params
 
 
@@ -134,6 +144,7 @@ def build_gemms(batch, classes, dim, dtype, device):
         torch.mm(x, w.t(), out=g)
         torch.mm(g, w, out=dx)
         torch.mm(g.t(), x, out=dw)
+
     return step
 
 
@@ -186,9 +197,26 @@ def measure(method, batch, classes, dim, dtype, device, repeat):
 def measure_isolated(method, batch, classes, dim, dtype_name, device, repeat):
     """CPU: one fresh subprocess per method (see the module docstring)."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    cmd = [sys.executable, os.path.abspath(__file__), "--_child", method, "--batch", str(batch),
-           "--classes", str(classes), "--dim", str(dim), "--dtype", dtype_name, "--device", str(device),
-           "--repeat", str(repeat), "--shards", str(SHARDS)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--_child",
+        method,
+        "--batch",
+        str(batch),
+        "--classes",
+        str(classes),
+        "--dim",
+        str(dim),
+        "--dtype",
+        dtype_name,
+        "--device",
+        str(device),
+        "--repeat",
+        str(repeat),
+        "--shards",
+        str(SHARDS),
+    ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -200,7 +228,7 @@ def gemm_floor(batch, classes, dim, dtype, device, repeat):
 
 def _fits(method, batch, classes, dim, dtype, device):
     """(ok, error) of two fwd+bwd steps at C=classes with a finite loss; frees everything."""
-    step = params = None
+    step = params = None  # noqa: F841  (drops the references before the sync)
     try:
         step, params = build_step(method, batch, classes, dim, dtype, device)
         step()
@@ -214,7 +242,7 @@ def _fits(method, batch, classes, dim, dtype, device):
         # C that trained, and the probes' errors say why)
         return False, f"{type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''}"
     finally:
-        step = params = None
+        step = params = None  # noqa: F841  (drop the references before the sync)
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -223,11 +251,13 @@ def _fits(method, batch, classes, dim, dtype, device):
 def max_classes_child(method, batch, dim, dtype, device, lo=100_000, hi=1 << 27):
     """Doubling then bisection (to ~3%) for the largest C that trains; prints one JSON line
     per probe (flushed), so the parent keeps every probe even if this process dies."""
+
     def probe(classes):
         t0 = time.perf_counter()
         ok, err = _fits(method, batch, classes, dim, dtype, device)
         print(json.dumps({"classes": classes, "ok": ok, "error": err, "s": time.perf_counter() - t0}), flush=True)
         return ok
+
     if not probe(lo):
         return
     good = lo
@@ -243,9 +273,25 @@ def max_classes(method, batch, dim, dtype_name, device, budget_s, lo, hi):
     """Largest C that trains for ``method``, searched in a subprocess bounded by budget_s
     seconds. Returns a dict: largest (0 if even the smallest failed), complete (the search
     finished), probes, and the reason it stopped early if it did."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--_maxc_child", method, "--batch", str(batch),
-           "--dim", str(dim), "--dtype", dtype_name, "--device", str(device), "--shards", str(SHARDS),
-           "--max-classes-range", str(lo), str(hi)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--_maxc_child",
+        method,
+        "--batch",
+        str(batch),
+        "--dim",
+        str(dim),
+        "--dtype",
+        dtype_name,
+        "--device",
+        str(device),
+        "--shards",
+        str(SHARDS),
+        "--max-classes-range",
+        str(lo),
+        str(hi),
+    ]
     stopped = None
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=budget_s)
@@ -269,8 +315,10 @@ def run(args):
     dtype = DTYPES[args.dtype]
     shapes = [(b, c, args.dim) for b in args.batch for c in args.classes]
     rows = []
-    print(f"# torch {torch.__version__}, shardkit head with {SHARDS} shard(s), device {device}"
-          f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, dtype {args.dtype}")
+    print(
+        f"# torch {torch.__version__}, shardkit head with {SHARDS} shard(s), device {device}"
+        f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, dtype {args.dtype}"
+    )
     for batch, classes, dim in shapes:
         print(f"\nB={batch} C={classes} D={dim}:")
         # Rounds run the methods interleaved (and re-measure the floor), so a change in the
@@ -294,8 +342,13 @@ def run(args):
                         res = measure(method, batch, classes, dim, dtype, device, args.repeat)
                         torch.cuda.empty_cache()
                 except Exception as err:  # a peer's failure (OOM, Triton error) must not end the run
-                    detail = err.stderr.strip().splitlines()[-1] if isinstance(err, subprocess.CalledProcessError) \
-                        and err.stderr.strip() else str(err).splitlines()[0] if str(err) else ""
+                    detail = (
+                        err.stderr.strip().splitlines()[-1]
+                        if isinstance(err, subprocess.CalledProcessError) and err.stderr.strip()
+                        else str(err).splitlines()[0]
+                        if str(err)
+                        else ""
+                    )
                     print(f"  {method:28s} failed: {type(err).__name__}: {detail[:120]}")
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
@@ -310,17 +363,33 @@ def run(args):
         rate = 6.0 * batch * classes * dim / floor_t / 1e9
         print(f"  floor: the 3 GEMMs take {floor_t * 1e3:.2f} ms ({rate:.1f} GFLOP/s)")
         base = results.get("linear+cross_entropy")
-        print(f"  {'method':28s} {'time ms':>9s} {'x (a)':>7s} {'x GEMMs':>8s} {'% floor':>8s} "
-              f"{'extra MiB':>10s} {'x (a)':>7s}")
+        print(
+            f"  {'method':28s} {'time ms':>9s} {'x (a)':>7s} {'x GEMMs':>8s} {'% floor':>8s} "
+            f"{'extra MiB':>10s} {'x (a)':>7s}"
+        )
         for method, res in results.items():
             t_ratio = res["time_s"] / base["time_s"] if base else float("nan")
             m_ratio = res["extra_mib"] / base["extra_mib"] if base and base["extra_mib"] > 0 else float("nan")
-            print(f"  {method:28s} {res['time_s'] * 1e3:9.2f} {t_ratio:7.2f} {res['time_s'] / floor_t:8.2f} "
-                  f"{100 * floor_t / res['time_s']:7.1f}% "
-                  f"{res['extra_mib']:10.1f} {m_ratio:7.3f}")
-            rows.append(dict(method=method, batch=batch, classes=classes, dim=dim, dtype=args.dtype,
-                             device=str(device), gemm_floor_s=floor_t, gemm_gflops=rate,
-                             time_ratio_vs_a=t_ratio, extra_ratio_vs_a=m_ratio, **res))
+            print(
+                f"  {method:28s} {res['time_s'] * 1e3:9.2f} {t_ratio:7.2f} {res['time_s'] / floor_t:8.2f} "
+                f"{100 * floor_t / res['time_s']:7.1f}% "
+                f"{res['extra_mib']:10.1f} {m_ratio:7.3f}"
+            )
+            rows.append(
+                dict(
+                    method=method,
+                    batch=batch,
+                    classes=classes,
+                    dim=dim,
+                    dtype=args.dtype,
+                    device=str(device),
+                    gemm_floor_s=floor_t,
+                    gemm_gflops=rate,
+                    time_ratio_vs_a=t_ratio,
+                    extra_ratio_vs_a=m_ratio,
+                    **res,
+                )
+            )
     largest = {}
     if args.max_classes or args.max_classes_only:
         if device.type != "cuda" and args.max_classes_range is None:
@@ -329,8 +398,11 @@ def run(args):
             lo, hi = args.max_classes_range or (100_000, 1 << 27)
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the search runs in subprocesses: leave them the memory
-            print(f"\nlargest C one GPU trains (B={args.batch[-1]}, D={args.dim}, {args.dtype}; "
-                  f"<= {args.search_budget:.0f} s per method, twice that for shardkit):", flush=True)
+            print(
+                f"\nlargest C one GPU trains (B={args.batch[-1]}, D={args.dim}, {args.dtype}; "
+                f"<= {args.search_budget:.0f} s per method, twice that for shardkit):",
+                flush=True,
+            )
             for method in ("shardkit", "linear+cross_entropy", "cut_cross_entropy", "liger_flce"):
                 reason = unavailable(method, device)
                 if reason:
@@ -343,8 +415,11 @@ def run(args):
                 largest[method] = res
                 note = "" if res["complete"] else f"  (at least; {res['stopped']})"
                 fails = sorted({p["error"] for p in res["probes"] if not p["ok"] and p["error"]})
-                print(f"  {method:28s} {res['largest']:>12,d}{note}"
-                      + (f"  [failed probes: {'; '.join(fails)[:100]}]" if fails else ""), flush=True)
+                print(
+                    f"  {method:28s} {res['largest']:>12,d}{note}"
+                    + (f"  [failed probes: {'; '.join(fails)[:100]}]" if fails else ""),
+                    flush=True,
+                )
     return rows, largest
 
 
@@ -362,8 +437,14 @@ def main():
     p.add_argument("--max-classes-only", action="store_true", help="GPU: only the largest-C search")
     p.add_argument("--search-budget", type=float, default=120.0, help="seconds per method for the largest-C search")
     p.add_argument("--method-budget", type=float, default=20.0, help="GPU: seconds of timed steps per method/shape")
-    p.add_argument("--max-classes-range", type=int, nargs=2, default=None, metavar=("LO", "HI"),
-                   help="search range of the largest-C search (default 100000 134217728)")
+    p.add_argument(
+        "--max-classes-range",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("LO", "HI"),
+        help="search range of the largest-C search (default 100000 134217728)",
+    )
     p.add_argument("--_maxc_child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--shards", type=int, default=1, help="shards of the shardkit head (all on --device)")
     p.add_argument("--_child", default=None, help=argparse.SUPPRESS)
@@ -381,14 +462,22 @@ def main():
     args.repeat = args.repeat or (20 if gpu else 3)
     args.rounds = args.rounds or (1 if gpu else 2)
     if args._child:
-        res = measure(args._child, args.batch[0], args.classes[0], args.dim, DTYPES[args.dtype],
-                      torch.device(args.device), args.repeat)
+        res = measure(
+            args._child,
+            args.batch[0],
+            args.classes[0],
+            args.dim,
+            DTYPES[args.dtype],
+            torch.device(args.device),
+            args.repeat,
+        )
         print(json.dumps(res))
         return
     if args._maxc_child:
         lo, hi = args.max_classes_range or (100_000, 1 << 27)
-        max_classes_child(args._maxc_child, args.batch[-1], args.dim, DTYPES[args.dtype], torch.device(args.device),
-                          lo, hi)
+        max_classes_child(
+            args._maxc_child, args.batch[-1], args.dim, DTYPES[args.dtype], torch.device(args.device), lo, hi
+        )
         return
     if args.max_classes_only:
         args.classes = []  # no timed shapes

@@ -33,8 +33,9 @@ inline void check_lists(const char* op, at::TensorList ema, at::TensorList model
   for (size_t i = 0; i < ema.size(); ++i) {
     TORCH_CHECK(ema[i].sizes() == model[i].sizes(), op, ": `ema[", i, "]` and `model[", i,
                 "]` must have the same shape, got ", ema[i].sizes(), " and ", model[i].sizes());
-    TORCH_CHECK(ema[i].device() == device, op, ": every tensor of `ema` must be on one device, `ema[0]` is on ",
-                device, " but `ema[", i, "]` is on ", ema[i].device());
+    TORCH_CHECK(ema[i].device() == device, op,
+                ": every tensor of `ema` must be on one device, `ema[0]` is on ", device, " but `ema[", i,
+                "]` is on ", ema[i].device());
     TORCH_CHECK(model[i].device() == device, op, ": `model[", i, "]` is on ", model[i].device(),
                 " but `ema` is on ", device, "; move the model tensors (or use ModelEMA(device=...))");
   }
@@ -49,16 +50,20 @@ inline void check_update_args(at::TensorList ema, at::TensorList model, double d
   TORCH_CHECK(std::isfinite(decay) && decay >= 0.0 && decay <= 1.0,
               "ema_update_: argument `decay` must lie in [0, 1], got ", decay);
   for (size_t i = 0; i < ema.size(); ++i) {
-    TORCH_CHECK(is_supported_float(ema[i].scalar_type()), "ema_update_: argument `ema` must hold floating-point ",
+    TORCH_CHECK(is_supported_float(ema[i].scalar_type()),
+                "ema_update_: argument `ema` must hold floating-point ",
                 "tensors (float32/float64/float16/bfloat16), got ", ema[i].scalar_type(), " at index ", i);
-    TORCH_CHECK(is_supported_float(model[i].scalar_type()), "ema_update_: argument `model` must hold floating-point ",
+    TORCH_CHECK(is_supported_float(model[i].scalar_type()),
+                "ema_update_: argument `model` must hold floating-point ",
                 "tensors (float32/float64/float16/bfloat16), got ", model[i].scalar_type(), " at index ", i);
   }
 }
 
 // The weight of the model in the update, in the arithmetic type of the kernels. Computed
 // once in double so that 1 - decay keeps its precision for decay close to 1.
-inline double model_weight(double decay) { return 1.0 - decay; }
+inline double model_weight(double decay) {
+  return 1.0 - decay;
+}
 
 // The update in the kernels' form: e + w (m - e) for w < 0.5, else m - (1 - w)(m - e)
 // (the two forms of torch.lerp: decay 1 keeps e and decay 0 copies m exactly).

@@ -17,9 +17,9 @@ constexpr int64_t kMaxChannels = 64;
 // What a backend needs to run the kernel: the input as a dense 4-D buffer in a known
 // memory layout, the output buffer, and out = x * scale[c] + shift[c].
 struct Plan {
-  at::Tensor input;  // uint8, dense in memory as NHWC (in_cl) or NCHW
-  at::Tensor out4;   // [N, C, H, W], contiguous or channels_last (out_cl)
-  at::Tensor result; // what the op returns (out4, or out4[0] for a single image)
+  at::Tensor input;   // uint8, dense in memory as NHWC (in_cl) or NCHW
+  at::Tensor out4;    // [N, C, H, W], contiguous or channels_last (out_cl)
+  at::Tensor result;  // what the op returns (out4, or out4[0] for a single image)
   int64_t N = 0, C = 0, H = 0, W = 0;
   bool in_cl = false, out_cl = false;
   std::vector<double> scale, shift;
@@ -29,13 +29,14 @@ inline Plan make_plan(const at::Tensor& images, at::ArrayRef<double> mean, at::A
                       bool channels_last_input, at::ScalarType out_dtype, bool channels_last_output) {
   TORCH_CHECK(images.scalar_type() == at::kByte, "normalize_images: argument `images` must be uint8, got ",
               images.scalar_type());
-  TORCH_CHECK(images.dim() == 3 || images.dim() == 4,
-              "normalize_images: argument `images` must be 4-D (", channels_last_input ? "N, H, W, C" : "N, C, H, W",
-              ") or 3-D (a single image, ", channels_last_input ? "H, W, C" : "C, H, W", "), got ", images.dim(),
-              "-D with shape ", images.sizes());
+  TORCH_CHECK(images.dim() == 3 || images.dim() == 4, "normalize_images: argument `images` must be 4-D (",
+              channels_last_input ? "N, H, W, C" : "N, C, H, W", ") or 3-D (a single image, ",
+              channels_last_input ? "H, W, C" : "C, H, W", "), got ", images.dim(), "-D with shape ",
+              images.sizes());
   TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kDouble || out_dtype == at::kBFloat16 ||
                   out_dtype == at::kHalf,
-              "normalize_images: argument `out_dtype` must be float32, float64, bfloat16 or float16, got ", out_dtype);
+              "normalize_images: argument `out_dtype` must be float32, float64, bfloat16 or float16, got ",
+              out_dtype);
   const bool single = images.dim() == 3;
   at::Tensor x4 = single ? images.unsqueeze(0) : images;
   // Logical NCHW view whatever the caller's layout; its strides tell the memory layout.
@@ -47,10 +48,10 @@ inline Plan make_plan(const at::Tensor& images, at::ArrayRef<double> mean, at::A
   p.W = v.size(3);
   TORCH_CHECK(mean.size() == std.size(), "normalize_images: `mean` and `std` must have the same length, got ",
               mean.size(), " and ", std.size());
-  TORCH_CHECK(static_cast<int64_t>(mean.size()) == p.C, "normalize_images: `images` has ", p.C, " channels (dim ",
-              channels_last_input ? "-1" : (single ? "0" : "1"), " of shape ", images.sizes(), ", ",
-              channels_last_input ? "channels-last" : "channels-first", " input) but `mean`/`std` have ",
-              mean.size(), " entries");
+  TORCH_CHECK(static_cast<int64_t>(mean.size()) == p.C, "normalize_images: `images` has ", p.C,
+              " channels (dim ", channels_last_input ? "-1" : (single ? "0" : "1"), " of shape ",
+              images.sizes(), ", ", channels_last_input ? "channels-last" : "channels-first",
+              " input) but `mean`/`std` have ", mean.size(), " entries");
   TORCH_CHECK(p.C >= 1 && p.C <= kMaxChannels, "normalize_images: at most ", kMaxChannels,
               " channels are supported, got ", p.C);
   p.scale.resize(p.C);
@@ -75,9 +76,9 @@ inline Plan make_plan(const at::Tensor& images, at::ArrayRef<double> mean, at::A
   }
   p.input = v;
   p.out_cl = channels_last_output;
-  p.out4 = at::empty({p.N, p.C, p.H, p.W},
-                     images.options().dtype(out_dtype).memory_format(
-                         channels_last_output ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous));
+  p.out4 = at::empty({p.N, p.C, p.H, p.W}, images.options().dtype(out_dtype).memory_format(
+                                               channels_last_output ? at::MemoryFormat::ChannelsLast
+                                                                    : at::MemoryFormat::Contiguous));
   p.result = single ? p.out4.squeeze(0) : p.out4;
   return p;
 }

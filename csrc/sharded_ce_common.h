@@ -74,8 +74,8 @@ inline bool is_mixed(at::ScalarType xt, at::ScalarType wt) {
 }
 
 inline void check_common(const at::Tensor& x, const at::Tensor& w, const at::Tensor& labels,
-                         int64_t class_offset, double scale, double m1, double m2, double m3,
-                         bool normalize, int64_t chunk_classes) {
+                         int64_t class_offset, double scale, double m1, double m2, double m3, bool normalize,
+                         int64_t chunk_classes) {
   TORCH_CHECK(x.dim() == 2, "argument `x` must be 2-D [B, D], got shape ", x.sizes());
   const auto xt = x.scalar_type();
   TORCH_CHECK(xt == at::kFloat || xt == at::kDouble || xt == at::kHalf || xt == at::kBFloat16,
@@ -84,40 +84,39 @@ inline void check_common(const at::Tensor& x, const at::Tensor& w, const at::Ten
   // Mixed mode: fp32 weights with 16-bit embeddings (fp32 master weights under autocast). The
   // kernels convert w chunk by chunk to x's dtype where they need it and write grad_w in fp32,
   // so the caller need not hold a 16-bit copy of the whole shard nor of its gradient.
-  TORCH_CHECK(w.scalar_type() == xt || is_mixed(xt, w.scalar_type()), "argument `w` must have the dtype of `x` (",
-              xt, "), or be float32 when `x` is bfloat16 or float16, got ", w.scalar_type());
-  TORCH_CHECK(w.device() == x.device(), "argument `w` must be on the device of `x` (", x.device(),
-              "), got ", w.device());
+  TORCH_CHECK(w.scalar_type() == xt || is_mixed(xt, w.scalar_type()),
+              "argument `w` must have the dtype of `x` (", xt,
+              "), or be float32 when `x` is bfloat16 or float16, got ", w.scalar_type());
+  TORCH_CHECK(w.device() == x.device(), "argument `w` must be on the device of `x` (", x.device(), "), got ",
+              w.device());
   TORCH_CHECK(w.size(1) == x.size(1), "argument `w` has embedding dim ", w.size(1), " but `x` has ",
               x.size(1));
   TORCH_CHECK(labels.dim() == 1 && labels.size(0) == x.size(0), "argument `labels` must have shape [",
               x.size(0), "] (one label per row of `x`), got ", labels.sizes());
   TORCH_CHECK(labels.scalar_type() == at::kLong, "argument `labels` must be int64, got ",
               labels.scalar_type());
-  TORCH_CHECK(labels.device() == x.device(), "argument `labels` must be on the device of `x` (",
-              x.device(), "), got ", labels.device());
+  TORCH_CHECK(labels.device() == x.device(), "argument `labels` must be on the device of `x` (", x.device(),
+              "), got ", labels.device());
   TORCH_CHECK(class_offset >= 0, "argument `class_offset` must be >= 0, got ", class_offset);
   TORCH_CHECK(chunk_classes >= 1, "argument `chunk_classes` must be >= 1, got ", chunk_classes);
   TORCH_CHECK(std::isfinite(scale), "argument `scale` must be finite, got ", scale);
-  TORCH_CHECK(normalize || (m1 == 1.0 && m2 == 0.0 && m3 == 0.0),
-              "margins (m1, m2, m3) = (", m1, ", ", m2, ", ", m3,
-              ") require normalize=True; without normalization use m1=1, m2=0, m3=0");
+  TORCH_CHECK(normalize || (m1 == 1.0 && m2 == 0.0 && m3 == 0.0), "margins (m1, m2, m3) = (", m1, ", ", m2,
+              ", ", m3, ") require normalize=True; without normalization use m1=1, m2=0, m3=0");
   TORCH_CHECK(m1 > 0.0 && std::isfinite(m1), "argument `m1` must be a finite number > 0, got ", m1);
 }
 
 inline void check_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& labels,
-                          const c10::optional<at::Tensor>& target_ref, int64_t class_offset,
-                          double scale, double m1, double m2, double m3, bool normalize,
-                          int64_t chunk_classes) {
+                          const c10::optional<at::Tensor>& target_ref, int64_t class_offset, double scale,
+                          double m1, double m2, double m3, bool normalize, int64_t chunk_classes) {
   check_common(x, w, labels, class_offset, scale, m1, m2, m3, normalize, chunk_classes);
   if (target_ref.has_value() && target_ref->defined()) {
     const auto& t = *target_ref;
-    TORCH_CHECK(t.dim() == 1 && t.size(0) == x.size(0), "argument `target_ref` must have shape [",
-                x.size(0), "], got ", t.sizes());
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == x.size(0), "argument `target_ref` must have shape [", x.size(0),
+                "], got ", t.sizes());
     TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble,
                 "argument `target_ref` must be float32 (or float64), got ", t.scalar_type());
-    TORCH_CHECK(t.device() == x.device(), "argument `target_ref` must be on the device of `x` (",
-                x.device(), "), got ", t.device());
+    TORCH_CHECK(t.device() == x.device(), "argument `target_ref` must be on the device of `x` (", x.device(),
+                "), got ", t.device());
   }
 }
 
@@ -132,10 +131,10 @@ inline void check_backward(const at::Tensor& grad_lse, const at::Tensor& grad_ta
       {&grad_lse, "grad_lse"}, {&grad_target, "grad_target"}, {&grad_sum, "grad_sum"}, {&lse, "lse"}};
   for (const auto& p : vecs) {
     const at::Tensor& t = *p.first;
-    TORCH_CHECK(t.dim() == 1 && t.size(0) == B, "argument `", p.second, "` must have shape [", B,
-                "], got ", t.sizes());
-    TORCH_CHECK(at::isFloatingType(t.scalar_type()), "argument `", p.second,
-                "` must be floating point, got ", t.scalar_type());
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == B, "argument `", p.second, "` must have shape [", B, "], got ",
+                t.sizes());
+    TORCH_CHECK(at::isFloatingType(t.scalar_type()), "argument `", p.second, "` must be floating point, got ",
+                t.scalar_type());
     TORCH_CHECK(t.device() == x.device(), "argument `", p.second, "` must be on the device of `x` (",
                 x.device(), "), got ", t.device());
   }

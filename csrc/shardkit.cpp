@@ -40,7 +40,9 @@ TORCH_LIBRARY(shardkit, m) {
   // fake kernels in python/shardkit/ops/_parallel.py.
   // sum_k weights[k] * losses[k] (/ sum_k weights[k] when normalize) on output_device;
   // losses: same shape, floating, any devices; weights: one-element tensors.
-  m.def("weighted_loss_reduce(Tensor[] losses, Tensor[] weights, Device output_device, bool normalize) -> Tensor");
+  m.def(
+      "weighted_loss_reduce(Tensor[] losses, Tensor[] weights, Device output_device, bool normalize) -> "
+      "Tensor");
   // Splits each tensor along dim by split_sizes and copies piece k to devices[k];
   // returns the pieces device-major (out[k * len(tensors) + i]), fresh and contiguous.
   m.def("split_to_devices(Tensor[] tensors, int[] split_sizes, int dim, Device[] devices) -> Tensor[]");
@@ -62,8 +64,9 @@ TORCH_LIBRARY(shardkit, m) {
   // [H, W, C] when channels_last_input, else [N, C, H, W] or [C, H, W]; any strides.
   // out: [N, C, H, W] (or [C, H, W]) of out_dtype (float32/float64/bfloat16/float16),
   // contiguous, or in torch.channels_last memory format when channels_last_output.
-  m.def("normalize_images(Tensor images, float[] mean, float[] std, bool channels_last_input, "
-        "ScalarType out_dtype, bool channels_last_output) -> Tensor");
+  m.def(
+      "normalize_images(Tensor images, float[] mean, float[] std, bool channels_last_input, "
+      "ScalarType out_dtype, bool channels_last_output) -> Tensor");
   // ---- end normalize ----
 }
 
@@ -83,12 +86,17 @@ PyMethodDef methods[] = {
 };
 
 PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "_C",
-    "shardkit's compiled operators; import shardkit to register them as torch.ops.shardkit.*", -1, methods,
+    PyModuleDef_HEAD_INIT,
+    "_C",
+    "shardkit's compiled operators; import shardkit to register them as torch.ops.shardkit.*",
+    -1,
+    methods,
 };
 
 }  // namespace
 
 // Importing shardkit._C loads this shared library, which runs the static
 // registrations above (TORCH_LIBRARY and every backend's TORCH_LIBRARY_IMPL).
-extern "C" PyObject* PyInit__C(void) { return PyModule_Create(&module_def); }
+extern "C" PyObject* PyInit__C(void) {
+  return PyModule_Create(&module_def);
+}

@@ -57,8 +57,7 @@ def main():
     centers = torch.randn(args.classes, d_in)
 
     backbone = make_backbone(d_in, args.dim).to(dev0)
-    head = shardkit.ShardedSoftmaxLoss(args.dim, args.classes, margin=shardkit.ArcFace(s=32.0, m=0.3),
-                                       devices=devices)
+    head = shardkit.ShardedSoftmaxLoss(args.dim, args.classes, margin=shardkit.ArcFace(s=32.0, m=0.3), devices=devices)
     if args.check:
         ref_backbone, ref_head = copy.deepcopy(backbone), copy.deepcopy(head).to(dev0)
 
@@ -69,10 +68,10 @@ def main():
         labels = torch.randint(0, args.classes, (args.batch,))
         x = centers[labels] + 0.3 * torch.randn(args.batch, d_in)
 
-        outputs = model(x)                        # list: one [b_k, D] per device
-        if not isinstance(outputs, list):         # a single device returns its output as is
+        outputs = model(x)  # list: one [b_k, D] per device
+        if not isinstance(outputs, list):  # a single device returns its output as is
             outputs = [outputs]
-        embeddings = gather(outputs, dev0)        # [B, D] on device 0
+        embeddings = gather(outputs, dev0)  # [B, D] on device 0
         loss = head(embeddings, labels.to(dev0))  # shards work on their own devices
         opt.zero_grad()
         loss.backward()
@@ -84,10 +83,13 @@ def main():
             def grads(net, hd):
                 return [p.grad for p in net.parameters()] + [torch.cat([p.grad.to(dev0) for p in hd.weight_shards])]
 
-            worst = max(((a - b).norm() / b.norm()).item()
-                        for a, b in zip(grads(backbone, head), grads(ref_backbone, ref_head)))
-            print(f"check: loss {loss.item():.6f} vs single-device {ref_loss.item():.6f}; "
-                  f"worst relative gradient difference {worst:.2e}")
+            worst = max(
+                ((a - b).norm() / b.norm()).item() for a, b in zip(grads(backbone, head), grads(ref_backbone, ref_head))
+            )
+            print(
+                f"check: loss {loss.item():.6f} vs single-device {ref_loss.item():.6f}; "
+                f"worst relative gradient difference {worst:.2e}"
+            )
         opt.step()
         if step % 10 == 0 or step == args.steps - 1:
             print(f"step {step:3d}  loss {loss.item():.4f}  chunks {[o.shape[0] for o in outputs]}")

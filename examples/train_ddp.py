@@ -36,8 +36,7 @@ def parse():
 
 
 def backbone(dim):
-    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 512), nn.BatchNorm1d(512), nn.ReLU(),
-                         nn.Linear(512, dim))
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 512), nn.BatchNorm1d(512), nn.ReLU(), nn.Linear(512, dim))
 
 
 def main():
@@ -54,22 +53,29 @@ def main():
     model = DDP(backbone(args.dim).to(device), device_ids=[device.index] if use_cuda else None)
     # The head is NOT wrapped in DDP: its shards differ per rank, and it already returns
     # world_size * dL/dX_r as the embedding gradient so DDP's averaging of the backbone is exact.
-    head = shardkit.ShardedSoftmaxLoss(args.dim, args.classes, margin=shardkit.ArcFace(s=64.0, m=0.5),
-                                       process_group=dist.group.WORLD, devices=[device],
-                                       sample_rate=args.sample_rate)
+    head = shardkit.ShardedSoftmaxLoss(
+        args.dim,
+        args.classes,
+        margin=shardkit.ArcFace(s=64.0, m=0.5),
+        process_group=dist.group.WORLD,
+        devices=[device],
+        sample_rate=args.sample_rate,
+    )
     ema = shardkit.ModelEMA(model.module, decay=args.ema_decay)
     # SparseRowSGD: with sampling, rows not sampled this step keep weight and momentum.
-    opt = shardkit.SparseRowSGD(list(model.parameters()) + list(head.parameters()), lr=args.lr,
-                                momentum=0.9, weight_decay=5e-4)
+    opt = shardkit.SparseRowSGD(
+        list(model.parameters()) + list(head.parameters()), lr=args.lr, momentum=0.9, weight_decay=5e-4
+    )
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own samples
     t0 = time.time()
     for step in range(args.steps):
-        batch = args.batch if not args.uneven else int(torch.randint(args.batch // 2, args.batch + 1, (1,),
-                                                                      generator=gen))
+        batch = (
+            args.batch if not args.uneven else int(torch.randint(args.batch // 2, args.batch + 1, (1,), generator=gen))
+        )
         labels = torch.randint(0, args.classes, (batch,), generator=gen)
         images = prototypes[labels] + 0.5 * torch.randn(batch, 3, 16, 16, generator=gen)
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        loss = head(model(images), labels)   # the loss of the global batch, on every rank
+        loss = head(model(images), labels)  # the loss of the global batch, on every rank
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

@@ -7,9 +7,9 @@ comparison with the float64 reference loss."""
 import math
 
 import torch
+from softmax_reference import full_logits, margin_kwargs, margin_psi, reference_loss_and_grads
 
 import shardkit
-from softmax_reference import full_logits, margin_kwargs, margin_psi, reference_loss_and_grads
 from shardkit.ops import ce_shard_stats
 
 # name -> (scale, m1, m2, m3, normalize)
@@ -76,8 +76,9 @@ def check_against_reference(x, w, labels, class_offset, name, chunk, tol=1e-5, g
     tref = (r_t.detach() + 0.3 * torch.randn(B, dtype=torch.float64)).float()
     xx = x.detach().clone().requires_grad_()
     ww = w.detach().clone().requires_grad_()
-    lse, t, s, cnt = ce_shard_stats(xx, ww, labels, class_offset=class_offset, chunk_classes=chunk,
-                                    target_ref=tref.to(x.device), **k)
+    lse, t, s, cnt = ce_shard_stats(
+        xx, ww, labels, class_offset=class_offset, chunk_classes=chunk, target_ref=tref.to(x.device), **k
+    )
     stats_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     assert lse.dtype == stats_dtype and cnt.dtype == torch.int64 and lse.shape == (B,)
     if w.shape[0] == 0:
@@ -91,8 +92,12 @@ def check_against_reference(x, w, labels, class_offset, name, chunk, tol=1e-5, g
             t_abs = k["scale"] * (1.0 + abs(k["m3"])) * torch.ones_like(r_t.detach())
         else:  # the parts of x . w_y are bounded by |x| |w_y|
             t_abs = xr.detach().norm(dim=1) * wr.detach()[local].norm(dim=1)
-        assert rel(t.cpu(), r_t) <= tol or r_t.abs().max() == 0 and (t == 0).all() \
+        assert (
+            rel(t.cpu(), r_t) <= tol
+            or r_t.abs().max() == 0
+            and (t == 0).all()
             or ((t.cpu().double() - r_t.detach()).abs() <= min(tol, 1e-6) * t_abs).all()
+        )
         # A row's logit sum can cancel to ~0 (D = 1: logits +-scale): where the relative error
         # does not hold, bound the error by the sum of the logits' magnitudes.
         r_abs = plain.detach().abs().sum(1) + r_t.detach().abs()
@@ -140,8 +145,10 @@ def torch_low_precision_stats(x, w, labels, scale, m1, m2, m3, normalize, *, fp3
     the rest in float32 (as an fp32 loss would). ``fp32_normalize``: normalize in float32 and
     round back, as under autocast (an fp16 normalization of a zero row is 0 / fp16(1e-12) = NaN)."""
     if normalize:
+
         def unit(t):
             return torch.nn.functional.normalize(t.float() if fp32_normalize else t, dim=1).to(t.dtype)
+
         x, w = unit(x), unit(w)
     z = (x @ w.t()).float()
     if normalize:
@@ -149,7 +156,6 @@ def torch_low_precision_stats(x, w, labels, scale, m1, m2, m3, normalize, *, fp3
         z = z.scatter(1, labels[:, None], margin_psi(zt, m1, m2, m3))
     z = scale * z
     return torch.logsumexp(z, 1), z.gather(1, labels[:, None])[:, 0], z.sum(1)
-
 
 
 def check_low_precision(device, dtype, name, *, margin=None, noncontiguous=False, chunk=60):
@@ -186,8 +192,12 @@ def check_low_precision(device, dtype, name, *, margin=None, noncontiguous=False
 
 def opcheck_samples():
     samples = []
-    for name, (B, D, C, off, chunk) in [("plain", (5, 8, 13, 0, 4)), ("arcface", (4, 3, 9, 2, 100)),
-                                        ("combined", (1, 5, 6, 0, 1)), ("cosface", (3, 2, 0, 0, 2))]:
+    for name, (B, D, C, off, chunk) in [
+        ("plain", (5, 8, 13, 0, 4)),
+        ("arcface", (4, 3, 9, 2, 100)),
+        ("combined", (1, 5, 6, 0, 1)),
+        ("cosface", (3, 2, 0, 0, 2)),
+    ]:
         s, m1, m2, m3, norm = MARGINS[name]
         x, w, labels = make_case(B, D, C, off)
         tref = torch.randn(B) if name != "arcface" else None

@@ -8,7 +8,6 @@ Used by test_softmax_distributed.py (gloo, spawned CPU processes) and test_softm
 (NCCL on GPUs)."""
 
 import torch
-
 from softmax_reference import margin_kwargs, reference_loss_and_grads, reference_lse
 
 import shardkit
@@ -19,8 +18,12 @@ D = 7
 
 
 def margins():
-    return {"plain": None, "arc": shardkit.ArcFace(s=16.0, m=0.5), "cos": shardkit.CosFace(s=16.0, m=0.3),
-            "combined": shardkit.CombinedMargin(s=12.0, m1=1.0, m2=0.3, m3=0.1)}
+    return {
+        "plain": None,
+        "arc": shardkit.ArcFace(s=16.0, m=0.5),
+        "cos": shardkit.CosFace(s=16.0, m=0.3),
+        "combined": shardkit.CombinedMargin(s=12.0, m1=1.0, m2=0.3, m3=0.1),
+    }
 
 
 # name: (margin, dtype, reduction, smoothing, layout, sample_rate, num_classes, sizes(world))
@@ -28,14 +31,21 @@ SCENARIOS = {
     "plain64_mean": ("plain", torch.float64, "mean", 0.0, "data_parallel", 1.0, 23, lambda w: [5, 2, 7, 3][:w]),
     "arc64_smooth_sum": ("arc", torch.float64, "sum", 0.1, "data_parallel", 1.0, 29, lambda w: [4, 6, 1, 5][:w]),
     "cos32_none": ("cos", torch.float32, "none", 0.0, "data_parallel", 1.0, 31, lambda w: [3, 8, 2, 4][:w]),
-    "combined64_empty_rank": ("combined", torch.float64, "mean", 0.05, "data_parallel", 1.0, 19,
-                              lambda w: [0, 5, 3, 6][:w] if w > 1 else [4]),
+    "combined64_empty_rank": (
+        "combined",
+        torch.float64,
+        "mean",
+        0.05,
+        "data_parallel",
+        1.0,
+        19,
+        lambda w: [0, 5, 3, 6][:w] if w > 1 else [4],
+    ),
     "replicated64": ("arc", torch.float64, "mean", 0.1, "replicated", 1.0, 17, lambda w: [9] * w),
     "sampled_all64": ("cos", torch.float64, "mean", 0.1, "data_parallel", 0.9999, 21, lambda w: [3, 2, 4, 1][:w]),
     "sampled64": ("arc", torch.float64, "mean", 0.1, "data_parallel", 0.3, 97, lambda w: [3, 2, 4, 1][:w]),
     "ignore_class64": ("arc", torch.float64, "mean", 0.1, "data_parallel", 1.0, 15, lambda w: [4, 3, 5, 2][:w]),
-    "sampled64_ignore_class": ("cos", torch.float64, "sum", 0.1, "data_parallel", 0.5, 40,
-                               lambda w: [4, 3, 5, 2][:w]),
+    "sampled64_ignore_class": ("cos", torch.float64, "sum", 0.1, "data_parallel", 0.5, 40, lambda w: [4, 3, 5, 2][:w]),
 }
 # ignore_index per scenario (default -100); 3 is also a class id: such rows get no target
 IGNORE = {"ignore_class64": 3, "sampled64_ignore_class": 3}
@@ -54,7 +64,10 @@ def make_data(seed):
             data[(world, name)] = dict(
                 x=torch.randn(batch, D, generator=gen, dtype=torch.float64),
                 w=torch.randn(classes, D, generator=gen, dtype=torch.float64) * 0.5,
-                labels=labels, sizes=sizes, grad_out=torch.rand(batch, generator=gen, dtype=torch.float64))
+                labels=labels,
+                sizes=sizes,
+                grad_out=torch.rand(batch, generator=gen, dtype=torch.float64),
+            )
     data["ckpt"] = torch.randn(13, D, generator=gen)
     return data
 
@@ -64,15 +77,24 @@ def run_scenario(rank, world, name, d, group, device=torch.device("cpu"), sample
     its loss, lse, gradients, top-k counts and, when sampling, the sampled rows."""
     margin_name, dtype, reduction, eps, layout, rate, classes, _ = SCENARIOS[name]
     rate = rate if sample_rate is None else sample_rate
-    head = shardkit.ShardedSoftmaxLoss(D, classes, margin=margins()[margin_name], label_smoothing=eps,
-                                       ignore_index=IGNORE.get(name, -100),
-                                       reduction=reduction, dtype=dtype, process_group=group,
-                                       input_layout=layout, sample_rate=rate, devices=[device])
+    head = shardkit.ShardedSoftmaxLoss(
+        D,
+        classes,
+        margin=margins()[margin_name],
+        label_smoothing=eps,
+        ignore_index=IGNORE.get(name, -100),
+        reduction=reduction,
+        dtype=dtype,
+        process_group=group,
+        input_layout=layout,
+        sample_rate=rate,
+        devices=[device],
+    )
     shardkit.import_full_weight(head, d["w"].to(dtype))
     sizes = d["sizes"]
     start = sum(sizes[:rank]) if layout == "data_parallel" else 0
     size = sizes[rank]
-    x = d["x"][start:start + size].to(device=device, dtype=dtype)
+    x = d["x"][start : start + size].to(device=device, dtype=dtype)
     if dtype == torch.float32:
         x = x.t().contiguous().t()  # non-contiguous embeddings
     x.requires_grad_(True)
@@ -81,7 +103,7 @@ def run_scenario(rank, world, name, d, group, device=torch.device("cpu"), sample
     for step in range(2 if rate < 1.0 else 1):  # two steps: the momentum buffer exists on step 2
         head.zero_grad(set_to_none=True)
         x.grad = None
-        details = head(x, d["labels"][start:start + size].to(device), return_details=True, topk=(1, 3))
+        details = head(x, d["labels"][start : start + size].to(device), return_details=True, topk=(1, 3))
         details.loss.backward(d["grad_out"].to(device, details.loss.dtype) if reduction == "none" else None)
         grad_w = head.weight_shards[0].grad
         before = head.weight_shards[0].detach().clone()
@@ -95,18 +117,31 @@ def run_scenario(rank, world, name, d, group, device=torch.device("cpu"), sample
             untouched[rows] = False
             after = head.weight_shards[0].detach().cpu()
             out[f"untouched_ok{step}"] = torch.equal(after[untouched], before.cpu()[untouched]) and (
-                buf is None or torch.equal(opt.state[head.weight_shards[0]]["momentum_buffer"].cpu()[untouched],
-                                           buf.cpu()[untouched]))
+                buf is None
+                or torch.equal(
+                    opt.state[head.weight_shards[0]]["momentum_buffer"].cpu()[untouched], buf.cpu()[untouched]
+                )
+            )
             grad_w = grad_w.to_dense()
         if step == 0:
-            out.update(loss=details.loss.detach().cpu(), grad_x=x.grad.cpu(), grad_w=grad_w.cpu(),
-                       correct={k: int(v) for k, v in details.correct.items()}, num_valid=int(details.num_valid),
-                       lse=details.lse.detach().cpu())
+            out.update(
+                loss=details.loss.detach().cpu(),
+                grad_x=x.grad.cpu(),
+                grad_w=grad_w.cpu(),
+                correct={k: int(v) for k, v in details.correct.items()},
+                num_valid=int(details.num_valid),
+                lse=details.lse.detach().cpu(),
+            )
             if rate == 1.0 and layout == "data_parallel":
                 # the one-process head on the global batch: the top-k counts must be the same
-                one = shardkit.ShardedSoftmaxLoss(D, classes, margin=margins()[margin_name], dtype=dtype,
-                                                  ignore_index=IGNORE.get(name, -100),
-                                                  devices=["cpu"] * 2)
+                one = shardkit.ShardedSoftmaxLoss(
+                    D,
+                    classes,
+                    margin=margins()[margin_name],
+                    dtype=dtype,
+                    ignore_index=IGNORE.get(name, -100),
+                    devices=["cpu"] * 2,
+                )
                 shardkit.import_full_weight(one, d["w"].to(dtype))
                 ref = one(d["x"].to(dtype), d["labels"], return_details=True, topk=(1, 3))
                 out["one_process_correct"] = {k: int(v) for k, v in ref.correct.items()}
@@ -141,8 +176,9 @@ def check_against_reference(data, results, world, name, sample_rate=None):
         labels, ignore = torch.where(counted, remap[labels.clamp_min(0)], -100), -100
         w = w[used]
     g = d["grad_out"] if reduction == "none" else None
-    ref = reference_loss_and_grads(x, w, labels, grad_out=g, label_smoothing=eps, reduction=reduction,
-                                   ignore_index=ignore, **kwargs)
+    ref = reference_loss_and_grads(
+        x, w, labels, grad_out=g, label_smoothing=eps, reduction=reduction, ignore_index=ignore, **kwargs
+    )
     # per-row lse of the global batch (ignored rows too, without a margin)
     lse_ref = reference_lse(x, w, torch.where(labels == ignore, -1, labels), **kwargs)
     sizes, offs = d["sizes"], class_offsets(split_classes(classes, world))
@@ -154,7 +190,7 @@ def check_against_reference(data, results, world, name, sample_rate=None):
         if layout == "replicated":
             gx_ref = ref.grad_x
         else:
-            gx_ref = world * ref.grad_x[start:start + sizes[r]]
+            gx_ref = world * ref.grad_x[start : start + sizes[r]]
             start += sizes[r]
         if gx_ref.numel():
             assert rel(out["grad_x"], gx_ref) <= tol, (r, "grad_x")
@@ -164,7 +200,7 @@ def check_against_reference(data, results, world, name, sample_rate=None):
             mine = (used >= offs[r]) & (used < offs[r] + shard)
             gw_ref[used[mine] - offs[r]] = ref.grad_w[mine]
         else:
-            gw_ref = ref.grad_w[offs[r]:offs[r] + shard]
+            gw_ref = ref.grad_w[offs[r] : offs[r] + shard]
         if gw_ref.numel():
             assert rel(out["grad_w"], gw_ref) <= tol, (r, "grad_w")
     return per_rank, ref, labels, w, kwargs

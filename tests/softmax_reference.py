@@ -152,8 +152,9 @@ def reference_greater_count(x, w, labels, *, tol: float = 1e-4, abs_tol: float =
     return TopkReference(torch.where(valid, lo, zero), torch.where(valid, hi, zero))
 
 
-def reference_correct(x, w, labels, ks: Sequence[int], *, ignore_index: int = -100, tol: float = 1e-4,
-                      abs_tol: float = 0.0, **kwargs):
+def reference_correct(
+    x, w, labels, ks: Sequence[int], *, ignore_index: int = -100, tol: float = 1e-4, abs_tol: float = 0.0, **kwargs
+):
     """{k: (lo, hi)}: bracket for the number of non-ignored rows whose label is in the
     top k of the plain logits (exact when no near-ties)."""
     ref = reference_greater_count(x, w, labels, tol=tol, abs_tol=abs_tol, **kwargs)

@@ -14,9 +14,16 @@ from shardkit.ops import ema_swap_, ema_unswap_, ema_update_
 CPU_CHUNK = 1 << 15  # csrc/cpu/ema_cpu.cpp kCpuChunk
 CUDA_CHUNK = 1 << 16  # csrc/cuda/multi_tensor.cuh kChunkSize
 FLOATS = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
-PAIRS = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.float32, torch.float16),
-         (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.float64, torch.float64),
-         (torch.float64, torch.float32), (torch.bfloat16, torch.float32)]
+PAIRS = [
+    (torch.float32, torch.float32),
+    (torch.float32, torch.bfloat16),
+    (torch.float32, torch.float16),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float16),
+    (torch.float64, torch.float64),
+    (torch.float64, torch.float32),
+    (torch.bfloat16, torch.float32),
+]
 
 
 def boundary_sizes():
@@ -75,23 +82,40 @@ def test_update_many_tensors_mixed_dtypes(count):
 
 def test_update_non_contiguous_pairs():
     base_e, base_m = torch.randn(64, 33), torch.randn(64, 33)
-    ema = [base_e.t(), torch.randn(301)[::3], torch.randn(2, 5, 7, 3).to(memory_format=torch.channels_last),
-           torch.randn(4, 5, 6, 7).to(memory_format=torch.channels_last)]
-    model = [base_m.t().contiguous(), torch.randn(101), torch.randn(2, 5, 7, 3).to(memory_format=torch.channels_last),
-             torch.randn(4, 5, 6, 7).bfloat16()]
+    ema = [
+        base_e.t(),
+        torch.randn(301)[::3],
+        torch.randn(2, 5, 7, 3).to(memory_format=torch.channels_last),
+        torch.randn(4, 5, 6, 7).to(memory_format=torch.channels_last),
+    ]
+    model = [
+        base_m.t().contiguous(),
+        torch.randn(101),
+        torch.randn(2, 5, 7, 3).to(memory_format=torch.channels_last),
+        torch.randn(4, 5, 6, 7).bfloat16(),
+    ]
     check_update(ema, model, 0.75)
     assert ema[0].data_ptr() == base_e.data_ptr()  # updated in place, through the view
 
 
 @pytest.mark.parametrize("decay", [0.9, 0.3, 0.0])
-@pytest.mark.parametrize("ema_dtype,model_dtype", [(torch.float32, torch.float32), (torch.float64, torch.float64),
-                                                   (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "ema_dtype,model_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.float64, torch.float64),
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.bfloat16),
+    ],
+)
 def test_update_strided_pair_leaves_model_untouched(ema_dtype, model_dtype, decay, device="cpu"):
     # Pairs that are not flat-compatible take the ATen fallback; with decay <= 0.5 it once
     # computed the result in place in the model's tensor (Tensor.to returned the model itself).
     ema = [torch.randn(37, 65, device=device).to(ema_dtype), torch.randn(2, 3, 5, 7, device=device).to(ema_dtype)]
-    model = [torch.randn(65, 37, device=device).to(model_dtype).t(),
-             torch.randn(2, 3, 5, 7, device=device).to(model_dtype).to(memory_format=torch.channels_last)]
+    model = [
+        torch.randn(65, 37, device=device).to(model_dtype).t(),
+        torch.randn(2, 3, 5, 7, device=device).to(model_dtype).to(memory_format=torch.channels_last),
+    ]
     model_before = [bits(m.clone()) for m in model]
     check_update(ema, model, decay)
     for m, b in zip(model, model_before):
@@ -215,8 +239,7 @@ def test_schedules_match_formula_over_1000_updates(kind):
         ema = shardkit.ModelEMA(net, 0.999, tau=50, update_after_step=uas)
         expected = [0.0 if t <= uas else ramp(t - uas, 0.999, 50) for t in range(1, 1001)]
     elif kind.startswith("warmup"):
-        ema = shardkit.ModelEMA(net, 0.999, warmup_gamma=2.0, warmup_power=0.75, min_decay=0.1,
-                                update_after_step=uas)
+        ema = shardkit.ModelEMA(net, 0.999, warmup_gamma=2.0, warmup_power=0.75, min_decay=0.1, update_after_step=uas)
         expected = [timm_decay(t, 0.999, uas, True, 2.0, 0.75, 0.1) for t in range(1, 1001)]
     else:
         ema = shardkit.ModelEMA(net, 0.99, tau=None)
@@ -313,8 +336,10 @@ def test_state_dict_round_trip_and_resume():
         b.load_state_dict(a.module.state_dict())
 
 
-@pytest.mark.parametrize("model_dtype,ema_dtype", [(torch.float32, None), (torch.bfloat16, torch.float32),
-                                                   (torch.float16, torch.float32), (torch.bfloat16, None)])
+@pytest.mark.parametrize(
+    "model_dtype,ema_dtype",
+    [(torch.float32, None), (torch.bfloat16, torch.float32), (torch.float16, torch.float32), (torch.bfloat16, None)],
+)
 def test_swap_restores_bit_exactly(model_dtype, ema_dtype):
     net = Net().to(model_dtype)
     ema = shardkit.ModelEMA(net, 0.9, dtype=ema_dtype)
@@ -327,7 +352,8 @@ def test_swap_restores_bit_exactly(model_dtype, ema_dtype):
         assert swapped is net
         for k, v in net.state_dict().items():  # the model holds the EMA (rounded to its dtype)
             assert torch.equal(v, ema_before[k].to(v.dtype)) or (
-                model_dtype == torch.bfloat16 and torch.allclose(v.float(), ema_before[k].float(), rtol=2**-8)), k
+                model_dtype == torch.bfloat16 and torch.allclose(v.float(), ema_before[k].float(), rtol=2**-8)
+            ), k
         with pytest.raises(RuntimeError, match="called inside `with ema.swap"):
             ema.update(net)
     for k, v in net.state_dict().items():
@@ -355,13 +381,15 @@ def test_attach_updates_after_optimizer_step():
 
 def test_model_ema_bad_inputs():
     net = Net()
-    for kwargs, msg in [({"decay": 1.5}, "argument `decay` must lie in"),
-                        ({"decay": 0.9, "min_decay": 0.95}, "argument `min_decay` must lie in"),
-                        ({"tau": 0}, "argument `tau` must be > 0"),
-                        ({"warmup_gamma": -1.0}, "argument `warmup_gamma` must be > 0"),
-                        ({"update_every": 0}, "argument `update_every` must be an int >= 1"),
-                        ({"update_after_step": -1}, "argument `update_after_step` must be an int >= 0"),
-                        ({"dtype": torch.int64}, "argument `dtype` must be a floating")]:
+    for kwargs, msg in [
+        ({"decay": 1.5}, "argument `decay` must lie in"),
+        ({"decay": 0.9, "min_decay": 0.95}, "argument `min_decay` must lie in"),
+        ({"tau": 0}, "argument `tau` must be > 0"),
+        ({"warmup_gamma": -1.0}, "argument `warmup_gamma` must be > 0"),
+        ({"update_every": 0}, "argument `update_every` must be an int >= 1"),
+        ({"update_after_step": -1}, "argument `update_after_step` must be an int >= 0"),
+        ({"dtype": torch.int64}, "argument `dtype` must be a floating"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             shardkit.ModelEMA(net, **kwargs)
     with pytest.raises(TypeError, match="argument `model` must be an nn.Module"):

@@ -9,13 +9,12 @@ a CPU-resident EMA fed by non-blocking copies that are still in flight."""
 import math
 
 import pytest
+import test_ema as cpu_tests  # module import: its test functions are not collected twice
 import torch
+from test_ema import CUDA_CHUNK, PAIRS, Net, bits, rel_err, train_step
 
 import shardkit
 from shardkit.ops import ema_swap_, ema_unswap_, ema_update_
-
-import test_ema as cpu_tests  # module import: its test functions are not collected twice
-from test_ema import CUDA_CHUNK, PAIRS, Net, bits, rel_err, train_step
 
 MAX_TENSORS_PER_LAUNCH = 96  # csrc/cuda/multi_tensor.cuh Caps<2>::kMaxTensors
 
@@ -51,8 +50,15 @@ def test_cuda_update_chunk_boundaries_and_tensor_cap(ema_dtype, model_dtype):
 
 
 @pytest.mark.parametrize("decay", [0.3, 0.9])
-@pytest.mark.parametrize("ema_dtype,model_dtype", [(torch.float32, torch.bfloat16), (torch.float32, torch.float32),
-                                                   (torch.bfloat16, torch.float32), (torch.float64, torch.float64)])
+@pytest.mark.parametrize(
+    "ema_dtype,model_dtype",
+    [
+        (torch.float32, torch.bfloat16),
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.float64, torch.float64),
+    ],
+)
 def test_cuda_update_views_at_every_alignment(ema_dtype, model_dtype, decay):
     # Every view has its own base tensor (views of one EMA base would overlap, and an update
     # of overlapping EMA tensors has no defined result). Element offsets on either side: both
@@ -138,8 +144,9 @@ def test_cuda_update_on_current_stream_and_launch_count():
         with torch.cuda.stream(stream):
             ema_update_(ema, model, 0.75)
         torch.cuda.synchronize()
-    launches = [e for e in prof.events()
-                if e.device_type == torch.autograd.DeviceType.CUDA and "multi_tensor_kernel" in e.name]
+    launches = [
+        e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "multi_tensor_kernel" in e.name
+    ]
     assert len(launches) == math.ceil(n / MAX_TENSORS_PER_LAUNCH)
     for e, r in zip(ema, ref):
         assert rel_err(e, r) <= 1e-5
@@ -169,7 +176,12 @@ def test_cuda_swap_packing_bit_exact():
     assert torch.equal(x, x0) and torch.equal(y, y0)
     # The CPU kernel packs identically.
     ec, mc = e0.cpu(), m0.cpu()
-    ema_swap_([e, ], [m])
+    ema_swap_(
+        [
+            e,
+        ],
+        [m],
+    )
     ema_swap_([ec], [mc])
     assert torch.equal(bits(e.cpu()), bits(ec)) and torch.equal(bits(m.cpu()), bits(mc))
 
@@ -185,8 +197,9 @@ def test_model_ema_cuda_matches_foreach_and_swap(model_dtype, channels_last):
         net = net.to(memory_format=torch.channels_last)
     ema = shardkit.ModelEMA(net, 0.95, tau=None, dtype=torch.float32)
     # Floating tensors in float32; integer buffers keep their dtype (they are copied, not averaged).
-    ref = [t.detach().float().clone() if t.is_floating_point() else t.detach().clone()
-           for t in net.state_dict().values()]
+    ref = [
+        t.detach().float().clone() if t.is_floating_point() else t.detach().clone() for t in net.state_dict().values()
+    ]
     for step in range(1, 8):
         train_step(net)
         ema.update(net)
@@ -268,9 +281,9 @@ def test_cuda_update_and_swap_more_than_2_31_elements():
     ema_update_([e], [m], 0.75)
     step = 1 << 27
     for i in range(0, n, step):
-        r = e0[i:i + step].double()
-        r += 0.25 * (m[i:i + step].double() - r)
-        assert rel_err(e[i:i + step], r) <= 1e-5, f"elements [{i}, {i + step})"
+        r = e0[i : i + step].double()
+        r += 0.25 * (m[i : i + step].double() - r)
+        assert rel_err(e[i : i + step], r) <= 1e-5, f"elements [{i}, {i + step})"
     e0.copy_(e)
     m0 = m.clone()
     ema_swap_([e], [m])

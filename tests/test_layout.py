@@ -15,8 +15,18 @@ SOURCE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 # The layer of each top-level part of the package; a module may import only its own layer
 # or lower ones. (The wings sit on one layer, and one wing may use another's public names:
 # softmax's distributed mode has no business with parallel, but the train app uses all.)
-LAYERS = {"_C": 0, "ops": 1, "softmax": 2, "parallel": 2, "ema": 2, "transforms": 2, "plan": 2, "distributed": 3,
-          "__init__": 4, "train": 5}
+LAYERS = {
+    "_C": 0,
+    "ops": 1,
+    "softmax": 2,
+    "parallel": 2,
+    "ema": 2,
+    "transforms": 2,
+    "plan": 2,
+    "distributed": 3,
+    "__init__": 4,
+    "train": 5,
+}
 MAX_LINES = 420
 
 
@@ -44,8 +54,9 @@ def _imports(name, path, known):
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
-                       for a in node.names]
+            targets = [
+                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module for a in node.names
+            ]
         else:
             continue
         found.update(t for t in targets if t == "shardkit" or t.startswith("shardkit."))
@@ -73,7 +84,7 @@ def test_no_import_cycles():
         stack.append(m)
         for t in sorted(graph[m]):
             if state.get(t) == 1:
-                cycles.append(stack[stack.index(t):] + [t])
+                cycles.append(stack[stack.index(t) :] + [t])
             elif t not in state:
                 visit(t)
         stack.pop()

@@ -98,16 +98,19 @@ def assert_same(ref, loss, gref, gdp, tol=1e-6):
         assert rel(a, b) <= tol
 
 
-@pytest.mark.parametrize("k,batch,model_kw", [
-    (3, 11, {}),                                 # uneven default split 4/4/3
-    (2, 9, {}),
-    (3, 12, {"chunk_sizes": [2, 6, 4]}),         # explicit sizes
-    (3, 10, {"chunk_sizes": [1, 2, 2]}),         # proportions, rescaled to the batch
-    (3, 11, {"chunk_sizes": [0, 6, 5]}),         # device 0 left out
-    (4, 13, {"gpu0_bsz": 1}),                    # BalancedDataParallel-style
-    (4, 2, {}),                                  # batch smaller than the device count
-    (3, 1, {"gpu0_bsz": 0}),
-])
+@pytest.mark.parametrize(
+    "k,batch,model_kw",
+    [
+        (3, 11, {}),  # uneven default split 4/4/3
+        (2, 9, {}),
+        (3, 12, {"chunk_sizes": [2, 6, 4]}),  # explicit sizes
+        (3, 10, {"chunk_sizes": [1, 2, 2]}),  # proportions, rescaled to the batch
+        (3, 11, {"chunk_sizes": [0, 6, 5]}),  # device 0 left out
+        (4, 13, {"gpu0_bsz": 1}),  # BalancedDataParallel-style
+        (4, 2, {}),  # batch smaller than the device count
+        (3, 1, {"gpu0_bsz": 0}),
+    ],
+)
 def test_training_matches_single_device(k, batch, model_kw):
     net = Net()
     x, y = torch.randn(7, batch).t(), torch.randint(0, 5, (batch,))  # non-contiguous input
@@ -145,8 +148,9 @@ def test_batch_dim_1():
     net = nn.Linear(7, 5)
     x, y = torch.randn(4, 11, 7), torch.randint(0, 5, (4, 11))
     model = DataParallelModel(net, device_ids=["cpu"] * 3, dim=1)
-    crit = DataParallelCriterion(Lambda(lambda o, t: nn.functional.cross_entropy(o.transpose(1, 2), t)),
-                                 device_ids=["cpu"] * 3, dim=1)
+    crit = DataParallelCriterion(
+        Lambda(lambda o, t: nn.functional.cross_entropy(o.transpose(1, 2), t)), device_ids=["cpu"] * 3, dim=1
+    )
     outs = model(x)
     assert [o.shape for o in outs] == [(4, 4, 5), (4, 4, 5), (4, 3, 5)]
     ref = nn.functional.cross_entropy(net(x).transpose(1, 2), y)
@@ -191,19 +195,22 @@ class SegNet(nn.Module):
         return self.conv(x)
 
 
-@pytest.mark.parametrize("make", [
-    lambda w: nn.CrossEntropyLoss(ignore_index=255),
-    lambda w: nn.CrossEntropyLoss(ignore_index=255, weight=w),
-    lambda w: nn.CrossEntropyLoss(ignore_index=255, weight=w, label_smoothing=0.1),
-    lambda w: nn.NLLLoss(ignore_index=255, weight=w),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda w: nn.CrossEntropyLoss(ignore_index=255),
+        lambda w: nn.CrossEntropyLoss(ignore_index=255, weight=w),
+        lambda w: nn.CrossEntropyLoss(ignore_index=255, weight=w, label_smoothing=0.1),
+        lambda w: nn.NLLLoss(ignore_index=255, weight=w),
+    ],
+)
 def test_ignore_index_weighted_ce(make):
     # Segmentation-like: per-pixel targets with a very uneven share of ignored pixels per
     # device, so the unweighted mean of per-device means would be far off.
     x = torch.randn(7, 3, 5, 9)
     y = torch.randint(0, 6, (7, 5, 9))
     y[:3][torch.rand(3, 5, 9) < 0.8] = 255
-    y[5] = 255  # the last device (samples 5, 6) ... 
+    y[5] = 255  # the last device (samples 5, 6) ...
     y[6] = 255  # ... has no valid pixel at all: NaN mean with weight 0 must add nothing
     criterion = make(torch.rand(6) + 0.5)
     net = SegNet()
@@ -303,8 +310,14 @@ def test_autocast_and_grad_mode_carried_into_workers():
     seen = []
 
     def probe(out, target):
-        seen.append((threading.current_thread().name, torch.is_autocast_enabled("cpu"),
-                     torch.get_autocast_dtype("cpu"), torch.is_grad_enabled()))
+        seen.append(
+            (
+                threading.current_thread().name,
+                torch.is_autocast_enabled("cpu"),
+                torch.get_autocast_dtype("cpu"),
+                torch.is_grad_enabled(),
+            )
+        )
         return nn.functional.cross_entropy(out, target)
 
     net = DataParallelModel(Net(), device_ids=["cpu"] * 3)
@@ -397,8 +410,9 @@ def test_bad_inputs_get_clear_errors():
     with pytest.raises(ValueError, match="losses of different shapes on different devices.*reduction='none'"):
         shape_varies(net3(torch.randn(8, 7)), torch.randint(0, 5, (8,)))  # chunks 3, 3, 2
     with pytest.raises(ValueError, match="different structures on different devices"):
-        DataParallelCriterion(Lambda(lambda out, t: {"a": out.sum()} if out.shape[0] == 3 else out.sum()),
-                              device_ids=["cpu"] * 3)(net3(torch.randn(8, 7)), torch.randint(0, 5, (8,)))
+        DataParallelCriterion(
+            Lambda(lambda out, t: {"a": out.sum()} if out.shape[0] == 3 else out.sum()), device_ids=["cpu"] * 3
+        )(net3(torch.randn(8, 7)), torch.randint(0, 5, (8,)))
 
 
 def test_gather_helper():

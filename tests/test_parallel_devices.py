@@ -6,12 +6,12 @@ import threading
 
 import pytest
 import torch
+from test_parallel import Lambda, Net, grads, rel
 from torch import nn
 
 import shardkit
 from shardkit.parallel import DataParallelCriterion, DataParallelModel, WeightedLoss, gather, replication_order
 from shardkit.parallel.data_parallel import replicate_module
-from test_parallel import Lambda, Net, grads, rel
 
 
 @pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])  # cuda: [0, 0, 0]
@@ -19,8 +19,7 @@ from test_parallel import Lambda, Net, grads, rel
 def test_with_sharded_softmax_loss(recipe, dev):
     ids = ["cpu"] * 3 if dev == "cpu" else [0, 0, 0]
     net = nn.Sequential(nn.Linear(9, 16), nn.Tanh(), nn.Linear(16, 8)).to(dev)
-    head = shardkit.ShardedSoftmaxLoss(8, 101, margin=shardkit.ArcFace(16.0, 0.3), devices=[dev] * 3,
-                                       ignore_index=-1)
+    head = shardkit.ShardedSoftmaxLoss(8, 101, margin=shardkit.ArcFace(16.0, 0.3), devices=[dev] * 3, ignore_index=-1)
     x, y = torch.randn(23, 9, device=dev), torch.randint(0, 101, (23,), device=dev)
     y[:6] = -1  # ignored rows, all in the first chunk
     ref_net, ref_head = copy.deepcopy(net), copy.deepcopy(head)
@@ -43,17 +42,19 @@ def test_replication_order_puts_the_module_device_first():
     # torch's replicate() broadcasts from its first device, which must hold the module
     assert replication_order(0, [0, 1, 2]) == [0, 1, 2]
     assert replication_order(0, [1, 2]) == [0, 1, 2]  # gpu0_bsz=0: device 0 left out
-    assert replication_order(1, [0, 1]) == [1, 0]     # a criterion whose state is on GPU 1
+    assert replication_order(1, [0, 1]) == [1, 0]  # a criterion whose state is on GPU 1
     with pytest.raises(ValueError, match=r"must all be on one CUDA device .* found them on \['cpu'\]"):
         replicate_module(nn.CrossEntropyLoss(weight=torch.rand(5)), [0, 1], "DataParallelCriterion")
 
 
 # ---- real GPUs ----------------------------------------------------------------------
 
+
 def _need_gpus(n):
     if torch.cuda.device_count() < n:
-        pytest.skip(f"needs at least {n} GPUs for real multi-device data parallelism; "
-                    f"{torch.cuda.device_count()} visible")
+        pytest.skip(
+            f"needs at least {n} GPUs for real multi-device data parallelism; {torch.cuda.device_count()} visible"
+        )
 
 
 @pytest.mark.gpu
@@ -82,8 +83,15 @@ def test_gpu_streams_and_autocast_carried():
     seen = []
 
     def probe(out, target):
-        seen.append((out.device.index, torch.cuda.current_device(), torch.cuda.current_stream().stream_id,
-                     torch.is_autocast_enabled("cuda"), [torch.cuda.current_stream(d).stream_id for d in (0, 1)]))
+        seen.append(
+            (
+                out.device.index,
+                torch.cuda.current_device(),
+                torch.cuda.current_stream().stream_id,
+                torch.is_autocast_enabled("cuda"),
+                [torch.cuda.current_stream(d).stream_id for d in (0, 1)],
+            )
+        )
         return nn.functional.cross_entropy(out, target)
 
     crit = DataParallelCriterion(Lambda(probe), device_ids=[0, 1])
@@ -147,8 +155,14 @@ def test_gpu_one_gpu_threads_carry_stream_and_autocast():
     seen = []
 
     def probe(out, target):
-        seen.append((threading.get_ident(), torch.cuda.current_stream().stream_id, torch.is_autocast_enabled("cuda"),
-                     torch.get_autocast_dtype("cuda")))
+        seen.append(
+            (
+                threading.get_ident(),
+                torch.cuda.current_stream().stream_id,
+                torch.is_autocast_enabled("cuda"),
+                torch.get_autocast_dtype("cuda"),
+            )
+        )
         loss = nn.functional.cross_entropy(out, target, weight=weight, ignore_index=-1)
         return WeightedLoss(loss, (weight[target.clamp_min(0)] * (target != -1)).sum())
 

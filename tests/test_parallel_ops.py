@@ -44,8 +44,13 @@ def test_replication_callbacks():
 
 
 def test_allreduce_sums_groups_with_gradients():
-    groups = [(torch.randn(4, dtype=torch.float64, requires_grad=True),
-               torch.randn(2, 3, dtype=torch.float64, requires_grad=True)) for _ in range(3)]
+    groups = [
+        (
+            torch.randn(4, dtype=torch.float64, requires_grad=True),
+            torch.randn(2, 3, dtype=torch.float64, requires_grad=True),
+        )
+        for _ in range(3)
+    ]
     flat = [t for g in groups for t in g]
     out = allreduce(2, *flat)
     assert len(out) == 6
@@ -59,10 +64,15 @@ def test_allreduce_sums_groups_with_gradients():
 
 # ---- ops ----------------------------------------------------------------------------
 
+
 def test_ops_opcheck_and_gradcheck():
     cpu = torch.device("cpu")
     for losses, weights, norm in [
-        ([torch.randn((), requires_grad=True) for _ in range(3)], [torch.tensor(3), torch.tensor(2.5), torch.tensor(7)], True),
+        (
+            [torch.randn((), requires_grad=True) for _ in range(3)],
+            [torch.tensor(3), torch.tensor(2.5), torch.tensor(7)],
+            True,
+        ),
         ([torch.randn(4, requires_grad=True) for _ in range(2)], [torch.tensor([2.0]), torch.tensor(5.0)], False),
         ([torch.randn((), dtype=torch.bfloat16) for _ in range(4)], [torch.tensor(i + 1) for i in range(4)], True),
         ([torch.randn((), dtype=torch.float64, requires_grad=True)], [torch.tensor(1.0)], True),
@@ -74,7 +84,7 @@ def test_ops_opcheck_and_gradcheck():
         got = shardkit.ops.weighted_loss_reduce(losses, weights, cpu, norm)
         assert got.dtype == losses[0].dtype
         # bf16: fp32 accumulation, then ONE rounding to bf16 (relative error <= 2^-9)
-        assert rel(got, ref) <= (2 ** -8 if got.dtype == torch.bfloat16 else 1e-6)
+        assert rel(got, ref) <= (2**-8 if got.dtype == torch.bfloat16 else 1e-6)
     ls = [torch.randn(3, dtype=torch.float64, requires_grad=True) for _ in range(3)]
     torch.autograd.gradcheck(lambda *l: shardkit.ops.weighted_loss_reduce(l, [2, 5, 1], "cpu"), ls)
     # float64 losses keep float64 precision with weights that float32 would round (gradcheck's
@@ -101,7 +111,9 @@ def test_ops_opcheck_and_gradcheck():
             for p, r in zip([pc[i] for pc in pieces], t.split(sizes, dim)):
                 assert torch.equal(p, r) and p.is_contiguous()
     t = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
-    torch.autograd.gradcheck(lambda t: tuple(p[0] for p in shardkit.ops.split_to_devices([t], [2, 0, 5], [cpu] * 3)), (t,))
+    torch.autograd.gradcheck(
+        lambda t: tuple(p[0] for p in shardkit.ops.split_to_devices([t], [2, 0, 5], [cpu] * 3)), (t,)
+    )
 
 
 def test_op_errors():
@@ -124,13 +136,17 @@ def test_op_errors():
 
 # ---- real GPU (one is enough) -----------------------------------------------------------
 
+
 @pytest.mark.gpu
 def test_gpu_ops_across_host_and_device():
     """Both ops with CUDA tensors, host tensors and both as sources / destinations; a
     NaN loss of weight 0 (a chunk whose targets are all ignored) adds nothing."""
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    losses = [torch.randn((), device=cuda, requires_grad=True), torch.randn((), requires_grad=True),
-              torch.randn((), device=cuda, dtype=torch.float64, requires_grad=True)]
+    losses = [
+        torch.randn((), device=cuda, requires_grad=True),
+        torch.randn((), requires_grad=True),
+        torch.randn((), device=cuda, dtype=torch.float64, requires_grad=True),
+    ]
     # device counts (int64 on the GPU, as the criterion computes them) and host numbers
     weights = [torch.tensor(4, device=cuda), torch.tensor(2.5), torch.tensor(3.0, device=cuda)]
     for out in (cuda, cpu):
@@ -161,14 +177,20 @@ def test_gpu_ops_across_host_and_device():
     host = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
     dev = torch.randn(3, 7, dtype=torch.float64, device=cuda, requires_grad=True)
     torch.autograd.gradcheck(
-        lambda h, d: tuple(p[0] * (k + 1) for k, p in enumerate(shardkit.ops.split_to_devices([h], [2, 0, 5], devices)))
-        + tuple(p[0] for p in shardkit.ops.split_to_devices([d], [3, 4], [cpu, cuda], 1)), (host, dev))
+        lambda h, d: (
+            tuple(p[0] * (k + 1) for k, p in enumerate(shardkit.ops.split_to_devices([h], [2, 0, 5], devices)))
+            + tuple(p[0] for p in shardkit.ops.split_to_devices([d], [3, 4], [cpu, cuda], 1))
+        ),
+        (host, dev),
+    )
 
 
 @pytest.mark.gpu
 def test_gpu_allreduce():
-    groups = [tuple(torch.randn(n, dtype=torch.float64, device=d, requires_grad=True) for n in (4, 3))
-              for d in ("cuda", "cpu", "cuda")]
+    groups = [
+        tuple(torch.randn(n, dtype=torch.float64, device=d, requires_grad=True) for n in (4, 3))
+        for d in ("cuda", "cpu", "cuda")
+    ]
     flat = [t for g in groups for t in g]
     out = allreduce(2, *flat)
     for k, g in enumerate(groups):

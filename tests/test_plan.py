@@ -116,8 +116,16 @@ def test_total_is_sum_of_parts():
 
 @pytest.mark.parametrize(
     "text,expected",
-    [("80GiB", 80 * 2**30), ("80GB", 80 * 10**9), ("81920MiB", 80 * 2**30), ("1.5 TiB", 3 * 2**39),
-     ("512", 512), ("64m", 64 * 2**20), ("2kb", 2000), (1024, 1024)],
+    [
+        ("80GiB", 80 * 2**30),
+        ("80GB", 80 * 10**9),
+        ("81920MiB", 80 * 2**30),
+        ("1.5 TiB", 3 * 2**39),
+        ("512", 512),
+        ("64m", 64 * 2**20),
+        ("2kb", 2000),
+        (1024, 1024),
+    ],
 )
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
@@ -136,12 +144,14 @@ def test_format_size():
 
 @pytest.mark.parametrize(
     "kwargs,match",
-    [(dict(classes=0), r"argument `classes` must be an integer >= 1"),
-     (dict(dim=2.5), r"argument `dim` must be an integer"),
-     (dict(dtype="fp8"), r"argument `dtype` must be one of"),
-     (dict(optimizer="lamb"), r"argument `optimizer` must be one of"),
-     (dict(sample_rate=1.5), r"argument `sample_rate` must be in \(0, 1\]"),
-     (dict(chunk_budget=0), r"argument `chunk_budget` must be > 0")],
+    [
+        (dict(classes=0), r"argument `classes` must be an integer >= 1"),
+        (dict(dim=2.5), r"argument `dim` must be an integer"),
+        (dict(dtype="fp8"), r"argument `dtype` must be one of"),
+        (dict(optimizer="lamb"), r"argument `optimizer` must be one of"),
+        (dict(sample_rate=1.5), r"argument `sample_rate` must be in \(0, 1\]"),
+        (dict(chunk_budget=0), r"argument `chunk_budget` must be > 0"),
+    ],
 )
 def test_plan_errors(kwargs, match):
     args = dict(classes=10, dim=4, devices=1, batch=2)
@@ -151,11 +161,39 @@ def test_plan_errors(kwargs, match):
 
 
 def test_cli_table(capsys):
-    assert main(["--classes", "2000000", "--dim", "512", "--devices", "2", "--batch", "64", "--dtype", "fp16",
-                 "--optimizer", "sgd-momentum", "--sample-rate", "0.1", "--gpu-memory", "80GiB"]) == 0
+    assert (
+        main(
+            [
+                "--classes",
+                "2000000",
+                "--dim",
+                "512",
+                "--devices",
+                "2",
+                "--batch",
+                "64",
+                "--dtype",
+                "fp16",
+                "--optimizer",
+                "sgd-momentum",
+                "--sample-rate",
+                "0.1",
+                "--gpu-memory",
+                "80GiB",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    for text in ["2,000,000 classes", "global 128", "shardkit / device", "naive, 1 device", "fits in 80 GiB",
-                 "optimizer state", "loss working set"]:
+    for text in [
+        "2,000,000 classes",
+        "global 128",
+        "shardkit / device",
+        "naive, 1 device",
+        "fits in 80 GiB",
+        "optimizer state",
+        "loss working set",
+    ]:
         assert text in out
     # fp16 weights of one shard: 10^6 * 512 * 2 bytes = 976.6 MiB
     assert f"{10**6 * 512 * 2 / MiB:,.1f} MiB" in out
@@ -163,11 +201,16 @@ def test_cli_table(capsys):
 
 @pytest.mark.parametrize(
     "argv,match",
-    [(["--classes", "0", "--dim", "4", "--batch", "2"], r"--classes must be an integer >= 1"),
-     (["--classes", "10", "--dim", "4", "--batch", "2", "--gpu-memory", "80XB"], r"argument --gpu-memory: cannot parse size"),
-     (["--classes", "10", "--dim", "4", "--batch", "2", "--sample-rate", "0"], r"--sample-rate must be in \(0, 1\]"),
-     (["--classes", "10", "--dim", "4", "--batch", "2", "--dtype", "fp8"], r"argument --dtype: invalid choice"),
-     (["--dim", "4", "--batch", "2"], r"the following arguments are required: --classes")],
+    [
+        (["--classes", "0", "--dim", "4", "--batch", "2"], r"--classes must be an integer >= 1"),
+        (
+            ["--classes", "10", "--dim", "4", "--batch", "2", "--gpu-memory", "80XB"],
+            r"argument --gpu-memory: cannot parse size",
+        ),
+        (["--classes", "10", "--dim", "4", "--batch", "2", "--sample-rate", "0"], r"--sample-rate must be in \(0, 1\]"),
+        (["--classes", "10", "--dim", "4", "--batch", "2", "--dtype", "fp8"], r"argument --dtype: invalid choice"),
+        (["--dim", "4", "--batch", "2"], r"the following arguments are required: --classes"),
+    ],
 )
 def test_cli_errors_exit_2(argv, match, capsys):
     with pytest.raises(SystemExit) as e:
@@ -182,10 +225,16 @@ def test_module_entry_point():
 
     here = os.path.dirname(os.path.dirname(os.path.abspath(shardkit.__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-m", "shardkit.plan", "--classes", "1000000", "--dim", "512", "--batch", "8"],
-                       capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "shardkit.plan", "--classes", "1000000", "--dim", "512", "--batch", "8"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert "1,953.1 MiB" in r.stdout
-    bad = subprocess.run([sys.executable, "-m", "shardkit.plan", "--classes", "x"], capture_output=True, text=True,
-                         env=env, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "shardkit.plan", "--classes", "x"], capture_output=True, text=True, env=env, timeout=120
+    )
     assert bad.returncode == 2 and "invalid int value" in bad.stderr

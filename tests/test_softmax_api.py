@@ -9,10 +9,10 @@ import pickle
 
 import pytest
 import torch
-
-import shardkit
 from softmax_checks import LOSS_MARGINS as MARGINS
 from softmax_checks import make_labels, rel
+
+import shardkit
 
 
 def test_init_matches_nn_linear():
@@ -61,8 +61,13 @@ def test_bad_inputs_name_the_argument():
     loss_fn = shardkit.ShardedSoftmaxLoss(4, 10, devices=["cpu"] * 2)
     x, y = torch.randn(5, 4), make_labels(5, 10)
     _bad(loss_fn, x, torch.tensor([0, 1, 10, 2, 3]), ValueError, r"`labels` has class ids >= num_classes=10")
-    _bad(loss_fn, x, torch.tensor([0, 1, -3, 2, 3]), ValueError,
-         r"`labels` has negative class ids other than ignore_index")
+    _bad(
+        loss_fn,
+        x,
+        torch.tensor([0, 1, -3, 2, 3]),
+        ValueError,
+        r"`labels` has negative class ids other than ignore_index",
+    )
     _bad(loss_fn, x, y.float(), TypeError, r"`labels` must be an integer tensor")
     _bad(loss_fn, x, y.bool(), TypeError, r"`labels` must be an integer tensor")
     _bad(loss_fn, x, y[:4], ValueError, r"`labels` must be 1-D with 5 entries")

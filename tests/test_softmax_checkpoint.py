@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import shardkit
-from shardkit.softmax.checkpoint import read_rows, save_shard_file
 from shardkit.distributed import class_offsets, split_classes
+from shardkit.softmax.checkpoint import read_rows, save_shard_file
 
 
 def _rank_head(num_classes, dim, world, rank, dtype=torch.float32):
@@ -32,7 +32,7 @@ def _save_world(full, world, directory, momentum=None):
             opt = shardkit.SparseRowSGD(head.weight_shards, lr=0.1, momentum=0.9)
             p = head.weight_shards[0]
             off = head.class_offsets[0]
-            opt.state[p]["momentum_buffer"] = momentum[off: off + p.shape[0]].clone()
+            opt.state[p]["momentum_buffer"] = momentum[off : off + p.shape[0]].clone()
             opt.state[p]["seen"] = torch.ones(p.shape[0], dtype=torch.bool)
         shardkit.save_sharded(head, directory, opt)
 
@@ -81,7 +81,7 @@ def test_checkpoint_files_load_weights_only(tmp_path):
         assert blob["format"] == "shardkit.sharded_weight" and blob["version"] == 1
         assert blob["num_classes"] == 6 and blob["embedding_dim"] == 3
         off = blob["class_offset"]
-        assert torch.equal(blob["weight"], full[off: off + blob["weight"].shape[0]])
+        assert torch.equal(blob["weight"], full[off : off + blob["weight"].shape[0]])
 
 
 def test_checkpoint_errors(tmp_path):

@@ -17,8 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-from softmax_dist_scenarios import D, IGNORE, SCENARIOS, WORLDS, check_against_reference, make_data, rel, run_scenario
+from softmax_dist_scenarios import IGNORE, SCENARIOS, WORLDS, D, check_against_reference, make_data, rel, run_scenario
 
 import shardkit
 from shardkit.distributed import CollectiveError, DistributedInputError, split_classes
@@ -74,10 +73,12 @@ def _bad_input(rank, world, group):
 def _constructor_errors(rank, groups):
     """Messages of the constructor errors that need an initialized process group."""
     out = {}
-    for key, kwargs in (("layout", dict(process_group=groups[4], input_layout="bogus")),
-                        ("member", dict(process_group=groups[1])),
-                        ("sizes", dict(process_group=groups[4], shard_sizes=[5, 6])),
-                        ("devices", dict(process_group=groups[4], devices=["cpu", "cpu"]))):
+    for key, kwargs in (
+        ("layout", dict(process_group=groups[4], input_layout="bogus")),
+        ("member", dict(process_group=groups[1])),
+        ("sizes", dict(process_group=groups[4], shard_sizes=[5, 6])),
+        ("devices", dict(process_group=groups[4], devices=["cpu", "cpu"])),
+    ):
         if key == "member" and rank == 0:
             continue
         try:
@@ -136,8 +137,9 @@ def _worker(rank, init_file, tmp):
     # One spawned job of 4 processes covers world sizes 1..4 through subgroups {0..W-1}
     # (spawning is the slow part); the failure scenario breaks its group, so it runs last.
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=max(WORLDS),
-                            timeout=timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=max(WORLDS), timeout=timedelta(seconds=300)
+    )
     groups = {w: dist.new_group(list(range(w))) for w in WORLDS}
     fail_group = dist.new_group([0, 1, 2], timeout=timedelta(seconds=TIMEOUT_S))
     data = torch.load(os.path.join(tmp, "data.pt"), weights_only=False)
@@ -179,7 +181,6 @@ def runs(tmp_path_factory):
         assert "fatal" not in res, f"rank {r}: {res['fatal']}"
     results = {w: [per_rank[r][w] for r in range(w)] for w in WORLDS}
     return data, results, tmp, per_rank
-
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -281,7 +282,6 @@ def test_constructor_errors():
         shardkit.ShardedSoftmaxLoss(4, 10, process_group=object())
 
 
-
 def test_default_shard_device_follows_the_group_backend(monkeypatch):
     """Without `devices`: the GPU for any group that runs CUDA tensors on NCCL, including
     init_process_group() without a backend ("undefined") and "cpu:gloo,cuda:nccl"; the
@@ -292,8 +292,12 @@ def test_default_shard_device_follows_the_group_backend(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
     group = SimpleNamespace(bound_device_id=None)
-    for backend, expected in (("nccl", "cuda:3"), ("undefined", "cuda:3"), ("cpu:gloo,cuda:nccl", "cuda:3"),
-                              ("gloo", "cpu")):
+    for backend, expected in (
+        ("nccl", "cuda:3"),
+        ("undefined", "cuda:3"),
+        ("cpu:gloo,cuda:nccl", "cuda:3"),
+        ("gloo", "cpu"),
+    ):
         monkeypatch.setattr(dist, "get_backend", lambda g, b=backend: dist.Backend(b))
         assert default_device(group) == torch.device(expected), backend
     monkeypatch.setattr(dist, "get_backend", lambda g: dist.Backend("nccl"))

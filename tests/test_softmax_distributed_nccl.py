@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from softmax_dist_scenarios import D, check_against_reference, make_data, rel, run_scenario
 
 import shardkit
@@ -19,13 +18,15 @@ from shardkit.distributed import DistributedInputError, sampled_class_counts
 
 def _nccl_worker(rank, world, init_file, tmp, data):
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "nccl", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
     out = {}
     try:
         for rate in (1.0, 0.5):
-            out[rate] = run_scenario(rank, world, "cos32_none", data, dist.group.WORLD,
-                                     device=torch.device("cuda", rank), sample_rate=rate)
+            out[rate] = run_scenario(
+                rank, world, "cos32_none", data, dist.group.WORLD, device=torch.device("cuda", rank), sample_rate=rate
+            )
     except Exception:
         out["fatal"] = traceback.format_exc()
     finally:
@@ -51,8 +52,10 @@ def test_nccl_on_gpus_matches_reference(tmp_path):
 def _heads_compared(x, w, labels, margin, autocast):
     """Loss, lse, top-k and gradients of the one-process head on cuda:0 and of the world-size-1
     head built WITHOUT `devices` (it must find the GPU by itself)."""
-    heads = {"one": shardkit.ShardedSoftmaxLoss(D, w.shape[0], margin=margin, devices=["cuda:0"]),
-             "ws1": shardkit.ShardedSoftmaxLoss(D, w.shape[0], margin=margin, process_group=dist.group.WORLD)}
+    heads = {
+        "one": shardkit.ShardedSoftmaxLoss(D, w.shape[0], margin=margin, devices=["cuda:0"]),
+        "ws1": shardkit.ShardedSoftmaxLoss(D, w.shape[0], margin=margin, process_group=dist.group.WORLD),
+    }
     res = {}
     for key, head in heads.items():
         shardkit.import_full_weight(head, w)
@@ -60,17 +63,21 @@ def _heads_compared(x, w, labels, margin, autocast):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             d = head(xr, labels, return_details=True, topk=(1, 3))
         d.loss.backward()
-        res[key] = dict(device=str(head.weight_shards[0].device), loss=d.loss.detach().cpu(), lse=d.lse.detach().cpu(),
-                        grad_x=xr.grad.cpu(), grad_w=head.weight_shards[0].grad.cpu(),
-                        correct={k: int(v) for k, v in d.correct.items()})
+        res[key] = dict(
+            device=str(head.weight_shards[0].device),
+            loss=d.loss.detach().cpu(),
+            lse=d.lse.detach().cpu(),
+            grad_x=xr.grad.cpu(),
+            grad_w=head.weight_shards[0].grad.cpu(),
+            correct={k: int(v) for k, v in d.correct.items()},
+        )
     return res, heads["ws1"]
 
 
 def _world_one_worker(rank, init_file, tmp, data):
     torch.cuda.set_device(0)
     # No backend: torch picks NCCL for the GPU (the group's backend name is "undefined").
-    dist.init_process_group(init_method=f"file://{init_file}", rank=rank, world_size=1,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(init_method=f"file://{init_file}", rank=rank, world_size=1, timeout=timedelta(seconds=120))
     out = {}
     try:
         x, w, labels = data["x"].cuda(), data["w"].cuda(), data["labels"].cuda()
@@ -110,8 +117,11 @@ def test_nccl_world_size_one_equals_one_process(tmp_path):
     generator is reproducible and a CPU generator is refused with a clear message."""
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     classes, batch = 53, 19
-    data = dict(x=torch.randn(batch, D, generator=gen), w=torch.randn(classes, D, generator=gen) * 0.5,
-                labels=torch.randint(0, classes, (batch,), generator=gen))
+    data = dict(
+        x=torch.randn(batch, D, generator=gen),
+        w=torch.randn(classes, D, generator=gen) * 0.5,
+        labels=torch.randint(0, classes, (batch,), generator=gen),
+    )
     mp.spawn(_world_one_worker, args=(str(tmp_path / "init"), str(tmp_path), data), nprocs=1, join=True)
     out = torch.load(tmp_path / "ws1.pt", weights_only=False)
     assert "fatal" not in out, out["fatal"]

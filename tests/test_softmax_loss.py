@@ -13,9 +13,6 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
-
-import shardkit
 from softmax_checks import LOSS_MARGINS as MARGINS
 from softmax_checks import assert_matches_reference, grads_of, make_labels, rel
 from softmax_reference import (
@@ -26,6 +23,9 @@ from softmax_reference import (
     reference_lse,
     split_rows,
 )
+from torch.utils.checkpoint import checkpoint
+
+import shardkit
 
 
 @pytest.mark.parametrize("margin_name", list(MARGINS))
@@ -34,8 +34,9 @@ from softmax_reference import (
 def test_matches_reference(margin_name, reduction, num_shards):
     margin = MARGINS[margin_name]
     batch, dim, classes = 13, 7, 61  # 61 classes: not divisible by 2 or 5
-    loss_fn = shardkit.ShardedSoftmaxLoss(dim, classes, margin=margin, devices=["cpu"] * num_shards,
-                                          reduction=reduction, label_smoothing=0.1)
+    loss_fn = shardkit.ShardedSoftmaxLoss(
+        dim, classes, margin=margin, devices=["cpu"] * num_shards, reduction=reduction, label_smoothing=0.1
+    )
     x = torch.randn(batch, dim)
     y = make_labels(batch, classes, ignore=(3,))
     assert_matches_reference(loss_fn, x, y, margin, reduction=reduction, label_smoothing=0.1)
@@ -45,8 +46,9 @@ def test_matches_reference(margin_name, reduction, num_shards):
 @pytest.mark.parametrize("shard_sizes", [[40, 0, 3, 18], [1, 60], [0.5, 0.3, 0.2]])
 def test_uneven_shards_and_small_chunks(margin_name, shard_sizes):
     margin = MARGINS[margin_name]
-    loss_fn = shardkit.ShardedSoftmaxLoss(5, 61, margin=margin, shard_sizes=shard_sizes,
-                                          devices=["cpu"] * len(shard_sizes), chunk_memory=256)
+    loss_fn = shardkit.ShardedSoftmaxLoss(
+        5, 61, margin=margin, shard_sizes=shard_sizes, devices=["cpu"] * len(shard_sizes), chunk_memory=256
+    )
     if all(isinstance(s, int) for s in shard_sizes):
         assert list(loss_fn.shard_sizes) == shard_sizes
     assert sum(loss_fn.shard_sizes) == 61 and loss_fn.class_offsets[0] == 0
@@ -54,8 +56,9 @@ def test_uneven_shards_and_small_chunks(margin_name, shard_sizes):
     assert_matches_reference(loss_fn, x, make_labels(9, 61), margin)
 
 
-@pytest.mark.parametrize("batch,dim,margin_name", [(1, 3, "arcface"), (1, 1, "plain"), (6, 1, "plain"),
-                                                    (11, 33, "cosface")])
+@pytest.mark.parametrize(
+    "batch,dim,margin_name", [(1, 3, "arcface"), (1, 1, "plain"), (6, 1, "plain"), (11, 33, "cosface")]
+)
 def test_odd_sizes_and_noncontiguous(batch, dim, margin_name):
     margin = MARGINS[margin_name]
     loss_fn = shardkit.ShardedSoftmaxLoss(dim, 17, margin=margin, devices=["cpu"] * 3, label_smoothing=0.2)
@@ -70,16 +73,18 @@ def test_smoothing_and_ignore_index_variants():
     for eps, ignore in [(0.0, 29), (1.0, -100), (0.37, 29), (0.2, 1000)]:
         y = make_labels(10, 29)
         y[[0, 4]] = ignore
-        loss = shardkit.sharded_cross_entropy(x, split_rows(weight, [11, 19]), y, label_smoothing=eps,
-                                              ignore_index=ignore)
+        loss = shardkit.sharded_cross_entropy(
+            x, split_rows(weight, [11, 19]), y, label_smoothing=eps, ignore_index=ignore
+        )
         assert rel(loss, reference_loss(x, weight, y, label_smoothing=eps, ignore_index=ignore)) <= 1e-5
     # An ignore_index that is a class id: those rows get no margin in lse either.
     margin = MARGINS["arcface"]
     y = make_labels(10, 30)
     y[y == 3] = 4
     y[[1, 6]] = 3
-    out = shardkit.sharded_cross_entropy(x, split_rows(weight, [11, 19]), y, ignore_index=3, margin=margin,
-                                         return_details=True)
+    out = shardkit.sharded_cross_entropy(
+        x, split_rows(weight, [11, 19]), y, ignore_index=3, margin=margin, return_details=True
+    )
     expected = reference_lse(x, weight, torch.where(y == 3, -1, y), **margin_kwargs(margin))
     assert rel(out.lse, expected) <= 1e-5 and int(out.num_valid) == 8
     assert rel(out.loss, reference_loss(x, weight, y, ignore_index=3, **margin_kwargs(margin))) <= 1e-5
@@ -105,8 +110,9 @@ def test_functional_form_with_permuted_offsets():
     weight = torch.randn(25, 4)
     x, y = torch.randn(8, 4), make_labels(8, 25)
     parts = split_rows(weight, [10, 7, 8])
-    ours = shardkit.sharded_cross_entropy(x, [parts[2], parts[0], parts[1]], y, class_offsets=[17, 0, 10],
-                                          margin=MARGINS["cosface"], reduction="none")
+    ours = shardkit.sharded_cross_entropy(
+        x, [parts[2], parts[0], parts[1]], y, class_offsets=[17, 0, 10], margin=MARGINS["cosface"], reduction="none"
+    )
     ref = reference_loss(x, weight, y, reduction="none", **margin_kwargs(MARGINS["cosface"]))
     assert rel(ours, ref) <= 1e-5
     with pytest.raises(ValueError, match="`class_offsets`.*must tile"):
@@ -145,8 +151,7 @@ def test_topk_low_precision(dtype):
     with torch.no_grad():  # make about half the rows top-1 correct
         x[::2] = F.normalize(loss_fn.full_weight()[y[::2]].float(), dim=1).to(dtype) + 0.02 * x[::2]
     out = loss_fn(x, y, return_details=True)
-    bounds = reference_correct(x, loss_fn.full_weight(), y, (1, 5), abs_tol=2 * 64 * 2.0**-8,
-                               **margin_kwargs(margin))
+    bounds = reference_correct(x, loss_fn.full_weight(), y, (1, 5), abs_tol=2 * 64 * 2.0**-8, **margin_kwargs(margin))
     for k, (lo, hi) in bounds.items():
         assert lo <= int(out.correct[k]) <= hi
     assert int(out.correct[1]) >= 32
@@ -174,7 +179,6 @@ def test_checkpointed_backbone():
     ckpt = torch.autograd.grad(loss_fn(checkpoint(backbone, inputs, use_reentrant=False), y), params)
     for a, b in zip(plain, ckpt):
         assert rel(b, a) <= 1e-6
-
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -218,7 +222,6 @@ def test_cpu_autocast_bf16():
     assert rel(torch.cat(gw), ref.grad_w) <= 2 * rel(t_gw, ref.grad_w)
 
 
-
 def test_arcface_past_pi_is_continuous_and_monotone():
     # Targets placed on both sides of theta = pi - m: the loss is a smooth, monotone
     # function of the target cosine (no jump at the threshold).
@@ -239,28 +242,32 @@ def test_arcface_past_pi_is_continuous_and_monotone():
 
 def test_gradcheck_float64_full_module_path():
     for margin in (None, MARGINS["combined"]):
-        loss_fn = shardkit.ShardedSoftmaxLoss(3, 7, margin=margin, devices=["cpu"] * 3, dtype=torch.float64,
-                                              label_smoothing=0.2, chunk_memory=64)
+        loss_fn = shardkit.ShardedSoftmaxLoss(
+            3, 7, margin=margin, devices=["cpu"] * 3, dtype=torch.float64, label_smoothing=0.2, chunk_memory=64
+        )
         x, y = torch.randn(4, 3, dtype=torch.float64, requires_grad=True), make_labels(4, 7, ignore=(1,))
 
         def fn(x, *shards):
-            return shardkit.sharded_cross_entropy(x, shards, y, margin=margin, label_smoothing=0.2,
-                                                  reduction="none", chunk_memory=64)
+            return shardkit.sharded_cross_entropy(
+                x, shards, y, margin=margin, label_smoothing=0.2, reduction="none", chunk_memory=64
+            )
 
         assert torch.autograd.gradcheck(fn, (x, *loss_fn.weight_shards))
 
 
 def _cuda_case(devices):
     margin = shardkit.ArcFace(s=32.0, m=0.5)
-    loss_fn = shardkit.ShardedSoftmaxLoss(64, 3001, margin=margin, devices=devices, shard_sizes=None,
-                                          label_smoothing=0.1)
+    loss_fn = shardkit.ShardedSoftmaxLoss(
+        64, 3001, margin=margin, devices=devices, shard_sizes=None, label_smoothing=0.1
+    )
     x = torch.randn(37, 64, device=devices[0])
     y = make_labels(37, 3001, ignore=(4,)).to(devices[0])
     loss, gx, gw, g = grads_of(loss_fn, x, y)
     assert loss.device == x.device and gx.device == x.device
     assert [p.device for p in loss_fn.weight_shards] == [torch.device(d) for d in devices]
-    ref = reference_loss_and_grads(x.cpu(), loss_fn.full_weight("cpu"), y.cpu(), g.cpu(), label_smoothing=0.1,
-                                   **margin_kwargs(margin))
+    ref = reference_loss_and_grads(
+        x.cpu(), loss_fn.full_weight("cpu"), y.cpu(), g.cpu(), label_smoothing=0.1, **margin_kwargs(margin)
+    )
     tol = 1e-5  # fp32 (torch's default: no TF32), other summation orders than the CPU's
     assert rel(loss.cpu(), ref.loss) <= tol and rel(gx.cpu(), ref.grad_x) <= tol
     assert rel(gw.cpu(), ref.grad_w) <= tol
@@ -272,16 +279,18 @@ def test_cuda_one_device():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2,
-                    reason="needs torch.cuda.device_count() >= 2 (shards on cuda:0 and cuda:1)")
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs torch.cuda.device_count() >= 2 (shards on cuda:0 and cuda:1)"
+)
 def test_cuda_two_devices():
     _cuda_case(["cuda:0", "cuda:1"])
 
 
 @pytest.mark.gpu
 def test_cuda_autocast_bf16_module_moves_with_to():
-    loss_fn = shardkit.ShardedSoftmaxLoss(64, 999, margin=shardkit.CosFace(), shard_sizes=[400, 599],
-                                          reduction="none").cuda()
+    loss_fn = shardkit.ShardedSoftmaxLoss(
+        64, 999, margin=shardkit.CosFace(), shard_sizes=[400, 599], reduction="none"
+    ).cuda()
     assert [p.device.type for p in loss_fn.weight_shards] == ["cuda", "cuda"]
     x, y = torch.randn(48, 64, device="cuda"), make_labels(48, 999).cuda()
     kw = margin_kwargs(loss_fn.margin)
@@ -312,8 +321,9 @@ def test_cuda_autocast_bf16_module_moves_with_to():
 @pytest.mark.gpu
 def test_cuda_step_has_no_host_sync():
     # With check_inputs=False the forward and backward never wait for the GPU.
-    loss_fn = shardkit.ShardedSoftmaxLoss(64, 5000, margin=shardkit.ArcFace(), devices=["cuda:0"] * 2,
-                                          check_inputs=False).cuda()
+    loss_fn = shardkit.ShardedSoftmaxLoss(
+        64, 5000, margin=shardkit.ArcFace(), devices=["cuda:0"] * 2, check_inputs=False
+    ).cuda()
     x = torch.randn(32, 64, device="cuda", requires_grad=True)
     y = make_labels(32, 5000).cuda()
     loss_fn(x, y, return_details=True).loss.backward()  # warm-up (lazy inits may sync)
@@ -334,8 +344,16 @@ def test_cuda_16bit_weights_scale_64(dtype):
     # 16-bit weights (no autocast) with CosFace at s = 64: the loss and both gradients within
     # 2x the error of torch's own computation at that dtype (normalize, GEMM, then fp32).
     margin = shardkit.CosFace(s=64.0, m=0.35)
-    loss_fn = shardkit.ShardedSoftmaxLoss(48, 700, margin=margin, devices=["cuda:0"] * 2, shard_sizes=[0.6, 0.4],
-                                          dtype=dtype, reduction="none", chunk_memory="16KiB")
+    loss_fn = shardkit.ShardedSoftmaxLoss(
+        48,
+        700,
+        margin=margin,
+        devices=["cuda:0"] * 2,
+        shard_sizes=[0.6, 0.4],
+        dtype=dtype,
+        reduction="none",
+        chunk_memory="16KiB",
+    )
     x, y = torch.randn(40, 48, device="cuda").to(dtype), make_labels(40, 700, ignore=(5,)).cuda()
     w = loss_fn.full_weight()
     g = torch.rand(40, device="cuda")

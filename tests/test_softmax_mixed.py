@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from softmax_checks import kw, make_case, make_labels, opcheck_samples, ref_stats, rel, torch_low_precision_stats
+from softmax_reference import margin_kwargs, reference_loss_and_grads
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardkit
-from softmax_checks import kw, make_case, make_labels, opcheck_samples, ref_stats, rel, torch_low_precision_stats
-from softmax_reference import margin_kwargs, reference_loss_and_grads
 from shardkit.ops import ce_shard_stats
 from shardkit.ops._sharded_ce import DEFAULT_BUDGET_BYTES
 
@@ -117,8 +117,19 @@ def _mixed_samples():
 def test_opcheck_mixed():
     for x, w, labels, tref, off, s, m1, m2, m3, norm, chunk in _mixed_samples():
         for rg in (False, True):
-            args = (x.clone().requires_grad_(rg), w.clone().requires_grad_(rg), labels, tref, off, s, m1, m2, m3,
-                    norm, chunk)
+            args = (
+                x.clone().requires_grad_(rg),
+                w.clone().requires_grad_(rg),
+                labels,
+                tref,
+                off,
+                s,
+                m1,
+                m2,
+                m3,
+                norm,
+                chunk,
+            )
             torch.library.opcheck(torch.ops.shardkit.ce_shard_stats.default, args)
         lse = torch.ops.shardkit.ce_shard_stats(x, w, labels, tref, off, s, m1, m2, m3, norm, chunk)[0]
         grads = [torch.randn(x.shape[0]) for _ in range(3)]
@@ -146,20 +157,30 @@ def test_compile_traces_the_mixed_op():
     assert rel(out, ex) <= 1e-6 and rel(gx, egx) <= 1e-6 and rel(gw, egw) <= 1e-6
 
 
-@pytest.mark.parametrize("xdt,wdt", [(torch.float32, torch.bfloat16), (torch.float64, torch.float32),
-                                     (torch.bfloat16, torch.float16), (torch.float16, torch.float64),
-                                     (torch.float32, torch.float16)])
+@pytest.mark.parametrize(
+    "xdt,wdt",
+    [
+        (torch.float32, torch.bfloat16),
+        (torch.float64, torch.float32),
+        (torch.bfloat16, torch.float16),
+        (torch.float16, torch.float64),
+        (torch.float32, torch.float16),
+    ],
+)
 def test_other_dtype_pairs_are_refused(xdt, wdt):
     x, w, labels = make_case(4, 8, 10, 0)
     names = {torch.float32: "Float", torch.float64: "Double", torch.bfloat16: "BFloat16", torch.float16: "Half"}
-    match = (rf"argument `w` must have the dtype of `x` \({names[xdt]}\), or be float32 when `x` is bfloat16 or "
-             rf"float16, got {names[wdt]}")
+    match = (
+        rf"argument `w` must have the dtype of `x` \({names[xdt]}\), or be float32 when `x` is bfloat16 or "
+        rf"float16, got {names[wdt]}"
+    )
     with pytest.raises(RuntimeError, match=match):
         ce_shard_stats(x.to(xdt), w.to(wdt), labels, chunk_classes=4)
     lse = torch.zeros(4)
     with pytest.raises(RuntimeError, match=match):
-        torch.ops.shardkit.ce_shard_stats_backward(lse, lse, lse, x.to(xdt), w.to(wdt), labels, lse, 0, 1.0, 1.0,
-                                                   0.0, 0.0, False, 4)
+        torch.ops.shardkit.ce_shard_stats_backward(
+            lse, lse, lse, x.to(xdt), w.to(wdt), labels, lse, 0, 1.0, 1.0, 0.0, 0.0, False, 4
+        )
     # The fake kernel (meta tensors, tracing) applies the same rule.
     with pytest.raises(RuntimeError, match=match):
         ce_shard_stats(x.to("meta", xdt), w.to("meta", wdt), labels.to("meta"), chunk_classes=4)
@@ -268,9 +289,12 @@ def test_distributed_world_one_autocast(tmp_path):
     try:
         margin = shardkit.ArcFace(s=8.0, m=0.5)
         dim, classes = 32, 700
-        heads = [shardkit.ShardedSoftmaxLoss(dim, classes, margin=margin, chunk_memory="32KiB"),
-                 shardkit.ShardedSoftmaxLoss(dim, classes, margin=margin, chunk_memory="32KiB",
-                                             process_group=dist.group.WORLD)]
+        heads = [
+            shardkit.ShardedSoftmaxLoss(dim, classes, margin=margin, chunk_memory="32KiB"),
+            shardkit.ShardedSoftmaxLoss(
+                dim, classes, margin=margin, chunk_memory="32KiB", process_group=dist.group.WORLD
+            ),
+        ]
         w = heads[0].full_weight()
         shardkit.import_full_weight(heads[1], w)
         x, y = torch.randn(20, dim), make_labels(20, classes)

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-
 from softmax_checks import (
     MARGINS,
     check_against_reference,
@@ -17,12 +16,15 @@ from softmax_checks import (
     opcheck_samples,
     rel,
 )
+
 from shardkit.ops import ce_shard_stats, chunk_classes_for_budget
 
 
 @pytest.mark.parametrize("name", list(MARGINS))
-@pytest.mark.parametrize("B,D,C,off,chunk", [(37, 29, 300, 50, 64), (8, 128, 1000, 0, None), (1, 3, 17, 0, 7),
-                                             (6, 1, 40, 3, 1), (11, 5, 23, 2, 100)])
+@pytest.mark.parametrize(
+    "B,D,C,off,chunk",
+    [(37, 29, 300, 50, 64), (8, 128, 1000, 0, None), (1, 3, 17, 0, 7), (6, 1, 40, 3, 1), (11, 5, 23, 2, 100)],
+)
 def test_matches_reference(name, B, D, C, off, chunk):
     x, w, labels = make_case(B, D, C, off)
     # D = 1 with an angular margin: every cosine is exactly +-1, at the clamp of acos, where
@@ -88,7 +90,6 @@ def test_low_precision_within_2x_torch_error(dtype, name):
     check_low_precision("cpu", dtype, name)
 
 
-
 def test_gradcheck_float64():
     B, D, C = 3, 4, 7
     for name in MARGINS:
@@ -103,7 +104,6 @@ def test_gradcheck_float64():
 
         assert torch.autograd.gradcheck(lambda x, w: fn(x, w, 0), (x, w))
         assert torch.autograd.gradcheck(lambda x, w: fn(x, w, 2), (x, w))
-
 
 
 def test_opcheck_forward():
@@ -175,10 +175,12 @@ def test_chunk_classes_for_budget():
 
 def test_compile_traces_the_op():
     x, w, labels = make_case(6, 5, 30, 0)
-    fn = torch.compile(lambda x, w: ce_shard_stats(x, w, labels, chunk_classes=8, **kw("arcface"))[0].sum(),
-                       backend="aot_eager", fullgraph=True)
+    fn = torch.compile(
+        lambda x, w: ce_shard_stats(x, w, labels, chunk_classes=8, **kw("arcface"))[0].sum(),
+        backend="aot_eager",
+        fullgraph=True,
+    )
     assert rel(fn(x, w), ce_shard_stats(x, w, labels, chunk_classes=8, **kw("arcface"))[0].sum()) <= 1e-6
-
 
 
 def test_plain_reference_by_rows_matches_the_op():
@@ -215,7 +217,7 @@ def test_row_of_minus_inf_logits_has_minus_inf_lse(device, dtype):
     w = -1e20 * (1.0 + torch.rand(C, 1, dtype=torch.float64))
     x = torch.tensor([[1e300 if dtype == torch.float64 else 1e20], [1e-21], [-1e-20]], dtype=torch.float64)
     labels = torch.tensor([3, 17, C + 4])
-    assert torch.isneginf((x[:1].to(dtype) @ w.to(dtype).t())).all()
+    assert torch.isneginf(x[:1].to(dtype) @ w.to(dtype).t()).all()
     ref = torch.logsumexp(x[1:] @ w.t(), 1)
     for chunk in (1, 8, C):
         lse, t, s, _ = ce_shard_stats(x.to(device, dtype), w.to(device, dtype), labels.to(device), chunk_classes=chunk)

@@ -7,8 +7,6 @@ import math
 
 import pytest
 import torch
-
-import shardkit
 from softmax_checks import (
     MARGINS,
     check_against_reference,
@@ -22,6 +20,8 @@ from softmax_checks import (
     torch_low_precision_stats,
 )
 from softmax_reference import margin_psi
+
+import shardkit
 from shardkit.ops import ce_shard_stats, chunk_classes_for_budget
 
 pytestmark = pytest.mark.gpu
@@ -35,8 +35,17 @@ def _no_tf32():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(MARGINS))
-@pytest.mark.parametrize("B,D,C,off,chunk", [(37, 29, 300, 50, 64), (256, 128, 5000, 7, 1024), (1, 3, 17, 0, 7),
-                                             (9, 5, 0, 0, 4), (5, 16, 1, 3, 1), (300, 64, 777, 0, None)])
+@pytest.mark.parametrize(
+    "B,D,C,off,chunk",
+    [
+        (37, 29, 300, 50, 64),
+        (256, 128, 5000, 7, 1024),
+        (1, 3, 17, 0, 7),
+        (9, 5, 0, 0, 4),
+        (5, 16, 1, 3, 1),
+        (300, 64, 777, 0, None),
+    ],
+)
 def test_cuda_matches_reference(name, B, D, C, off, chunk):
     assert shardkit.cuda_built(), "this build has no CUDA kernels"
     x, w, labels = make_case(B, D, C, off, device="cuda")
@@ -54,7 +63,7 @@ def test_cuda_low_precision(dtype, name):
 def test_cuda_theta_past_pi_and_noncontiguous():
     w = torch.randn(80, 33, device="cuda")[::2]  # [40, 33], strided rows
     labels = torch.randint(0, 40, (10,), device="cuda")
-    x = (-w[labels] + 0.05 * torch.randn(10, 33, device="cuda"))
+    x = -w[labels] + 0.05 * torch.randn(10, 33, device="cuda")
     check_against_reference(x, w, labels, 0, "arcface", 16)
     check_against_reference(x.t().contiguous().t(), w, labels, 0, "combined", 5)
 
@@ -62,8 +71,13 @@ def test_cuda_theta_past_pi_and_noncontiguous():
 @pytest.mark.gpu
 def test_cuda_opcheck():
     for x, w, labels, tref, *rest in opcheck_samples():
-        args = (x.cuda().requires_grad_(), w.cuda().requires_grad_(), labels.cuda(),
-                None if tref is None else tref.cuda(), *rest)
+        args = (
+            x.cuda().requires_grad_(),
+            w.cuda().requires_grad_(),
+            labels.cuda(),
+            None if tref is None else tref.cuda(),
+            *rest,
+        )
         torch.library.opcheck(torch.ops.shardkit.ce_shard_stats.default, args)
 
 
@@ -79,8 +93,9 @@ def test_cuda_device_errors():
         op(x, w, labels, torch.zeros(4), 0, 1.0, 1.0, 0.0, 0.0, False, 4)
     lse = torch.zeros(4, device="cuda")
     with pytest.raises(RuntimeError, match=r"argument `grad_lse` must be on the device of `x`"):
-        torch.ops.shardkit.ce_shard_stats_backward(lse.cpu(), lse, lse, x, w, labels, lse, 0, 1.0, 1.0, 0.0, 0.0,
-                                                    False, 4)
+        torch.ops.shardkit.ce_shard_stats_backward(
+            lse.cpu(), lse, lse, x, w, labels, lse, 0, 1.0, 1.0, 0.0, 0.0, False, 4
+        )
 
 
 @pytest.mark.gpu

@@ -25,9 +25,16 @@ def _labels(batch, num_classes, offset, num_local, ignore=-100):
     return labels
 
 
-@pytest.mark.parametrize("batch,num_classes,offset,num_local,num_sample", [
-    (7, 50, 10, 23, 9), (33, 1000, 0, 1000, 100), (1, 5, 2, 3, 1), (16, 40, 30, 10, 10), (5, 9, 0, 4, 4),
-])
+@pytest.mark.parametrize(
+    "batch,num_classes,offset,num_local,num_sample",
+    [
+        (7, 50, 10, 23, 9),
+        (33, 1000, 0, 1000, 100),
+        (1, 5, 2, 3, 1),
+        (16, 40, 30, 10, 10),
+        (5, 9, 0, 4, 4),
+    ],
+)
 def test_sample_contains_positives_and_remaps(batch, num_classes, offset, num_local, num_sample):
     labels = _labels(batch, num_classes, offset, num_local)
     num_sample = max(num_sample, min(batch, num_local))
@@ -62,10 +69,12 @@ def test_sample_negatives_are_uniform():
 def test_sample_generator_reproducible():
     labels = torch.randint(0, 100, (17,))
     seed = int(torch.randint(0, 2**31, ()).item())
-    a = partial_fc_sample(labels, class_offset=20, num_local=60, num_sample=25,
-                          generator=torch.Generator().manual_seed(seed))
-    b = partial_fc_sample(labels, class_offset=20, num_local=60, num_sample=25,
-                          generator=torch.Generator().manual_seed(seed))
+    a = partial_fc_sample(
+        labels, class_offset=20, num_local=60, num_sample=25, generator=torch.Generator().manual_seed(seed)
+    )
+    b = partial_fc_sample(
+        labels, class_offset=20, num_local=60, num_sample=25, generator=torch.Generator().manual_seed(seed)
+    )
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
@@ -89,9 +98,15 @@ def test_sample_errors():
         check_sample_rate("0.1")
     # the fake kernel refuses a generator of another device type, like the op (GPU test below)
     from torch._subclasses.fake_tensor import FakeTensorMode
+
     with FakeTensorMode(), pytest.raises(RuntimeError, match="argument `generator` must be a generator of the labels'"):
-        partial_fc_sample(torch.empty(9, dtype=torch.int64, device="cuda"), class_offset=0, num_local=10,
-                          num_sample=5, generator=torch.Generator())
+        partial_fc_sample(
+            torch.empty(9, dtype=torch.int64, device="cuda"),
+            class_offset=0,
+            num_local=10,
+            num_sample=5,
+            generator=torch.Generator(),
+        )
 
 
 def test_opcheck_partial_fc_sample():
@@ -103,8 +118,11 @@ def test_opcheck_partial_fc_sample():
     ]
     for labels, offset, num_local, num_sample in samples:
         # The op is random: test_aot_dispatch_dynamic compares two runs' outputs, so it is left out.
-        torch.library.opcheck(torch.ops.shardkit.partial_fc_sample.default, (labels, offset, num_local, num_sample),
-                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+        torch.library.opcheck(
+            torch.ops.shardkit.partial_fc_sample.default,
+            (labels, offset, num_local, num_sample),
+            test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+        )
 
 
 def test_sampled_class_counts():
@@ -131,15 +149,17 @@ def _sgd_pair(momentum, dampening, wd, nesterov):
     start = torch.randn(rows, dim)
     p_ours = torch.nn.Parameter(start.clone())
     p_ref = torch.nn.Parameter(start.clone())
-    ours = shardkit.SparseRowSGD([p_ours], lr=0.1, momentum=momentum, dampening=dampening, weight_decay=wd,
-                                 nesterov=nesterov)
-    ref = torch.optim.SGD([p_ref], lr=0.1, momentum=momentum, dampening=dampening, weight_decay=wd,
-                          nesterov=nesterov)
+    ours = shardkit.SparseRowSGD(
+        [p_ours], lr=0.1, momentum=momentum, dampening=dampening, weight_decay=wd, nesterov=nesterov
+    )
+    ref = torch.optim.SGD([p_ref], lr=0.1, momentum=momentum, dampening=dampening, weight_decay=wd, nesterov=nesterov)
     return p_ours, p_ref, ours, ref
 
 
-@pytest.mark.parametrize("momentum,dampening,wd,nesterov", [
-    (0.0, 0.0, 0.0, False), (0.9, 0.0, 5e-4, False), (0.9, 0.1, 1e-2, False), (0.8, 0.0, 1e-3, True)])
+@pytest.mark.parametrize(
+    "momentum,dampening,wd,nesterov",
+    [(0.0, 0.0, 0.0, False), (0.9, 0.0, 5e-4, False), (0.9, 0.1, 1e-2, False), (0.8, 0.0, 1e-3, True)],
+)
 def test_sparse_row_sgd_equals_sgd_when_every_row_is_present(momentum, dampening, wd, nesterov):
     p_ours, p_ref, ours, ref = _sgd_pair(momentum, dampening, wd, nesterov)
     for step in range(3):
@@ -215,11 +235,20 @@ def test_sample_generator_must_be_on_the_labels_device():
     with pytest.raises(RuntimeError, match="argument `generator` must be a generator of the labels' device cuda"):
         partial_fc_sample(labels, class_offset=0, num_local=100, num_sample=20, generator=torch.Generator())
     with pytest.raises(RuntimeError, match="argument `generator` must be a generator of the labels' device cpu"):
-        partial_fc_sample(labels.cpu(), class_offset=0, num_local=100, num_sample=20,
-                          generator=torch.Generator(device="cuda"))
+        partial_fc_sample(
+            labels.cpu(), class_offset=0, num_local=100, num_sample=20, generator=torch.Generator(device="cuda")
+        )
     seed = int(torch.randint(0, 2**31, ()).item())
-    a, b = (partial_fc_sample(labels, class_offset=0, num_local=100, num_sample=20,
-                              generator=torch.Generator(device="cuda").manual_seed(seed)) for _ in range(2))
+    a, b = (
+        partial_fc_sample(
+            labels,
+            class_offset=0,
+            num_local=100,
+            num_sample=20,
+            generator=torch.Generator(device="cuda").manual_seed(seed),
+        )
+        for _ in range(2)
+    )
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 

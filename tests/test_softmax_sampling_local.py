@@ -4,13 +4,16 @@ those of a float64 cross-entropy over exactly the sampled classes."""
 
 import pytest
 import torch
+from softmax_reference import margin_kwargs, reference_loss_and_grads
 
 import shardkit
 from shardkit.distributed import sampled_class_counts
-from softmax_reference import margin_kwargs, reference_loss_and_grads
 
-MARGINS = {"plain": lambda: None, "arcface": lambda: shardkit.ArcFace(s=16.0, m=0.3),
-           "cosface": lambda: shardkit.CosFace(s=16.0, m=0.2)}
+MARGINS = {
+    "plain": lambda: None,
+    "arcface": lambda: shardkit.ArcFace(s=16.0, m=0.3),
+    "cosface": lambda: shardkit.CosFace(s=16.0, m=0.2),
+}
 
 
 def _sampled_rows(head):
@@ -28,8 +31,15 @@ def _sampled_rows(head):
 def test_sampled_loss_and_grads_match_reference_over_sampled_classes(margin_name, shards, batch, smoothing):
     num_classes, dim, rate = 61, 7, 0.3
     margin = MARGINS[margin_name]()
-    head = shardkit.ShardedSoftmaxLoss(dim, num_classes, margin=margin, devices=["cpu"] * shards,
-                                       sample_rate=rate, label_smoothing=smoothing, dtype=torch.float64)
+    head = shardkit.ShardedSoftmaxLoss(
+        dim,
+        num_classes,
+        margin=margin,
+        devices=["cpu"] * shards,
+        sample_rate=rate,
+        label_smoothing=smoothing,
+        dtype=torch.float64,
+    )
     x = torch.randn(batch, dim, dtype=torch.float64, requires_grad=True)
     labels = torch.randint(0, num_classes, (batch,))
     labels[0] = -100  # an ignored row
@@ -48,14 +58,13 @@ def test_sampled_loss_and_grads_match_reference_over_sampled_classes(margin_name
     position = torch.full((num_classes,), -1, dtype=torch.long)
     position[global_ids] = torch.arange(len(global_ids))
     sub_labels = torch.where(labels == -100, labels, position[labels.clamp_min(0)])
-    ref = reference_loss_and_grads(x, full[global_ids], sub_labels, label_smoothing=smoothing,
-                                   **margin_kwargs(margin))
+    ref = reference_loss_and_grads(x, full[global_ids], sub_labels, label_smoothing=smoothing, **margin_kwargs(margin))
     torch.testing.assert_close(loss.double(), ref.loss, rtol=1e-6, atol=1e-9)
     torch.testing.assert_close(x.grad, ref.grad_x, rtol=1e-6, atol=1e-9)
     start = 0
     for p, r in zip(head.weight_shards, rows):
         dense = p.grad.to_dense()
-        torch.testing.assert_close(dense[r], ref.grad_w[start:start + len(r)], rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(dense[r], ref.grad_w[start : start + len(r)], rtol=1e-6, atol=1e-9)
         unsampled = torch.ones(p.shape[0], dtype=torch.bool)
         unsampled[r] = False
         assert (dense[unsampled] == 0).all()

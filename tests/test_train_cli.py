@@ -11,8 +11,27 @@ import torch
 from shardkit import train
 from shardkit.train import loop as train_loop
 
-TINY = ["--classes", "16", "--per-class", "8", "--image-size", "16", "--batch", "32", "--val-classes", "4",
-        "--val-per-class", "3", "--dim", "32", "--no-progress", "--ema", "0.9", "--ema-tau", "2"]
+TINY = [
+    "--classes",
+    "16",
+    "--per-class",
+    "8",
+    "--image-size",
+    "16",
+    "--batch",
+    "32",
+    "--val-classes",
+    "4",
+    "--val-per-class",
+    "3",
+    "--dim",
+    "32",
+    "--no-progress",
+    "--ema",
+    "0.9",
+    "--ema-tau",
+    "2",
+]
 
 
 def _history(out):
@@ -71,25 +90,32 @@ def test_ctrl_c_saves_and_resume_is_exact(tmp_path, monkeypatch, capsys, extra):
 
 
 def test_data_parallel_and_sampling_modes_run(tmp_path):
-    for extra in (["--dp", "--devices", "cpu,cpu"], ["--sample-rate", "0.5"], ["--devices", "cpu,cpu,cpu"],
-                  ["--sample-rate", "0.5", "--devices", "cpu,cpu"]):
+    for extra in (
+        ["--dp", "--devices", "cpu,cpu"],
+        ["--sample-rate", "0.5"],
+        ["--devices", "cpu,cpu,cpu"],
+        ["--sample-rate", "0.5", "--devices", "cpu,cpu"],
+    ):
         out = str(tmp_path / "_".join(e.strip("-") for e in extra))
         assert train.main(TINY + ["--steps", "3", "--out", out] + extra) == 0
         assert all(torch.isfinite(torch.tensor(_history(out)["history"]["loss"])))
     assert not torch.distributed.is_initialized()  # no process group is left behind
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--devices", "cuda:7"], "--devices: cuda:7 is not available"),
-    (["--devices", "tpu"], "not a device"),
-    (["--data", "/nonexistent/dir"], "is not a directory"),
-    (["--resume", "/nonexistent/dir"], "no checkpoint found"),
-    (["--sample-rate", "1.5"], "must be in (0, 1]"),
-    (["--classes", "0"], "must be > 0"),
-    (["--margin", "sphere"], "invalid choice"),
-    (["--ema", "1.0"], "--ema must be in [0, 1)"),
-    (["--val-per-class", "1"], "must be >= 2"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--devices", "cuda:7"], "--devices: cuda:7 is not available"),
+        (["--devices", "tpu"], "not a device"),
+        (["--data", "/nonexistent/dir"], "is not a directory"),
+        (["--resume", "/nonexistent/dir"], "no checkpoint found"),
+        (["--sample-rate", "1.5"], "must be in (0, 1]"),
+        (["--classes", "0"], "must be > 0"),
+        (["--margin", "sphere"], "invalid choice"),
+        (["--ema", "1.0"], "--ema must be in [0, 1)"),
+        (["--val-per-class", "1"], "must be >= 2"),
+    ],
+)
 def test_cli_errors_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         train.main(argv)
@@ -118,8 +144,25 @@ def _image_folder(root, classes=8, per_class=4, size=20):
 def test_image_folder_data(tmp_path, cache, capsys):
     _image_folder(tmp_path / "faces")
     out = str(tmp_path / "run")
-    argv = ["--data", str(tmp_path / "faces"), "--cache-ram", cache, "--image-size", "16", "--batch", "8",
-            "--val-classes", "3", "--dim", "16", "--steps", "3", "--no-progress", "--out", out]
+    argv = [
+        "--data",
+        str(tmp_path / "faces"),
+        "--cache-ram",
+        cache,
+        "--image-size",
+        "16",
+        "--batch",
+        "8",
+        "--val-classes",
+        "3",
+        "--dim",
+        "16",
+        "--steps",
+        "3",
+        "--no-progress",
+        "--out",
+        out,
+    ]
     assert train.main(argv) == 0
     assert _history(out)["step"] == 3
     assert "verification on 3 held-out identities" in capsys.readouterr().out
@@ -133,8 +176,11 @@ def test_torchrun_two_ranks_and_resume(tmp_path):
 
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(shardkit.__file__))))
     out = str(tmp_path / "ddp")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "shardkit.train"] + TINY + [
-        "--batch", "16", "--sample-rate", "0.5", "--out", out]
+    cmd = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "shardkit.train"]
+        + TINY
+        + ["--batch", "16", "--sample-rate", "0.5", "--out", out]
+    )
     r = subprocess.run(cmd + ["--steps", "3"], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert sorted(os.listdir(os.path.join(out, "checkpoint", "head")))  # one file per rank's class range

@@ -7,8 +7,15 @@ import pytest
 import torch
 
 import shardkit
-from shardkit.train.data import (EpochBatchSampler, ImageFolderDataset, Nuisance, SyntheticIdentities, collate_uint8,
-                           make_loader, verification_split)
+from shardkit.train.data import (
+    EpochBatchSampler,
+    ImageFolderDataset,
+    Nuisance,
+    SyntheticIdentities,
+    collate_uint8,
+    make_loader,
+    verification_split,
+)
 
 
 def test_synthetic_shapes_labels_determinism():
@@ -74,11 +81,14 @@ def test_verification_evaluate_with_oracle_embeddings():
     assert emb2.shape == (30, 5)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(num_classes=0, per_class=2), r"argument `num_classes` must be an integer >= 1"),
-    (dict(num_classes=2, per_class=2, image_size=2), r"argument `image_size` must be an integer >= 4"),
-    (dict(num_classes=2, per_class=2, channels=4), r"argument `channels` must be 1 or 3"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(num_classes=0, per_class=2), r"argument `num_classes` must be an integer >= 1"),
+        (dict(num_classes=2, per_class=2, image_size=2), r"argument `image_size` must be an integer >= 4"),
+        (dict(num_classes=2, per_class=2, channels=4), r"argument `channels` must be 1 or 3"),
+    ],
+)
 def test_synthetic_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SyntheticIdentities(**kwargs)

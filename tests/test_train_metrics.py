@@ -5,8 +5,13 @@ import math
 import pytest
 import torch
 
-from shardkit.train.metrics import (best_threshold_accuracy, cosine_scores, evaluate_verification, kfold_accuracy,
-                              tar_at_far)
+from shardkit.train.metrics import (
+    best_threshold_accuracy,
+    cosine_scores,
+    evaluate_verification,
+    kfold_accuracy,
+    tar_at_far,
+)
 
 
 def random_pairs(n, rounded=False):
@@ -86,7 +91,9 @@ def test_tar_with_few_impostors_is_far_zero():
 def test_cosine_and_evaluate():
     e1, e2 = torch.randn(64, 5), torch.randn(64, 5)
     s = cosine_scores(e1.float(), e2.float())
-    ref = torch.tensor([float(a.double() @ b.double() / (a.double().norm() * b.double().norm())) for a, b in zip(e1, e2)])
+    ref = torch.tensor(
+        [float(a.double() @ b.double() / (a.double().norm() * b.double().norm())) for a, b in zip(e1, e2)]
+    )
     assert torch.allclose(s, ref.double(), atol=1e-12)
     # Genuine pairs = near copies, impostors = independent: accuracy near 1.
     is_same = torch.arange(64) % 2 == 0

@@ -43,12 +43,15 @@ def test_checkpointing_matches_plain():
         assert torch.allclose(pa.grad, pb.grad, rtol=1e-4, atol=1e-6), n
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(act="gelu"), r"argument `act` must be 'prelu' or 'relu'"),
-    (dict(head="gdc"), r"argument `head` must be 'pool' or 'flatten'"),
-    (dict(widths=(8, 16), depths=(1,)), r"`widths` and `depths` must be non-empty and of equal length"),
-    (dict(head="flatten"), r"head='flatten' needs `image_size`"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(act="gelu"), r"argument `act` must be 'prelu' or 'relu'"),
+        (dict(head="gdc"), r"argument `head` must be 'pool' or 'flatten'"),
+        (dict(widths=(8, 16), depths=(1,)), r"`widths` and `depths` must be non-empty and of equal length"),
+        (dict(head="flatten"), r"head='flatten' needs `image_size`"),
+    ],
+)
 def test_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Backbone(**kwargs)

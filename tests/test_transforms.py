@@ -115,7 +115,12 @@ def test_module_matches_functional():
     images = random_images((2, 8, 8, 3))
     mod = shardkit.Normalize(mean, std)
     assert torch.equal(mod(images), normalize_images(images, mean, std))
-    mod_bf16 = shardkit.Normalize(torch.tensor(mean, dtype=torch.float64), torch.tensor(std, dtype=torch.float64), input_layout="NCHW", dtype=torch.bfloat16)
+    mod_bf16 = shardkit.Normalize(
+        torch.tensor(mean, dtype=torch.float64),
+        torch.tensor(std, dtype=torch.float64),
+        input_layout="NCHW",
+        dtype=torch.bfloat16,
+    )
     x = images.permute(0, 3, 1, 2).contiguous()
     assert torch.equal(mod_bf16(x), normalize_images(x, mean, std, input_layout="NCHW", dtype=torch.bfloat16))
     assert "NCHW" in repr(mod_bf16)
@@ -206,7 +211,9 @@ def test_cuda_matches_reference(shape, dtype, layout):
     # The CUDA result equals the CPU kernel's up to the last bit of fp32 rounding.
     cpu = normalize_images(images.cpu(), mean, std, input_layout=layout, dtype=dtype)
     gpu = normalize_images(images, mean, std, input_layout=layout, dtype=dtype).cpu()
-    assert torch.allclose(gpu.double(), cpu.double(), rtol=1e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-6, atol=1e-5)
+    assert torch.allclose(
+        gpu.double(), cpu.double(), rtol=1e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-6, atol=1e-5
+    )
 
 
 @GPU
@@ -266,8 +273,14 @@ def test_cuda_opcheck_and_module():
 
 
 @GPU
-@pytest.mark.parametrize("layout,fmt", [("NHWC", torch.contiguous_format),  # vectorized path
-                                        ("NHWC", torch.channels_last), ("NCHW", torch.contiguous_format)])
+@pytest.mark.parametrize(
+    "layout,fmt",
+    [
+        ("NHWC", torch.contiguous_format),  # vectorized path
+        ("NHWC", torch.channels_last),
+        ("NCHW", torch.contiguous_format),
+    ],
+)
 def test_cuda_more_than_2_31_output_elements(layout, fmt):
     # N * C * H * W > 2^31: int32 element offsets would wrap. About 11 GB of GPU memory.
     h = w = 26760  # H * W divisible by 4: NHWC -> NCHW takes the vectorized kernel
@@ -278,8 +291,8 @@ def test_cuda_more_than_2_31_output_elements(layout, fmt):
     assert out.is_contiguous(memory_format=fmt)
     rows = 2048
     for r0 in range(0, h, rows):
-        part = images[:, r0:r0 + rows] if layout == "NHWC" else images[:, :, r0:r0 + rows]
-        assert rel_err(out[:, :, r0:r0 + rows], reference(part, mean, std, layout)) <= 1e-5, f"rows from {r0}"
+        part = images[:, r0 : r0 + rows] if layout == "NHWC" else images[:, :, r0 : r0 + rows]
+        assert rel_err(out[:, :, r0 : r0 + rows], reference(part, mean, std, layout)) <= 1e-5, f"rows from {r0}"
 
 
 @GPU

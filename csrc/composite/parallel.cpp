@@ -21,7 +21,9 @@ namespace {
 // Asynchronous copies are only safe when the destination is a GPU: the copy is ordered
 // on the destination's stream. A non-blocking copy INTO host memory could be read by
 // the CPU before it completes, so those copies stay synchronous.
-inline bool non_blocking_to(const c10::Device& dst) { return dst.is_cuda(); }
+inline bool non_blocking_to(const c10::Device& dst) {
+  return dst.is_cuda();
+}
 
 // result = sum_k w_k * loss_k / sum_k w_k (normalize) or sum_k w_k * loss_k, on `output_device`.
 // losses: K tensors of one shape (usually 0-dim), floating point, on any devices.
@@ -85,8 +87,9 @@ at::Tensor weighted_loss_reduce(at::TensorList losses, at::TensorList weights, c
 // it stays on its source device), so outputs never alias inputs.
 std::vector<at::Tensor> split_to_devices(at::TensorList tensors, at::IntArrayRef split_sizes, int64_t dim,
                                          const std::vector<c10::Device>& devices) {
-  TORCH_CHECK(split_sizes.size() == devices.size(), "argument `split_sizes` must hold one size per device: got ",
-              split_sizes.size(), " sizes for ", devices.size(), " devices");
+  TORCH_CHECK(split_sizes.size() == devices.size(),
+              "argument `split_sizes` must hold one size per device: got ", split_sizes.size(), " sizes for ",
+              devices.size(), " devices");
   TORCH_CHECK(!devices.empty(), "argument `devices` must hold at least one device");
   int64_t total = 0;
   for (auto s : split_sizes) {

@@ -20,11 +20,12 @@ namespace {
 std::tuple<at::Tensor, at::Tensor> partial_fc_sample(const at::Tensor& labels, int64_t class_offset,
                                                      int64_t num_local, int64_t num_sample,
                                                      std::optional<at::Generator> generator) {
-  TORCH_CHECK(labels.scalar_type() == at::kLong, "argument `labels` must be int64, got ", labels.scalar_type());
+  TORCH_CHECK(labels.scalar_type() == at::kLong, "argument `labels` must be int64, got ",
+              labels.scalar_type());
   TORCH_CHECK(labels.dim() == 1, "argument `labels` must be 1-D [B], got ", labels.dim(), " dimensions");
   TORCH_CHECK(num_local >= 0, "argument `num_local` must be >= 0, got ", num_local);
-  TORCH_CHECK(num_sample >= 0 && num_sample <= num_local, "argument `num_sample` must be in [0, num_local=",
-              num_local, "], got ", num_sample);
+  TORCH_CHECK(num_sample >= 0 && num_sample <= num_local,
+              "argument `num_sample` must be in [0, num_local=", num_local, "], got ", num_sample);
   TORCH_CHECK(class_offset >= 0, "argument `class_offset` must be >= 0, got ", class_offset);
   // at::rand would reject a generator of another device type with a message that names
   // no argument (a CPU generator for CUDA labels is the easy mistake); one of another

@@ -39,21 +39,27 @@ struct Conv<float> {
   using raw = float;
   static inline float ld(raw x) { return x; }
   template <typename A>
-  static inline raw st(A v) { return static_cast<float>(v); }
+  static inline raw st(A v) {
+    return static_cast<float>(v);
+  }
 };
 template <>
 struct Conv<double> {
   using raw = double;
   static inline double ld(raw x) { return x; }
   template <typename A>
-  static inline raw st(A v) { return static_cast<double>(v); }
+  static inline raw st(A v) {
+    return static_cast<double>(v);
+  }
 };
 template <>
 struct Conv<c10::Half> {
   using raw = c10::Half;
   static inline float ld(raw x) { return static_cast<float>(x); }
   template <typename A>
-  static inline raw st(A v) { return c10::Half(static_cast<float>(v)); }
+  static inline raw st(A v) {
+    return c10::Half(static_cast<float>(v));
+  }
 };
 template <>
 struct Conv<c10::BFloat16> {
@@ -108,21 +114,31 @@ void update_chunk(char* ep, char* mp, int64_t begin, int64_t end, double w_d) {
 template <typename E>
 ChunkFn pick_update_model(at::ScalarType m) {
   switch (m) {
-    case at::kFloat: return &update_chunk<E, float>;
-    case at::kDouble: return &update_chunk<E, double>;
-    case at::kHalf: return &update_chunk<E, c10::Half>;
-    case at::kBFloat16: return &update_chunk<E, c10::BFloat16>;
-    default: TORCH_INTERNAL_ASSERT(false, "dtype was checked before");
+    case at::kFloat:
+      return &update_chunk<E, float>;
+    case at::kDouble:
+      return &update_chunk<E, double>;
+    case at::kHalf:
+      return &update_chunk<E, c10::Half>;
+    case at::kBFloat16:
+      return &update_chunk<E, c10::BFloat16>;
+    default:
+      TORCH_INTERNAL_ASSERT(false, "dtype was checked before");
   }
 }
 
 ChunkFn pick_update(at::ScalarType e, at::ScalarType m) {
   switch (e) {
-    case at::kFloat: return pick_update_model<float>(m);
-    case at::kDouble: return pick_update_model<double>(m);
-    case at::kHalf: return pick_update_model<c10::Half>(m);
-    case at::kBFloat16: return pick_update_model<c10::BFloat16>(m);
-    default: TORCH_INTERNAL_ASSERT(false, "dtype was checked before");
+    case at::kFloat:
+      return pick_update_model<float>(m);
+    case at::kDouble:
+      return pick_update_model<double>(m);
+    case at::kHalf:
+      return pick_update_model<c10::Half>(m);
+    case at::kBFloat16:
+      return pick_update_model<c10::BFloat16>(m);
+    default:
+      TORCH_INTERNAL_ASSERT(false, "dtype was checked before");
   }
 }
 
@@ -139,11 +155,16 @@ void exchange_chunk(char* ep, char* mp, int64_t begin, int64_t end, double) {
 
 ChunkFn pick_exchange(size_t element_size) {
   switch (element_size) {
-    case 1: return &exchange_chunk<uint8_t>;
-    case 2: return &exchange_chunk<uint16_t>;
-    case 4: return &exchange_chunk<uint32_t>;
-    case 8: return &exchange_chunk<uint64_t>;
-    default: return nullptr;  // complex128 etc.: the caller falls back to ATen
+    case 1:
+      return &exchange_chunk<uint8_t>;
+    case 2:
+      return &exchange_chunk<uint16_t>;
+    case 4:
+      return &exchange_chunk<uint32_t>;
+    case 8:
+      return &exchange_chunk<uint64_t>;
+    default:
+      return nullptr;  // complex128 etc.: the caller falls back to ATen
   }
 }
 
@@ -230,14 +251,18 @@ void ema_swap_impl(const char* op, at::TensorList ema, at::TensorList model) {
       fallback_exchange(ema[i], model[i]);
       continue;
     }
-    jobs.push_back({static_cast<char*>(ema[i].data_ptr()), static_cast<char*>(model[i].data_ptr()),
-                    ema[i].numel(), fn});
+    jobs.push_back(
+        {static_cast<char*>(ema[i].data_ptr()), static_cast<char*>(model[i].data_ptr()), ema[i].numel(), fn});
   }
   run_jobs(jobs, 0.0);
 }
 
-void ema_swap_cpu(at::TensorList ema, at::TensorList model) { ema_swap_impl<true>("ema_swap_", ema, model); }
-void ema_unswap_cpu(at::TensorList ema, at::TensorList model) { ema_swap_impl<false>("ema_unswap_", ema, model); }
+void ema_swap_cpu(at::TensorList ema, at::TensorList model) {
+  ema_swap_impl<true>("ema_swap_", ema, model);
+}
+void ema_unswap_cpu(at::TensorList ema, at::TensorList model) {
+  ema_swap_impl<false>("ema_unswap_", ema, model);
+}
 
 }  // namespace
 

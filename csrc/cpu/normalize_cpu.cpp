@@ -78,7 +78,8 @@ void normalize_rows(const Plan& p, const acc_t* scale, const acc_t* shift) {
         T* __restrict__ dst = out + r * WC;
         const acc_t* __restrict__ rs = row_scale.data();
         const acc_t* __restrict__ rb = row_shift.data();
-        for (int64_t i = 0; i < WC; ++i) dst[i] = to_out<T, acc_t>(static_cast<acc_t>(src[i]) * rs[i] + rb[i]);
+        for (int64_t i = 0; i < WC; ++i)
+          dst[i] = to_out<T, acc_t>(static_cast<acc_t>(src[i]) * rs[i] + rb[i]);
       } else if (in_cl) {  // NHWC -> NCHW: the transpose; reads stride C within one cached row
         const uint8_t* __restrict__ src = in + r * WC;
         T* __restrict__ dst0 = out + (n * C * H + h) * W;  // channel c's row is dst0 + c * H * W
@@ -119,7 +120,8 @@ void normalize_rows(const Plan& p, const acc_t* scale, const acc_t* shift) {
 }
 
 at::Tensor normalize_images_cpu(const at::Tensor& images, at::ArrayRef<double> mean, at::ArrayRef<double> std,
-                                bool channels_last_input, at::ScalarType out_dtype, bool channels_last_output) {
+                                bool channels_last_input, at::ScalarType out_dtype,
+                                bool channels_last_output) {
   TORCH_CHECK(images.device().is_cpu(), "normalize_images: argument `images` must be a CPU tensor here, got ",
               images.device());
   Plan p = normalize::make_plan(images, mean, std, channels_last_input, out_dtype, channels_last_output);
@@ -135,4 +137,6 @@ at::Tensor normalize_images_cpu(const at::Tensor& images, at::ArrayRef<double> m
 }  // namespace
 }  // namespace shardkit
 
-TORCH_LIBRARY_IMPL(shardkit, CPU, m) { m.impl("normalize_images", &shardkit::normalize_images_cpu); }
+TORCH_LIBRARY_IMPL(shardkit, CPU, m) {
+  m.impl("normalize_images", &shardkit::normalize_images_cpu);
+}

@@ -67,8 +67,8 @@ struct Workspace {
     } else {
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.scalar_type(), "sce_load_w", [&] {
         using T = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-        load_rows<scalar_t, T>(w.const_data_ptr<scalar_t>() + j0 * w.stride(0), w.stride(0), w.stride(1), n, D,
-                               normalize, wbuf.mutable_data_ptr<T>(), wnrm.mutable_data_ptr<T>());
+        load_rows<scalar_t, T>(w.const_data_ptr<scalar_t>() + j0 * w.stride(0), w.stride(0), w.stride(1), n,
+                               D, normalize, wbuf.mutable_data_ptr<T>(), wnrm.mutable_data_ptr<T>());
       });
       wc = wbuf.narrow(0, 0, n);
     }
@@ -156,8 +156,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> ce_shard_stats_cpu(const Tensor& x, c
         if (has_t) {
           c_t = z[t];
           psi = c_t;
-          if (normalize)
-            margin_psi<T>(c_t, mg.plain_target, mg.m1, mg.m2, mg.m3, mg.c_max, &psi, &dpsi);
+          if (normalize) margin_psi<T>(c_t, mg.plain_target, mg.m1, mg.m2, mg.m3, mg.c_max, &psi, &dpsi);
           z[t] = psi;  // scaled with the rest of the row below
         }
         int64_t c = 0;
@@ -187,10 +186,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> ce_shard_stats_cpu(const Tensor& x, c
 }
 
 std::tuple<Tensor, Tensor> ce_shard_stats_backward_cpu(const Tensor& grad_lse, const Tensor& grad_target,
-                                                       const Tensor& grad_sum, const Tensor& x, const Tensor& w,
-                                                       const Tensor& labels, const Tensor& lse_in,
-                                                       int64_t class_offset, double scale, double m1, double m2,
-                                                       double m3, bool normalize, int64_t chunk_classes) {
+                                                       const Tensor& grad_sum, const Tensor& x,
+                                                       const Tensor& w, const Tensor& labels,
+                                                       const Tensor& lse_in, int64_t class_offset,
+                                                       double scale, double m1, double m2, double m3,
+                                                       bool normalize, int64_t chunk_classes) {
   check_backward(grad_lse, grad_target, grad_sum, x, w, labels, lse_in, class_offset, scale, m1, m2, m3,
                  normalize, chunk_classes);
   // Called below autograd (register_autograd handles it); inputs may still require grad,
@@ -202,7 +202,8 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cpu(const Tensor& grad_lse, c
   if (B == 0 || C == 0) return {at::zeros({B, D}, x.options()), grad_w.zero_()};
   const Margin mg = make_margin(scale, m1, m2, m3, normalize);
   const Tensor gl = grad_lse.to(acc).contiguous(), gt = grad_target.to(acc).contiguous(),
-               gs = grad_sum.to(acc).contiguous(), lse = lse_in.to(acc).contiguous(), lab = labels.contiguous();
+               gs = grad_sum.to(acc).contiguous(), lse = lse_in.to(acc).contiguous(),
+               lab = labels.contiguous();
   const int64_t chunk = std::min(chunk_classes, C);
   const int64_t nt = threads_for(C, chunk);
   const Rows xr = load_x(x, normalize);
@@ -226,8 +227,7 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cpu(const Tensor& grad_lse, c
         dlogit_f(z, n, s, plse[i], pgl[i], pgs[i]);
         if (has_t) {
           T psi = c_t, dpsi = 1;
-          if (normalize)
-            margin_psi<T>(c_t, mg.plain_target, mg.m1, mg.m2, mg.m3, mg.c_max, &psi, &dpsi);
+          if (normalize) margin_psi<T>(c_t, mg.plain_target, mg.m1, mg.m2, mg.m3, mg.c_max, &psi, &dpsi);
           z[t] = s * dpsi * (pgl[i] * std::exp(s * psi - plse[i]) + pgs[i] + pgt[i]);
         }
       }
@@ -256,8 +256,8 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cpu(const Tensor& grad_lse, c
     Tensor gx = at::empty({B, D}, dx.options());
     AT_DISPATCH_FLOATING_TYPES(acc, "sce_dx_norm", [&] {
       using T = scalar_t;
-      normalize_backward_rows<T, T>(dx.const_data_ptr<T>(), xr.x.const_data_ptr<T>(), xr.xnrm.const_data_ptr<T>(),
-                                    B, D, gx.mutable_data_ptr<T>());
+      normalize_backward_rows<T, T>(dx.const_data_ptr<T>(), xr.x.const_data_ptr<T>(),
+                                    xr.xnrm.const_data_ptr<T>(), B, D, gx.mutable_data_ptr<T>());
     });
     dx = gx;
   }

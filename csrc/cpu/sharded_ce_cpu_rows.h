@@ -31,7 +31,9 @@ constexpr int kLanes = 16;
 typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
-__attribute__((always_inline)) inline vf splat(float v) { return vf{} + v; }
+__attribute__((always_inline)) inline vf splat(float v) {
+  return vf{} + v;
+}
 __attribute__((always_inline)) inline vf load(const float* p) {
   vf v;
   std::memcpy(&v, p, sizeof(v));
@@ -175,8 +177,8 @@ void dlogit_f(double* z, int64_t n, double s, double lse, double gl, double gs) 
 // Rows [r0, r1) of src (any float dtype, row stride src_stride) -> dst (acc T, contiguous,
 // [rows, D]), L2-normalized when normalize; nrm[r] = max(|row|, 1e-12) is kept for backward.
 template <typename scalar_t, typename T>
-void load_rows(const scalar_t* src, int64_t s0, int64_t s1, int64_t rows, int64_t D, bool normalize,
-               T* dst, T* nrm) {
+void load_rows(const scalar_t* src, int64_t s0, int64_t s1, int64_t rows, int64_t D, bool normalize, T* dst,
+               T* nrm) {
   at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / std::max<int64_t>(D, 1)), [&](int64_t a, int64_t b) {
     for (int64_t r = a; r < b; ++r) {
       const scalar_t* in = src + r * s0;

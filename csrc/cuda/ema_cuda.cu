@@ -116,11 +116,16 @@ void launch_update(at::ScalarType m, const Lists& lists, double w) {
     mt::multi_tensor_apply<2>(lists, Op{static_cast<Acc>(w), static_cast<Acc>(1.0 - w), w < 0.5});
   };
   switch (m) {
-    case at::kFloat: return run(float{});
-    case at::kDouble: return run(double{});
-    case at::kHalf: return run(c10::Half{});
-    case at::kBFloat16: return run(c10::BFloat16{});
-    default: TORCH_INTERNAL_ASSERT(false, "dtype was checked before");
+    case at::kFloat:
+      return run(float{});
+    case at::kDouble:
+      return run(double{});
+    case at::kHalf:
+      return run(c10::Half{});
+    case at::kBFloat16:
+      return run(c10::BFloat16{});
+    default:
+      TORCH_INTERNAL_ASSERT(false, "dtype was checked before");
   }
 }
 
@@ -146,11 +151,20 @@ void ema_update_cuda(at::TensorList ema, at::TensorList model, double decay) {
     const auto e = static_cast<at::ScalarType>(key.first);
     const auto m = static_cast<at::ScalarType>(key.second);
     switch (e) {
-      case at::kFloat: launch_update<float>(m, lists, w); break;
-      case at::kDouble: launch_update<double>(m, lists, w); break;
-      case at::kHalf: launch_update<c10::Half>(m, lists, w); break;
-      case at::kBFloat16: launch_update<c10::BFloat16>(m, lists, w); break;
-      default: TORCH_INTERNAL_ASSERT(false, "dtype was checked before");
+      case at::kFloat:
+        launch_update<float>(m, lists, w);
+        break;
+      case at::kDouble:
+        launch_update<double>(m, lists, w);
+        break;
+      case at::kHalf:
+        launch_update<c10::Half>(m, lists, w);
+        break;
+      case at::kBFloat16:
+        launch_update<c10::BFloat16>(m, lists, w);
+        break;
+      default:
+        TORCH_INTERNAL_ASSERT(false, "dtype was checked before");
     }
   }
 }
@@ -179,17 +193,30 @@ void ema_swap_cuda_impl(const char* op, at::TensorList ema, at::TensorList model
   }
   for (const auto& [key, lists] : groups) {
     switch (key) {
-      case 0: mt::multi_tensor_apply<2>(lists, Bf16Op<kPack>{}); break;
-      case 1: mt::multi_tensor_apply<2>(lists, ExchangeOp<uint8_t>{}); break;
-      case 2: mt::multi_tensor_apply<2>(lists, ExchangeOp<uint16_t>{}); break;
-      case 4: mt::multi_tensor_apply<2>(lists, ExchangeOp<uint32_t>{}); break;
-      case 8: mt::multi_tensor_apply<2>(lists, ExchangeOp<uint64_t>{}); break;
-      default: TORCH_INTERNAL_ASSERT(false, "unexpected swap group");
+      case 0:
+        mt::multi_tensor_apply<2>(lists, Bf16Op<kPack>{});
+        break;
+      case 1:
+        mt::multi_tensor_apply<2>(lists, ExchangeOp<uint8_t>{});
+        break;
+      case 2:
+        mt::multi_tensor_apply<2>(lists, ExchangeOp<uint16_t>{});
+        break;
+      case 4:
+        mt::multi_tensor_apply<2>(lists, ExchangeOp<uint32_t>{});
+        break;
+      case 8:
+        mt::multi_tensor_apply<2>(lists, ExchangeOp<uint64_t>{});
+        break;
+      default:
+        TORCH_INTERNAL_ASSERT(false, "unexpected swap group");
     }
   }
 }
 
-void ema_swap_cuda(at::TensorList ema, at::TensorList model) { ema_swap_cuda_impl<true>("ema_swap_", ema, model); }
+void ema_swap_cuda(at::TensorList ema, at::TensorList model) {
+  ema_swap_cuda_impl<true>("ema_swap_", ema, model);
+}
 void ema_unswap_cuda(at::TensorList ema, at::TensorList model) {
   ema_swap_cuda_impl<false>("ema_unswap_", ema, model);
 }

@@ -45,8 +45,9 @@ struct alignas(4 * sizeof(T)) Vec4 {
 
 // NHWC -> NCHW, CT channels known at compile time, P % 4 == 0, input 4-byte aligned.
 template <typename T, typename acc_t, int CT>
-__global__ void nhwc_to_nchw_vec4(const uint8_t* __restrict__ in, T* __restrict__ out, int64_t groups_per_image,
-                                  int64_t total_groups, int64_t P, Affine<acc_t> aff) {
+__global__ void nhwc_to_nchw_vec4(const uint8_t* __restrict__ in, T* __restrict__ out,
+                                  int64_t groups_per_image, int64_t total_groups, int64_t P,
+                                  Affine<acc_t> aff) {
   for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < total_groups;
        g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t n = g / groups_per_image;
@@ -61,7 +62,8 @@ __global__ void nhwc_to_nchw_vec4(const uint8_t* __restrict__ in, T* __restrict_
     for (int c = 0; c < CT; ++c) {
       Vec4<T> o;
 #pragma unroll
-      for (int j = 0; j < kPix; ++j) o.v[j] = static_cast<T>(static_cast<acc_t>(bytes[j * CT + c]) * aff.scale[c] + aff.shift[c]);
+      for (int j = 0; j < kPix; ++j)
+        o.v[j] = static_cast<T>(static_cast<acc_t>(bytes[j * CT + c]) * aff.scale[c] + aff.shift[c]);
       *reinterpret_cast<Vec4<T>*>(out + (n * CT + c) * P + p) = o;
     }
   }
@@ -69,8 +71,8 @@ __global__ void nhwc_to_nchw_vec4(const uint8_t* __restrict__ in, T* __restrict_
 
 // Any layout pair, any channel count: one thread per output element, output-coalesced.
 template <typename T, typename acc_t>
-__global__ void normalize_generic(const uint8_t* __restrict__ in, T* __restrict__ out, int64_t total, int64_t C,
-                                  int64_t P, bool in_cl, bool out_cl, Affine<acc_t> aff) {
+__global__ void normalize_generic(const uint8_t* __restrict__ in, T* __restrict__ out, int64_t total,
+                                  int64_t C, int64_t P, bool in_cl, bool out_cl, Affine<acc_t> aff) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     int64_t n, c, p;
@@ -111,8 +113,9 @@ bool try_vec4(const Plan& p, const Affine<acc_t>& aff, cudaStream_t stream) {
   return true;
 }
 
-at::Tensor normalize_images_cuda(const at::Tensor& images, at::ArrayRef<double> mean, at::ArrayRef<double> std,
-                                 bool channels_last_input, at::ScalarType out_dtype, bool channels_last_output) {
+at::Tensor normalize_images_cuda(const at::Tensor& images, at::ArrayRef<double> mean,
+                                 at::ArrayRef<double> std, bool channels_last_input, at::ScalarType out_dtype,
+                                 bool channels_last_output) {
   TORCH_CHECK(images.is_cuda(), "normalize_images: argument `images` must be a CUDA tensor here, got ",
               images.device());
   c10::cuda::CUDAGuard guard(images.device());
@@ -131,8 +134,9 @@ at::Tensor normalize_images_cuda(const at::Tensor& images, at::ArrayRef<double> 
          try_vec4<scalar_t, acc_t, 4>(p, aff, stream)))
       return;
     const int64_t total = p.out4.numel();
-    normalize_generic<scalar_t, acc_t><<<blocks_for(total), kThreads, 0, stream>>>(
-        p.input.data_ptr<uint8_t>(), p.out4.data_ptr<scalar_t>(), total, p.C, p.H * p.W, p.in_cl, p.out_cl, aff);
+    normalize_generic<scalar_t, acc_t>
+        <<<blocks_for(total), kThreads, 0, stream>>>(p.input.data_ptr<uint8_t>(), p.out4.data_ptr<scalar_t>(),
+                                                     total, p.C, p.H * p.W, p.in_cl, p.out_cl, aff);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return p.result;
@@ -141,4 +145,6 @@ at::Tensor normalize_images_cuda(const at::Tensor& images, at::ArrayRef<double> 
 }  // namespace
 }  // namespace shardkit
 
-TORCH_LIBRARY_IMPL(shardkit, CUDA, m) { m.impl("normalize_images", &shardkit::normalize_images_cuda); }
+TORCH_LIBRARY_IMPL(shardkit, CUDA, m) {
+  m.impl("normalize_images", &shardkit::normalize_images_cuda);
+}

@@ -72,8 +72,8 @@ __device__ __forceinline__ void merge_ms(T& m, T& s, T m2, T s2) {
 // 1 / max(|w_j|, eps) for the chunk's rows (one warp per row) and, if what is given, the
 // normalized rows w_j / max(|w_j|, eps) in w's dtype, contiguous [n, D].
 template <typename scalar_t, typename T>
-__global__ void inv_row_norm_kernel(const scalar_t* __restrict__ w, int64_t s0, int64_t s1, int64_t n, int64_t D,
-                                    T* __restrict__ rnorm, scalar_t* __restrict__ what) {
+__global__ void inv_row_norm_kernel(const scalar_t* __restrict__ w, int64_t s0, int64_t s1, int64_t n,
+                                    int64_t D, T* __restrict__ rnorm, scalar_t* __restrict__ what) {
   const int64_t row = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= n) return;
@@ -86,7 +86,8 @@ __global__ void inv_row_norm_kernel(const scalar_t* __restrict__ w, int64_t s0, 
   const T rn = T(1) / max(sqrt(ss), T(kEps));
   if (lane == 0) rnorm[row] = rn;
   if (what)
-    for (int64_t k = lane; k < D; k += 32) what[row * D + k] = static_cast<scalar_t>(static_cast<T>(w[row * s0 + k * s1]) * rn);
+    for (int64_t k = lane; k < D; k += 32)
+      what[row * D + k] = static_cast<scalar_t>(static_cast<T>(w[row * s0 + k * s1]) * rn);
 }
 
 // Forward: row i = blockIdx.x of the chunk's logits L [B, n] (raw dots; times rw[j] when
@@ -212,9 +213,9 @@ __global__ void dw_fixup_kernel(const tmp_t* tmp, const scalar_t* __restrict__ v
 }
 
 struct Prepared {
-  Tensor xin;    // GEMM input [B, D]: x, or x normalized (input dtype), contiguous
-  Tensor xf;     // fp32/fp64 normalized x (normalize only)
-  Tensor xnrm;   // [B, 1] max(|x|, eps) (normalize only)
+  Tensor xin;   // GEMM input [B, D]: x, or x normalized (input dtype), contiguous
+  Tensor xf;    // fp32/fp64 normalized x (normalize only)
+  Tensor xnrm;  // [B, 1] max(|x|, eps) (normalize only)
 };
 
 Prepared prepare_x(const Tensor& x, bool normalize) {
@@ -291,7 +292,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> ce_shard_stats_cuda(const Tensor& x, 
   Tensor lbuf = at::empty({B * chunk}, opts);
   Tensor rw = normalize ? at::empty({chunk}, opts) : Tensor();
   // Mixed mode: the chunk's rows converted to x's dtype, [chunk, D].
-  const Tensor wbuf = w.scalar_type() != x.scalar_type() ? at::empty({chunk * w.size(1)}, x.options()) : Tensor();
+  const Tensor wbuf =
+      w.scalar_type() != x.scalar_type() ? at::empty({chunk * w.size(1)}, x.options()) : Tensor();
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   for (int64_t j0 = 0; j0 < C; j0 += chunk) {
     const int64_t n = std::min(chunk, C - j0);
@@ -300,9 +302,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> ce_shard_stats_cuda(const Tensor& x, 
     AT_DISPATCH_FLOATING_TYPES(acc, "ce_shard_stats_cuda", [&] {
       using T = scalar_t;
       row_stats_kernel<T><<<B, kBlock, 0, stream>>>(
-          L.const_data_ptr<T>(), n, j0, normalize ? rw.const_data_ptr<T>() : nullptr, lab.const_data_ptr<int64_t>(),
-          class_offset, count ? tref.const_data_ptr<T>() : nullptr, to_device_margin<T>(mg), M.mutable_data_ptr<T>(),
-          S.mutable_data_ptr<T>(), LS.mutable_data_ptr<T>(), TG.mutable_data_ptr<T>(), CN.mutable_data_ptr<int64_t>());
+          L.const_data_ptr<T>(), n, j0, normalize ? rw.const_data_ptr<T>() : nullptr,
+          lab.const_data_ptr<int64_t>(), class_offset, count ? tref.const_data_ptr<T>() : nullptr,
+          to_device_margin<T>(mg), M.mutable_data_ptr<T>(), S.mutable_data_ptr<T>(), LS.mutable_data_ptr<T>(),
+          TG.mutable_data_ptr<T>(), CN.mutable_data_ptr<int64_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
@@ -311,10 +314,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> ce_shard_stats_cuda(const Tensor& x, 
 }
 
 std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, const Tensor& grad_target,
-                                                        const Tensor& grad_sum, const Tensor& x, const Tensor& w,
-                                                        const Tensor& labels, const Tensor& lse_in,
-                                                        int64_t class_offset, double scale, double m1, double m2,
-                                                        double m3, bool normalize, int64_t chunk_classes) {
+                                                        const Tensor& grad_sum, const Tensor& x,
+                                                        const Tensor& w, const Tensor& labels,
+                                                        const Tensor& lse_in, int64_t class_offset,
+                                                        double scale, double m1, double m2, double m3,
+                                                        bool normalize, int64_t chunk_classes) {
   check_backward(grad_lse, grad_target, grad_sum, x, w, labels, lse_in, class_offset, scale, m1, m2, m3,
                  normalize, chunk_classes);
   // Called below autograd (register_autograd handles it); inputs may still require grad,
@@ -330,7 +334,8 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
   const Margin mg = make_margin(scale, m1, m2, m3, normalize);
   const auto opts = x.options().dtype(acc);
   const Tensor gl = grad_lse.to(acc).contiguous(), gt = grad_target.to(acc).contiguous(),
-               gs = grad_sum.to(acc).contiguous(), lse = lse_in.to(acc).contiguous(), lab = labels.contiguous();
+               gs = grad_sum.to(acc).contiguous(), lse = lse_in.to(acc).contiguous(),
+               lab = labels.contiguous();
   const Prepared p = prepare_x(x, normalize);
   const int64_t chunk = std::min(chunk_classes, C);
   const bool low = dt != acc;  // bf16 / fp16: dlogits in the input dtype, fp32 temporaries
@@ -379,16 +384,19 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
       at::mm_out(tmp, G.t(), p.xin, acc);
       if (mixed && normalize) {  // (mixed without normalize: the GEMM wrote the final dW)
         AT_DISPATCH_REDUCED_FLOATING_TYPES(dt, "sce_dw_mixed", [&] {
-          dw_fixup_kernel<scalar_t, float, float, float><<<(n + kBlock / 32 - 1) / (kBlock / 32), kBlock, 0, stream>>>(
-              tmp.const_data_ptr<float>(), v.const_data_ptr<scalar_t>(), v.stride(0), v.stride(1),
-              rw.const_data_ptr<float>(), hat, n, D, gw.mutable_data_ptr<float>());
+          dw_fixup_kernel<scalar_t, float, float, float>
+              <<<(n + kBlock / 32 - 1) / (kBlock / 32), kBlock, 0, stream>>>(
+                  tmp.const_data_ptr<float>(), v.const_data_ptr<scalar_t>(), v.stride(0), v.stride(1),
+                  rw.const_data_ptr<float>(), hat, n, D, gw.mutable_data_ptr<float>());
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         });
       } else if (!mixed) {
         AT_DISPATCH_REDUCED_FLOATING_TYPES(dt, "sce_dw_low", [&] {
-          dw_fixup_kernel<scalar_t, float, float><<<(n + kBlock / 32 - 1) / (kBlock / 32), kBlock, 0, stream>>>(
-              tmp.const_data_ptr<float>(), v.const_data_ptr<scalar_t>(), v.stride(0), v.stride(1),
-              normalize ? rw.const_data_ptr<float>() : nullptr, hat, n, D, gw.mutable_data_ptr<scalar_t>());
+          dw_fixup_kernel<scalar_t, float, float>
+              <<<(n + kBlock / 32 - 1) / (kBlock / 32), kBlock, 0, stream>>>(
+                  tmp.const_data_ptr<float>(), v.const_data_ptr<scalar_t>(), v.stride(0), v.stride(1),
+                  normalize ? rw.const_data_ptr<float>() : nullptr, hat, n, D,
+                  gw.mutable_data_ptr<scalar_t>());
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         });
       }
@@ -397,9 +405,10 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
       at::mm_out(gw, G.t(), p.xin);
       if (normalize) {
         AT_DISPATCH_FLOATING_TYPES(dt, "sce_dw", [&] {
-          dw_fixup_kernel<scalar_t, scalar_t, scalar_t><<<(n + kBlock / 32 - 1) / (kBlock / 32), kBlock, 0, stream>>>(
-              gw.const_data_ptr<scalar_t>(), wc.const_data_ptr<scalar_t>(), wc.stride(0), wc.stride(1),
-              rw.const_data_ptr<scalar_t>(), /*hat=*/false, n, D, gw.mutable_data_ptr<scalar_t>());
+          dw_fixup_kernel<scalar_t, scalar_t, scalar_t>
+              <<<(n + kBlock / 32 - 1) / (kBlock / 32), kBlock, 0, stream>>>(
+                  gw.const_data_ptr<scalar_t>(), wc.const_data_ptr<scalar_t>(), wc.stride(0), wc.stride(1),
+                  rw.const_data_ptr<scalar_t>(), /*hat=*/false, n, D, gw.mutable_data_ptr<scalar_t>());
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         });
       }

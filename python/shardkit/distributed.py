@@ -5,8 +5,7 @@
 the mode itself is :mod:`shardkit.softmax.distributed`.
 """
 
-from shardkit.softmax.collectives import (CollectiveError, DistributedInputError, class_offsets,  # noqa: F401
-                                          split_classes)
+from shardkit.softmax.collectives import CollectiveError, DistributedInputError, class_offsets, split_classes  # noqa: F401
 from shardkit.softmax.sampling import sampled_class_counts  # noqa: F401
 
 __all__ = ["split_classes", "class_offsets", "sampled_class_counts", "CollectiveError", "DistributedInputError"]

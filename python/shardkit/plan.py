@@ -46,11 +46,20 @@ OPTIMIZER_STATES = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
 #: Chunk working-set budget of ShardedSoftmaxLoss when no chunk size is given.
 DEFAULT_CHUNK_BUDGET = 192 * MiB
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
-    "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
-    "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
-    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "kb": 10**3,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "mb": 10**6,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "gb": 10**9,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "tb": 10**12,
 }
 
 
@@ -246,11 +255,20 @@ def plan_memory(
     half = dtype != "fp32"
     pfc_parts = {
         "logits [B, S] fp32 (held, backward grad, one-hot)": 3 * B * used * 4 + (B * used * 2 if half else 0),
-        "sampled/normalized weight rows + grad": used * dim * (4 + 4 + (2 if half else 0)) + (used * dim * 4 if sampled else 0),
+        "sampled/normalized weight rows + grad": used * dim * (4 + 4 + (2 if half else 0))
+        + (used * dim * 4 if sampled else 0),
         "gathered embeddings (+ normalized, grad)": 3 * B * dim * 4,
     }
-    pfc = DeviceMemory("partial_fc", rows, rows * dim * 4, 0, rows * dim * 4, rows * dim * 4 * states,
-                       sum(pfc_parts.values()), pfc_parts)
+    pfc = DeviceMemory(
+        "partial_fc",
+        rows,
+        rows * dim * 4,
+        0,
+        rows * dim * 4,
+        rows * dim * 4 * states,
+        sum(pfc_parts.values()),
+        pfc_parts,
+    )
 
     # Naive: nn.Linear + F.cross_entropy on one device: logits [B, C] in dtype, fp32
     # log-softmax saved for backward, fp32 gradient of the logits.
@@ -263,8 +281,23 @@ def plan_memory(
     }
     naive = DeviceMemory("naive", classes, w, mw, classes * dim * elem, opt, sum(naive_parts.values()), naive_parts)
 
-    return MemoryPlan(classes, dim, n_dev, batch, B, dtype, optimizer, sample_rate, master,
-                      min(chunk, max(shard_rows)), gpu, reserve, per_device, fits(pfc), fits(naive))
+    return MemoryPlan(
+        classes,
+        dim,
+        n_dev,
+        batch,
+        B,
+        dtype,
+        optimizer,
+        sample_rate,
+        master,
+        min(chunk, max(shard_rows)),
+        gpu,
+        reserve,
+        per_device,
+        fits(pfc),
+        fits(naive),
+    )
 
 
 def format_plan(p: MemoryPlan) -> str:
@@ -273,7 +306,8 @@ def format_plan(p: MemoryPlan) -> str:
     lines = [
         f"shardkit memory plan: {p.classes:,} classes x {p.dim}-d head, {p.num_devices} device(s), "
         f"batch {p.batch} per device (global {p.global_batch})",
-        f"dtype {p.dtype}" + (" + fp32 master weights" if p.master_weights else "")
+        f"dtype {p.dtype}"
+        + (" + fp32 master weights" if p.master_weights else "")
         + f", optimizer {p.optimizer}, sample rate {p.sample_rate:g}"
         + (f", chunk {p.chunk_classes:,} classes" if p.chunk_classes else ""),
         "",
@@ -299,7 +333,9 @@ def format_plan(p: MemoryPlan) -> str:
         lines.append(label.ljust(w0) + "".join(v.rjust(w) for v, w in zip(vals, widths)))
     lines.append("")
     lines.append("loss working set, shardkit: " + ", ".join(f"{k} {format_size(v)}" for k, v in sk.loss_parts.items()))
-    lines.append("loss working set, naive: " + ", ".join(f"{k} {format_size(v)}" for k, v in p.naive.loss_parts.items()))
+    lines.append(
+        "loss working set, naive: " + ", ".join(f"{k} {format_size(v)}" for k, v in p.naive.loss_parts.items())
+    )
     lines.append("Not counted: backbone, activations, CUDA context, allocator slack (use --reserve).")
     return "\n".join(lines)
 
@@ -324,11 +360,21 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="sgd-momentum")
     ap.add_argument("--sample-rate", type=float, default=1.0, help="PartialFC sampling rate in (0, 1]")
     ap.add_argument("--gpu-memory", type=_size_arg, default=None, help="memory per device, e.g. 80GiB, 80GB, 81920MiB")
-    ap.add_argument("--reserve", type=_size_arg, default=0, help="memory per device kept for the rest (backbone, context)")
-    ap.add_argument("--chunk-budget", type=_size_arg, default=DEFAULT_CHUNK_BUDGET, help="ShardedSoftmaxLoss chunk budget (default 192MiB)")
+    ap.add_argument(
+        "--reserve", type=_size_arg, default=0, help="memory per device kept for the rest (backbone, context)"
+    )
+    ap.add_argument(
+        "--chunk-budget",
+        type=_size_arg,
+        default=DEFAULT_CHUNK_BUDGET,
+        help="ShardedSoftmaxLoss chunk budget (default 192MiB)",
+    )
     ap.add_argument("--no-master-weights", action="store_true", help="fp16/bf16 without fp32 master weights")
-    ap.add_argument("--dense-grad", action="store_true",
-                    help="model a dense weight-sized gradient in the sampled mode (shardkit's is row-sparse)")
+    ap.add_argument(
+        "--dense-grad",
+        action="store_true",
+        help="model a dense weight-sized gradient in the sampled mode (shardkit's is row-sparse)",
+    )
     return ap
 
 
@@ -338,9 +384,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = ap.parse_args(argv)
     try:
         plan = plan_memory(
-            args.classes, args.dim, args.devices, args.batch, args.dtype, args.optimizer, args.sample_rate,
-            args.gpu_memory, master_weights=False if args.no_master_weights else None,
-            sparse_grad=not args.dense_grad, chunk_budget=args.chunk_budget, reserve=args.reserve,
+            args.classes,
+            args.dim,
+            args.devices,
+            args.batch,
+            args.dtype,
+            args.optimizer,
+            args.sample_rate,
+            args.gpu_memory,
+            master_weights=False if args.no_master_weights else None,
+            sparse_grad=not args.dense_grad,
+            chunk_budget=args.chunk_budget,
+            reserve=args.reserve,
         )
     except ValueError as e:
         # plan_memory names its Python arguments (`sample_rate`); say the flag instead.

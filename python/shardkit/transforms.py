@@ -59,7 +59,12 @@ class Normalize(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return normalize_images(
-            images, self.mean, self.std, input_layout=self.input_layout, dtype=self.dtype, memory_format=self.memory_format
+            images,
+            self.mean,
+            self.std,
+            input_layout=self.input_layout,
+            dtype=self.dtype,
+            memory_format=self.memory_format,
         )
 
     def extra_repr(self) -> str:

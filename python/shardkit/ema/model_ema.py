@@ -16,8 +16,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from shardkit.ops._ema import ema_swap_, ema_unswap_
 from shardkit.ema.stage import HostStage
+from shardkit.ops._ema import ema_swap_, ema_unswap_
 
 __all__ = ["ModelEMA"]
 
@@ -103,11 +103,22 @@ class ModelEMA:
     ``ema`` is an alias), ``updates``, ``enabled`` (False makes ``update`` a no-op).
     """
 
-    def __init__(self, model: nn.Module, decay: float = 0.9999, *, tau: Optional[float] = 2000,
-                 warmup_gamma: Optional[float] = None, warmup_power: Optional[float] = None,
-                 min_decay: float = 0.0, update_after_step: int = 0, update_every: int = 1,
-                 dtype: Optional[torch.dtype] = None, device=None, copy_float_buffers: bool = False,
-                 updates: int = 0):
+    def __init__(
+        self,
+        model: nn.Module,
+        decay: float = 0.9999,
+        *,
+        tau: Optional[float] = 2000,
+        warmup_gamma: Optional[float] = None,
+        warmup_power: Optional[float] = None,
+        min_decay: float = 0.0,
+        update_after_step: int = 0,
+        update_every: int = 1,
+        dtype: Optional[torch.dtype] = None,
+        device=None,
+        copy_float_buffers: bool = False,
+        updates: int = 0,
+    ):
         src = _unwrap(model)
         if not isinstance(src, nn.Module):
             raise TypeError(f"argument `model` must be an nn.Module, got {type(model).__name__}")
@@ -127,8 +138,7 @@ class ModelEMA:
         memo = {}
         for _, table, key, is_param in _slots(src):
             t = table[key].detach()
-            t = t.to(device=device or t.device, dtype=dtype if dtype and t.is_floating_point() else t.dtype,
-                     copy=True)
+            t = t.to(device=device or t.device, dtype=dtype if dtype and t.is_floating_point() else t.dtype, copy=True)
             memo[id(table[key])] = nn.Parameter(t, requires_grad=False) if is_param else t
         self._module = copy.deepcopy(src, memo).eval()
         self._module.requires_grad_(False)
@@ -205,12 +215,16 @@ class ModelEMA:
             if names != self._names:
                 missing = sorted(set(self._names) - set(names))
                 extra = sorted(set(names) - set(self._names))
-                raise ValueError(f"{where}: argument `model` does not have the EMA's structure "
-                                 f"(missing {missing[:5]}, unexpected {extra[:5]})")
+                raise ValueError(
+                    f"{where}: argument `model` does not have the EMA's structure "
+                    f"(missing {missing[:5]}, unexpected {extra[:5]})"
+                )
             for (name, table, key, _), e in zip(slots, self._ema):
                 if table[key].shape != e.shape:
-                    raise ValueError(f"{where}: argument `model` has {name} of shape {tuple(table[key].shape)}, "
-                                     f"the EMA has {tuple(e.shape)}")
+                    raise ValueError(
+                        f"{where}: argument `model` has {name} of shape {tuple(table[key].shape)}, "
+                        f"the EMA has {tuple(e.shape)}"
+                    )
             self._src = (weakref.ref(src), [(table, key) for _, table, key, _ in slots])
         return [table[key] for table, key in self._src[1]]
 
@@ -272,8 +286,9 @@ class ModelEMA:
         src = self._model_tensors(model, "ModelEMA.swap")
         ex_e, ex_m, stash = [], [], []
         for e, m in zip(self._ema, src):
-            if e.device == m.device and (e.dtype == m.dtype or (
-                    e.dtype == torch.float32 and m.dtype == torch.bfloat16 and _flat_ok(e, m))):
+            if e.device == m.device and (
+                e.dtype == m.dtype or (e.dtype == torch.float32 and m.dtype == torch.bfloat16 and _flat_ok(e, m))
+            ):
                 ex_e.append(e)
                 ex_m.append(m)
             else:
@@ -300,11 +315,19 @@ class ModelEMA:
         if self._swapped:
             raise RuntimeError("ModelEMA.state_dict: called inside `with ema.swap(model)`")
         return {
-            "format": _FORMAT, "module": self.module.state_dict(), "updates": self.updates, "calls": self._calls,
-            "decay": self.decay, "tau": self.tau, "warmup_gamma": self.warmup_gamma,
-            "warmup_power": self.warmup_power, "min_decay": self.min_decay,
-            "update_after_step": self.update_after_step, "update_every": self.update_every,
-            "copy_float_buffers": self.copy_float_buffers, "enabled": self.enabled,
+            "format": _FORMAT,
+            "module": self.module.state_dict(),
+            "updates": self.updates,
+            "calls": self._calls,
+            "decay": self.decay,
+            "tau": self.tau,
+            "warmup_gamma": self.warmup_gamma,
+            "warmup_power": self.warmup_power,
+            "min_decay": self.min_decay,
+            "update_after_step": self.update_after_step,
+            "update_every": self.update_every,
+            "copy_float_buffers": self.copy_float_buffers,
+            "enabled": self.enabled,
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -313,12 +336,20 @@ class ModelEMA:
         if not isinstance(state_dict, dict) or state_dict.get("format") != _FORMAT:
             raise ValueError(f"argument `state_dict` is not a ModelEMA state_dict (expected format {_FORMAT!r})")
         if bool(state_dict["copy_float_buffers"]) != self.copy_float_buffers:
-            raise ValueError("argument `state_dict` was saved with copy_float_buffers="
-                             f"{state_dict['copy_float_buffers']}, this ModelEMA has {self.copy_float_buffers}")
+            raise ValueError(
+                "argument `state_dict` was saved with copy_float_buffers="
+                f"{state_dict['copy_float_buffers']}, this ModelEMA has {self.copy_float_buffers}"
+            )
         self._flush()
-        self._set_schedule(state_dict["decay"], state_dict["tau"], state_dict["warmup_gamma"],
-                           state_dict["warmup_power"], state_dict["min_decay"], state_dict["update_after_step"],
-                           state_dict["update_every"])
+        self._set_schedule(
+            state_dict["decay"],
+            state_dict["tau"],
+            state_dict["warmup_gamma"],
+            state_dict["warmup_power"],
+            state_dict["min_decay"],
+            state_dict["update_after_step"],
+            state_dict["update_every"],
+        )
         self._module.load_state_dict(state_dict["module"])
         self.updates = int(state_dict["updates"])
         self._calls = int(state_dict["calls"])
@@ -349,6 +380,11 @@ class ModelEMA:
             setattr(self._module, k, v)
 
     def __repr__(self):
-        sched = ("warmup" if self.warmup_gamma is not None or self.warmup_power is not None
-                 else "constant" if self.tau is None else f"ramp(tau={self.tau})")
+        sched = (
+            "warmup"
+            if self.warmup_gamma is not None or self.warmup_power is not None
+            else "constant"
+            if self.tau is None
+            else f"ramp(tau={self.tau})"
+        )
         return f"ModelEMA(decay={self.decay}, schedule={sched}, updates={self.updates}, tensors={len(self._ema)})"

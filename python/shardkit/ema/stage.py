@@ -22,8 +22,11 @@ def _pinned_like(t):
     the buffer flat-compatible with the EMA tensor (which ModelEMA creates with the
     model's strides), so the CPU update takes the fused kernel rather than the strided
     fallback."""
-    dense = t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)) or (
-        t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d))
+    dense = (
+        t.is_contiguous()
+        or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
+        or (t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d))
+    )
     if dense:
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu", pin_memory=True)
     return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)

@@ -19,8 +19,12 @@ _OUT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 @torch.library.register_fake("shardkit::normalize_images")
 def _normalize_images_fake(images, mean, std, channels_last_input, out_dtype, channels_last_output):
-    torch._check(images.dtype == torch.uint8, lambda: f"normalize_images: argument `images` must be uint8, got {images.dtype}")
-    torch._check(images.dim() in (3, 4), lambda: f"normalize_images: argument `images` must be 4-D or 3-D, got {images.dim()}-D")
+    torch._check(
+        images.dtype == torch.uint8, lambda: f"normalize_images: argument `images` must be uint8, got {images.dtype}"
+    )
+    torch._check(
+        images.dim() in (3, 4), lambda: f"normalize_images: argument `images` must be 4-D or 3-D, got {images.dim()}-D"
+    )
     x4 = images.unsqueeze(0) if images.dim() == 3 else images
     if channels_last_input:
         n, h, w, c = x4.shape

@@ -80,10 +80,11 @@ def split_to_devices(
     devs = [_device(d) for d in devices]
     flat = torch.ops.shardkit.split_to_devices(list(tensors), [int(s) for s in split_sizes], dim, devs)
     n = len(tensors)
-    return [flat[k * n:(k + 1) * n] for k in range(len(devs))]
+    return [flat[k * n : (k + 1) * n] for k in range(len(devs))]
 
 
 # ---- fake kernels (shapes, dtypes and devices only) for torch.compile / FakeTensor ----
+
 
 @torch.library.register_fake("shardkit::weighted_loss_reduce")
 def _weighted_loss_reduce_fake(losses, weights, output_device, normalize):
@@ -107,6 +108,7 @@ def _split_to_devices_fake(tensors, split_sizes, dim, devices):
 
 
 # ---- autograd ----
+
 
 def _place_weight(w: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     # One-element host weights act as scalars in device arithmetic (no copy, no sync).

@@ -12,10 +12,14 @@ __all__ = ["partial_fc_sample"]
 def _partial_fc_sample_fake(labels, class_offset, num_local, num_sample, generator=None):
     torch._check(labels.dtype == torch.int64, lambda: f"argument `labels` must be int64, got {labels.dtype}")
     torch._check(labels.dim() == 1, lambda: f"argument `labels` must be 1-D [B], got {labels.dim()} dimensions")
-    torch._check(0 <= num_sample <= num_local,
-                 lambda: f"argument `num_sample` must be in [0, num_local={num_local}], got {num_sample}")
-    torch._check(generator is None or generator.device.type == labels.device.type,
-                 lambda: f"argument `generator` must be a generator of the labels' device {labels.device}")
+    torch._check(
+        0 <= num_sample <= num_local,
+        lambda: f"argument `num_sample` must be in [0, num_local={num_local}], got {num_sample}",
+    )
+    torch._check(
+        generator is None or generator.device.type == labels.device.type,
+        lambda: f"argument `generator` must be a generator of the labels' device {labels.device}",
+    )
     return labels.new_empty(num_sample), torch.empty_like(labels)
 
 
@@ -43,5 +47,6 @@ def partial_fc_sample(
         increasing order; remapped [B] int64, each row's position in ``index`` or -1 when
         its class is not in this shard. Runs on the labels' device without host syncs.
     """
-    return torch.ops.shardkit.partial_fc_sample(labels, int(class_offset), int(num_local), int(num_sample),
-                                                generator=generator)
+    return torch.ops.shardkit.partial_fc_sample(
+        labels, int(class_offset), int(num_local), int(num_sample), generator=generator
+    )

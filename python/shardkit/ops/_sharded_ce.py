@@ -77,8 +77,9 @@ def _default_chunk(x: Tensor, w: Tensor) -> int:
     budget = DEFAULT_BUDGET_BYTES
     if x.device.type == "cpu":
         budget = min(budget, CPU_MAX_CHUNK_BYTES)
-    return chunk_classes_for_budget(batch, budget, embedding_dim=dim, dtype=x.dtype,
-                                    num_classes=w.shape[0] if w.dim() >= 1 else None)
+    return chunk_classes_for_budget(
+        batch, budget, embedding_dim=dim, dtype=x.dtype, num_classes=w.shape[0] if w.dim() >= 1 else None
+    )
 
 
 def ce_shard_stats(
@@ -134,8 +135,18 @@ def ce_shard_stats(
     if chunk_classes is None:
         chunk_classes = _default_chunk(x, w)
     return torch.ops.shardkit.ce_shard_stats.default(
-        x, w, labels, target_ref, int(class_offset), float(scale), float(m1), float(m2), float(m3),
-        bool(normalize), int(chunk_classes))
+        x,
+        w,
+        labels,
+        target_ref,
+        int(class_offset),
+        float(scale),
+        float(m1),
+        float(m2),
+        float(m3),
+        bool(normalize),
+        int(chunk_classes),
+    )
 
 
 def _stats_dtype(x: Tensor) -> torch.dtype:
@@ -149,27 +160,37 @@ _C10_NAMES = {torch.float32: "Float", torch.float64: "Double", torch.float16: "H
 def _check_dtypes_fake(x: Tensor, w: Tensor) -> None:
     # The kernels' dtype rule (equal dtypes, or fp32 w with 16-bit x), also under tracing.
     mixed = x.dtype in (torch.bfloat16, torch.float16) and w.dtype == torch.float32
-    torch._check(w.dtype == x.dtype or mixed,
-                 lambda: f"argument `w` must have the dtype of `x` ({_C10_NAMES.get(x.dtype, x.dtype)}), or be "
-                         f"float32 when `x` is bfloat16 or float16, got {_C10_NAMES.get(w.dtype, w.dtype)}")
+    torch._check(
+        w.dtype == x.dtype or mixed,
+        lambda: (
+            f"argument `w` must have the dtype of `x` ({_C10_NAMES.get(x.dtype, x.dtype)}), or be "
+            f"float32 when `x` is bfloat16 or float16, got {_C10_NAMES.get(w.dtype, w.dtype)}"
+        ),
+    )
 
 
 @torch.library.register_fake("shardkit::ce_shard_stats")
 def _ce_shard_stats_fake(x, w, labels, target_ref, class_offset, scale, m1, m2, m3, normalize, chunk_classes):
     torch._check(x.dim() == 2, lambda: f"argument `x` must be 2-D [B, D], got shape {tuple(x.shape)}")
     torch._check(w.dim() == 2, lambda: f"argument `w` must be 2-D [C_k, D], got shape {tuple(w.shape)}")
-    torch._check(w.shape[1] == x.shape[1],
-                 lambda: f"argument `w` has embedding dim {w.shape[1]} but `x` has {x.shape[1]}")
+    torch._check(
+        w.shape[1] == x.shape[1], lambda: f"argument `w` has embedding dim {w.shape[1]} but `x` has {x.shape[1]}"
+    )
     _check_dtypes_fake(x, w)
     batch = x.shape[0]
     dt = _stats_dtype(x)
-    return (x.new_empty(batch, dtype=dt), x.new_empty(batch, dtype=dt), x.new_empty(batch, dtype=dt),
-            x.new_empty(batch, dtype=torch.int64))
+    return (
+        x.new_empty(batch, dtype=dt),
+        x.new_empty(batch, dtype=dt),
+        x.new_empty(batch, dtype=dt),
+        x.new_empty(batch, dtype=torch.int64),
+    )
 
 
 @torch.library.register_fake("shardkit::ce_shard_stats_backward")
-def _ce_shard_stats_backward_fake(grad_lse, grad_target, grad_sum, x, w, labels, lse, class_offset, scale,
-                                  m1, m2, m3, normalize, chunk_classes):
+def _ce_shard_stats_backward_fake(
+    grad_lse, grad_target, grad_sum, x, w, labels, lse, class_offset, scale, m1, m2, m3, normalize, chunk_classes
+):
     torch._check(x.dim() == 2 and w.dim() == 2, lambda: "arguments `x` and `w` must be 2-D")
     _check_dtypes_fake(x, w)
     # grad_x in x's dtype, grad_w in w's (fp32 in the mixed mode).

@@ -10,9 +10,23 @@ Modules of the wing: :mod:`~shardkit.parallel.data_parallel` (the two classes, `
 :mod:`~shardkit.parallel.sync` (SyncBN callbacks, ``allreduce``).
 """
 
-from shardkit.parallel.data_parallel import (DataParallelCriterion, DataParallelModel, WeightedLoss, gather,
-                                             replication_order)
+from shardkit.parallel.data_parallel import (
+    DataParallelCriterion,
+    DataParallelModel,
+    WeightedLoss,
+    gather,
+    replication_order,
+)
 from shardkit.parallel.sync import CallbackContext, allreduce, execute_replication_callbacks, patch_replication_callback
 
-__all__ = ["allreduce", "DataParallelModel", "DataParallelCriterion", "patch_replication_callback",
-           "execute_replication_callbacks", "CallbackContext", "WeightedLoss", "gather", "replication_order"]
+__all__ = [
+    "allreduce",
+    "DataParallelModel",
+    "DataParallelCriterion",
+    "patch_replication_callback",
+    "execute_replication_callbacks",
+    "CallbackContext",
+    "WeightedLoss",
+    "gather",
+    "replication_order",
+]

@@ -46,6 +46,7 @@ class WeightedLoss(NamedTuple):
     chunk; ``weight``: what that average was divided by (valid elements, a weight sum):
     a number or a one-element tensor on any device (no host sync needed).
     """
+
     loss: Any
     weight: Any
 
@@ -59,8 +60,7 @@ def _init_parallel(self: nn.DataParallel, module: nn.Module, device_ids, output_
         self.module, self.device_ids, self.output_device, self.dim = module, [], None, dim
         self._devices, self._shared = [], False
         return
-    devices = U.parse_device_ids(device_ids if device_ids is not None
-                                 else list(range(torch.cuda.device_count())))
+    devices = U.parse_device_ids(device_ids if device_ids is not None else list(range(torch.cuda.device_count())))
     shared = devices[0].type == "cpu" or len(set(devices)) < len(devices)
     if not shared:
         nn.DataParallel.__init__(self, module, [d.index for d in devices], output_device, dim)
@@ -94,9 +94,11 @@ def replicate_module(module: nn.Module, device_ids: Sequence[Any], what: str = "
         return _torch_replicate(module, ids, not torch.is_grad_enabled())
     src = next(iter(state))
     if len(state) > 1 or src.type != "cuda":
-        raise ValueError(f"{what}: the module's parameters and buffers must all be on one CUDA device to be "
-                         f"replicated onto {[f'cuda:{i}' for i in ids]}, found them on {sorted(map(str, state))}; "
-                         f"move it there first (e.g. module.cuda({ids[0]}))")
+        raise ValueError(
+            f"{what}: the module's parameters and buffers must all be on one CUDA device to be "
+            f"replicated onto {[f'cuda:{i}' for i in ids]}, found them on {sorted(map(str, state))}; "
+            f"move it there first (e.g. module.cuda({ids[0]}))"
+        )
     order = replication_order(src.index, ids)
     if order == ids:
         return _torch_replicate(module, ids, not torch.is_grad_enabled())
@@ -140,8 +142,16 @@ class DataParallelModel(nn.DataParallel):
     # patch_replication_callback leaves it alone.
     _runs_replication_callbacks = True
 
-    def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0, *,
-                 chunk_sizes: Sequence[int] | None = None, gpu0_bsz: int | None = None):
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids=None,
+        output_device=None,
+        dim: int = 0,
+        *,
+        chunk_sizes: Sequence[int] | None = None,
+        gpu0_bsz: int | None = None,
+    ):
         _init_parallel(self, module, device_ids, output_device, dim)
         self.chunk_sizes = U.check_split_options(max(len(self._devices), 1), chunk_sizes, gpu0_bsz)
         self.gpu0_bsz = gpu0_bsz
@@ -153,15 +163,18 @@ class DataParallelModel(nn.DataParallel):
             src = self._devices[0]
             for t in chain(self.module.parameters(), self.module.buffers()):
                 if t.device != src:
-                    raise RuntimeError(f"DataParallelModel: the module must have its parameters and buffers on "
-                                       f"device_ids[0] ({src}), found one on {t.device}")
+                    raise RuntimeError(
+                        f"DataParallelModel: the module must have its parameters and buffers on "
+                        f"device_ids[0] ({src}), found one on {t.device}"
+                    )
             if len(self._devices) == 1:
                 inputs, kwargs = U.to_device((inputs, kwargs), src)
                 return self.module(*inputs, **kwargs)
             devices, per_device = self._split(inputs, kwargs)
             replicas = self.replicate(self.module, [d.index if d.type == "cuda" else d for d in devices])
-            outputs = self.parallel_apply(replicas, [a for a, _ in per_device], [k for _, k in per_device],
-                                          devices=devices)
+            outputs = self.parallel_apply(
+                replicas, [a for a, _ in per_device], [k for _, k in per_device], devices=devices
+            )
             return self.gather(outputs, self.output_device)
 
     def _split(self, inputs: tuple, kwargs: dict):
@@ -171,8 +184,7 @@ class DataParallelModel(nn.DataParallel):
         sizes = U.balanced_chunk_sizes(first.size(self.dim), len(self._devices), self.chunk_sizes, self.gpu0_bsz)
         used = [k for k, s in enumerate(sizes) if s > 0]
         devices = [self._devices[k] for k in used]
-        return devices, U.split_args(inputs, kwargs, [sizes[k] for k in used], devices, self.dim,
-                                     "DataParallelModel")
+        return devices, U.split_args(inputs, kwargs, [sizes[k] for k in used], devices, self.dim, "DataParallelModel")
 
     def scatter(self, inputs: tuple, kwargs: dict | None, device_ids) -> tuple[tuple, tuple]:
         """Per-device (args, kwargs) with the balanced split (nn.DataParallel's hook)."""
@@ -222,8 +234,9 @@ class DataParallelCriterion(nn.DataParallel):
     the list of per-device values).
     """
 
-    def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0, *,
-                 legacy_mean: bool = False):
+    def __init__(
+        self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0, *, legacy_mean: bool = False
+    ):
         _init_parallel(self, module, device_ids, output_device, dim)
         self.legacy_mean = legacy_mean
 
@@ -235,13 +248,22 @@ class DataParallelCriterion(nn.DataParallel):
                 targets, kwargs = U.to_device((targets, kwargs), self._devices[0])
                 return _strip_weight(_call(self.module, inputs, targets, kwargs))
             devices, sizes = self._input_layout(inputs)
-            per_device = U.split_args(targets, kwargs, sizes, devices, self.dim,
-                                      f"DataParallelCriterion (targets for model outputs of {sum(sizes)} samples)")
+            per_device = U.split_args(
+                targets,
+                kwargs,
+                sizes,
+                devices,
+                self.dim,
+                f"DataParallelCriterion (targets for model outputs of {sum(sizes)} samples)",
+            )
             # Replicate only a criterion with state on one device; a parameter-free one, or one
             # already spread over several devices (a class-sharded head), is shared by the threads.
             state_devices = {t.device for t in chain(self.module.parameters(), self.module.buffers())}
-            replicas = (self.replicate(self.module, [d.index for d in devices])
-                        if len(state_devices) == 1 and not self._shared else [self.module] * len(devices))
+            replicas = (
+                self.replicate(self.module, [d.index for d in devices])
+                if len(state_devices) == 1 and not self._shared
+                else [self.module] * len(devices)
+            )
             calls = [functools.partial(_call, m, out, t, k) for m, out, (t, k) in zip(replicas, inputs, per_device)]
             results = run_parallel(calls, devices, "DataParallelCriterion")
             return self._reduce(results, replicas, per_device, sizes)
@@ -254,25 +276,33 @@ class DataParallelCriterion(nn.DataParallel):
     def _input_layout(self, inputs: Any) -> tuple[list[torch.device], list[int]]:
         n_dev = len(self._devices)
         if not isinstance(inputs, (list, tuple)):
-            raise TypeError(f"DataParallelCriterion over {n_dev} devices expects the list of per-device outputs "
-                            f"that DataParallelModel returns, got {type(inputs).__name__}")
+            raise TypeError(
+                f"DataParallelCriterion over {n_dev} devices expects the list of per-device outputs "
+                f"that DataParallelModel returns, got {type(inputs).__name__}"
+            )
         if not 1 <= len(inputs) <= n_dev:
-            raise ValueError(f"DataParallelCriterion got {len(inputs)} per-device outputs but has {n_dev} devices "
-                             f"in device_ids; use the same device_ids for DataParallelModel and DataParallelCriterion")
+            raise ValueError(
+                f"DataParallelCriterion got {len(inputs)} per-device outputs but has {n_dev} devices "
+                f"in device_ids; use the same device_ids for DataParallelModel and DataParallelCriterion"
+            )
         devices, sizes = [], []
         for k, out in enumerate(inputs):
             t = U.first_batched_tensor(out, self.dim)
             if t is None:
                 raise ValueError(f"DataParallelCriterion: model output {k} holds no tensor with a batch dimension")
             if t.device not in self._devices:
-                raise ValueError(f"DataParallelCriterion: model output {k} is on {t.device}, which is not in its "
-                                 f"device_ids {self._devices}; use the same device_ids for DataParallelModel and "
-                                 f"DataParallelCriterion")
+                raise ValueError(
+                    f"DataParallelCriterion: model output {k} is on {t.device}, which is not in its "
+                    f"device_ids {self._devices}; use the same device_ids for DataParallelModel and "
+                    f"DataParallelCriterion"
+                )
             devices.append(t.device)
             sizes.append(t.size(self.dim))
         if not self._shared and len(set(devices)) < len(devices):
-            raise ValueError(f"DataParallelCriterion: two model outputs are on one device ({devices}); "
-                             f"use the same device_ids for DataParallelModel and DataParallelCriterion")
+            raise ValueError(
+                f"DataParallelCriterion: two model outputs are on one device ({devices}); "
+                f"use the same device_ids for DataParallelModel and DataParallelCriterion"
+            )
         return devices, sizes
 
     def _reduce(self, results: list[Any], replicas: list[nn.Module], per_device, sizes: list[int]) -> Any:
@@ -281,8 +311,11 @@ class DataParallelCriterion(nn.DataParallel):
         for k, r in enumerate(results):
             value, weight = _split_weight(r)
             if weight is None:
-                weight = sizes[k] if self.legacy_mean or reduction == "sum" else _auto_weight(
-                    replicas[k], per_device[k][0], sizes[k])
+                weight = (
+                    sizes[k]
+                    if self.legacy_mean or reduction == "sum"
+                    else _auto_weight(replicas[k], per_device[k][0], sizes[k])
+                )
             values.append(value)
             weights.append(1 if self.legacy_mean or reduction == "sum" else weight)
         out_dev = U.as_device(self.output_device)
@@ -292,9 +325,11 @@ class DataParallelCriterion(nn.DataParallel):
             if reduction == "none":
                 return torch.cat([x.to(out_dev, non_blocking=out_dev.type == "cuda") for x in leaves], self.dim)
             if len({tuple(x.shape) for x in leaves}) > 1:
-                raise ValueError(f"DataParallelCriterion: the criterion returned losses of different shapes on "
-                                 f"different devices ({[tuple(x.shape) for x in leaves]}); give per-sample "
-                                 f"criteria reduction='none'")
+                raise ValueError(
+                    f"DataParallelCriterion: the criterion returned losses of different shapes on "
+                    f"different devices ({[tuple(x.shape) for x in leaves]}); give per-sample "
+                    f"criteria reduction='none'"
+                )
             return weighted_loss_reduce(leaves, weights, out_dev, normalize)
 
         def combine_nested(vals: list[Any]) -> Any:
@@ -307,8 +342,9 @@ class DataParallelCriterion(nn.DataParallel):
             if isinstance(v0, dict) and all(isinstance(v, dict) and v.keys() == v0.keys() for v in vals):
                 return type(v0)((key, combine_nested([v[key] for v in vals])) for key in v0)
             if isinstance(v0, (torch.Tensor, tuple, list, dict)):
-                raise ValueError("DataParallelCriterion: the criterion returned different structures on "
-                                 "different devices")
+                raise ValueError(
+                    "DataParallelCriterion: the criterion returned different structures on different devices"
+                )
             return list(vals)
 
         return combine_nested(values)
@@ -329,8 +365,12 @@ def _strip_weight(result: Any) -> Any:
 
 def _auto_weight(criterion: nn.Module, targets: tuple, samples: int) -> Any:
     """The denominator of a mean-reduced criterion on one chunk, without a host sync."""
-    if (isinstance(criterion, (nn.CrossEntropyLoss, nn.NLLLoss)) and criterion.reduction == "mean"
-            and targets and isinstance(targets[0], torch.Tensor)):
+    if (
+        isinstance(criterion, (nn.CrossEntropyLoss, nn.NLLLoss))
+        and criterion.reduction == "mean"
+        and targets
+        and isinstance(targets[0], torch.Tensor)
+    ):
         target = targets[0]
         if target.is_floating_point():  # class probabilities: the mean is over every position
             return target.numel() // target.size(1) if target.dim() > 1 else 1
@@ -339,8 +379,13 @@ def _auto_weight(criterion: nn.Module, targets: tuple, samples: int) -> Any:
             return valid.sum()
         class_weight = criterion.weight.to(target.device)[target.masked_fill(~valid, 0)]
         return (class_weight * valid).sum()
-    if (getattr(criterion, "reduction", None) == "mean" and isinstance(getattr(criterion, "ignore_index", None), int)
-            and targets and isinstance(targets[0], torch.Tensor) and not targets[0].is_floating_point()):
+    if (
+        getattr(criterion, "reduction", None) == "mean"
+        and isinstance(getattr(criterion, "ignore_index", None), int)
+        and targets
+        and isinstance(targets[0], torch.Tensor)
+        and not targets[0].is_floating_point()
+    ):
         return (targets[0] != criterion.ignore_index).sum()  # e.g. ShardedSoftmaxLoss: mean over valid rows
     return samples
 

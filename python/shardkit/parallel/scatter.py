@@ -11,8 +11,8 @@ import torch
 
 from shardkit.ops import split_to_devices
 
-
 # ---- devices ------------------------------------------------------------------------
+
 
 def as_device(d: Any) -> torch.device:
     """torch.device with an explicit CUDA index (ints are CUDA indices, like DataParallel)."""
@@ -33,8 +33,10 @@ def parse_device_ids(device_ids: Sequence[Any]) -> list[torch.device]:
         raise ValueError("argument `device_ids` must not be empty; pass None to use every visible GPU")
     types = {d.type for d in devices}
     if len(types) > 1:
-        raise ValueError(f"argument `device_ids` mixes device types {sorted(types)}; use only CUDA devices "
-                         f"or only repeated 'cpu' entries")
+        raise ValueError(
+            f"argument `device_ids` mixes device types {sorted(types)}; use only CUDA devices "
+            f"or only repeated 'cpu' entries"
+        )
     if types - {"cpu", "cuda"}:
         raise ValueError(f"argument `device_ids` must hold CUDA or 'cpu' devices, got {devices[0]}")
     return devices
@@ -42,8 +44,10 @@ def parse_device_ids(device_ids: Sequence[Any]) -> list[torch.device]:
 
 # ---- chunk sizes --------------------------------------------------------------------
 
-def balanced_chunk_sizes(batch: int, n: int, chunk_sizes: Sequence[int] | None = None,
-                         gpu0_bsz: int | None = None) -> list[int]:
+
+def balanced_chunk_sizes(
+    batch: int, n: int, chunk_sizes: Sequence[int] | None = None, gpu0_bsz: int | None = None
+) -> list[int]:
     """Samples per device for a batch of ``batch`` over ``n`` devices (zeros allowed).
 
     * default: as even as possible, the first ``batch % n`` devices get one more; with
@@ -79,8 +83,9 @@ def check_split_options(n: int, chunk_sizes: Sequence[int] | None, gpu0_bsz: int
     if chunk_sizes is not None:
         sizes = [int(c) for c in chunk_sizes]
         if len(sizes) != n:
-            raise ValueError(f"argument `chunk_sizes` must hold one size per device: got {len(sizes)} sizes "
-                             f"for {n} devices")
+            raise ValueError(
+                f"argument `chunk_sizes` must hold one size per device: got {len(sizes)} sizes for {n} devices"
+            )
         if any(c < 0 for c in sizes) or sum(sizes) == 0:
             raise ValueError(f"argument `chunk_sizes` must be non-negative with a positive sum, got {sizes}")
         return sizes
@@ -90,6 +95,7 @@ def check_split_options(n: int, chunk_sizes: Sequence[int] | None, gpu0_bsz: int
 
 
 # ---- nested arguments ---------------------------------------------------------------
+
 
 def flatten(obj: Any, leaves: list[torch.Tensor]) -> Any:
     """Collects the tensors of a nest of tuples/lists/dicts into ``leaves``; returns a spec."""
@@ -128,8 +134,9 @@ def first_batched_tensor(obj: Any, dim: int) -> torch.Tensor | None:
     return None
 
 
-def split_args(args: tuple, kwargs: dict, sizes: Sequence[int], devices: Sequence[torch.device], dim: int,
-               what: str) -> list[tuple[tuple, dict]]:
+def split_args(
+    args: tuple, kwargs: dict, sizes: Sequence[int], devices: Sequence[torch.device], dim: int, what: str
+) -> list[tuple[tuple, dict]]:
     """Splits every tensor of (args, kwargs) by ``sizes`` along ``dim`` onto ``devices`` in one
     ``shardkit::split_to_devices`` call; non-tensors are passed to every device as they are."""
     leaves: list[torch.Tensor] = []
@@ -138,8 +145,10 @@ def split_args(args: tuple, kwargs: dict, sizes: Sequence[int], devices: Sequenc
     for t in leaves:
         if t.dim() == 0 or t.size(dim) != batch:
             got = "a 0-dim tensor" if t.dim() == 0 else f"size {t.size(dim)} along dim {dim}"
-            raise ValueError(f"{what}: every tensor argument must have the batch size {batch} along dim {dim} "
-                             f"(per device {list(sizes)}), got {got} (shape {tuple(t.shape)})")
+            raise ValueError(
+                f"{what}: every tensor argument must have the batch size {batch} along dim {dim} "
+                f"(per device {list(sizes)}), got {got} (shape {tuple(t.shape)})"
+            )
     if not leaves:
         return [(args, kwargs) for _ in devices]
     pieces = split_to_devices(leaves, list(sizes), list(devices), dim)

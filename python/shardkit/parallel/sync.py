@@ -28,7 +28,7 @@ class _AllReduce(torch.autograd.Function):
 def _allreduce_sum(num_inputs: int, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     if num_inputs < 1 or len(tensors) % num_inputs:
         raise ValueError(f"allreduce: expected groups of `num_inputs`={num_inputs} tensors, got {len(tensors)}")
-    groups = [tensors[i:i + num_inputs] for i in range(0, len(tensors), num_inputs)]
+    groups = [tensors[i : i + num_inputs] for i in range(0, len(tensors), num_inputs)]
     root = groups[0][0].device
     totals = []
     for j in range(num_inputs):

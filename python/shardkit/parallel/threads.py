@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-_slots: list["_Slot"] = []
+_slots: list[_Slot] = []
 _slots_lock = threading.Lock()
 _worker = threading.local()
 

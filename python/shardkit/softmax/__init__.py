@@ -13,6 +13,17 @@ from shardkit.softmax.margins import ArcFace, CombinedMargin, CosFace, Margin
 from shardkit.softmax.module import ShardedSoftmaxLoss
 from shardkit.softmax.optim import SparseRowSGD
 
-__all__ = ["ShardedSoftmaxLoss", "ShardedLossOutput", "sharded_cross_entropy", "CosFace", "ArcFace",
-           "CombinedMargin", "Margin", "SparseRowSGD", "save_sharded", "load_sharded", "export_full_weight",
-           "import_full_weight"]
+__all__ = [
+    "ShardedSoftmaxLoss",
+    "ShardedLossOutput",
+    "sharded_cross_entropy",
+    "CosFace",
+    "ArcFace",
+    "CombinedMargin",
+    "Margin",
+    "SparseRowSGD",
+    "save_sharded",
+    "load_sharded",
+    "export_full_weight",
+    "import_full_weight",
+]

@@ -24,26 +24,35 @@ import torch
 FORMAT = "shardkit.sharded_weight"
 VERSION = 1
 
-__all__ = ["save_sharded", "load_sharded", "export_full_weight", "import_full_weight",
-           "save_shard_file", "read_rows"]
+__all__ = ["save_sharded", "load_sharded", "export_full_weight", "import_full_weight", "save_shard_file", "read_rows"]
 
 
 def _file_name(start: int, end: int) -> str:
     return f"classes-{start:012d}-{end:012d}.pt"
 
 
-def save_shard_file(directory: str, weight: torch.Tensor, class_offset: int, num_classes: int,
-                    momentum_buffer: Optional[torch.Tensor] = None,
-                    momentum_seen: Optional[torch.Tensor] = None) -> str:
+def save_shard_file(
+    directory: str,
+    weight: torch.Tensor,
+    class_offset: int,
+    num_classes: int,
+    momentum_buffer: Optional[torch.Tensor] = None,
+    momentum_seen: Optional[torch.Tensor] = None,
+) -> str:
     """Write one shard ([n, D] rows of classes [class_offset, class_offset + n)) into
     ``directory`` (created if missing); atomic (temporary file + rename). Returns the path."""
     os.makedirs(directory, exist_ok=True)
     start, end = int(class_offset), int(class_offset) + weight.shape[0]
     if not 0 <= start <= end <= num_classes:
         raise ValueError(f"argument `class_offset` {start} with {weight.shape[0]} rows is outside [0, {num_classes})")
-    blob = {"format": FORMAT, "version": VERSION, "num_classes": int(num_classes),
-            "embedding_dim": int(weight.shape[1]), "class_offset": start,
-            "weight": weight.detach().to("cpu", copy=True).contiguous()}
+    blob = {
+        "format": FORMAT,
+        "version": VERSION,
+        "num_classes": int(num_classes),
+        "embedding_dim": int(weight.shape[1]),
+        "class_offset": start,
+        "weight": weight.detach().to("cpu", copy=True).contiguous(),
+    }
     if momentum_buffer is not None:
         blob["momentum_buffer"] = momentum_buffer.detach().to("cpu", copy=True).contiguous()
         seen = momentum_seen if momentum_seen is not None else torch.ones(weight.shape[0], dtype=torch.bool)
@@ -64,21 +73,24 @@ def _index(directory: str) -> Tuple[int, int, List[Tuple[int, int, str]]]:
     for name in sorted(os.listdir(directory)):
         if not (name.startswith("classes-") and name.endswith(".pt")):
             continue
-        start, end = (int(v) for v in name[len("classes-"):-len(".pt")].split("-"))
+        start, end = (int(v) for v in name[len("classes-") : -len(".pt")].split("-"))
         entries.append((start, end, os.path.join(directory, name)))
     if not entries:
         raise FileNotFoundError(f"argument `directory`: {directory!r} holds no shard files (classes-*.pt)")
     head = torch.load(entries[0][2], weights_only=True, mmap=True)
     if head.get("format") != FORMAT or head.get("version") != VERSION:
-        raise ValueError(f"{entries[0][2]!r} is not a {FORMAT} v{VERSION} file "
-                         f"(got {head.get('format')!r} v{head.get('version')!r})")
+        raise ValueError(
+            f"{entries[0][2]!r} is not a {FORMAT} v{VERSION} file (got {head.get('format')!r} v{head.get('version')!r})"
+        )
     num_classes, dim = head["num_classes"], head["embedding_dim"]
     expected = 0
     for start, end, path in entries:
         if start != expected:
-            raise ValueError(f"checkpoint {directory!r}: shard files must tile [0, {num_classes}) without gaps "
-                             f"or overlaps, found {path!r} at class {start} where {expected} was expected "
-                             "(files of another sharding left in the directory?)")
+            raise ValueError(
+                f"checkpoint {directory!r}: shard files must tile [0, {num_classes}) without gaps "
+                f"or overlaps, found {path!r} at class {start} where {expected} was expected "
+                "(files of another sharding left in the directory?)"
+            )
         expected = end
     if expected != num_classes:
         raise ValueError(f"checkpoint {directory!r}: shard files cover [0, {expected}) of {num_classes} classes")
@@ -100,7 +112,7 @@ def read_rows(directory: str, start: int, count: int, key: str = "weight") -> Op
         blob = torch.load(path, weights_only=True, mmap=True)
         if key not in blob:
             return None
-        parts.append(blob[key][lo - f_start: hi - f_start].clone())
+        parts.append(blob[key][lo - f_start : hi - f_start].clone())
     if not parts:  # count == 0: an empty tensor of the stored dtype
         stored = torch.load(entries[0][2], weights_only=True, mmap=True).get(key)
         return None if stored is None else stored[:0].clone()
@@ -121,8 +133,9 @@ def save_sharded(module, directory: str, optimizer: Optional[torch.optim.Optimiz
     paths = []
     for offset, p in shards:
         state = optimizer.state.get(p, {}) if optimizer is not None else {}
-        paths.append(save_shard_file(directory, p, offset, num_classes, state.get("momentum_buffer"),
-                                     state.get("seen")))
+        paths.append(
+            save_shard_file(directory, p, offset, num_classes, state.get("momentum_buffer"), state.get("seen"))
+        )
     return paths
 
 
@@ -134,8 +147,10 @@ def load_sharded(module, directory: str, optimizer: Optional[torch.optim.Optimiz
     num_classes, dim, _ = _index(directory)
     shards, mine = _shards(module)
     if num_classes != mine or dim != shards[0][1].shape[1]:
-        raise ValueError(f"checkpoint {directory!r} holds {num_classes} classes x {dim}, the module has "
-                         f"{mine} classes x {shards[0][1].shape[1]}")
+        raise ValueError(
+            f"checkpoint {directory!r} holds {num_classes} classes x {dim}, the module has "
+            f"{mine} classes x {shards[0][1].shape[1]}"
+        )
     with torch.no_grad():
         for offset, p in shards:
             p.copy_(read_rows(directory, offset, p.shape[0]))
@@ -159,8 +174,9 @@ def import_full_weight(module, weight: torch.Tensor) -> None:
     (every rank passes the same full weight; no collective)."""
     shards, num_classes = _shards(module)
     if weight.dim() != 2 or weight.shape[0] != num_classes or weight.shape[1] != shards[0][1].shape[1]:
-        raise ValueError(f"argument `weight` must be [{num_classes}, {shards[0][1].shape[1]}], "
-                         f"got {tuple(weight.shape)}")
+        raise ValueError(
+            f"argument `weight` must be [{num_classes}, {shards[0][1].shape[1]}], got {tuple(weight.shape)}"
+        )
     with torch.no_grad():
         for offset, p in shards:
-            p.copy_(weight[offset: offset + p.shape[0]])
+            p.copy_(weight[offset : offset + p.shape[0]])

@@ -14,8 +14,7 @@ import torch
 from shardkit.softmax.margins import Margin
 
 REDUCTIONS = ("none", "sum", "mean")
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
 def parse_memory(value, name: str = "chunk_memory") -> int:
@@ -30,8 +29,9 @@ def parse_memory(value, name: str = "chunk_memory") -> int:
             raise ValueError(f"argument `{name}` must look like '64MiB', '512KiB', '1GB' or be an int, got {value!r}")
         nbytes = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
     else:
-        raise TypeError(f"argument `{name}` must be a number of bytes or a string like '64MiB', "
-                        f"got {type(value).__name__}")
+        raise TypeError(
+            f"argument `{name}` must be a number of bytes or a string like '64MiB', got {type(value).__name__}"
+        )
     if nbytes <= 0:
         raise ValueError(f"argument `{name}` must be positive, got {value!r}")
     return nbytes
@@ -73,9 +73,7 @@ def check_shards(weight_shards, class_offsets) -> Tuple[List[torch.Tensor], List
         if dim is None:
             dim = w.shape[1]
         elif w.shape[1] != dim:
-            raise ValueError(
-                f"argument `weight_shards[{k}]` has embedding dim {w.shape[1]}, shard 0 has {dim}"
-            )
+            raise ValueError(f"argument `weight_shards[{k}]` has embedding dim {w.shape[1]}, shard 0 has {dim}")
         if w.dtype != shards[0].dtype:
             raise TypeError(f"argument `weight_shards[{k}]` has dtype {w.dtype}, shard 0 has {shards[0].dtype}")
     sizes = [w.shape[0] for w in shards]
@@ -159,9 +157,7 @@ def check_values(embeddings, labels, num_classes: int, ignore_index: int, mode) 
             return
         negative, too_big, not_finite = flags.tolist()
     if negative:
-        raise ValueError(
-            f"argument `labels` has negative class ids other than ignore_index={ignore_index}"
-        )
+        raise ValueError(f"argument `labels` has negative class ids other than ignore_index={ignore_index}")
     if too_big:
         raise ValueError(
             f"argument `labels` has class ids >= num_classes={num_classes} (other than ignore_index={ignore_index})"

@@ -101,7 +101,8 @@ def _cpu_group_for(group) -> object:
             f"ShardedSoftmaxLoss: creating the gloo group for the size exchange among ranks {ranks} failed "
             f"({err}); torch names such a group from the number of groups each member has created, so they "
             f"must have created the same groups before. Create the subgroup with backend "
-            f"'cpu:gloo,cuda:nccl' instead: it is then reused and nothing is created") from err
+            f"'cpu:gloo,cuda:nccl' instead: it is then reused and nothing is created"
+        ) from err
 
 
 def _group_timeout(group):
@@ -128,13 +129,15 @@ class DistContext:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "argument `process_group` needs torch.distributed to be initialized "
-                "(call torch.distributed.init_process_group first, e.g. under torchrun)")
+                "(call torch.distributed.init_process_group first, e.g. under torchrun)"
+            )
         if input_layout not in _LAYOUTS:
             raise ValueError(f"argument `input_layout` must be one of {_LAYOUTS}, got {input_layout!r}")
         self.group = dist.group.WORLD if process_group is None else process_group
         if self.group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(self.group) < 0:
-            raise ValueError("argument `process_group` does not contain this process: build the loss only on "
-                             "the ranks of its group")
+            raise ValueError(
+                "argument `process_group` does not contain this process: build the loss only on the ranks of its group"
+            )
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.cpu_group = _cpu_group_for(self.group)
@@ -148,7 +151,8 @@ class DistContext:
     def fail(self, what: str, err: Exception) -> CollectiveError:
         return CollectiveError(
             f"ShardedSoftmaxLoss rank {self.rank}/{self.world_size}: collective '{what}' failed "
-            f"- another rank may have raised, exited or timed out ({type(err).__name__}: {err})")
+            f"- another rank may have raised, exited or timed out ({type(err).__name__}: {err})"
+        )
 
 
 def exchange_batch_info(ctx: DistContext, x, error: Optional[str]) -> List[int]:
@@ -174,19 +178,22 @@ def exchange_batch_info(ctx: DistContext, x, error: Optional[str]) -> List[int]:
     if bad:
         raise DistributedInputError(
             f"ShardedSoftmaxLoss rank {ctx.rank}: rank(s) {bad} got invalid input (their error says "
-            f"which); every rank raises so that none waits in a collective")
+            f"which); every rank raises so that none waits in a collective"
+        )
     widths = sorted({row[1] for row in info})
     dtypes = sorted({row[2] for row in info})
     if len(widths) > 1 or len(dtypes) > 1:
         raise DistributedInputError(
             f"ShardedSoftmaxLoss rank {ctx.rank}: argument `embeddings` must have the same width and "
             f"dtype on every rank, got widths {[row[1] for row in info]} and dtype codes "
-            f"{[row[2] for row in info]}")
+            f"{[row[2] for row in info]}"
+        )
     sizes = [row[0] for row in info]
     if ctx.layout == REPLICATED and len(set(sizes)) > 1:
         raise DistributedInputError(
             f"ShardedSoftmaxLoss rank {ctx.rank}: input_layout='replicated' needs the same "
-            f"`embeddings` on every rank, got batch sizes {sizes}")
+            f"`embeddings` on every rank, got batch sizes {sizes}"
+        )
     return sizes
 
 
@@ -200,14 +207,14 @@ def _pack(x: torch.Tensor, labels: torch.Tensor, rows: int) -> torch.Tensor:
     b, d = x.shape
     buf = torch.zeros(rows, _row_bytes(d, x.element_size()), dtype=torch.uint8, device=x.device)
     buf[:b, :8] = labels.reshape(b, 1).contiguous().view(torch.uint8)
-    buf[:b, 8:8 + d * x.element_size()] = x.contiguous().view(torch.uint8)
+    buf[:b, 8 : 8 + d * x.element_size()] = x.contiguous().view(torch.uint8)
     return buf
 
 
 def _unpack(buf: torch.Tensor, dim: int, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
     elem = torch.empty((), dtype=dtype).element_size()
     labels = buf[:, :8].contiguous().view(torch.int64).view(-1)
-    x = buf[:, 8:8 + dim * elem].contiguous().view(dtype)
+    x = buf[:, 8 : 8 + dim * elem].contiguous().view(dtype)
     return x, labels
 
 
@@ -215,7 +222,7 @@ def _select_rows(t: torch.Tensor, sizes: Sequence[int], b_max: int) -> torch.Ten
     """Rows of the valid samples of a [W * b_max, ...] padded tensor, in rank order."""
     if all(s == b_max for s in sizes):
         return t
-    return torch.cat([t[r * b_max: r * b_max + s] for r, s in enumerate(sizes)], dim=0)
+    return torch.cat([t[r * b_max : r * b_max + s] for r, s in enumerate(sizes)], dim=0)
 
 
 def _pad_rows(t: torch.Tensor, sizes: Sequence[int], b_max: int) -> torch.Tensor:
@@ -224,7 +231,7 @@ def _pad_rows(t: torch.Tensor, sizes: Sequence[int], b_max: int) -> torch.Tensor
     out = t.new_zeros((len(sizes) * b_max,) + tuple(t.shape[1:]))
     start = 0
     for r, s in enumerate(sizes):
-        out[r * b_max: r * b_max + s] = t[start:start + s]
+        out[r * b_max : r * b_max + s] = t[start : start + s]
         start += s
     return out
 
@@ -312,8 +319,13 @@ def gather_batch(dctx: DistContext, x: torch.Tensor, labels: torch.Tensor, sizes
     return _GatherBatch.apply(x, labels, dctx, sizes)
 
 
-def combine_stats(dctx: DistContext, lse: torch.Tensor, target: torch.Tensor, logit_sum: torch.Tensor,
-                  greater: Optional[torch.Tensor] = None):
+def combine_stats(
+    dctx: DistContext,
+    lse: torch.Tensor,
+    target: torch.Tensor,
+    logit_sum: torch.Tensor,
+    greater: Optional[torch.Tensor] = None,
+):
     """Global ``(LSE, T, S, greater_count)`` [B_g] from this rank's shard statistics with ONE
     all_gather of the packed stats, then logsumexp / sums over ranks (differentiable in
     the first three). The int64 counts (top-k), when given, ride in the same buffer as raw
@@ -347,4 +359,3 @@ def all_gather_rows(dctx: DistContext, rows: torch.Tensor) -> torch.Tensor:
     except Exception as err:
         raise dctx.fail("weight all_gather", err) from err
     return _select_rows(out, sizes, max(sizes))
-

@@ -86,8 +86,9 @@ def chunk_classes(batch: int, shard_classes: int, dim: int, dtype: torch.dtype, 
     # None: the op's own default (192 MiB on GPUs, a cache-sized chunk on the CPU).
     if budget is None:
         return None
-    return ops.chunk_classes_for_budget(batch, budget, embedding_dim=dim, dtype=dtype,
-                                        num_classes=max(shard_classes, 1))
+    return ops.chunk_classes_for_budget(
+        batch, budget, embedding_dim=dim, dtype=dtype, num_classes=max(shard_classes, 1)
+    )
 
 
 # Rank threshold margin, relative to the largest the plain target logit can be (scale, or
@@ -164,8 +165,15 @@ def shard_statistics(
         w_k = weights_for(w, x_k.dtype)
         ref_k = None if target_ref is None else to_device(target_ref, w.device)
         out = ops.ce_shard_stats(
-            x_k, w_k, labels_k,
-            class_offset=offset, scale=scale, m1=m1, m2=m2, m3=m3, normalize=normalize,
+            x_k,
+            w_k,
+            labels_k,
+            class_offset=offset,
+            scale=scale,
+            m1=m1,
+            m2=m2,
+            m3=m3,
+            normalize=normalize,
             chunk_classes=chunk_classes(batch, w.shape[0], dim, x_k.dtype, chunk_memory),
             target_ref=ref_k,
         )
@@ -220,7 +228,9 @@ def loss_from_statistics(
     return total / valid.sum(), valid
 
 
-def loss_output(loss: torch.Tensor, stats: ShardStatistics, valid: torch.Tensor, ks: Sequence[int]) -> ShardedLossOutput:
+def loss_output(
+    loss: torch.Tensor, stats: ShardStatistics, valid: torch.Tensor, ks: Sequence[int]
+) -> ShardedLossOutput:
     """The ``return_details=True`` result from the loss, the global statistics and the
     valid-row mask: top-k hits counted without a host sync."""
     correct = {k: ((stats.greater_count < k) & valid).sum() for k in ks}

@@ -23,8 +23,15 @@ from shardkit.softmax.collectives import (
     exchange_batch_info,
     gather_batch,
 )
-from shardkit.softmax.core import (ShardStatistics, chunk_classes, compute_dtype, loss_from_statistics, loss_output,
-                                   plain_target_logit, weights_for)
+from shardkit.softmax.core import (
+    ShardStatistics,
+    chunk_classes,
+    compute_dtype,
+    loss_from_statistics,
+    loss_output,
+    plain_target_logit,
+    weights_for,
+)
 from shardkit.softmax.sampling import mark_sampled, sample_shard, sampled_class_counts
 
 
@@ -36,7 +43,8 @@ def default_device(group) -> torch.device:
     backend name is not "nccl"), so the name is searched, not compared."""
     backend = str(dist.get_backend(group)).lower()
     on_gpu = torch.cuda.is_available() and (
-        "nccl" in backend or (backend == dist.Backend.UNDEFINED and dist.is_nccl_available()))
+        "nccl" in backend or (backend == dist.Backend.UNDEFINED and dist.is_nccl_available())
+    )
     if not on_gpu:
         return torch.device("cpu")
     bound = getattr(group, "bound_device_id", None)
@@ -53,8 +61,10 @@ class ProcessGroupShards:
 
     def __init__(self, num_classes: int, process_group, input_layout: str, devices, shard_sizes):
         if shard_sizes is not None:
-            raise ValueError("argument `shard_sizes` is not used with `process_group`: rank r holds "
-                             "shardkit.distributed.split_classes(num_classes, world_size)[r] classes")
+            raise ValueError(
+                "argument `shard_sizes` is not used with `process_group`: rank r holds "
+                "shardkit.distributed.split_classes(num_classes, world_size)[r] classes"
+            )
         self.ctx = DistContext(num_classes, process_group, input_layout)
         if devices is None:
             devices = [default_device(self.ctx.group)]
@@ -80,7 +90,7 @@ class ProcessGroupShards:
         :func:`shardkit.import_full_weight` for an exact copy of a given weight)."""
         seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item()) + 1000003 * self.ctx.rank
         gen = torch.Generator().manual_seed(seed % 2**63)
-        bound = 1.0 / module.embedding_dim ** 0.5
+        bound = 1.0 / module.embedding_dim**0.5
         for p in module.weight_shards:
             if p.device.type != "meta":
                 p.copy_(torch.empty(p.shape, dtype=p.dtype).uniform_(-bound, bound, generator=gen))
@@ -96,25 +106,49 @@ class ProcessGroupShards:
         ks = check_topk(module.topk if topk is None else topk) if return_details else ()
         rate = module.sample_rate if module.training else 1.0  # evaluation uses every class
         stats, labels_g, used = distributed_statistics(
-            self.ctx, embeddings, labels, module.weight_shards[0], margin=module.margin,
-            chunk_memory=module.chunk_memory, with_rank=bool(ks), ignore_index=module.ignore_index,
-            check_inputs=module.check_inputs, sample_rate=rate, generator=module.sample_generator)
+            self.ctx,
+            embeddings,
+            labels,
+            module.weight_shards[0],
+            margin=module.margin,
+            chunk_memory=module.chunk_memory,
+            with_rank=bool(ks),
+            ignore_index=module.ignore_index,
+            check_inputs=module.check_inputs,
+            sample_rate=rate,
+            generator=module.sample_generator,
+        )
         with torch.autocast(stats.lse.device.type, enabled=False):  # fp32 statistics stay fp32
-            loss, valid = loss_from_statistics(stats, labels_g, used, label_smoothing=module.label_smoothing,
-                                               ignore_index=module.ignore_index, reduction=module.reduction)
+            loss, valid = loss_from_statistics(
+                stats,
+                labels_g,
+                used,
+                label_smoothing=module.label_smoothing,
+                ignore_index=module.ignore_index,
+                reduction=module.reduction,
+            )
         return loss_output(loss, stats, valid, ks) if return_details else loss
 
 
-def check_local_input(embeddings, labels, dim: int, num_classes: int, ignore_index: int, check_inputs,
-                      device: Optional[torch.device] = None):
+def check_local_input(
+    embeddings,
+    labels,
+    dim: int,
+    num_classes: int,
+    ignore_index: int,
+    check_inputs,
+    device: Optional[torch.device] = None,
+):
     """The one-process mode's argument checks, except that a rank may bring an EMPTY batch
     (only the global batch must be non-empty), plus the shard's ``device``: embeddings
     elsewhere would fail in the first collective on this rank alone (NCCL takes no CPU
     tensor) while the others wait in it. Returns labels as int64; raises ValueError /
     TypeError naming the argument."""
     if device is not None and isinstance(embeddings, torch.Tensor) and embeddings.device != device:
-        raise ValueError(f"argument `embeddings` is on {embeddings.device} but this rank's weight shard is on "
-                         f"{device}; move the embeddings (and labels) there")
+        raise ValueError(
+            f"argument `embeddings` is on {embeddings.device} but this rank's weight shard is on "
+            f"{device}; move the embeddings (and labels) there"
+        )
     if isinstance(embeddings, torch.Tensor) and embeddings.dim() == 2 and embeddings.shape[0] == 0:
         # check_tensors rejects empty batches; run it on a one-row stand-in for the rest.
         fake_labels = labels[:1] if isinstance(labels, torch.Tensor) and labels.dim() == 1 else labels
@@ -128,10 +162,20 @@ def check_local_input(embeddings, labels, dim: int, num_classes: int, ignore_ind
     return labels
 
 
-def distributed_statistics(dctx: DistContext, embeddings, labels, weight: torch.Tensor, *, margin,
-                           chunk_memory: Optional[int], with_rank: bool, ignore_index: int = -100,
-                           check_inputs=True, sample_rate: float = 1.0,
-                           generator: Optional[torch.Generator] = None):
+def distributed_statistics(
+    dctx: DistContext,
+    embeddings,
+    labels,
+    weight: torch.Tensor,
+    *,
+    margin,
+    chunk_memory: Optional[int],
+    with_rank: bool,
+    ignore_index: int = -100,
+    check_inputs=True,
+    sample_rate: float = 1.0,
+    generator: Optional[torch.Generator] = None,
+):
     """One rank's part of the distributed loss, up to the global statistics.
 
     Args:
@@ -154,8 +198,9 @@ def distributed_statistics(dctx: DistContext, embeddings, labels, weight: torch.
 
     error = None
     try:
-        labels = check_local_input(embeddings, labels, weight.shape[1], dctx.num_classes, ignore_index,
-                                   check_inputs, weight.device)
+        labels = check_local_input(
+            embeddings, labels, weight.shape[1], dctx.num_classes, ignore_index, check_inputs, weight.device
+        )
         dtype = compute_dtype(weight)
         if embeddings.dtype != dtype:
             embeddings = embeddings.to(dtype)  # cast before the gather: fewer bytes on the wire
@@ -165,7 +210,8 @@ def distributed_statistics(dctx: DistContext, embeddings, labels, weight: torch.
     if sum(sizes) == 0:
         raise DistributedInputError(
             f"ShardedSoftmaxLoss rank {dctx.rank}: argument `embeddings` is empty on every rank; the loss "
-            "of no samples is undefined")
+            "of no samples is undefined"
+        )
     xg, yg = gather_batch(dctx, embeddings, labels, sizes)
     batch = xg.shape[0]
     y_op = yg
@@ -190,10 +236,18 @@ def distributed_statistics(dctx: DistContext, embeddings, labels, weight: torch.
             raise dctx.fail("target-logit all_reduce", err) from err
     scale, m1, m2, m3 = margin.params() if margin is not None else (1.0, 1.0, 0.0, 0.0)
     lse, target, logit_sum, greater = ops.ce_shard_stats(
-        xg, w, y_shard, class_offset=offset, scale=scale, m1=m1, m2=m2, m3=m3, normalize=margin is not None,
+        xg,
+        w,
+        y_shard,
+        class_offset=offset,
+        scale=scale,
+        m1=m1,
+        m2=m2,
+        m3=m3,
+        normalize=margin is not None,
         chunk_classes=chunk_classes(batch, w.shape[0], xg.shape[1], xg.dtype, chunk_memory),
-        target_ref=target_ref)
+        target_ref=target_ref,
+    )
     with torch.autocast(xg.device.type, enabled=False):  # fp32 statistics stay fp32
-        lse_g, target_g, sum_g, greater_g = combine_stats(dctx, lse, target, logit_sum,
-                                                          greater if with_rank else None)
+        lse_g, target_g, sum_g, greater_g = combine_stats(dctx, lse, target, logit_sum, greater if with_rank else None)
     return ShardStatistics(lse_g, target_g, sum_g, greater_g), yg, used

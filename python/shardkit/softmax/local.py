@@ -12,8 +12,7 @@ from typing import Optional, Sequence
 import torch
 
 from shardkit.softmax.checks import check_options, check_shards, check_tensors, check_topk, check_values, parse_memory
-from shardkit.softmax.core import (combine_statistics, loss_from_statistics, loss_output, shard_statistics,
-                                   to_device)
+from shardkit.softmax.core import combine_statistics, loss_from_statistics, loss_output, shard_statistics, to_device
 from shardkit.softmax.margins import Margin
 from shardkit.softmax.sampling import check_sample_rate, mark_sampled, sample_shard, sampled_class_counts
 
@@ -100,14 +99,19 @@ def sharded_cross_entropy(
     if check_sample_rate(sample_rate) < 1.0:
         shards, shard_labels, num_classes = _sample_shards(shards, offsets, op_labels, sample_rate, generator)
         offsets = [0] * len(shards)
-    per_shard = shard_statistics(embeddings, shards, offsets, op_labels, margin, budget, with_rank=bool(ks),
-                                 shard_labels=shard_labels)
+    per_shard = shard_statistics(
+        embeddings, shards, offsets, op_labels, margin, budget, with_rank=bool(ks), shard_labels=shard_labels
+    )
     # The statistics are fp32 already; autocast must not lower the combining arithmetic.
     with torch.autocast(embeddings.device.type, enabled=False):
         stats = combine_statistics(per_shard, embeddings.device)
         loss, valid = loss_from_statistics(
-            stats, labels, num_classes,
-            label_smoothing=float(label_smoothing), ignore_index=ignore_index, reduction=reduction,
+            stats,
+            labels,
+            num_classes,
+            label_smoothing=float(label_smoothing),
+            ignore_index=ignore_index,
+            reduction=reduction,
         )
     return loss_output(loss, stats, valid, ks) if return_details else loss
 
@@ -120,8 +124,10 @@ def _sample_shards(shards, offsets, labels, sample_rate, generator):
     else:
         generators = list(generator)
         if len(generators) != len(shards) or not all(isinstance(g, torch.Generator) for g in generators):
-            raise TypeError("argument `generator` must be None, a torch.Generator or one torch.Generator per "
-                            f"shard ({len(shards)}), got {generator!r}")
+            raise TypeError(
+                "argument `generator` must be None, a torch.Generator or one torch.Generator per "
+                f"shard ({len(shards)}), got {generator!r}"
+            )
     counts = sampled_class_counts([w.shape[0] for w in shards], sample_rate, labels.shape[0])
     subs, sub_labels = [], []
     for w, offset, count, gen in zip(shards, offsets, counts, generators):
@@ -174,11 +180,13 @@ def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict
     expected = (module.num_classes, module.embedding_dim)
     if not isinstance(full, torch.Tensor) or tuple(full.shape) != expected:
         shape = tuple(full.shape) if isinstance(full, torch.Tensor) else type(full).__name__
-        errors.append(f"size mismatch for {key}: the checkpoint has {shape}, this module expects {expected} "
-                      "[num_classes, embedding_dim]")
+        errors.append(
+            f"size mismatch for {key}: the checkpoint has {shape}, this module expects {expected} "
+            "[num_classes, embedding_dim]"
+        )
         return
     for k, (offset, size) in enumerate(zip(module.class_offsets, module.shard_sizes)):
-        state_dict[f"{prefix}weight_shards.{k}"] = full[offset:offset + size]
+        state_dict[f"{prefix}weight_shards.{k}"] = full[offset : offset + size]
 
 
 def checkpoint_weight(module) -> torch.Tensor:
@@ -216,7 +224,7 @@ class LocalShards:
     @torch.no_grad()
     def reset_parameters(self, module) -> None:
         # Drawn on the CPU shard by shard in class order: the same numbers as one [C, D] draw.
-        bound = 1.0 / module.embedding_dim ** 0.5
+        bound = 1.0 / module.embedding_dim**0.5
         for p in module.weight_shards:
             if p.device.type == "meta":
                 continue
@@ -227,15 +235,28 @@ class LocalShards:
         return torch.cat([p.detach().to(device) for p in module.weight_shards], dim=0)
 
     def forward(self, module, embeddings, labels, return_details: bool, topk):
-        if isinstance(embeddings, torch.Tensor) and embeddings.dim() == 2 \
-                and embeddings.shape[1] != module.embedding_dim:
-            raise ValueError(f"argument `embeddings` has dim {embeddings.shape[1]}, "
-                             f"but this loss has embedding_dim={module.embedding_dim}")
+        if (
+            isinstance(embeddings, torch.Tensor)
+            and embeddings.dim() == 2
+            and embeddings.shape[1] != module.embedding_dim
+        ):
+            raise ValueError(
+                f"argument `embeddings` has dim {embeddings.shape[1]}, "
+                f"but this loss has embedding_dim={module.embedding_dim}"
+            )
         return sharded_cross_entropy(
-            embeddings, list(module.weight_shards), labels,
-            margin=module.margin, label_smoothing=module.label_smoothing, ignore_index=module.ignore_index,
-            reduction=module.reduction, class_offsets=module.class_offsets, chunk_memory=module.chunk_memory,
-            check_inputs=module.check_inputs, return_details=return_details,
+            embeddings,
+            list(module.weight_shards),
+            labels,
+            margin=module.margin,
+            label_smoothing=module.label_smoothing,
+            ignore_index=module.ignore_index,
+            reduction=module.reduction,
+            class_offsets=module.class_offsets,
+            chunk_memory=module.chunk_memory,
+            check_inputs=module.check_inputs,
+            return_details=return_details,
             topk=module.topk if topk is None else topk,
-            sample_rate=module.sample_rate if module.training else 1.0, generator=module.sample_generator,
+            sample_rate=module.sample_rate if module.training else 1.0,
+            generator=module.sample_generator,
         )

@@ -80,11 +80,25 @@ class ShardedSoftmaxLoss(nn.Module):
 
     _version = 1
 
-    def __init__(self, embedding_dim: int, num_classes: int, *, margin: Optional[Margin] = None,
-                 devices=None, shard_sizes=None, label_smoothing: float = 0.0, ignore_index: int = -100,
-                 reduction: str = "mean", dtype: Optional[torch.dtype] = None,
-                 chunk_memory=None, check_inputs=True, topk: Sequence[int] = (1, 5),
-                 process_group=None, input_layout: str = "data_parallel", sample_rate: float = 1.0):
+    def __init__(
+        self,
+        embedding_dim: int,
+        num_classes: int,
+        *,
+        margin: Optional[Margin] = None,
+        devices=None,
+        shard_sizes=None,
+        label_smoothing: float = 0.0,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        dtype: Optional[torch.dtype] = None,
+        chunk_memory=None,
+        check_inputs=True,
+        topk: Sequence[int] = (1, 5),
+        process_group=None,
+        input_layout: str = "data_parallel",
+        sample_rate: float = 1.0,
+    ):
         super().__init__()
         for name, value in (("embedding_dim", embedding_dim), ("num_classes", num_classes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -114,8 +128,10 @@ class ShardedSoftmaxLoss(nn.Module):
         self.check_inputs = check_inputs
         self.topk = check_topk(topk)
         self.weight_shards = nn.ParameterList(
-            [nn.Parameter(torch.empty(size, embedding_dim, dtype=dtype, device=dev))
-             for size, dev in zip(sizes, devices)]
+            [
+                nn.Parameter(torch.empty(size, embedding_dim, dtype=dtype, device=dev))
+                for size, dev in zip(sizes, devices)
+            ]
         )
         self.reset_parameters()
         self._mode.attach(self)
@@ -146,8 +162,14 @@ class ShardedSoftmaxLoss(nn.Module):
         the first shard's). With a ``process_group`` it is a collective: every rank calls it."""
         return self._mode.full_weight(self, device)
 
-    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor, *, return_details: bool = False,
-                topk: Optional[Sequence[int]] = None):
+    def forward(
+        self,
+        embeddings: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        return_details: bool = False,
+        topk: Optional[Sequence[int]] = None,
+    ):
         """embeddings [B, D] floating, labels [B] int64 (int32 accepted) on the same device.
 
         Returns the loss on the embeddings' device (float32 scalar; [B] with
@@ -159,7 +181,9 @@ class ShardedSoftmaxLoss(nn.Module):
 
     def extra_repr(self) -> str:
         devices = ", ".join(str(d) for d in self.devices)
-        return (f"embedding_dim={self.embedding_dim}, num_classes={self.num_classes}, "
-                f"shard_sizes={list(self.shard_sizes)}, devices=[{devices}], margin={self.margin}, "
-                f"label_smoothing={self.label_smoothing}, ignore_index={self.ignore_index}, "
-                f"reduction={self.reduction!r}")
+        return (
+            f"embedding_dim={self.embedding_dim}, num_classes={self.num_classes}, "
+            f"shard_sizes={list(self.shard_sizes)}, devices=[{devices}], margin={self.margin}, "
+            f"label_smoothing={self.label_smoothing}, ignore_index={self.ignore_index}, "
+            f"reduction={self.reduction!r}"
+        )

@@ -38,15 +38,21 @@ class SparseRowSGD(torch.optim.Optimizer):
     per step (autograd does not keep the coalesced flag of the sampled shard's gradient).
     """
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False):
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+    ):
         for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
             if value < 0.0:
                 raise ValueError(f"argument `{name}` must be >= 0, got {value}")
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("argument `nesterov` needs momentum > 0 and dampening = 0")
-        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                        nesterov=nesterov)
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov)
         super().__init__(params, defaults)
 
     def load_state_dict(self, state_dict) -> None:
@@ -73,8 +79,10 @@ class SparseRowSGD(torch.optim.Optimizer):
                     grad = grad.coalesce()  # unique, sorted rows
                     rows, values = grad.indices()[0], grad.values()
                     if grad.sparse_dim() != 1:
-                        raise ValueError("SparseRowSGD: sparse gradients must be row-sparse (sparse_dim 1), got "
-                                         f"sparse_dim {grad.sparse_dim()}")
+                        raise ValueError(
+                            "SparseRowSGD: sparse gradients must be row-sparse (sparse_dim 1), got "
+                            f"sparse_dim {grad.sparse_dim()}"
+                        )
                 else:
                     rows, values = None, grad
                 self._update(p, rows, values, group)

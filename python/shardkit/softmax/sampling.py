@@ -70,8 +70,9 @@ def sample_shard(
         gradient of ``weight``); sub_labels are positions in ``index`` (-1 for rows whose
         class is not in this shard), for the statistics op with ``class_offset=0``.
     """
-    index, sub_labels = partial_fc_sample(labels, class_offset=class_offset, num_local=weight.shape[0],
-                                          num_sample=num_sample, generator=generator)
+    index, sub_labels = partial_fc_sample(
+        labels, class_offset=class_offset, num_local=weight.shape[0], num_sample=num_sample, generator=generator
+    )
     return F.embedding(index, weight, sparse=True), sub_labels, index
 
 
@@ -89,12 +90,15 @@ def _sgd_step_pre_hook(optimizer, args, kwargs):
     _checked[optimizer] = count
     for group in optimizer.param_groups:
         if (group.get("momentum", 0) or group.get("weight_decay", 0)) and any(
-                getattr(p, "_shardkit_sampled", False) for p in group["params"]):
+            getattr(p, "_shardkit_sampled", False) for p in group["params"]
+        ):
             warnings.warn(
                 "torch.optim.SGD with momentum or weight_decay updates rows of a PartialFC-sampled "
                 "ShardedSoftmaxLoss shard that were not sampled this step (or raises on weight decay with "
                 "their sparse gradients); use shardkit.SparseRowSGD, which leaves them untouched",
-                UserWarning, stacklevel=3)
+                UserWarning,
+                stacklevel=3,
+            )
             return
 
 

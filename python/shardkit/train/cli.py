@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -38,7 +37,7 @@ def _device_list(text: str):
         try:
             dev = torch.device(part)
         except RuntimeError:
-            raise argparse.ArgumentTypeError(f"not a device: {part!r} (use e.g. cpu, cuda:0)")
+            raise argparse.ArgumentTypeError(f"not a device: {part!r} (use e.g. cpu, cuda:0)") from None
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", 0)
         out.append(dev)
@@ -52,10 +51,11 @@ def _positive(kind):
         try:
             v = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"not a {kind.__name__}: {text!r}")
+            raise argparse.ArgumentTypeError(f"not a {kind.__name__}: {text!r}") from None
         if v <= 0:
             raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
         return v
+
     return parse
 
 
@@ -67,13 +67,23 @@ def _rate(text):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m shardkit.train", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m shardkit.train",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     d = p.add_argument_group("data")
-    d.add_argument("--data", metavar="PATH", help="ImageFolder-style directory (class subfolders) instead of "
-                   "the built-in synthetic identities")
-    d.add_argument("--cache-ram", choices=["none", "encoded", "decoded"], default="none",
-                   help="with --data: keep images in RAM as encoded file bytes or decoded uint8")
+    d.add_argument(
+        "--data",
+        metavar="PATH",
+        help="ImageFolder-style directory (class subfolders) instead of the built-in synthetic identities",
+    )
+    d.add_argument(
+        "--cache-ram",
+        choices=["none", "encoded", "decoded"],
+        default="none",
+        help="with --data: keep images in RAM as encoded file bytes or decoded uint8",
+    )
     d.add_argument("--classes", type=_positive(int), default=200, help="synthetic training identities")
     d.add_argument("--per-class", type=_positive(int), default=32, help="synthetic images per identity")
     d.add_argument("--image-size", type=_positive(int), default=32)
@@ -100,11 +110,19 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--checkpointing", action="store_true", help="recompute backbone stages in the backward")
     t.add_argument("--seed", type=int, default=0)
     x = p.add_argument_group("devices")
-    x.add_argument("--devices", type=_device_list, default=None,
-                   help="comma-separated; head shards go one per device, the backbone on the first "
-                        "(default: cuda:0 when a GPU is visible, else cpu)")
-    x.add_argument("--dp", action="store_true", help="backbone and loss data-parallel over --devices "
-                   "(shardkit.parallel.DataParallelModel / DataParallelCriterion)")
+    x.add_argument(
+        "--devices",
+        type=_device_list,
+        default=None,
+        help="comma-separated; head shards go one per device, the backbone on the first "
+        "(default: cuda:0 when a GPU is visible, else cpu)",
+    )
+    x.add_argument(
+        "--dp",
+        action="store_true",
+        help="backbone and loss data-parallel over --devices "
+        "(shardkit.parallel.DataParallelModel / DataParallelCriterion)",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--out", default="runs/train", help="output directory (checkpoint, plot, log)")
     o.add_argument("--resume", metavar="DIR", help="resume from a checkpoint directory (or the --out of a run)")
@@ -156,4 +174,3 @@ def main(argv=None) -> int:
         # Leave the process as we found it.
         if not had_group and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-

@@ -94,10 +94,23 @@ class SyntheticIdentities(Dataset):
     uses it through ``__getitems__``).
     """
 
-    def __init__(self, num_classes: int, per_class: int, image_size: int = 32, seed: int = 0, *,
-                 channels: int = 3, identity_offset: int = 0, nuisance: Nuisance = Nuisance(),
-                 cache: Optional[bool] = None):
-        for name, v, lo in [("num_classes", num_classes, 1), ("per_class", per_class, 1), ("image_size", image_size, 4)]:
+    def __init__(
+        self,
+        num_classes: int,
+        per_class: int,
+        image_size: int = 32,
+        seed: int = 0,
+        *,
+        channels: int = 3,
+        identity_offset: int = 0,
+        nuisance: Nuisance = Nuisance(),
+        cache: Optional[bool] = None,
+    ):
+        for name, v, lo in [
+            ("num_classes", num_classes, 1),
+            ("per_class", per_class, 1),
+            ("image_size", image_size, 4),
+        ]:
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"argument `{name}` must be an integer >= {lo}, got {v!r}")
         if channels not in (1, 3):
@@ -174,7 +187,7 @@ class SyntheticIdentities(Dataset):
         t = ((u * torch.cos(alpha) + v * torch.sin(alpha)) * 0.5 + 0.5).clamp(0, 1)[:, None]
         img = p[:, 0:3, None, None] * (1 - t) + p[:, 3:6, None, None] * t
         # Oriented gratings with their own colour vector.
-        q = p[:, 7:7 + 6 * _GRATINGS].reshape(-1, _GRATINGS, 6)
+        q = p[:, 7 : 7 + 6 * _GRATINGS].reshape(-1, _GRATINGS, 6)
         theta = q[..., 0, None, None] * math.pi
         freq = 1.5 + 3.0 * q[..., 1, None, None]
         phase = q[..., 2, None, None] * 2 * math.pi
@@ -182,7 +195,7 @@ class SyntheticIdentities(Dataset):
         wave = (0.15 + 0.15 * q[..., 3, None, None]) * torch.cos(math.pi * freq * proj + phase)
         img = img + torch.einsum("nghw,ngc->nchw", wave, q[..., 3:6] * 2 - 1)
         # Coloured Gaussian blobs.
-        b = p[:, 7 + 6 * _GRATINGS:].reshape(-1, _BLOBS, 6)
+        b = p[:, 7 + 6 * _GRATINGS :].reshape(-1, _BLOBS, 6)
         cx, cy = (b[..., 0, None, None] * 1.2 - 0.6), (b[..., 1, None, None] * 1.2 - 0.6)
         sigma = 0.15 + 0.2 * b[..., 2, None, None]
         blob = torch.exp(-((u[:, None] - cx) ** 2 + (v[:, None] - cy) ** 2) / (2 * sigma**2))
@@ -231,7 +244,7 @@ class VerificationSet:
     def embed(self, embed_fn: Callable[[torch.Tensor], torch.Tensor], batch_size: int = 256) -> torch.Tensor:
         """Embeddings ``[M, D]`` (CPU float32) of every image; ``embed_fn`` maps a uint8
         ``[n, S, S, C]`` CPU batch to ``[n, D]`` (move it to the device and normalize inside)."""
-        out = [embed_fn(self.images[i:i + batch_size]).float().cpu() for i in range(0, len(self.images), batch_size)]
+        out = [embed_fn(self.images[i : i + batch_size]).float().cpu() for i in range(0, len(self.images), batch_size)]
         return torch.cat(out)
 
     def evaluate(self, embeddings: torch.Tensor, *, far: float = 1e-3, folds: int = 10):
@@ -250,17 +263,32 @@ class VerificationSet:
         return res
 
 
-def verification_split(num_identities: int, per_identity: int, image_size: int = 32, seed: int = 0, *,
-                       train_classes: int, channels: int = 3, num_impostor: int = 10000,
-                       nuisance: Nuisance = Nuisance()) -> VerificationSet:
+def verification_split(
+    num_identities: int,
+    per_identity: int,
+    image_size: int = 32,
+    seed: int = 0,
+    *,
+    train_classes: int,
+    channels: int = 3,
+    num_impostor: int = 10000,
+    nuisance: Nuisance = Nuisance(),
+) -> VerificationSet:
     """Held-out identities ``train_classes .. train_classes + num_identities - 1`` (never seen by
     a :class:`SyntheticIdentities` with ``num_classes <= train_classes``), ``per_identity``
     images each; every genuine pair (all same-identity combinations) and ``num_impostor``
     distinct-identity pairs drawn deterministically from ``seed``."""
     if num_identities < 2 or per_identity < 2:
         raise ValueError(f"need >= 2 identities with >= 2 images each, got {num_identities} x {per_identity}")
-    ds = SyntheticIdentities(num_identities, per_identity, image_size, seed, channels=channels,
-                             identity_offset=train_classes, nuisance=nuisance)
+    ds = SyntheticIdentities(
+        num_identities,
+        per_identity,
+        image_size,
+        seed,
+        channels=channels,
+        identity_offset=train_classes,
+        nuisance=nuisance,
+    )
     images, ids = ds.get_batch(range(len(ds)))
     a, b = torch.triu_indices(per_identity, per_identity, offset=1)
     base = torch.arange(num_identities)[:, None] * per_identity
@@ -290,8 +318,17 @@ class EpochBatchSampler(Sampler[List[int]]):
     """Batches of indices of a random permutation fixed by ``(seed, epoch)``, starting at batch
     ``start_batch``: recreating it with the same arguments resumes an epoch exactly."""
 
-    def __init__(self, n: int, batch_size: int, *, shuffle: bool = True, seed: int = 0, epoch: int = 0,
-                 drop_last: bool = True, start_batch: int = 0):
+    def __init__(
+        self,
+        n: int,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        epoch: int = 0,
+        drop_last: bool = True,
+        start_batch: int = 0,
+    ):
         if batch_size < 1:
             raise ValueError(f"argument `batch_size` must be >= 1, got {batch_size}")
         self.n, self.batch_size, self.shuffle, self.seed = n, batch_size, shuffle, seed
@@ -307,18 +344,34 @@ class EpochBatchSampler(Sampler[List[int]]):
         else:
             order = torch.arange(self.n)
         for b in range(self.start_batch, self.start_batch + len(self)):
-            yield order[b * self.batch_size:(b + 1) * self.batch_size].tolist()
+            yield order[b * self.batch_size : (b + 1) * self.batch_size].tolist()
 
 
-def make_loader(dataset: Dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0, epoch: int = 0,
-                start_batch: int = 0, drop_last: bool = True, num_workers: int = 0,
-                pin_memory: Optional[bool] = None) -> DataLoader:
+def make_loader(
+    dataset: Dataset,
+    batch_size: int,
+    *,
+    shuffle: bool = True,
+    seed: int = 0,
+    epoch: int = 0,
+    start_batch: int = 0,
+    drop_last: bool = True,
+    num_workers: int = 0,
+    pin_memory: Optional[bool] = None,
+) -> DataLoader:
     """A DataLoader of (uint8 ``[N, H, W, C]``, int64 ``[N]``) batches in the order of
     :class:`EpochBatchSampler`; ``pin_memory`` defaults to ``torch.cuda.is_available()`` so
     ``images.to(device, non_blocking=True)`` overlaps the copy with compute."""
-    sampler = EpochBatchSampler(len(dataset), batch_size, shuffle=shuffle, seed=seed, epoch=epoch,
-                                drop_last=drop_last, start_batch=start_batch)
+    sampler = EpochBatchSampler(
+        len(dataset), batch_size, shuffle=shuffle, seed=seed, epoch=epoch, drop_last=drop_last, start_batch=start_batch
+    )
     if pin_memory is None:
         pin_memory = torch.cuda.is_available()
-    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_uint8, num_workers=num_workers,
-                      pin_memory=pin_memory, persistent_workers=num_workers > 0)
+    return DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=collate_uint8,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=num_workers > 0,
+    )

@@ -45,8 +45,15 @@ class ImageFolderDataset(Dataset):
     directory, has no class subfolders, or no image files.
     """
 
-    def __init__(self, root: str, image_size: int = 112, *, cache_ram: str = "none", channels: int = 3,
-                 extensions: Sequence[str] = IMAGE_EXTENSIONS):
+    def __init__(
+        self,
+        root: str,
+        image_size: int = 112,
+        *,
+        cache_ram: str = "none",
+        channels: int = 3,
+        extensions: Sequence[str] = IMAGE_EXTENSIONS,
+    ):
         if cache_ram not in _CACHE_MODES:
             raise ValueError(f"argument `cache_ram` must be one of {_CACHE_MODES}, got {cache_ram!r}")
         if channels not in (1, 3):
@@ -66,7 +73,9 @@ class ImageFolderDataset(Dataset):
                     if f.lower().endswith(exts):
                         self.samples.append((os.path.join(dirpath, f), label))
         if not self.samples:
-            raise ValueError(f"--data {root!r}: {len(self.classes)} class folders but no image files ({', '.join(exts)})")
+            raise ValueError(
+                f"--data {root!r}: {len(self.classes)} class folders but no image files ({', '.join(exts)})"
+            )
         self.labels = torch.tensor([lb for _, lb in self.samples], dtype=torch.int64)
         self._encoded: List[bytes] = []
         self._decoded = None

@@ -83,8 +83,10 @@ def run(args, world: World) -> int:
     parts = setup.build(args, world)
     steps_per_epoch = len(parts.train_set) // (args.batch * world.size * args.accumulate)
     if steps_per_epoch < 1:
-        raise SystemExit(f"error: the training set ({len(parts.train_set)} images) is smaller than one step's "
-                         f"batch ({args.batch} x {world.size} ranks x {args.accumulate} micro-batches)")
+        raise SystemExit(
+            f"error: the training set ({len(parts.train_set)} images) is smaller than one step's "
+            f"batch ({args.batch} x {world.size} ranks x {args.accumulate} micro-batches)"
+        )
     total = args.steps or steps_per_epoch * args.epochs
     history = {"step": [], "loss": [], "top1": []}
     start = 0
@@ -133,8 +135,9 @@ def run(args, world: World) -> int:
         setup.save_checkpoint(ckpt_dir, parts, step + 1, history, world)
         bar.close()
         if lead:
-            print(f"\ninterrupted: checkpoint of step {step + 1} saved in {ckpt_dir}; "
-                  f"continue with --resume {ckpt_dir}")
+            print(
+                f"\ninterrupted: checkpoint of step {step + 1} saved in {ckpt_dir}; continue with --resume {ckpt_dir}"
+            )
         return 130
     finally:
         signal.signal(signal.SIGINT, old_handler)

@@ -37,8 +37,10 @@ __all__ = [
 
 def _check_pairs(scores: torch.Tensor, is_same: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     if scores.dim() != 1 or is_same.shape != scores.shape:
-        raise ValueError(f"`scores` and `is_same` must be 1-D of the same length, got {tuple(scores.shape)} "
-                         f"and {tuple(is_same.shape)}")
+        raise ValueError(
+            f"`scores` and `is_same` must be 1-D of the same length, got {tuple(scores.shape)} "
+            f"and {tuple(is_same.shape)}"
+        )
     if scores.numel() == 0:
         raise ValueError("need at least one pair")
     return scores.detach().to("cpu", torch.float64), is_same.detach().to("cpu").bool()
@@ -140,10 +142,16 @@ class VerificationResult:
     num_impostor: int
 
     def summary(self) -> str:
-        note = "" if self.far_reliable else f" (only {self.num_impostor} impostor pairs: FAR resolution {self.far_resolution:.1e})"
-        return (f"verification accuracy {100 * self.accuracy:.2f}% +- {100 * self.accuracy_std:.2f} "
-                f"({self.num_genuine} genuine / {self.num_impostor} impostor pairs), "
-                f"TAR@FAR={self.far:g}: {100 * self.tar:.2f}%{note}")
+        note = (
+            ""
+            if self.far_reliable
+            else f" (only {self.num_impostor} impostor pairs: FAR resolution {self.far_resolution:.1e})"
+        )
+        return (
+            f"verification accuracy {100 * self.accuracy:.2f}% +- {100 * self.accuracy_std:.2f} "
+            f"({self.num_genuine} genuine / {self.num_impostor} impostor pairs), "
+            f"TAR@FAR={self.far:g}: {100 * self.tar:.2f}%{note}"
+        )
 
 
 def evaluate_verification(
@@ -156,5 +164,6 @@ def evaluate_verification(
     best, thr = best_threshold_accuracy(scores, same)
     tar, fthr, fach = tar_at_far(scores, same, far)
     n_imp = int((~same).sum())
-    return VerificationResult(acc, std, best, thr, tar, far, fthr, fach, 1.0 / n_imp, n_imp >= 10.0 / far,
-                              int(same.sum()), n_imp)
+    return VerificationResult(
+        acc, std, best, thr, tar, far, fthr, fach, 1.0 / n_imp, n_imp >= 10.0 / far, int(same.sum()), n_imp
+    )

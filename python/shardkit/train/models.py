@@ -102,8 +102,11 @@ class Backbone(nn.Module):
             raise ValueError(f"argument `head` must be 'pool' or 'flatten', got {head!r}")
         self.checkpointing = checkpointing
         self.embedding_dim = embedding_dim
-        self.stem = nn.Sequential(nn.Conv2d(in_channels, widths[0], 3, stem_stride, 1, bias=False), nn.BatchNorm2d(widths[0]),
-                                  _act(act, widths[0]))
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_channels, widths[0], 3, stem_stride, 1, bias=False),
+            nn.BatchNorm2d(widths[0]),
+            _act(act, widths[0]),
+        )
         stages, c = [], widths[0]
         for w, d in zip(widths, depths):
             blocks = [BasicBlock(c, w, stride=2, act=act)] + [BasicBlock(w, w, 1, act) for _ in range(d - 1)]
@@ -135,8 +138,10 @@ class Backbone(nn.Module):
         x = self.bn_features(x)
         if self.head_kind == "flatten":
             if x.shape[-1] != self.feature_side or x.shape[-2] != self.feature_side:
-                raise ValueError(f"head='flatten' was built for {self.feature_side}x{self.feature_side} final feature "
-                                 f"maps (image_size), got {x.shape[-2]}x{x.shape[-1]}")
+                raise ValueError(
+                    f"head='flatten' was built for {self.feature_side}x{self.feature_side} final feature "
+                    f"maps (image_size), got {x.shape[-2]}x{x.shape[-1]}"
+                )
             x = torch.flatten(x, 1)
         else:
             x = x.mean(dim=(2, 3))

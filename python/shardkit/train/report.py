@@ -37,6 +37,7 @@ def _embed_fn(parts, model):
     def embed(images_u8):
         with parts.autocast():
             return model(parts.normalize(images_u8.to(parts.devices[0]))).float()
+
     return embed
 
 
@@ -54,7 +55,7 @@ def _train_top1(parts, model, limit: int = 4096) -> float:
     for i in range(0, per_rank, bs):
         from shardkit.train.data import collate_uint8
 
-        images, labels = collate_uint8([parts.train_set[j] for j in idx[i:i + bs]])
+        images, labels = collate_uint8([parts.train_set[j] for j in idx[i : i + bs]])
         emb = _embed_fn(parts, model)(images)
         out = parts.head(emb, labels.to(parts.devices[0]), return_details=True, topk=(1,))
         correct += out.correct[1].cpu()
@@ -86,15 +87,20 @@ def evaluate(parts, args, world) -> dict:
 
 
 def print_report(report: dict, history, args) -> None:
-    print("\nresults (train top-1 from the sharded head's statistics; verification on "
-          f"{args.val_classes} held-out identities):")
+    print(
+        "\nresults (train top-1 from the sharded head's statistics; verification on "
+        f"{args.val_classes} held-out identities):"
+    )
     print(f"  {'model':<6} {'train top-1':>12} {'verif. acc':>12} {'TAR@FAR=1e-3':>14}")
     for name, r in report.items():
         v = r["verification"]
         print(f"  {name:<6} {100 * r['top1']:>11.2f}% {100 * v.accuracy:>11.2f}% {100 * v.tar:>13.2f}%")
     v = report["raw"]["verification"]
-    print(f"  ({v.num_genuine} genuine / {v.num_impostor} impostor pairs; chance accuracy 50%"
-          + ("" if v.far_reliable else f"; FAR resolution {v.far_resolution:.1e}") + ")")
+    print(
+        f"  ({v.num_genuine} genuine / {v.num_impostor} impostor pairs; chance accuracy 50%"
+        + ("" if v.far_reliable else f"; FAR resolution {v.far_resolution:.1e}")
+        + ")"
+    )
     if history["loss"]:
         print(f"  loss: first step {history['loss'][0]:.3f}, last step {history['loss'][-1]:.3f}")
 
@@ -115,8 +121,13 @@ def plot(history, report, path: str) -> None:
     if tops:
         ax[1].plot(steps, tops, lw=1, label="train top-1 (batch)")
     for name, r in report.items():
-        ax[1].axhline(100 * r["verification"].accuracy, ls="--", lw=1,
-                      color="C1" if name == "raw" else "C2", label=f"verification acc ({name})")
+        ax[1].axhline(
+            100 * r["verification"].accuracy,
+            ls="--",
+            lw=1,
+            color="C1" if name == "raw" else "C2",
+            label=f"verification acc ({name})",
+        )
     ax[1].set_xlabel("step")
     ax[1].set_ylabel("%")
     ax[1].set_ylim(0, 100)

@@ -15,10 +15,16 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler, Subset
 
 import shardkit
-from shardkit.train.data import (EpochBatchSampler, ImageFolderDataset, SyntheticIdentities, VerificationSet,
-                           collate_uint8, verification_split)
-from shardkit.train.models import build_backbone
 from shardkit.parallel import DataParallelCriterion, DataParallelModel
+from shardkit.train.data import (
+    EpochBatchSampler,
+    ImageFolderDataset,
+    SyntheticIdentities,
+    VerificationSet,
+    collate_uint8,
+    verification_split,
+)
+from shardkit.train.models import build_backbone
 
 MEAN, STD = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
 CKPT_FILE = "checkpoint.pt"
@@ -35,7 +41,7 @@ class _RankSlice(Sampler):
 
     def __iter__(self):
         for idx in self.inner:
-            yield idx[self.rank * self.per_rank:(self.rank + 1) * self.per_rank]
+            yield idx[self.rank * self.per_rank : (self.rank + 1) * self.per_rank]
 
 
 class Batches:
@@ -50,11 +56,16 @@ class Batches:
     def get(self, i: int, per_epoch: int):
         if i != self._next:
             epoch, start = divmod(i, per_epoch)
-            inner = EpochBatchSampler(len(self.dataset), self.batch * self.world.size, seed=self.seed,
-                                      epoch=epoch, start_batch=start)
-            loader = DataLoader(self.dataset, batch_sampler=_RankSlice(inner, self.world.rank, self.batch),
-                                collate_fn=collate_uint8, num_workers=self.workers,
-                                pin_memory=torch.cuda.is_available())
+            inner = EpochBatchSampler(
+                len(self.dataset), self.batch * self.world.size, seed=self.seed, epoch=epoch, start_batch=start
+            )
+            loader = DataLoader(
+                self.dataset,
+                batch_sampler=_RankSlice(inner, self.world.rank, self.batch),
+                collate_fn=collate_uint8,
+                num_workers=self.workers,
+                pin_memory=torch.cuda.is_available(),
+            )
             self._it = iter(loader)
         self._next = i + 1 if (i + 1) % per_epoch else None
         return next(self._it)
@@ -89,8 +100,10 @@ def _folder_data(args):
     full = ImageFolderDataset(args.data, args.image_size, cache_ram=args.cache_ram)
     k = len(full.classes)
     if k <= args.val_classes:
-        raise SystemExit(f"error: --data has {k} classes; need more than --val-classes={args.val_classes} "
-                         f"(the last --val-classes classes are held out for verification)")
+        raise SystemExit(
+            f"error: --data has {k} classes; need more than --val-classes={args.val_classes} "
+            f"(the last --val-classes classes are held out for verification)"
+        )
     train_k = k - args.val_classes
     labels = [lb for _, lb in full.samples]
     train_idx = [i for i, lb in enumerate(labels) if lb < train_k]
@@ -123,20 +136,29 @@ def build(args, world) -> Parts:
     else:
         train_set = SyntheticIdentities(args.classes, args.per_class, args.image_size, args.seed)
         num_classes = args.classes
-        val_set = verification_split(args.val_classes, args.val_per_class, args.image_size, args.seed,
-                                     train_classes=args.classes)
+        val_set = verification_split(
+            args.val_classes, args.val_per_class, args.image_size, args.seed, train_classes=args.classes
+        )
     devices = list(args.devices)
     dev0 = devices[0]
     backbone = build_backbone(args.backbone, args.dim, checkpointing=args.checkpointing).to(dev0)
-    margin = {"arcface": lambda: shardkit.ArcFace(s=args.scale, m=args.m),
-              "cosface": lambda: shardkit.CosFace(s=args.scale, m=args.m),
-              "none": lambda: None}[args.margin]()
+    margin = {
+        "arcface": lambda: shardkit.ArcFace(s=args.scale, m=args.m),
+        "cosface": lambda: shardkit.CosFace(s=args.scale, m=args.m),
+        "none": lambda: None,
+    }[args.margin]()
     group = None
     if world.size > 1:
         group = dist.group.WORLD
     head = shardkit.ShardedSoftmaxLoss(
-        args.dim, num_classes, margin=margin, sample_rate=args.sample_rate, process_group=group,
-        devices=None if group is not None else devices, topk=(1,))
+        args.dim,
+        num_classes,
+        margin=margin,
+        sample_rate=args.sample_rate,
+        process_group=group,
+        devices=None if group is not None else devices,
+        topk=(1,),
+    )
     if group is not None:
         head.to(dev0)
     criterion = None
@@ -147,24 +169,43 @@ def build(args, world) -> Parts:
         criterion = DataParallelCriterion(head, device_ids=ids)
     elif world.size > 1:
         backbone_train = nn.parallel.DistributedDataParallel(
-            backbone, device_ids=[dev0.index] if dev0.type == "cuda" else None)
+            backbone, device_ids=[dev0.index] if dev0.type == "cuda" else None
+        )
     decay, no_decay = [], []
-    for n, p in backbone.named_parameters():
+    for p in backbone.parameters():
         (no_decay if p.ndim <= 1 else decay).append(p)
-    opt_backbone = torch.optim.SGD([{"params": decay, "weight_decay": args.weight_decay},
-                                    {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, momentum=0.9)
+    opt_backbone = torch.optim.SGD(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        momentum=0.9,
+    )
     # The head's rows get a row-sparse gradient under sampling: SparseRowSGD leaves the others alone.
     opt_head = shardkit.SparseRowSGD(head.parameters(), lr=args.lr, momentum=0.9, weight_decay=args.weight_decay)
     scaler = torch.amp.GradScaler(dev0.type) if args.amp == "fp16" else None
     ema = shardkit.ModelEMA(backbone, decay=args.ema, tau=args.ema_tau) if args.ema > 0 else None
     normalize = shardkit.Normalize(MEAN, STD, input_layout="NHWC").to(dev0)
-    parts = Parts(args, world, train_set, num_classes, val_set, devices, normalize, backbone, backbone_train,
-                  head, criterion, [opt_backbone, opt_head], scaler, ema)
+    parts = Parts(
+        args,
+        world,
+        train_set,
+        num_classes,
+        val_set,
+        devices,
+        normalize,
+        backbone,
+        backbone_train,
+        head,
+        criterion,
+        [opt_backbone, opt_head],
+        scaler,
+        ema,
+    )
     parts.batches = Batches(train_set, args.batch, world, args.seed, args.workers)
     return parts
 
 
 # ---- checkpoints -----------------------------------------------------------------
+
 
 def save_checkpoint(ckpt_dir: str, parts: Parts, step: int, history, world) -> None:
     """Everything a resume needs, written atomically. The head's weight is shard-agnostic
