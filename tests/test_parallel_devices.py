@@ -11,7 +11,7 @@ from torch import nn
 
 import shardkit
 from shardkit.parallel import DataParallelCriterion, DataParallelModel, WeightedLoss, gather, replication_order
-from shardkit.parallel.data_parallel import replicate_module
+from shardkit.parallel.replicate import replicate_module
 
 
 @pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])  # cuda: [0, 0, 0]

@@ -5,6 +5,8 @@ and ``DataParallelCriterion`` computes the loss on every device and reduces it e
 ``from encoding.parallel import ...`` becomes ``from shardkit.parallel import ...``.
 
 Modules of the wing: :mod:`~shardkit.parallel.data_parallel` (the two classes, ``gather``),
+:mod:`~shardkit.parallel.replicate` (per-step replicas),
+:mod:`~shardkit.parallel.replicate` (per-step replicas),
 :mod:`~shardkit.parallel.scatter` (device lists, chunk sizes, splitting arguments),
 :mod:`~shardkit.parallel.threads` (per-device calls in threads),
 :mod:`~shardkit.parallel.sync` (SyncBN callbacks, ``allreduce``).
@@ -15,8 +17,8 @@ from shardkit.parallel.data_parallel import (
     DataParallelModel,
     WeightedLoss,
     gather,
-    replication_order,
 )
+from shardkit.parallel.replicate import replication_order
 from shardkit.parallel.sync import CallbackContext, allreduce, execute_replication_callbacks, patch_replication_callback
 
 __all__ = [

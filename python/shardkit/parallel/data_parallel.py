@@ -10,10 +10,13 @@ Device modes (the same code path in all of them):
 
 * CUDA device lists (default: every visible GPU): the module is replicated per step with
   ``torch.nn.parallel.replicate``, as ``nn.DataParallel`` does.
-* Repeated devices, e.g. ``device_ids=["cpu"] * 3`` (what the tests use without a GPU) or
-  ``[0, 0]``: there is nothing to replicate onto, so every chunk runs the ONE module object
-  in its own thread; gradients accumulate into the same parameters. Modules that update
-  state in forward (BatchNorm running statistics) race in this mode.
+* CPU devices, e.g. ``device_ids=["cpu"] * 3`` (what the tests use without a GPU), or a
+  GPU repeated in the list (``[0, 0]``): the same replicas, built without copies
+  (:func:`shardkit.parallel.replicate.share_replicas`): one module object per chunk whose
+  parameters ARE the module's (gradients accumulate into them), replica 0 with the
+  module's buffers and the others with their own copies, replication callbacks run on
+  them: the per-replica path of the GPUs, so BatchNorm statistics come from chunk 0 in
+  both.
 * ``device_ids=None`` with no GPU, or a single device: the module is called directly and
   its output returned as it is (not in a list), as ``encoding.parallel`` does; the
   criterion then also calls its module directly.
@@ -31,10 +34,10 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 from torch import nn
-from torch.nn.parallel import replicate as _torch_replicate
 
 from shardkit.ops import weighted_loss_reduce
 from shardkit.parallel import scatter as U
+from shardkit.parallel.replicate import replicate_module, share_replicas
 from shardkit.parallel.sync import execute_replication_callbacks
 from shardkit.parallel.threads import run_parallel
 
@@ -79,37 +82,6 @@ def _init_parallel(self: nn.DataParallel, module: nn.Module, device_ids, output_
         if len(devices) == 1:
             module.to(devices[0])
     self._devices, self._shared = devices, shared
-
-
-def replicate_module(module: nn.Module, device_ids: Sequence[Any], what: str = "DataParallelModel") -> list[nn.Module]:
-    """``torch.nn.parallel.replicate`` onto CUDA ``device_ids`` from wherever the module's
-    state lives. torch broadcasts from its FIRST device and requires every parameter and
-    buffer there, so a split that leaves device 0 out (``gpu0_bsz=0``, a zero chunk size)
-    or a criterion whose state sits on another device in the list would fail inside
-    torch. Its device goes first, its own copy is dropped when not used: as
-    BalancedDataParallel, that device's BatchNorm running statistics then miss the step."""
-    ids = [U.as_device(d).index for d in device_ids]
-    state = {t.device for t in chain(module.parameters(), module.buffers())}
-    if not state:
-        return _torch_replicate(module, ids, not torch.is_grad_enabled())
-    src = next(iter(state))
-    if len(state) > 1 or src.type != "cuda":
-        raise ValueError(
-            f"{what}: the module's parameters and buffers must all be on one CUDA device to be "
-            f"replicated onto {[f'cuda:{i}' for i in ids]}, found them on {sorted(map(str, state))}; "
-            f"move it there first (e.g. module.cuda({ids[0]}))"
-        )
-    order = replication_order(src.index, ids)
-    if order == ids:
-        return _torch_replicate(module, ids, not torch.is_grad_enabled())
-    copies = dict(zip(order, _torch_replicate(module, order, not torch.is_grad_enabled())))
-    return [copies[i] for i in ids]
-
-
-def replication_order(src: int, ids: Sequence[int]) -> list[int]:
-    """The device list torch's replicate() needs: ``src`` (where the module is) first, then
-    the other distinct ``ids`` in order; equals ``ids`` when ``ids[0] == src``."""
-    return [src] + [i for i in dict.fromkeys(ids) if i != src]
 
 
 def _call(module: nn.Module, output: Any, targets: tuple, kwargs: dict) -> Any:
@@ -181,6 +153,11 @@ class DataParallelModel(nn.DataParallel):
         first = U.first_batched_tensor((inputs, kwargs), self.dim)
         if first is None:
             raise ValueError("DataParallelModel: the inputs hold no tensor with a batch dimension to split")
+        if first.size(self.dim) == 0:
+            raise ValueError(
+                f"DataParallelModel: the batch is empty (0 samples along dim {self.dim}); there is nothing to "
+                "split over the devices: skip empty batches (e.g. DataLoader(drop_last=True))"
+            )
         sizes = U.balanced_chunk_sizes(first.size(self.dim), len(self._devices), self.chunk_sizes, self.gpu0_bsz)
         used = [k for k, s in enumerate(sizes) if s > 0]
         devices = [self._devices[k] for k in used]
@@ -192,9 +169,9 @@ class DataParallelModel(nn.DataParallel):
         return tuple(a for a, _ in per_device), tuple(k for _, k in per_device)
 
     def replicate(self, module: nn.Module, device_ids) -> list[nn.Module]:
-        """Replicas for ``device_ids`` (the same object for repeated devices), then the
-        ``__data_parallel_replicate__`` callbacks, as encoding.parallel does."""
-        modules = [module] * len(device_ids) if self._shared else replicate_module(module, device_ids)
+        """Replicas for ``device_ids`` (sharing the parameters where the devices repeat or are
+        CPUs), then the ``__data_parallel_replicate__`` callbacks, as encoding.parallel does."""
+        modules = share_replicas(module, len(device_ids)) if self._shared else replicate_module(module, device_ids)
         execute_replication_callbacks(modules)
         return modules
 
@@ -248,6 +225,11 @@ class DataParallelCriterion(nn.DataParallel):
                 targets, kwargs = U.to_device((targets, kwargs), self._devices[0])
                 return _strip_weight(_call(self.module, inputs, targets, kwargs))
             devices, sizes = self._input_layout(inputs)
+            if sum(sizes) == 0:
+                raise ValueError(
+                    "DataParallelCriterion: the model outputs hold 0 samples; the loss of an empty batch is "
+                    "undefined: skip empty batches (e.g. DataLoader(drop_last=True))"
+                )
             per_device = U.split_args(
                 targets,
                 kwargs,
@@ -259,11 +241,12 @@ class DataParallelCriterion(nn.DataParallel):
             # Replicate only a criterion with state on one device; a parameter-free one, or one
             # already spread over several devices (a class-sharded head), is shared by the threads.
             state_devices = {t.device for t in chain(self.module.parameters(), self.module.buffers())}
-            replicas = (
-                self.replicate(self.module, [d.index for d in devices])
-                if len(state_devices) == 1 and not self._shared
-                else [self.module] * len(devices)
-            )
+            if len(state_devices) != 1:
+                replicas = [self.module] * len(devices)
+            elif self._shared:
+                replicas = share_replicas(self.module, len(devices))
+            else:
+                replicas = self.replicate(self.module, [d.index for d in devices])
             calls = [functools.partial(_call, m, out, t, k) for m, out, (t, k) in zip(replicas, inputs, per_device)]
             results = run_parallel(calls, devices, "DataParallelCriterion")
             return self._reduce(results, replicas, per_device, sizes)
@@ -396,6 +379,11 @@ def gather(outputs: Sequence[Any], target_device: Any, dim: int = 0) -> Any:
     E.g. embeddings ``[b_k, D]`` from K devices -> ``[B, D]`` on one device."""
     if isinstance(outputs, torch.Tensor):
         raise TypeError("argument `outputs` must be the list of per-device outputs, got a Tensor")
+    if not isinstance(outputs, (list, tuple)) or len(outputs) == 0:
+        raise ValueError(
+            "argument `outputs` must be a non-empty list of per-device outputs (what DataParallelModel returns), "
+            f"got {outputs!r}"
+        )
     dev = U.as_device(target_device)
     first = outputs[0]
     if isinstance(first, torch.Tensor):
