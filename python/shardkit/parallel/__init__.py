@@ -5,7 +5,11 @@ and ``DataParallelCriterion`` computes the loss on every device and reduces it e
 ``from encoding.parallel import ...`` becomes ``from shardkit.parallel import ...``.
 
 Modules of the wing: :mod:`~shardkit.parallel.data_parallel` (the two classes, ``gather``),
+:mod:`~shardkit.parallel.pipeline` (PipelineModel: a backbone split over devices with
+micro-batches pipelined, BatchNorm in :mod:`~shardkit.parallel.pipeline_bn`),
 :mod:`~shardkit.parallel.replicate` (per-step replicas),
+:mod:`~shardkit.parallel.pipeline` (PipelineModel: a backbone split over devices with
+micro-batches pipelined, BatchNorm in :mod:`~shardkit.parallel.pipeline_bn`),
 :mod:`~shardkit.parallel.replicate` (per-step replicas),
 :mod:`~shardkit.parallel.scatter` (device lists, chunk sizes, splitting arguments),
 :mod:`~shardkit.parallel.threads` (per-device calls in threads),
@@ -18,6 +22,7 @@ from shardkit.parallel.data_parallel import (
     WeightedLoss,
     gather,
 )
+from shardkit.parallel.pipeline import PipelineModel
 from shardkit.parallel.replicate import replication_order
 from shardkit.parallel.sync import CallbackContext, allreduce, execute_replication_callbacks, patch_replication_callback
 
@@ -31,4 +36,5 @@ __all__ = [
     "WeightedLoss",
     "gather",
     "replication_order",
+    "PipelineModel",
 ]

@@ -1,0 +1,342 @@
+"""A backbone split over devices in ONE process, with micro-batches pipelined through the
+stages (GPipe's fill-drain schedule), the fuller split of the million-class write-up.
+
+The batch is cut into ``chunks`` micro-batches. At clock ``t`` stage ``k`` runs micro-batch
+``t - k``: while stage 1 works on micro-batch 0, stage 0 already works on micro-batch 1, so
+with K stages and M micro-batches the devices idle for a fraction (K - 1) / (M + K - 1) of
+the forward (the bubble) instead of (K - 1) / K for the naive split. The tasks of one clock
+run in threads (:mod:`shardkit.parallel.threads`, which carries grad mode and autocast);
+on GPUs each stage has its own stream, and an activation is handed to the next stage by a
+non-blocking copy ordered by the producer's event. Autograd then runs the backward of each
+device on that device's stream.
+
+Checkpointing (activation recomputation) per micro-batch: ``"never"``, ``"except_last"``
+(GPipe's default: the last micro-batch's backward starts at once, so keeping its
+activations costs nothing in time) or ``"always"``. A recomputation never updates
+BatchNorm statistics a second time.
+
+BatchNorm: in training each micro-batch is normalized with its own statistics (as in
+GPipe: the whole batch never exists on one device). ``batchnorm="deferred"`` (the default)
+keeps the running statistics those of the whole batch, updated once per step, so what
+evaluation uses equals the unsplit model's; ``batchnorm="micro"`` lets every micro-batch
+update them (momentum applied ``chunks`` times per step), as plain BatchNorm would.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint as _checkpoint
+
+from shardkit.parallel.pipeline_bn import DeferredBatchNorm, no_running_stats_update
+from shardkit.parallel.scatter import as_device
+from shardkit.parallel.threads import run_parallel
+
+CHECKPOINT_MODES = ("never", "except_last", "always")
+BATCHNORM_MODES = ("deferred", "micro")
+
+
+def _layers(stages) -> list[nn.Module]:
+    if isinstance(stages, nn.Sequential):
+        return list(stages.children())
+    if isinstance(stages, (list, tuple)) and all(isinstance(m, nn.Module) for m in stages):
+        return list(stages)
+    raise TypeError(f"argument `stages` must be an nn.Sequential or a list of nn.Modules, got {type(stages).__name__}")
+
+
+def split_evenly(num_layers: int, parts: int) -> list[int]:
+    """Layer counts of ``parts`` contiguous stages as even as possible (first ones larger)."""
+    base, extra = divmod(num_layers, parts)
+    return [base + (k < extra) for k in range(parts)]
+
+
+def partition(costs: Sequence[float], parts: int) -> list[int]:
+    """Layer counts of ``parts`` contiguous, non-empty stages minimizing the largest stage
+    cost (exact, by dynamic programming over the prefix sums)."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+    inf = float("inf")
+    # best[p][i]: the smallest max-stage cost of the first i layers in p stages
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for p in range(1, parts + 1):
+        for i in range(p, n + 1):
+            for j in range(p - 1, i):
+                value = max(best[p - 1][j], prefix[i] - prefix[j])
+                if value < best[p][i]:
+                    best[p][i], cut[p][i] = value, j
+    sizes, i = [], n
+    for p in range(parts, 0, -1):
+        j = cut[p][i]
+        sizes.append(i - j)
+        i = j
+    return sizes[::-1]
+
+
+def layer_costs(layers: Sequence[nn.Module], sample: torch.Tensor, by: str, repeats: int = 3) -> list[float]:
+    """Per-layer cost on ``sample`` (run through the layers in order, where the layers are):
+    ``"time"``: the median of ``repeats`` forward + backward times in seconds;
+    ``"memory"``: bytes of parameters, their gradients and buffers plus the output
+    activation kept for the backward."""
+    if by not in ("time", "memory"):
+        raise ValueError(f"argument `by` must be 'time' or 'memory', got {by!r}")
+    costs, x = [], sample
+    for layer in layers:
+        state = sum(t.numel() * t.element_size() for t in layer.parameters())
+        state += sum(t.numel() * t.element_size() for t in layer.buffers())
+        if by == "memory":
+            with torch.no_grad():
+                y = layer(x)
+            costs.append(float(2 * state + y.numel() * y.element_size()))
+        else:
+            times = []
+            for _ in range(repeats):
+                inp = x.detach().requires_grad_(x.is_floating_point())
+                _sync(inp.device)
+                start = time.perf_counter()
+                y = layer(inp)
+                if y.requires_grad:
+                    y.backward(torch.ones_like(y))
+                _sync(inp.device)
+                times.append(time.perf_counter() - start)
+            costs.append(sorted(times)[len(times) // 2])
+            layer.zero_grad(set_to_none=True)
+        x = y.detach()
+    return costs
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class PipelineModel(nn.Module):
+    """``stages`` split over ``devices``, micro-batches pipelined through them.
+
+    Args:
+        stages: an ``nn.Sequential`` (or a list of modules) run in order; each layer takes
+            and returns one tensor with the batch along dim 0.
+        devices: one device per stage, e.g. ``["cuda:0", "cuda:1"]`` (repeats allowed:
+            ``["cpu", "cpu"]`` runs the same schedule in threads on the CPU).
+        chunks: micro-batches per step (>= 1; fewer when the batch is smaller), sizes
+            differing by at most one (``x.tensor_split(chunks)``).
+        balance: layers per device (ints summing to the layer count), or ``"time"`` /
+            ``"memory"`` to choose them by profiling each layer on ``sample`` (see
+            :meth:`balance_by`), or None for an even split by layer count.
+        checkpoint: ``"never"``, ``"except_last"`` or ``"always"``: recompute a micro-batch's
+            activations in the backward instead of keeping them.
+        batchnorm: ``"deferred"`` (default: running statistics of the whole batch, updated
+            once per step) or ``"micro"`` (every micro-batch updates them).
+        output_device: where the output goes (default: the last stage's device).
+        sample: a sample input batch, needed for ``balance="time"|"memory"``.
+
+    Forward: ``model(x)`` with ``x`` [B, ...] on any device; returns [B, ...] on the output
+    device. Parameters stay where the stages put them (``model.stage_devices``).
+    """
+
+    def __init__(
+        self,
+        stages,
+        devices: Sequence[Any],
+        chunks: int = 4,
+        balance=None,
+        checkpoint: str = "never",
+        batchnorm: str = "deferred",
+        output_device=None,
+        sample: torch.Tensor | None = None,
+    ):
+        super().__init__()
+        layers = _layers(stages)
+        if isinstance(devices, (str, int, torch.device)) or not devices:
+            raise ValueError(f"argument `devices` must be a non-empty list of devices, got {devices!r}")
+        devs = [as_device(d) for d in devices]
+        if len(devs) > len(layers):
+            raise ValueError(
+                f"argument `devices` names {len(devs)} devices for {len(layers)} layers; each device needs "
+                "at least one layer: pass fewer devices or split the model finer"
+            )
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"argument `chunks` must be an int >= 1, got {chunks!r}")
+        if checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(f"argument `checkpoint` must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
+        if batchnorm not in BATCHNORM_MODES:
+            raise ValueError(f"argument `batchnorm` must be one of {BATCHNORM_MODES}, got {batchnorm!r}")
+        if isinstance(balance, str):
+            if sample is None:
+                raise ValueError(f"argument `balance`={balance!r} profiles the layers: pass `sample`, a sample batch")
+            balance = self.balance_by(layers, sample, len(devs), by=balance)
+        elif balance is None:
+            balance = split_evenly(len(layers), len(devs))
+        balance = list(balance)
+        if len(balance) != len(devs) or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in balance):
+            raise ValueError(f"argument `balance` must hold one positive int per device ({len(devs)}), got {balance}")
+        if sum(balance) != len(layers):
+            raise ValueError(
+                f"argument `balance` {balance} sums to {sum(balance)}, but the model has {len(layers)} layers"
+            )
+        if batchnorm == "deferred":
+            layers = [DeferredBatchNorm.convert(m) for m in layers]
+        parts, start = [], 0
+        for size, dev in zip(balance, devs):
+            parts.append(nn.Sequential(*layers[start : start + size]).to(dev))
+            start += size
+        self.partitions = nn.ModuleList(parts)
+        self.stage_devices = devs
+        self.balance = balance
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self.batchnorm = batchnorm
+        self.output_device = devs[-1] if output_device is None else as_device(output_device)
+        self._streams: dict = {}
+        self._micro_count = 1
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """The distinct devices of the stages, in stage order (give them to the head)."""
+        return list(dict.fromkeys(self.stage_devices))
+
+    @staticmethod
+    def balance_by(stages, sample: torch.Tensor, partitions: int, by: str = "time") -> list[int]:
+        """Layers per stage that balance ``by`` "time" (forward + backward, profiled on
+        ``sample``) or "memory" (parameters, gradients, buffers, activations) over
+        ``partitions`` stages. The layers are profiled where they are; returns the plan
+        (a list of ints) so it can be printed and passed as ``balance=`` later."""
+        layers = _layers(stages)
+        if isinstance(partitions, bool) or not isinstance(partitions, int) or not 1 <= partitions <= len(layers):
+            raise ValueError(f"argument `partitions` must be an int in [1, {len(layers)}], got {partitions!r}")
+        return partition(layer_costs(layers, sample, by), partitions)
+
+    def memory_per_device(self) -> dict:
+        """Bytes of parameters and buffers each device holds for the stages (what the head's
+        ``shard_sizes`` can be balanced against, see :func:`shardkit.plan.balance_shards`)."""
+        out = {d: 0 for d in self.devices}
+        for part, dev in zip(self.partitions, self.stage_devices):
+            out[dev] += sum(t.numel() * t.element_size() for t in list(part.parameters()) + list(part.buffers()))
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"argument `x` must be a Tensor with the batch along dim 0, got {type(x).__name__}")
+        if x.dim() == 0 or x.shape[0] == 0:
+            raise ValueError(f"argument `x` must have a non-empty batch along dim 0, got shape {tuple(x.shape)}")
+        micro = list(x.tensor_split(min(self.chunks, x.shape[0])))
+        m, k = len(micro), len(self.partitions)
+        self._micro_count = m
+        for part in self.partitions:
+            for mod in part.modules():
+                if isinstance(mod, DeferredBatchNorm):
+                    mod.begin_step(m)
+        streams = self._stage_streams(x)
+        acts: list = list(micro)
+        events: list = [None] * m
+        for clock in range(m + k - 1):
+            tasks = [(s, clock - s) for s in range(k) if 0 <= clock - s < m]
+            calls = [functools.partial(self._run_task, s, i, acts[i], events[i], streams) for s, i in tasks]
+            results = run_parallel(calls, [self.stage_devices[s] for s, _ in tasks], "PipelineModel")
+            for (_, i), (y, event) in zip(tasks, results):
+                acts[i], events[i] = y, event
+        out = torch.cat(
+            [
+                a.to(self.output_device, non_blocking=True) if a.device != self.output_device else a
+                for a in self._join(acts, events, streams)
+            ]
+        )
+        return out
+
+    # ---- internals -----------------------------------------------------------------
+
+    def _stage_streams(self, x: torch.Tensor) -> list:
+        """One CUDA stream per stage (None on CPUs); each first waits for the caller's stream
+        on its device, which produced the input and the parameters."""
+        if not any(d.type == "cuda" for d in self.stage_devices):
+            return [None] * len(self.stage_devices)
+        out = []
+        for s, dev in enumerate(self.stage_devices):
+            if dev.type != "cuda":
+                out.append(None)
+                continue
+            stream = self._streams.get(s)
+            if stream is None or stream.device != dev:
+                stream = self._streams[s] = torch.cuda.Stream(dev)
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            if x.device.type == "cuda" and x.device != dev:
+                stream.wait_stream(torch.cuda.current_stream(x.device))
+            out.append(stream)
+        return out
+
+    def _run_task(self, s: int, i: int, x: torch.Tensor, ready, streams) -> tuple:
+        dev, stream = self.stage_devices[s], streams[s]
+        part = self.partitions[s]
+        last = i == self._micro_count - 1
+        use_ckpt = self.checkpoint == "always" or (self.checkpoint == "except_last" and not last)
+        if stream is None:
+            y = self._apply(part, x.to(dev) if x.device != dev else x, use_ckpt, s)
+            return y, None
+        prev = streams[s - 1] if s > 0 and x.device.type == "cuda" else None
+        with torch.cuda.stream(prev) if prev is not None else _null(), torch.cuda.stream(stream):
+            if ready is not None:
+                stream.wait_event(ready)
+            x_in = x.to(dev, non_blocking=True) if x.device != dev else x
+            if x_in is x and x.device.type == "cuda":
+                x.record_stream(stream)  # made on the previous stage's stream, used on this one
+            y = self._apply(part, x_in, use_ckpt, s)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return y, event
+
+    def _apply(self, part: nn.Module, x: torch.Tensor, use_ckpt: bool, s: int) -> torch.Tensor:
+        if use_ckpt and torch.is_grad_enabled():
+            calls = {"n": 0}
+
+            def run(inp):
+                calls["n"] += 1
+                if calls["n"] == 1:
+                    return part(inp)
+                with no_running_stats_update(part):  # the recomputation in the backward
+                    return part(inp)
+
+            y = _checkpoint(run, x, use_reentrant=False)
+        else:
+            y = part(x)
+        if not isinstance(y, torch.Tensor):
+            raise TypeError(
+                f"PipelineModel: stage {s} (layers of partitions[{s}]) returned {type(y).__name__}; "
+                "every stage must return one tensor with the batch along dim 0"
+            )
+        return y
+
+    def _join(self, acts, events, streams):
+        """The caller's streams wait for the last stage's work on every output."""
+        last = streams[-1]
+        if last is not None:
+            current = torch.cuda.current_stream(self.stage_devices[-1])
+            current.wait_stream(last)
+            for a in acts:
+                a.record_stream(current)
+        return acts
+
+    def extra_repr(self) -> str:
+        return (
+            f"devices={[str(d) for d in self.stage_devices]}, balance={self.balance}, chunks={self.chunks}, "
+            f"checkpoint={self.checkpoint!r}, batchnorm={self.batchnorm!r}"
+        )
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def bubble_fraction(stages: int, chunks: int) -> float:
+    """Idle fraction of the fill-drain schedule with equal stages: (K - 1) / (M + K - 1)."""
+    return (stages - 1) / (chunks + stages - 1)

@@ -1,0 +1,115 @@
+"""BatchNorm inside a pipeline: micro-batches are normalized with their own statistics,
+but the running statistics can still be those of the whole batch (:class:`DeferredBatchNorm`),
+and a checkpoint's recomputation must not update them twice
+(:func:`no_running_stats_update`)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+
+@contextlib.contextmanager
+def no_running_stats_update(module: nn.Module):
+    """Within the block, BatchNorm layers of ``module`` in training mode normalize with the
+    batch's statistics as usual but leave running statistics and counters as they were
+    (what a recomputation of an already-counted forward needs). The layers still get their
+    running buffers (momentum 0), so a checkpoint's recomputation saves the same tensors as
+    the original forward did."""
+    saved = []
+    for m in module.modules():
+        if isinstance(m, DeferredBatchNorm):
+            saved.append((m, "recomputing", m.recomputing, None))
+            m.recomputing = True
+        elif isinstance(m, _BatchNorm) and m.training and m.track_running_stats:
+            saved.append((m, "momentum", m.momentum, m.num_batches_tracked))
+            m.momentum = 0.0  # running = 1 * running + 0 * batch: unchanged
+    try:
+        yield
+    finally:
+        for m, attr, value, counter in saved:
+            setattr(m, attr, value)
+            if counter is not None:
+                counter.sub_(1)  # the forward counted this batch once more
+
+
+class DeferredBatchNorm(_BatchNorm):
+    """BatchNorm whose running statistics are updated once per step from every micro-batch
+    of the step (sum and sum of squares accumulated), as one forward of the whole batch
+    would update them; each micro-batch is still normalized with its own statistics.
+    Same parameters, buffers and state_dict keys as the layer it replaces."""
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__(num_features, eps, momentum, affine, True, device=device, dtype=dtype)
+        self.recomputing = False
+        self._expected = 1
+        self._seen = 0
+        self._acc = None
+
+    @classmethod
+    def convert(cls, module: nn.Module) -> nn.Module:
+        """``module`` with every BatchNorm{1,2,3}d that tracks running statistics replaced by
+        a DeferredBatchNorm sharing its Parameters and buffers (SyncBatchNorm is left alone)."""
+        if type(module) in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d) and module.track_running_stats:
+            new = cls.__new__(cls)
+            nn.Module.__init__(new)
+            new.__dict__.update(
+                {k: v for k, v in module.__dict__.items() if k not in ("_parameters", "_buffers", "_modules")}
+            )
+            new._parameters = dict(module._parameters)
+            new._buffers = dict(module._buffers)
+            new._modules = dict(module._modules)
+            new.recomputing, new._expected, new._seen, new._acc = False, 1, 0, None
+            return new
+        for name, child in list(module.named_children()):
+            converted = cls.convert(child)
+            if converted is not child:
+                setattr(module, name, converted)
+        return module
+
+    def _check_input_dim(self, input):
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def begin_step(self, micro_batches: int) -> None:
+        """Called by the pipeline before each forward: how many micro-batches make the step."""
+        self._expected, self._seen, self._acc = micro_batches, 0, None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(x)
+        if not self.training:
+            return super().forward(x)
+        if not self.recomputing:
+            self._accumulate(x.detach())
+        return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
+
+    @torch.no_grad()
+    def _accumulate(self, x: torch.Tensor) -> None:
+        dims = [0] + list(range(2, x.dim()))
+        xf = x.to(self.running_mean.dtype)
+        part = (xf.sum(dims), (xf * xf).sum(dims), x.numel() // x.shape[1])
+        self._acc = part if self._acc is None else tuple(a + b for a, b in zip(self._acc, part))
+        self._seen += 1
+        if self._seen < self._expected:
+            return
+        total, total_sq, count = self._acc
+        self._acc, self._seen = None, 0
+        mean = total / count
+        var = (total_sq / count - mean * mean).clamp_min(0)
+        unbiased = var * (count / max(count - 1, 1))
+        self.num_batches_tracked.add_(1)
+        momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        self.running_mean.lerp_(mean, momentum)
+        self.running_var.lerp_(unbiased, momentum)

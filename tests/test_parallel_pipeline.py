@@ -1,0 +1,254 @@
+"""shardkit.parallel.PipelineModel on repeated CPU devices (the GPU twins are marked):
+outputs and gradients against the unsplit model in float64, BatchNorm semantics of both
+modes against references, recomputation that does not count BatchNorm twice, a schedule
+that really overlaps the stages, balance plans, and the errors."""
+
+import copy
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardkit.parallel import PipelineModel
+from shardkit.parallel.pipeline import bubble_fraction, partition
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible on this machine")
+
+
+def _mlp(seed, width=6, depth=5):
+    torch.manual_seed(seed)
+    layers = []
+    for i in range(depth):
+        layers += [nn.Linear(width if i else 4, width), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(width, 3)).double()
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+@pytest.mark.parametrize("chunks", [1, 2, 3, 7, 9])
+@pytest.mark.parametrize("ckpt", ["never", "except_last", "always"])
+def test_matches_unsplit_model(stages, chunks, ckpt):
+    seed = int(torch.randint(0, 2**31, ()).item())
+    ref = _mlp(seed)
+    pipe = PipelineModel(copy.deepcopy(ref), ["cpu"] * stages, chunks=chunks, checkpoint=ckpt)
+    x = torch.randn(7, 4, dtype=torch.float64)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    coef = torch.randn(7, 3, dtype=torch.float64)
+    (ref(x1) * coef).sum().backward()
+    out = pipe(x2)
+    (out * coef).sum().backward()
+    torch.testing.assert_close(out, ref(x), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x2.grad, x1.grad, rtol=1e-12, atol=1e-12)
+    for g, h in zip(_grads(pipe), _grads(ref)):
+        torch.testing.assert_close(g, h, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("balance", [[1, 10], [4, 7], [9, 2], [3, 3, 5], "time", "memory"])
+def test_balance_lists_and_automatic_plans(balance):
+    ref = _mlp(3)
+    parts = len(balance) if isinstance(balance, list) else 2
+    sample = torch.randn(5, 4, dtype=torch.float64)
+    pipe = PipelineModel(copy.deepcopy(ref), ["cpu"] * parts, chunks=3, balance=balance, sample=sample)
+    assert sum(pipe.balance) == 11 and len(pipe.balance) == parts and min(pipe.balance) >= 1
+    if isinstance(balance, list):
+        assert pipe.balance == balance
+    x = torch.randn(8, 4, dtype=torch.float64)
+    torch.testing.assert_close(pipe(x), ref(x), rtol=1e-12, atol=1e-12)
+
+
+def test_partition_minimizes_the_largest_stage():
+    costs = [5.0, 1.0, 1.0, 1.0, 1.0, 5.0]
+    plan = partition(costs, 2)
+    assert plan == [3, 3]
+    assert partition([1, 1, 1, 10], 2) == [3, 1]
+    assert partition([3, 1, 1, 1], 3) in ([1, 1, 2], [1, 2, 1])
+    # exhaustive check of optimality on random costs
+    torch.manual_seed(0)
+    for _ in range(20):
+        c = torch.rand(7).tolist()
+        best = min(max(sum(c[:i]), sum(c[i:j]), sum(c[j:])) for i in range(1, 6) for j in range(i + 1, 7))
+        plan = partition(c, 3)
+        got = max(sum(c[: plan[0]]), sum(c[plan[0] : plan[0] + plan[1]]), sum(c[plan[0] + plan[1] :]))
+        assert abs(got - best) < 1e-12
+
+
+def test_memory_plan_puts_the_heavy_layer_alone():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 512), nn.Linear(512, 4))
+    plan = PipelineModel.balance_by(model, torch.randn(2, 4), 2, by="memory")
+    assert plan in ([3, 1], [2, 2])
+    costs_plan = PipelineModel.balance_by(model, torch.randn(2, 4), 4, by="memory")
+    assert costs_plan == [1, 1, 1, 1]
+
+
+def _bn_net(seed, bns=2):
+    torch.manual_seed(seed)
+    layers = [nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 6), nn.BatchNorm1d(6)]
+    return nn.Sequential(*layers[: 3 + 2 * (bns - 1)]).double()
+
+
+def _bn_layers(model):
+    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+@pytest.mark.parametrize("ckpt", ["never", "always"])
+def test_deferred_batchnorm_keeps_whole_batch_running_stats(ckpt):
+    # One BatchNorm: a later one would see inputs normalized per micro-batch, which the
+    # whole-batch reference cannot reproduce.
+    ref = _bn_net(4, bns=1)
+    pipe = PipelineModel(copy.deepcopy(ref), ["cpu", "cpu"], chunks=3, checkpoint=ckpt)
+    x = torch.randn(10, 4, dtype=torch.float64)
+    out = pipe(x)
+    out.sum().backward()
+    ref(x)  # one forward of the whole batch
+    bns, ref_bns = _bn_layers(pipe), _bn_layers(ref)
+    assert len(bns) == 1
+    for b, r in zip(bns, ref_bns):
+        torch.testing.assert_close(b.running_mean, r.running_mean, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(b.running_var, r.running_var, rtol=1e-10, atol=1e-12)
+        assert int(b.num_batches_tracked) == 1
+    # each micro-batch normalized with its own statistics
+    fresh = _bn_net(4, bns=1)
+    want = torch.cat([fresh(c) for c in x.tensor_split(3)])
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
+    # evaluation uses the running statistics, like the unsplit model
+    pipe.eval()
+    ref.eval()
+    torch.testing.assert_close(pipe(x), ref(x), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("ckpt", ["never", "except_last", "always"])
+def test_micro_batchnorm_updates_per_micro_batch_once(ckpt):
+    ref = _bn_net(5)
+    pipe = PipelineModel(copy.deepcopy(ref), ["cpu", "cpu"], chunks=4, checkpoint=ckpt, batchnorm="micro")
+    x = torch.randn(9, 4, dtype=torch.float64)
+    pipe(x).sum().backward()  # the backward recomputes checkpointed micro-batches
+    for c in x.tensor_split(4):
+        ref(c)
+    for b, r in zip(
+        [m for m in pipe.modules() if isinstance(m, nn.BatchNorm1d)],
+        [m for m in ref.modules() if isinstance(m, nn.BatchNorm1d)],
+    ):
+        torch.testing.assert_close(b.running_mean, r.running_mean, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(b.running_var, r.running_var, rtol=1e-10, atol=1e-12)
+        assert int(b.num_batches_tracked) == 4
+
+
+def test_one_chunk_equals_unsplit_model_with_batchnorm():
+    ref = _bn_net(6)
+    pipe = PipelineModel(copy.deepcopy(ref), ["cpu", "cpu", "cpu"], chunks=1, checkpoint="always")
+    x = torch.randn(6, 4, dtype=torch.float64)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ref(x1).pow(2).sum().backward()
+    pipe(x2).pow(2).sum().backward()
+    torch.testing.assert_close(x2.grad, x1.grad, rtol=1e-10, atol=1e-12)
+    for g, h in zip(_grads(pipe), _grads(ref)):
+        torch.testing.assert_close(g, h, rtol=1e-10, atol=1e-12)
+
+
+class _Sleep(nn.Module):
+    def __init__(self, stage, log, lock, seconds=0.05):
+        super().__init__()
+        self.stage, self.log, self.lock, self.seconds = stage, log, lock, seconds
+
+    def forward(self, x):
+        start = time.perf_counter()
+        time.sleep(self.seconds)
+        with self.lock:
+            self.log.append((self.stage, int(x[0, 0].item()), start, time.perf_counter()))
+        return x
+
+
+def test_schedule_overlaps_the_stages():
+    log, lock = [], threading.Lock()
+    pipe = PipelineModel([_Sleep(0, log, lock), _Sleep(1, log, lock)], ["cpu", "cpu"], chunks=4)
+    x = torch.arange(4, dtype=torch.float32).repeat_interleave(2).view(8, 1)  # micro-batch i holds value i
+    start = time.perf_counter()
+    torch.testing.assert_close(pipe(x), x)
+    elapsed = time.perf_counter() - start
+    spans = {(s, i): (a, b) for s, i, a, b in log}
+    assert sorted(spans) == [(s, i) for s in range(2) for i in range(4)]
+    for i in range(3):
+        a0, b0 = spans[(0, i + 1)]  # stage 0 on micro-batch i+1 ...
+        a1, b1 = spans[(1, i)]  # ... while stage 1 works on micro-batch i
+        assert a0 < b1 and a1 < b0, f"no overlap at micro-batch {i}: {spans}"
+    # 5 clocks of 0.05 s instead of 8 sequential sleeps
+    assert elapsed < 8 * 0.05
+    assert bubble_fraction(2, 4) == pytest.approx(1 / 5)
+
+
+class _Pair(nn.Module):
+    def forward(self, x):
+        return x, x
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(balance=[2, 2]), "argument `balance` \\[2, 2\\] sums to 4, but the model has 3 layers"),
+        (dict(balance=[3, 0]), "argument `balance` must hold one positive int per device"),
+        (dict(devices=["cpu"] * 4), "argument `devices` names 4 devices for 3 layers"),
+        (dict(chunks=0), "argument `chunks` must be an int >= 1"),
+        (dict(checkpoint="sometimes"), "argument `checkpoint` must be one of"),
+        (dict(batchnorm="full"), "argument `batchnorm` must be one of"),
+        (dict(balance="time"), "pass `sample`"),
+        (dict(devices=[]), "argument `devices` must be a non-empty list"),
+    ],
+)
+def test_errors_name_the_argument(kwargs, match):
+    args = dict(devices=["cpu", "cpu"])
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        PipelineModel(nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2)), **args)
+
+
+def test_stage_returning_a_non_tensor_is_named():
+    pipe = PipelineModel([nn.Linear(2, 2), _Pair()], ["cpu", "cpu"], chunks=2)
+    with pytest.raises(TypeError, match="stage 1 .* returned tuple"):
+        pipe(torch.randn(4, 2))
+    with pytest.raises(TypeError, match="argument `stages` must be an nn.Sequential"):
+        PipelineModel("not a model", ["cpu"])
+    with pytest.raises(ValueError, match="argument `x` must have a non-empty batch"):
+        PipelineModel([nn.Linear(2, 2)], ["cpu"])(torch.randn(0, 2))
+
+
+def test_with_sharded_head_on_the_pipeline_devices():
+    import shardkit
+
+    torch.manual_seed(7)
+    backbone = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 6)).double()
+    ref_backbone = copy.deepcopy(backbone)
+    pipe = PipelineModel(backbone, ["cpu", "cpu"], chunks=3)
+    head = shardkit.ShardedSoftmaxLoss(6, 11, devices=pipe.devices * 2, dtype=torch.float64)
+    x, y = torch.randn(7, 5, dtype=torch.float64), torch.randint(0, 11, (7,))
+    loss = head(pipe(x), y)
+    loss.backward()
+    ref = F.cross_entropy(ref_backbone(x) @ head.full_weight().t(), y)
+    ref.backward()
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-10, atol=1e-12)
+    for p, q in zip(pipe.parameters(), ref_backbone.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+    assert set(pipe.memory_per_device()) == {torch.device("cpu")}
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("ckpt", ["never", "except_last"])
+def test_gpu_matches_unsplit_model(ckpt):
+    devices = [f"cuda:{i % torch.cuda.device_count()}" for i in range(2)]
+    ref = _mlp(8).cuda()
+    pipe = PipelineModel(copy.deepcopy(ref).cpu(), devices, chunks=4, checkpoint=ckpt)
+    x = torch.randn(13, 4, dtype=torch.float64, device=devices[0])
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ref(x1).pow(2).sum().backward()
+    out = pipe(x2)
+    out.pow(2).sum().backward()
+    torch.testing.assert_close(out.to(x.device), ref(x), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x2.grad, x1.grad, rtol=1e-12, atol=1e-12)
+    for g, h in zip(_grads(pipe), _grads(ref)):
+        torch.testing.assert_close(g.to(h.device), h, rtol=1e-12, atol=1e-12)
