@@ -22,6 +22,21 @@ from shardkit.ops._ema import ema_swap_, ema_unswap_
 __all__ = ["ModelEMA"]
 
 _FORMAT = "shardkit.ModelEMA/1"
+# Every key of a state_dict and the types it may hold (load_state_dict names a bad one).
+_STATE_KEYS = {
+    "module": (dict,),
+    "updates": (int,),
+    "calls": (int,),
+    "decay": (float, int),
+    "tau": (float, int, type(None)),
+    "warmup_gamma": (float, int, type(None)),
+    "warmup_power": (float, int, type(None)),
+    "min_decay": (float, int),
+    "update_after_step": (int,),
+    "update_every": (int,),
+    "copy_float_buffers": (bool,),
+    "enabled": (bool,),
+}
 
 
 def _unwrap(model):
@@ -54,6 +69,14 @@ def _flat_ok(e: torch.Tensor, m: torch.Tensor) -> bool:
     if e.is_contiguous() and m.is_contiguous():
         return True
     return e.dim() == 4 and e.stride() == m.stride() and e.is_contiguous(memory_format=torch.channels_last)
+
+
+def _real(name, value) -> float:
+    # float(None) / float("0.9") would give a TypeError not naming the argument, or accept a string.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if not (isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point()):
+            raise TypeError(f"argument `{name}` must be a float, got {type(value).__name__} {value!r}")
+    return float(value)
 
 
 def _check_int(name, value, minimum):
@@ -158,7 +181,10 @@ class ModelEMA:
 
     # ---- schedule --------------------------------------------------------------------
     def _set_schedule(self, decay, tau, warmup_gamma, warmup_power, min_decay, update_after_step, update_every):
-        decay, min_decay = float(decay), float(min_decay)
+        decay, min_decay = _real("decay", decay), _real("min_decay", min_decay)
+        tau = None if tau is None else _real("tau", tau)
+        warmup_gamma = None if warmup_gamma is None else _real("warmup_gamma", warmup_gamma)
+        warmup_power = None if warmup_power is None else _real("warmup_power", warmup_power)
         if not 0.0 <= decay <= 1.0:
             raise ValueError(f"argument `decay` must lie in [0, 1], got {decay}")
         if not 0.0 <= min_decay <= decay:
@@ -205,28 +231,60 @@ class ModelEMA:
         if self._stage is not None:
             self._stage.drain(self._apply)
 
-    def _model_tensors(self, model, where):
-        src = _unwrap(model)
-        if self._src is None or self._src[0]() is not src:
-            if not isinstance(src, nn.Module):
-                raise TypeError(f"{where}: argument `model` must be an nn.Module, got {type(model).__name__}")
-            slots = _slots(src)
-            names = [s[0] for s in slots]
-            if names != self._names:
-                missing = sorted(set(self._names) - set(names))
-                extra = sorted(set(names) - set(self._names))
+    def _check_structure(self, src, where):
+        """The model's slots, after checking names and shapes against the EMA's (errors name
+        the first parameter or buffer that differs)."""
+        slots = _slots(src)
+        names = [s[0] for s in slots]
+        if names != self._names:
+            missing = sorted(set(self._names) - set(names))
+            extra = sorted(set(names) - set(self._names))
+            raise ValueError(
+                f"{where}: argument `model` does not have the EMA's structure "
+                f"(missing {missing[:5]}, unexpected {extra[:5]}); a parameter or buffer added, "
+                "removed or renamed after the EMA was made is not averaged: build a new ModelEMA "
+                "(or load its state into one made from the changed model)"
+            )
+        for (name, table, key, _), e in zip(slots, self._ema):
+            if table[key].shape != e.shape:
                 raise ValueError(
-                    f"{where}: argument `model` does not have the EMA's structure "
-                    f"(missing {missing[:5]}, unexpected {extra[:5]})"
+                    f"{where}: argument `model` has {name} of shape {tuple(table[key].shape)}, "
+                    f"the EMA has {tuple(e.shape)}; the model changed after the EMA was made: "
+                    "build a new ModelEMA"
                 )
-            for (name, table, key, _), e in zip(slots, self._ema):
-                if table[key].shape != e.shape:
-                    raise ValueError(
-                        f"{where}: argument `model` has {name} of shape {tuple(table[key].shape)}, "
-                        f"the EMA has {tuple(e.shape)}"
-                    )
-            self._src = (weakref.ref(src), [(table, key) for _, table, key, _ in slots])
-        return [table[key] for table, key in self._src[1]]
+        return slots
+
+    def _model_tensors(self, model, where):
+        # Cheap change detection on every call, host-only (no device sync): the model's
+        # tensors and submodules must be the very objects seen when the cache was built, and
+        # every module's parameter, buffer and child tables must keep their sizes (an added
+        # tensor or submodule changes one of them). Anything else rebuilds the cache through the full
+        # check, which names the parameter. A tensor reshaped in place (``p.data = ...``)
+        # keeps its identity: the op then raises and _apply re-checks to name it.
+        src = _unwrap(model)
+        if self._src is not None and self._src[0]() is src:
+            _, keys, objs, tables, children = self._src
+            try:
+                tensors = [table[key] for table, key in keys]
+            except KeyError:
+                tensors = None
+            if (
+                tensors is not None
+                and all(a is b for a, b in zip(tensors, objs))
+                and all(len(t) == n for t, n in tables)
+                and all(t.get(k) is c for t, k, c in children)
+            ):
+                return tensors
+        if not isinstance(src, nn.Module):
+            raise TypeError(f"{where}: argument `model` must be an nn.Module, got {type(model).__name__}")
+        slots = self._check_structure(src, where)
+        keys = [(table, key) for _, table, key, _ in slots]
+        modules = list(src.modules())
+        tables = [(t, len(t)) for mod in modules for t in (mod._parameters, mod._buffers, mod._modules)]
+        children = [(mod._modules, k, c) for mod in modules for k, c in mod._modules.items()]
+        tensors = [table[key] for table, key in keys]
+        self._src = (weakref.ref(src), keys, tensors, tables, children)
+        return list(tensors)
 
     def _feeds_host(self, src) -> bool:
         """Whether this update goes through the pinned host staging (CPU EMA, CUDA model)."""
@@ -262,10 +320,17 @@ class ModelEMA:
         # copy for integer buffers); devices are compared once, on the first tensor.
         if src and src[0].device != self._ema[0].device:
             src = [m.to(e.device, non_blocking=True) for e, m in zip(self._ema, src)]
-        if self._avg_e:
-            torch.ops.shardkit.ema_update_(self._avg_e, [src[i] for i in self._avg_idx], d)
-        if self._cp_e:
-            torch._foreach_copy_(self._cp_e, [src[i] for i in self._cp_idx])
+        try:
+            if self._avg_e:
+                torch.ops.shardkit.ema_update_(self._avg_e, [src[i] for i in self._avg_idx], d)
+            if self._cp_e:
+                torch._foreach_copy_(self._cp_e, [src[i] for i in self._cp_idx])
+        except RuntimeError:
+            # e.g. a tensor reshaped in place: name it rather than an index of the op's lists
+            model = self._src[0]() if self._src is not None else None
+            if model is not None:
+                self._check_structure(model, "ModelEMA.update")
+            raise
 
     # ---- swap --------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -335,22 +400,40 @@ class ModelEMA:
         keeping its dtype and device)."""
         if not isinstance(state_dict, dict) or state_dict.get("format") != _FORMAT:
             raise ValueError(f"argument `state_dict` is not a ModelEMA state_dict (expected format {_FORMAT!r})")
+        for key, kinds in _STATE_KEYS.items():
+            if key not in state_dict:
+                raise ValueError(f"argument `state_dict` lacks the key {key!r} (a truncated or edited ModelEMA state)")
+            value = state_dict[key]
+            # (True is an int to Python, not a valid count or decay)
+            if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+                raise ValueError(
+                    f"argument `state_dict` has a corrupt {key!r}: expected "
+                    f"{' or '.join(k.__name__ for k in kinds)}, got {type(value).__name__}"
+                )
         if bool(state_dict["copy_float_buffers"]) != self.copy_float_buffers:
             raise ValueError(
                 "argument `state_dict` was saved with copy_float_buffers="
                 f"{state_dict['copy_float_buffers']}, this ModelEMA has {self.copy_float_buffers}"
             )
         self._flush()
-        self._set_schedule(
-            state_dict["decay"],
-            state_dict["tau"],
-            state_dict["warmup_gamma"],
-            state_dict["warmup_power"],
-            state_dict["min_decay"],
-            state_dict["update_after_step"],
-            state_dict["update_every"],
-        )
-        self._module.load_state_dict(state_dict["module"])
+        old = self.state_dict()  # restored when the schedule or the weights are refused
+        try:
+            self._set_schedule(
+                state_dict["decay"],
+                state_dict["tau"],
+                state_dict["warmup_gamma"],
+                state_dict["warmup_power"],
+                state_dict["min_decay"],
+                state_dict["update_after_step"],
+                state_dict["update_every"],
+            )
+            self._module.load_state_dict(state_dict["module"])
+        except (TypeError, ValueError, RuntimeError) as err:
+            self._set_schedule(
+                old["decay"], old["tau"], old["warmup_gamma"], old["warmup_power"],
+                old["min_decay"], old["update_after_step"], old["update_every"],
+            )  # fmt: skip
+            raise type(err)(f"argument `state_dict`: {err}") from err
         self.updates = int(state_dict["updates"])
         self._calls = int(state_dict["calls"])
         self.enabled = bool(state_dict["enabled"])
