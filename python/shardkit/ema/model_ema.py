@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from shardkit.ema.stage import HostStage
+from shardkit.ema.structure import ModelTracker, _slots, _unwrap, check_structure
 from shardkit.ops._ema import ema_swap_, ema_unswap_
 
 __all__ = ["ModelEMA"]
@@ -37,32 +38,6 @@ _STATE_KEYS = {
     "copy_float_buffers": (bool,),
     "enabled": (bool,),
 }
-
-
-def _unwrap(model):
-    """The user's module inside DataParallel / DistributedDataParallel (and so shardkit's
-    DataParallelModel, a DataParallel subclass) and torch.compile wrappers."""
-    while True:
-        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-            model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod
-        else:
-            return model
-
-
-def _slots(root: nn.Module):
-    """(name, owner dict, key, is_param) for every parameter and buffer, once per tensor
-    (tied weights appear once, so they are averaged once), in a fixed order."""
-    out, seen = [], set()
-    for prefix, mod in root.named_modules():
-        for is_param, table in ((True, mod._parameters), (False, mod._buffers)):
-            for key, t in table.items():
-                if t is None or id(t) in seen:
-                    continue
-                seen.add(id(t))
-                out.append((f"{prefix}.{key}" if prefix else key, table, key, is_param))
-    return out
 
 
 def _flat_ok(e: torch.Tensor, m: torch.Tensor) -> bool:
@@ -176,7 +151,7 @@ class ModelEMA:
         self._cp_idx = [i for i, a in enumerate(self._avg) if not a]
         self._avg_e = [self._ema[i] for i in self._avg_idx]
         self._cp_e = [self._ema[i] for i in self._cp_idx]
-        self._src = None  # (weakref to the last model seen, its (owner, key) slots)
+        self._tracker = None  # the last model seen and its tensors (ModelTracker)
         self._stage = None
 
     # ---- schedule --------------------------------------------------------------------
@@ -232,59 +207,12 @@ class ModelEMA:
             self._stage.drain(self._apply)
 
     def _check_structure(self, src, where):
-        """The model's slots, after checking names and shapes against the EMA's (errors name
-        the first parameter or buffer that differs)."""
-        slots = _slots(src)
-        names = [s[0] for s in slots]
-        if names != self._names:
-            missing = sorted(set(self._names) - set(names))
-            extra = sorted(set(names) - set(self._names))
-            raise ValueError(
-                f"{where}: argument `model` does not have the EMA's structure "
-                f"(missing {missing[:5]}, unexpected {extra[:5]}); a parameter or buffer added, "
-                "removed or renamed after the EMA was made is not averaged: build a new ModelEMA "
-                "(or load its state into one made from the changed model)"
-            )
-        for (name, table, key, _), e in zip(slots, self._ema):
-            if table[key].shape != e.shape:
-                raise ValueError(
-                    f"{where}: argument `model` has {name} of shape {tuple(table[key].shape)}, "
-                    f"the EMA has {tuple(e.shape)}; the model changed after the EMA was made: "
-                    "build a new ModelEMA"
-                )
-        return slots
+        return check_structure(src, self._names, self._ema, where)
 
     def _model_tensors(self, model, where):
-        # Cheap change detection on every call, host-only (no device sync): the model's
-        # tensors and submodules must be the very objects seen when the cache was built, and
-        # every module's parameter, buffer and child tables must keep their sizes (an added
-        # tensor or submodule changes one of them). Anything else rebuilds the cache through the full
-        # check, which names the parameter. A tensor reshaped in place (``p.data = ...``)
-        # keeps its identity: the op then raises and _apply re-checks to name it.
-        src = _unwrap(model)
-        if self._src is not None and self._src[0]() is src:
-            _, keys, objs, tables, children = self._src
-            try:
-                tensors = [table[key] for table, key in keys]
-            except KeyError:
-                tensors = None
-            if (
-                tensors is not None
-                and all(a is b for a, b in zip(tensors, objs))
-                and all(len(t) == n for t, n in tables)
-                and all(t.get(k) is c for t, k, c in children)
-            ):
-                return tensors
-        if not isinstance(src, nn.Module):
-            raise TypeError(f"{where}: argument `model` must be an nn.Module, got {type(model).__name__}")
-        slots = self._check_structure(src, where)
-        keys = [(table, key) for _, table, key, _ in slots]
-        modules = list(src.modules())
-        tables = [(t, len(t)) for mod in modules for t in (mod._parameters, mod._buffers, mod._modules)]
-        children = [(mod._modules, k, c) for mod in modules for k, c in mod._modules.items()]
-        tensors = [table[key] for table, key in keys]
-        self._src = (weakref.ref(src), keys, tensors, tables, children)
-        return list(tensors)
+        if self._tracker is None or not self._tracker.follows(model):
+            self._tracker = ModelTracker(model, self._names, self._ema, where)
+        return self._tracker.tensors(where)
 
     def _feeds_host(self, src) -> bool:
         """Whether this update goes through the pinned host staging (CPU EMA, CUDA model)."""
@@ -327,7 +255,7 @@ class ModelEMA:
                 torch._foreach_copy_(self._cp_e, [src[i] for i in self._cp_idx])
         except RuntimeError:
             # e.g. a tensor reshaped in place: name it rather than an index of the op's lists
-            model = self._src[0]() if self._src is not None else None
+            model = self._tracker.model() if self._tracker is not None else None
             if model is not None:
                 self._check_structure(model, "ModelEMA.update")
             raise

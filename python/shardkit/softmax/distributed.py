@@ -19,9 +19,7 @@ from shardkit.softmax.collectives import (
     DistContext,
     DistributedInputError,
     all_gather_rows,
-    check_same_config,
     combine_stats,
-    exchange_batch_info,
     gather_batch,
 )
 from shardkit.softmax.core import (
@@ -33,6 +31,7 @@ from shardkit.softmax.core import (
     plain_target_logit,
     weights_for,
 )
+from shardkit.softmax.exchange import check_same_config, exchange_batch_info
 from shardkit.softmax.sampling import mark_sampled, sample_shard, sampled_class_counts
 
 
