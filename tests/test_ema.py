@@ -467,6 +467,12 @@ def test_overlapping_memory_is_refused():
     ema_update_([x[:5], x[5:]], [m[:5], m[1:]], 0.5)  # adjacent, not overlapping
 
 
+@pytest.mark.parametrize("bad", [None, "0.5", True])
+def test_update_decay_type(bad):
+    with pytest.raises(TypeError, match="argument `decay` must be a float in"):
+        ema_update_([torch.randn(2)], [torch.randn(2)], bad)
+
+
 def test_other_device_types_and_mixed_devices_raise():
     cpu, meta = torch.randn(3), torch.empty(3, device="meta")
     with pytest.raises(RuntimeError, match="ema_update_: tensors on meta are not supported"):
