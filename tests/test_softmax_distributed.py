@@ -134,6 +134,12 @@ def _mismatched_modes(rank, group):
         out[case + "_seconds"] = time.time() - t0
     head.train()
     out["after"] = float(head(x, y, return_details=True)[0].detach())  # the head still works
+    xr = x.clone().requires_grad_()
+    try:  # a gradient penalty through the distributed head: refused on every rank, no stall
+        torch.autograd.grad(head(xr, y), xr, create_graph=True)
+        out["double"] = None
+    except RuntimeError as err:
+        out["double"] = str(err)
     return out
 
 
@@ -334,6 +340,7 @@ def test_ranks_in_different_modes_raise_at_once(runs):
         assert "sample_rate (train vs eval) [0.5, 1.0]" in res["train_eval"]
         assert res["details_seconds"] < TIMEOUT_S and res["train_eval_seconds"] < TIMEOUT_S
         assert math.isfinite(res["after"])
+        assert "shardkit.ce_shard_stats does not support double backward" in res["double"]
 
 
 def test_head_on_a_subgroup_built_by_its_members_alone(runs):
