@@ -10,6 +10,7 @@ Drop-in for the ModelEMA of yolov3/ultralytics (``ema.update(model)``, ``ema.ema
 import contextlib
 import copy
 import math
+import numbers
 import weakref
 from typing import Optional
 
@@ -48,7 +49,7 @@ def _flat_ok(e: torch.Tensor, m: torch.Tensor) -> bool:
 
 def _real(name, value) -> float:
     # float(None) / float("0.9") would give a TypeError not naming the argument, or accept a string.
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         if not (isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point()):
             raise TypeError(f"argument `{name}` must be a float, got {type(value).__name__} {value!r}")
     return float(value)
