@@ -9,9 +9,11 @@
 
 #include <c10/macros/Macros.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace shardkit {
 namespace ema {
@@ -41,12 +43,54 @@ inline void check_lists(const char* op, at::TensorList ema, at::TensorList model
   }
 }
 
+// Rejects memory shared between a written tensor and any other tensor of the call (the
+// kernels read and write element by element, so an overlap gives a wrong result, not an
+// error). Conservative and cheap: each tensor is reduced to the byte range it spans, the
+// ranges are sorted (O(N log N) for N tensors, no pairwise loop) and any intersection that
+// involves a written tensor raises, including interleaved views such as x[::2] / x[1::2].
+// `model_written`: the swap ops write both lists; ema_update_ only reads `model`.
+inline void check_no_overlap(const char* op, at::TensorList ema, at::TensorList model, bool model_written) {
+  struct Span {
+    uintptr_t lo, hi;
+    bool is_ema, written;
+    size_t index;
+  };
+  std::vector<Span> spans;
+  spans.reserve(ema.size() + model.size());
+  auto add = [&](const at::Tensor& t, bool is_ema, bool written, size_t i) {
+    if (t.numel() == 0) return;
+    int64_t extent = 1;  // elements from the first to one past the last, strides >= 0
+    for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
+    const auto lo = reinterpret_cast<uintptr_t>(t.data_ptr());
+    spans.push_back({lo, lo + static_cast<uintptr_t>(extent) * t.element_size(), is_ema, written, i});
+  };
+  for (size_t i = 0; i < ema.size(); ++i) {
+    add(ema[i], true, true, i);
+    add(model[i], false, model_written, i);
+  }
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.lo < b.lo; });
+  auto name = [](const Span& s) {
+    return std::string(s.is_ema ? "ema[" : "model[") + std::to_string(s.index) + "]";
+  };
+  const Span* reach_all = nullptr;      // the span reaching furthest so far
+  const Span* reach_written = nullptr;  // the written span reaching furthest so far
+  for (const Span& s : spans) {
+    const Span* other = s.written ? reach_all : reach_written;
+    TORCH_CHECK(other == nullptr || s.lo >= other->hi, op, ": `", name(*other), "` and `", name(s),
+                "` share memory (their address ranges intersect); the op writes one of them in place, so "
+                "every written tensor needs memory of its own (clone the tensors first)");
+    if (reach_all == nullptr || s.hi > reach_all->hi) reach_all = &s;
+    if (s.written && (reach_written == nullptr || s.hi > reach_written->hi)) reach_written = &s;
+  }
+}
+
 inline bool is_supported_float(at::ScalarType t) {
   return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
 }
 
 inline void check_update_args(at::TensorList ema, at::TensorList model, double decay) {
   check_lists("ema_update_", ema, model);
+  check_no_overlap("ema_update_", ema, model, /*model_written=*/false);
   TORCH_CHECK(std::isfinite(decay) && decay >= 0.0 && decay <= 1.0,
               "ema_update_: argument `decay` must lie in [0, 1], got ", decay);
   for (size_t i = 0; i < ema.size(); ++i) {

@@ -403,3 +403,145 @@ def test_model_ema_bad_inputs():
         ema.update(other)
     with pytest.raises(TypeError, match="argument `optimizer` must be a torch.optim.Optimizer"):
         ema.attach(net)
+
+
+# ---- torch's in-place rules (csrc/composite/ema_inplace.cpp, csrc/ema_common.h) ------------
+
+
+def test_update_bumps_version_so_autograd_sees_the_write():
+    w = torch.randn(5, requires_grad=True)
+    y = w * w  # saves w
+    e = w.detach()  # shares w's memory and version counter
+    v0 = e._version
+    ema_update_([e], [torch.randn(5)], 0.5)
+    assert e._version == v0 + 1
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    # the raw op too (no Python wrapper), and the swap pair on both lists
+    a, b = torch.randn(4), torch.randn(4)
+    torch.ops.shardkit.ema_update_([a], [b], 0.3)
+    ema_swap_([a], [b])
+    ema_unswap_([a], [b])
+    assert (a._version, b._version) == (3, 2)
+
+
+def test_writes_into_a_leaf_that_requires_grad_are_refused():
+    p, m = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(3))
+    before = p.detach().clone()
+    with pytest.raises(
+        RuntimeError, match=r"ema_update_: a leaf Variable that requires grad is being used in an in-pla"
+    ):
+        ema_update_([p], [torch.randn(3)], 0.5)
+    with pytest.raises(RuntimeError, match=r"ema_swap_: a leaf Variable .*\(`model\[0\]`\)"):
+        ema_swap_([torch.randn(3)], [m])
+    with pytest.raises(RuntimeError, match=r"ema_update_: `ema\[0\]` requires grad, but the op is not differentiable"):
+        ema_update_([p * 1], [torch.randn(3)], 0.5)
+    assert torch.equal(p.detach(), before)
+    e = torch.randn(3)
+    ema_update_([e], [m], 0.5)  # reading a parameter is fine
+    with torch.no_grad():  # as torch's in-place ops: allowed without grad mode
+        ema_update_([p], [torch.randn(3)], 0.5)
+        ema_swap_([e], [m])
+        ema_unswap_([e], [m])
+
+
+def test_overlapping_memory_is_refused():
+    x = torch.randn(10)
+    before = x.clone()
+    # the pair is named in address order
+    with pytest.raises(
+        RuntimeError, match=r"ema_update_: `(model\[0\]` and `ema|ema\[0\]` and `model)\[0\]` share memo"
+    ):
+        ema_update_([x[2:7]], [x[:5]], 0.5)
+    with pytest.raises(RuntimeError, match=r"`ema\[0\]` and `ema\[1\]` share memory"):
+        ema_update_([x[:4], x[3:7]], [torch.randn(4), torch.randn(4)], 0.5)
+    with pytest.raises(
+        RuntimeError, match=r"ema_swap_: `(ema\[1\]` and `model\[0|model\[0\]` and `ema\[1)\]` share memory"
+    ):
+        ema_swap_([torch.randn(2), x[:2]], [x[1:3], torch.randn(2)])
+    with pytest.raises(RuntimeError, match="share memory"):
+        ema_update_([x[::2]], [x[1::2]], 0.5)  # conservative: interleaved views count as shared
+    assert torch.equal(x, before)
+    m = torch.randn(6)
+    ema_update_([torch.randn(3), torch.randn(3)], [m[:3], m[:3]], 0.5)  # read-only model memory may repeat
+    ema_update_([x[:5], x[5:]], [m[:5], m[1:]], 0.5)  # adjacent, not overlapping
+
+
+@pytest.mark.parametrize("bad", [None, "0.5", True])
+def test_update_decay_type(bad):
+    with pytest.raises(TypeError, match="argument `decay` must be a float in"):
+        ema_update_([torch.randn(2)], [torch.randn(2)], bad)
+
+
+def test_other_device_types_and_mixed_devices_raise():
+    cpu, meta = torch.randn(3), torch.empty(3, device="meta")
+    with pytest.raises(RuntimeError, match="ema_update_: tensors on meta are not supported"):
+        ema_update_([meta], [torch.empty(3, device="meta")], 0.5)
+    with pytest.raises(RuntimeError, match=r"ema_update_: `model\[0\]` is on meta but `ema` is on cpu"):
+        ema_update_([cpu], [meta], 0.5)
+    with pytest.raises(RuntimeError, match=r"`ema\[0\]` is on cpu but `ema\[1\]` is on meta"):
+        ema_swap_([cpu, meta], [torch.randn(3), torch.randn(3)])
+
+
+# ---- ModelEMA: a model changed after the EMA was made ----------------------------------
+
+
+def test_model_changed_after_first_update_is_named():
+    net = Net()
+    ema = shardkit.ModelEMA(net, decay=0.5, tau=None)
+    ema.update(net)
+    net.extra = nn.Parameter(torch.randn(2))  # added
+    with pytest.raises(ValueError, match=r"structure \(missing \[\], unexpected \['extra'\]\); a parameter"):
+        ema.update(net)
+    del net.extra
+    ema.update(net)
+    net.fc = nn.Linear(8, 6)  # replaced by another shape
+    with pytest.raises(ValueError, match=r"argument `model` has fc.weight of shape \(6, 8\), the EMA has \(5, 8\)"):
+        ema.update(net)
+    net.fc = nn.Linear(8, 5)  # same shapes again: averaged (new tensors are picked up)
+    ema.update(net)
+    with torch.no_grad():
+        net.fc.weight.data = torch.randn(4, 8)  # reshaped in place: same Parameter object
+    with pytest.raises(ValueError, match=r"has fc.weight of shape \(4, 8\), the EMA has \(5, 8\)"):
+        ema.update(net)
+    net.fc.weight = nn.Parameter(torch.randn(5, 8))
+    net.fc.bias = None  # removed
+    with pytest.raises(ValueError, match=r"missing \['fc.bias'\]"):
+        ema.update(net)
+
+
+def test_model_ema_picks_up_a_replaced_tensor_of_the_same_shape():
+    net = Net()
+    ema = shardkit.ModelEMA(net, decay=0.0, tau=None)
+    ema.update(net)
+    net.fc.weight = nn.Parameter(torch.randn(5, 8))
+    ema.update(net)  # decay 0 copies: the EMA must follow the new tensor
+    assert torch.equal(ema.module.fc.weight, net.fc.weight.detach())
+
+
+@pytest.mark.parametrize("name", ["decay", "min_decay", "tau", "warmup_gamma"])
+@pytest.mark.parametrize("bad", [None, "0.9"])
+def test_model_ema_float_arguments_type(name, bad):
+    if bad is None and name in ("tau", "warmup_gamma"):
+        return  # None is valid for these
+    with pytest.raises(TypeError, match=rf"argument `{name}` must be a float, got"):
+        shardkit.ModelEMA(Net(), **{name: bad})
+
+
+def test_model_ema_load_state_dict_missing_or_corrupt_key():
+    net = Net()
+    ema = shardkit.ModelEMA(net)
+    ema.update(net)
+    good = ema.state_dict()
+    for key in ("decay", "module", "updates"):
+        sd = dict(good)
+        del sd[key]
+        with pytest.raises(ValueError, match=rf"argument `state_dict` lacks the key '{key}'"):
+            ema.load_state_dict(sd)
+    for key, value in (("decay", "0.99"), ("updates", 1.5), ("module", [1]), ("enabled", 1), ("tau", True)):
+        with pytest.raises(ValueError, match=rf"argument `state_dict` has a corrupt '{key}'"):
+            ema.load_state_dict({**good, key: value})
+    with pytest.raises(ValueError, match=r"argument `state_dict`: argument `decay` must lie in \[0, 1\]"):
+        ema.load_state_dict({**good, "decay": 2.0})
+    assert ema.decay == good["decay"]  # the refused schedule is not half-applied
+    ema.load_state_dict(good)

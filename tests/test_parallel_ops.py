@@ -198,3 +198,27 @@ def test_gpu_allreduce():
             assert out[2 * k + j].device == g[j].device
             assert rel(out[2 * k + j].cpu(), sum(h[j].detach().cpu() for h in groups)) <= 1e-12
     torch.autograd.gradcheck(lambda *ts: allreduce(2, *ts), flat)
+
+
+def test_double_backward_of_the_parallel_ops_is_exact():
+    # Their backwards are plain differentiable torch code: gradgradcheck holds (float64).
+    losses = [torch.randn(3, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    weights = [torch.tensor(2.0, dtype=torch.float64), torch.tensor(5.0, dtype=torch.float64), 1.0]
+
+    def reduce(*ls):
+        return shardkit.ops.weighted_loss_reduce(list(ls), weights, "cpu")
+
+    assert torch.autograd.gradgradcheck(reduce, losses)
+    x = torch.randn(6, 2, dtype=torch.float64, requires_grad=True)
+
+    def split(t):
+        pieces = shardkit.ops.split_to_devices([t], [2, 4], ["cpu", "cpu"])
+        return tuple(p[0] ** 2 for p in pieces)  # a non-linear use, so the second order is not 0
+
+    assert torch.autograd.gradgradcheck(split, (x,))
+    # gradient penalty through split_to_devices equals the same penalty without it
+    (g,) = torch.autograd.grad(sum(p.pow(3).sum() for p in split(x)), x, create_graph=True)
+    (gg,) = torch.autograd.grad(g.pow(2).sum(), x)
+    (g_ref,) = torch.autograd.grad(x.pow(6).sum(), x, create_graph=True)
+    (gg_ref,) = torch.autograd.grad(g_ref.pow(2).sum(), x)
+    torch.testing.assert_close(gg, gg_ref)

@@ -126,3 +126,103 @@ def test_cuda_shards_with_momentum_round_trip(tmp_path):
         for p in other.weight_shards:
             assert opt2.state[p]["momentum_buffer"].device == p.device == opt2.state[p]["seen"].device
         assert torch.equal(torch.cat([opt2.state[p]["momentum_buffer"].cpu() for p in other.weight_shards]), buf)
+
+
+class _RunsCode:
+    """A pickle payload that would create a file when unpickled (a stand-in for os.system)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _valid_checkpoint(tmp_path, num_classes=10, dim=4, world=2):
+    full = torch.randn(num_classes, dim)
+    directory = tmp_path / "ckpt"
+    _save_world(full, world, str(directory))
+    return full, directory
+
+
+def test_crafted_pickle_is_refused_and_runs_nothing(tmp_path):
+    _, directory = _valid_checkpoint(tmp_path)
+    marker = tmp_path / "pwned"
+    victim = directory / "classes-000000000000-000000000005.pt"
+    blob = torch.load(victim, weights_only=True)
+    blob["weight"] = _RunsCode(str(marker))
+    torch.save(blob, victim)  # a plain pickle of an object whose __reduce__ calls open()
+    head = _rank_head(10, 4, 1, 0)
+    with pytest.raises(ValueError, match=r"classes-000000000000-000000000005\.pt' cannot be read .*weights-only"):
+        shardkit.load_sharded(head, str(directory))
+    with pytest.raises(ValueError, match="cannot be read"):
+        read_rows(str(directory), 0, 10)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "garbage", "not_a_dict", "other_format"])
+def test_damaged_shard_file_names_the_file(tmp_path, damage):
+    _, directory = _valid_checkpoint(tmp_path)
+    victim = directory / "classes-000000000005-000000000010.pt"
+    data = victim.read_bytes()
+    if damage == "empty":
+        victim.write_bytes(b"")
+    elif damage == "truncated":
+        victim.write_bytes(data[: len(data) // 2])
+    elif damage == "garbage":
+        victim.write_bytes(os.urandom(len(data)))
+    elif damage == "not_a_dict":
+        torch.save(torch.zeros(5, 4), victim)
+    else:
+        torch.save({"format": "something.else", "version": 1, "weight": torch.zeros(5, 4)}, victim)
+    head = _rank_head(10, 4, 1, 0)
+    before = head.weight_shards[0].detach().clone()
+    with pytest.raises(ValueError, match=r"shard file '.*classes-000000000005-000000000010\.pt'"):
+        shardkit.load_sharded(head, str(directory))
+    # the rows are read before anything is copied: the module is left untouched
+    assert torch.equal(head.weight_shards[0].detach(), before)
+
+
+def test_shard_with_fewer_rows_than_its_name(tmp_path):
+    full, directory = _valid_checkpoint(tmp_path)
+    victim = directory / "classes-000000000005-000000000010.pt"
+    blob = torch.load(victim, weights_only=True)
+    blob["weight"] = blob["weight"][:3].clone()
+    torch.save(blob, victim)
+    head = _rank_head(10, 4, 1, 0)
+    msg = r"000000000010\.pt': its name says classes \[5, 10\) \(5 rows\), the file holds 3"
+    with pytest.raises(ValueError, match=msg):
+        shardkit.load_sharded(head, str(directory))
+
+
+def test_stray_files_are_ignored(tmp_path):
+    full, directory = _valid_checkpoint(tmp_path)
+    (directory / "README.txt").write_text("notes")
+    (directory / "classes-000000000000-000000000005.pt.tmp1234").write_bytes(b"half a save")
+    (directory / "classes-notes.pt").write_bytes(b"x")
+    head = _rank_head(10, 4, 1, 0)
+    shardkit.load_sharded(head, str(directory))
+    assert torch.equal(head.weight_shards[0].detach(), full)
+
+
+def test_shard_of_another_checkpoint_is_named(tmp_path):
+    _, directory = _valid_checkpoint(tmp_path)
+    other = tmp_path / "other"
+    _save_world(torch.randn(10, 6), 2, str(other))
+    os.replace(other / "classes-000000000005-000000000010.pt", directory / "classes-000000000005-000000000010.pt")
+    with pytest.raises(ValueError, match=r"000000000010\.pt' holds 10 classes x 6, the other shard files 10 x 4"):
+        shardkit.load_sharded(_rank_head(10, 4, 1, 0), str(directory))
+
+
+def test_type_errors_name_the_argument(tmp_path):
+    head = _rank_head(10, 4, 1, 0)
+    with pytest.raises(TypeError, match=r"argument `weight` must be a \[C, D\] torch.Tensor, got list"):
+        shardkit.import_full_weight(head, [[0.0] * 4] * 10)
+    for fn in (
+        lambda m: shardkit.save_sharded(m, str(tmp_path / "x")),
+        lambda m: shardkit.load_sharded(m, str(tmp_path / "x")),
+        lambda m: shardkit.import_full_weight(m, torch.zeros(10, 4)),
+    ):
+        with pytest.raises(TypeError, match="argument `module` must be a shardkit.ShardedSoftmaxLoss .*got Linear"):
+            fn(torch.nn.Linear(4, 10))
+    assert not (tmp_path / "x").exists()

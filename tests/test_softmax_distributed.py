@@ -89,6 +89,60 @@ def _constructor_errors(rank, groups):
     return out
 
 
+# Head arguments that ranks 0 and 1 disagree on: (field, kwargs of rank 0, kwargs of rank 1).
+_MISMATCHES = (
+    ("num_classes", dict(num_classes=11), dict(num_classes=12)),
+    ("embedding_dim", dict(embedding_dim=D), dict(embedding_dim=D + 1)),
+    ("margin", dict(margin=shardkit.ArcFace(16.0, 0.3)), dict(margin=shardkit.CosFace(16.0, 0.3))),
+    ("dtype", dict(dtype=torch.float32), dict(dtype=torch.float64)),
+    ("sample_rate", dict(sample_rate=1.0), dict(sample_rate=0.5)),
+    ("ignore_index", dict(), dict(ignore_index=-1)),
+    ("label_smoothing", dict(), dict(label_smoothing=0.1)),
+    ("reduction", dict(), dict(reduction="sum")),
+)
+
+
+def _mismatched_heads(rank, group):
+    """Ranks 0 and 1 build heads that differ in one argument: both must raise at construction."""
+    out = {}
+    for field, kw0, kw1 in _MISMATCHES:
+        kwargs = dict(embedding_dim=D, num_classes=11)
+        kwargs.update(kw0 if rank == 0 else kw1)
+        try:
+            shardkit.ShardedSoftmaxLoss(
+                kwargs.pop("embedding_dim"), kwargs.pop("num_classes"), process_group=group, **kwargs
+            )
+            out[field] = None
+        except DistributedInputError as err:
+            out[field] = str(err)
+    return out
+
+
+def _mismatched_modes(rank, group):
+    """Per-step modes that differ between ranks 0 and 1: every rank raises at once."""
+    out = {}
+    head = shardkit.ShardedSoftmaxLoss(D, 11, process_group=group, sample_rate=0.5)
+    x, y = torch.randn(3, D), torch.randint(0, 11, (3,))
+    for case in ("details", "train_eval"):
+        head.train(not (case == "train_eval" and rank == 1))
+        t0 = time.time()
+        try:
+            head(x, y, return_details=case == "details" and rank == 0)
+            out[case] = None
+        except DistributedInputError as err:
+            out[case] = str(err)
+        out[case + "_seconds"] = time.time() - t0
+    head.train()
+    out["after"] = float(head(x, y, return_details=True)[0].detach())  # the head still works
+    xr = x.clone().requires_grad_()
+    try:  # a gradient penalty through the distributed head: refused on every rank, no stall
+        torch.autograd.grad(head(xr, y), xr, create_graph=True)
+        out["double"] = None
+    except RuntimeError as err:
+        out["double"] = str(err)
+    return out
+
+
 def _failing_rank(rank, group):
     """Rank 1 of a 3-rank group "raises" in user code and never reaches the loss."""
     out = {}
@@ -156,6 +210,9 @@ def _worker(rank, init_file, tmp):
                     res[name] = traceback.format_exc()
             res["bad_input"] = _bad_input(rank, world, groups[world])
         results["ctor_errors"] = _constructor_errors(rank, groups)
+        if rank < 2:
+            results["mismatch"] = _mismatched_heads(rank, groups[2])
+            results["modes"] = _mismatched_modes(rank, groups[2])
         dist.barrier()
         results["ckpt"] = _checkpoints(rank, data, tmp, groups)
         dist.barrier()
@@ -249,6 +306,41 @@ def test_constructor_errors_with_a_process_group(runs):
         assert "argument `devices` must name ONE device per rank" in errs["devices"]
         if rank > 0:
             assert "argument `process_group` does not contain this process" in errs["member"]
+
+
+@pytest.mark.parametrize("field", [m[0] for m in _MISMATCHES])
+def test_heads_that_disagree_raise_on_every_rank(runs, field):
+    per_rank = runs[3]
+    for rank in (0, 1):
+        msg = per_rank[rank]["mismatch"][field]
+        assert msg is not None, (rank, field)
+        assert f"ShardedSoftmaxLoss rank {rank}: the ranks of the process group built different heads" in msg
+        assert f"`{field}` differs (rank 0: " in msg
+    msg = per_rank[0]["mismatch"][field]
+    expected = {
+        "num_classes": "(rank 0: 11, rank 1: 12)",
+        "embedding_dim": f"(rank 0: {D}, rank 1: {D + 1})",
+        "dtype": "(rank 0: 'torch.float32', rank 1: 'torch.float64')",
+        "sample_rate": "(rank 0: 1, rank 1: 0.5)",
+        "ignore_index": "(rank 0: -100, rank 1: -1)",
+        "label_smoothing": "(rank 0: 0, rank 1: 0.1)",
+        "reduction": "(rank 0: 'mean', rank 1: 'sum')",
+        "margin": "rank 0: (16.0, 1.0, 0.3, 0.0), rank 1: (16.0, 1.0, 0.0, 0.3)",
+    }[field]
+    assert expected in msg, msg
+
+
+def test_ranks_in_different_modes_raise_at_once(runs):
+    per_rank = runs[3]
+    for rank in (0, 1):
+        res = per_rank[rank]["modes"]
+        assert "the ranks called the loss in different modes this step" in res["details"]
+        assert "return_details [True, False]" in res["details"]
+        assert "with_rank (topk details) [True, False]" in res["details"]
+        assert "sample_rate (train vs eval) [0.5, 1.0]" in res["train_eval"]
+        assert res["details_seconds"] < TIMEOUT_S and res["train_eval_seconds"] < TIMEOUT_S
+        assert math.isfinite(res["after"])
+        assert "shardkit.ce_shard_stats does not support double backward" in res["double"]
 
 
 def test_head_on_a_subgroup_built_by_its_members_alone(runs):

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from softmax_checks import (
     MARGINS,
     check_against_reference,
@@ -17,6 +18,7 @@ from softmax_checks import (
     rel,
 )
 
+import shardkit
 from shardkit.ops import ce_shard_stats, chunk_classes_for_budget
 
 
@@ -250,3 +252,40 @@ def test_nan_logit_among_minus_inf_gives_nan(device):
     for chunk in (1, 64, C):
         lse = ce_shard_stats(x.to(device), w.to(device), torch.tensor([0, 1], device=device), chunk_classes=chunk)[0]
         assert torch.isnan(lse).all(), lse
+
+
+# ---- second-order gradients: refused with a clear error, never a silent zero -------------
+
+
+def _penalty_case():
+    torch.manual_seed(0)
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(7, 4, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 7, (5,))
+    return x, w, y
+
+
+def test_double_backward_through_the_sharded_loss_raises():
+    x, w, y = _penalty_case()
+    # What a gradient penalty gets from torch's own loss: a non-zero second-order term.
+    (gx_ref,) = torch.autograd.grad(F.cross_entropy(x @ w.T, y), x, create_graph=True)
+    (gw_ref,) = torch.autograd.grad(gx_ref.pow(2).sum(), w)
+    assert gw_ref.abs().max() > 0
+    head = shardkit.ShardedSoftmaxLoss(4, 7, devices=["cpu"] * 2, dtype=torch.float64)
+    shardkit.import_full_weight(head, w.detach())
+    for loss in (
+        shardkit.sharded_cross_entropy(x, [w[:3], w[3:]], y),
+        head(x, y),
+    ):
+        with pytest.raises(RuntimeError, match=r"shardkit.ce_shard_stats does not support double backward \(create_gr"):
+            torch.autograd.grad(loss, x, create_graph=True)
+    # first-order gradients with create_graph=False still equal torch's
+    (gx,) = torch.autograd.grad(shardkit.sharded_cross_entropy(x, [w[:3], w[3:]], y), x)
+    torch.testing.assert_close(gx, gx_ref.detach())
+
+
+def test_double_backward_of_the_op_raises_also_with_graph_only_through_the_weights():
+    x, w, y = _penalty_case()
+    lse, *_ = shardkit.ops.ce_shard_stats(x.detach(), w, y)
+    with pytest.raises(RuntimeError, match="does not support double backward"):
+        torch.autograd.grad(lse.sum(), w, create_graph=True)

@@ -159,19 +159,57 @@ def test_error_channel_mismatch():
 
 
 def test_error_mean_std_lengths():
-    with pytest.raises(RuntimeError, match=r"`mean` and `std` must have the same length, got 3 and 2"):
+    with pytest.raises(ValueError, match=r"`mean` and `std` must have the same length, got 3 and 2"):
         normalize_images(random_images((1, 4, 4, 3)), [0.5] * 3, [0.5] * 2)
     with pytest.raises(ValueError, match=r"`mean` and `std` must have the same length, got 3 and 2"):
         shardkit.Normalize([0.5] * 3, [0.5] * 2)
 
 
 def test_error_zero_std():
-    with pytest.raises(RuntimeError, match=r"`std\[1\]` must be non-zero and finite, got 0"):
+    with pytest.raises(ValueError, match=r"`std\[1\]` must be non-zero and finite, got 0"):
         normalize_images(random_images((1, 4, 4, 3)), [0.5] * 3, [0.5, 0.0, 0.5])
-    with pytest.raises(RuntimeError, match=r"`std\[0\]` must be non-zero and finite, got inf"):
+    with pytest.raises(ValueError, match=r"`std\[0\]` must be non-zero and finite, got inf"):
         normalize_images(random_images((1, 4, 4, 1)), [0.5], [float("inf")])
     with pytest.raises(ValueError, match=r"`std\[2\]` must be non-zero"):
         shardkit.Normalize([0.5] * 3, [0.5, 0.5, 0.0])
+
+
+def test_error_zero_std_raw_op():
+    # The op itself (no Python wrapper) keeps its own check.
+    with pytest.raises(RuntimeError, match=r"`std\[1\]` must be non-zero and finite, got 0"):
+        torch.ops.shardkit.normalize_images(
+            random_images((1, 4, 4, 3)), [0.5] * 3, [0.5, 0.0, 0.5], True, torch.float32, False
+        )
+
+
+@pytest.mark.parametrize("std", [1e-45, -1e-45, 1e-40])
+def test_error_denormal_std(std):
+    # 1e-45 is non-zero, but 1 / (255 std) overflows float32: the output would be NaN/inf.
+    with pytest.raises(ValueError, match=r"argument `std\[1\]` = .* is too close to zero: the reciprocal"):
+        normalize_images(random_images((1, 4, 4, 3)), [0.5] * 3, [0.5, std, 0.5])
+    with pytest.raises(ValueError, match=r"argument `std\[1\]` = .* is too close to zero"):
+        shardkit.Normalize([0.5] * 3, [0.5, std, 0.5])
+
+
+def test_small_std_that_fits_is_accepted():
+    x = random_images((1, 2, 2, 1))
+    out = normalize_images(x, [0.0], [1e-30])
+    ref = x.permute(0, 3, 1, 2).double() / 255.0 / 1e-30
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=0)
+
+
+def test_error_mean_std_types_and_channels():
+    x = random_images((1, 4, 4, 3))
+    for make in (lambda m, s: normalize_images(x, m, s), shardkit.Normalize):
+        with pytest.raises(TypeError, match=r"argument `mean` must be a sequence of numbers, got str '0.5'"):
+            make("0.5", [0.5])
+        with pytest.raises(TypeError, match=r"argument `std` must hold numbers, got str '0.5' at index 1"):
+            make([0.5, 0.5], [0.5, "0.5"])
+        with pytest.raises(ValueError, match=r"argument `mean` must hold one value per channel, got 0 values"):
+            make([], [])
+        with pytest.raises(ValueError, match=r"argument `mean\[0\]` must be finite, got nan"):
+            make([float("nan")], [0.5])
 
 
 def test_error_bad_arguments():

@@ -241,6 +241,7 @@ void ema_update_cpu(at::TensorList ema, at::TensorList model, double decay) {
 template <bool kPack>
 void ema_swap_impl(const char* op, at::TensorList ema, at::TensorList model) {
   check_lists(op, ema, model);
+  check_no_overlap(op, ema, model, /*model_written=*/true);
   check_cpu(op, ema);
   std::vector<Job> jobs;
   for (size_t i = 0; i < ema.size(); ++i) {

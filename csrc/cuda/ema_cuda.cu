@@ -172,6 +172,7 @@ void ema_update_cuda(at::TensorList ema, at::TensorList model, double decay) {
 template <bool kPack>
 void ema_swap_cuda_impl(const char* op, at::TensorList ema, at::TensorList model) {
   check_lists(op, ema, model);
+  check_no_overlap(op, ema, model, /*model_written=*/true);
   if (ema.empty()) return;
   TORCH_CHECK(ema[0].is_cuda(), op, ": the CUDA kernel got `ema` on ", ema[0].device());
   const c10::cuda::CUDAGuard guard(ema[0].device());

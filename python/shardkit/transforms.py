@@ -8,7 +8,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from shardkit.ops._normalize import _as_floats, normalize_images
+from shardkit.ops._normalize import _as_floats, _check_mean_std, normalize_images
 
 __all__ = ["Normalize"]
 
@@ -46,11 +46,7 @@ class Normalize(nn.Module):
         super().__init__()
         self.mean = _as_floats("mean", mean)
         self.std = _as_floats("std", std)
-        if len(self.mean) != len(self.std):
-            raise ValueError(f"`mean` and `std` must have the same length, got {len(self.mean)} and {len(self.std)}")
-        for i, s in enumerate(self.std):
-            if s == 0.0:
-                raise ValueError(f"`std[{i}]` must be non-zero, got {s}")
+        _check_mean_std(self.mean, self.std)
         if input_layout not in ("NHWC", "NCHW"):
             raise ValueError(f"argument `input_layout` must be 'NHWC' or 'NCHW', got {input_layout!r}")
         self.input_layout = input_layout

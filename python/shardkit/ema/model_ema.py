@@ -10,6 +10,7 @@ Drop-in for the ModelEMA of yolov3/ultralytics (``ema.update(model)``, ``ema.ema
 import contextlib
 import copy
 import math
+import numbers
 import weakref
 from typing import Optional
 
@@ -17,43 +18,41 @@ import torch
 from torch import nn
 
 from shardkit.ema.stage import HostStage
+from shardkit.ema.structure import ModelTracker, _slots, _unwrap, check_structure
 from shardkit.ops._ema import ema_swap_, ema_unswap_
 
 __all__ = ["ModelEMA"]
 
 _FORMAT = "shardkit.ModelEMA/1"
-
-
-def _unwrap(model):
-    """The user's module inside DataParallel / DistributedDataParallel (and so shardkit's
-    DataParallelModel, a DataParallel subclass) and torch.compile wrappers."""
-    while True:
-        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-            model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod
-        else:
-            return model
-
-
-def _slots(root: nn.Module):
-    """(name, owner dict, key, is_param) for every parameter and buffer, once per tensor
-    (tied weights appear once, so they are averaged once), in a fixed order."""
-    out, seen = [], set()
-    for prefix, mod in root.named_modules():
-        for is_param, table in ((True, mod._parameters), (False, mod._buffers)):
-            for key, t in table.items():
-                if t is None or id(t) in seen:
-                    continue
-                seen.add(id(t))
-                out.append((f"{prefix}.{key}" if prefix else key, table, key, is_param))
-    return out
+# Every key of a state_dict and the types it may hold (load_state_dict names a bad one).
+_STATE_KEYS = {
+    "module": (dict,),
+    "updates": (int,),
+    "calls": (int,),
+    "decay": (float, int),
+    "tau": (float, int, type(None)),
+    "warmup_gamma": (float, int, type(None)),
+    "warmup_power": (float, int, type(None)),
+    "min_decay": (float, int),
+    "update_after_step": (int,),
+    "update_every": (int,),
+    "copy_float_buffers": (bool,),
+    "enabled": (bool,),
+}
 
 
 def _flat_ok(e: torch.Tensor, m: torch.Tensor) -> bool:
     if e.is_contiguous() and m.is_contiguous():
         return True
     return e.dim() == 4 and e.stride() == m.stride() and e.is_contiguous(memory_format=torch.channels_last)
+
+
+def _real(name, value) -> float:
+    # float(None) / float("0.9") would give a TypeError not naming the argument, or accept a string.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        if not (isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point()):
+            raise TypeError(f"argument `{name}` must be a float, got {type(value).__name__} {value!r}")
+    return float(value)
 
 
 def _check_int(name, value, minimum):
@@ -153,12 +152,15 @@ class ModelEMA:
         self._cp_idx = [i for i, a in enumerate(self._avg) if not a]
         self._avg_e = [self._ema[i] for i in self._avg_idx]
         self._cp_e = [self._ema[i] for i in self._cp_idx]
-        self._src = None  # (weakref to the last model seen, its (owner, key) slots)
+        self._tracker = None  # the last model seen and its tensors (ModelTracker)
         self._stage = None
 
     # ---- schedule --------------------------------------------------------------------
     def _set_schedule(self, decay, tau, warmup_gamma, warmup_power, min_decay, update_after_step, update_every):
-        decay, min_decay = float(decay), float(min_decay)
+        decay, min_decay = _real("decay", decay), _real("min_decay", min_decay)
+        tau = None if tau is None else _real("tau", tau)
+        warmup_gamma = None if warmup_gamma is None else _real("warmup_gamma", warmup_gamma)
+        warmup_power = None if warmup_power is None else _real("warmup_power", warmup_power)
         if not 0.0 <= decay <= 1.0:
             raise ValueError(f"argument `decay` must lie in [0, 1], got {decay}")
         if not 0.0 <= min_decay <= decay:
@@ -205,28 +207,13 @@ class ModelEMA:
         if self._stage is not None:
             self._stage.drain(self._apply)
 
+    def _check_structure(self, src, where):
+        return check_structure(src, self._names, self._ema, where)
+
     def _model_tensors(self, model, where):
-        src = _unwrap(model)
-        if self._src is None or self._src[0]() is not src:
-            if not isinstance(src, nn.Module):
-                raise TypeError(f"{where}: argument `model` must be an nn.Module, got {type(model).__name__}")
-            slots = _slots(src)
-            names = [s[0] for s in slots]
-            if names != self._names:
-                missing = sorted(set(self._names) - set(names))
-                extra = sorted(set(names) - set(self._names))
-                raise ValueError(
-                    f"{where}: argument `model` does not have the EMA's structure "
-                    f"(missing {missing[:5]}, unexpected {extra[:5]})"
-                )
-            for (name, table, key, _), e in zip(slots, self._ema):
-                if table[key].shape != e.shape:
-                    raise ValueError(
-                        f"{where}: argument `model` has {name} of shape {tuple(table[key].shape)}, "
-                        f"the EMA has {tuple(e.shape)}"
-                    )
-            self._src = (weakref.ref(src), [(table, key) for _, table, key, _ in slots])
-        return [table[key] for table, key in self._src[1]]
+        if self._tracker is None or not self._tracker.follows(model):
+            self._tracker = ModelTracker(model, self._names, self._ema, where)
+        return self._tracker.tensors(where)
 
     def _feeds_host(self, src) -> bool:
         """Whether this update goes through the pinned host staging (CPU EMA, CUDA model)."""
@@ -262,10 +249,17 @@ class ModelEMA:
         # copy for integer buffers); devices are compared once, on the first tensor.
         if src and src[0].device != self._ema[0].device:
             src = [m.to(e.device, non_blocking=True) for e, m in zip(self._ema, src)]
-        if self._avg_e:
-            torch.ops.shardkit.ema_update_(self._avg_e, [src[i] for i in self._avg_idx], d)
-        if self._cp_e:
-            torch._foreach_copy_(self._cp_e, [src[i] for i in self._cp_idx])
+        try:
+            if self._avg_e:
+                torch.ops.shardkit.ema_update_(self._avg_e, [src[i] for i in self._avg_idx], d)
+            if self._cp_e:
+                torch._foreach_copy_(self._cp_e, [src[i] for i in self._cp_idx])
+        except RuntimeError:
+            # e.g. a tensor reshaped in place: name it rather than an index of the op's lists
+            model = self._tracker.model() if self._tracker is not None else None
+            if model is not None:
+                self._check_structure(model, "ModelEMA.update")
+            raise
 
     # ---- swap --------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -335,22 +329,40 @@ class ModelEMA:
         keeping its dtype and device)."""
         if not isinstance(state_dict, dict) or state_dict.get("format") != _FORMAT:
             raise ValueError(f"argument `state_dict` is not a ModelEMA state_dict (expected format {_FORMAT!r})")
+        for key, kinds in _STATE_KEYS.items():
+            if key not in state_dict:
+                raise ValueError(f"argument `state_dict` lacks the key {key!r} (a truncated or edited ModelEMA state)")
+            value = state_dict[key]
+            # (True is an int to Python, not a valid count or decay)
+            if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+                raise ValueError(
+                    f"argument `state_dict` has a corrupt {key!r}: expected "
+                    f"{' or '.join(k.__name__ for k in kinds)}, got {type(value).__name__}"
+                )
         if bool(state_dict["copy_float_buffers"]) != self.copy_float_buffers:
             raise ValueError(
                 "argument `state_dict` was saved with copy_float_buffers="
                 f"{state_dict['copy_float_buffers']}, this ModelEMA has {self.copy_float_buffers}"
             )
         self._flush()
-        self._set_schedule(
-            state_dict["decay"],
-            state_dict["tau"],
-            state_dict["warmup_gamma"],
-            state_dict["warmup_power"],
-            state_dict["min_decay"],
-            state_dict["update_after_step"],
-            state_dict["update_every"],
-        )
-        self._module.load_state_dict(state_dict["module"])
+        old = self.state_dict()  # restored when the schedule or the weights are refused
+        try:
+            self._set_schedule(
+                state_dict["decay"],
+                state_dict["tau"],
+                state_dict["warmup_gamma"],
+                state_dict["warmup_power"],
+                state_dict["min_decay"],
+                state_dict["update_after_step"],
+                state_dict["update_every"],
+            )
+            self._module.load_state_dict(state_dict["module"])
+        except (TypeError, ValueError, RuntimeError) as err:
+            self._set_schedule(
+                old["decay"], old["tau"], old["warmup_gamma"], old["warmup_power"],
+                old["min_decay"], old["update_after_step"], old["update_every"],
+            )  # fmt: skip
+            raise type(err)(f"argument `state_dict`: {err}") from err
         self.updates = int(state_dict["updates"])
         self._calls = int(state_dict["calls"])
         self.enabled = bool(state_dict["enabled"])

@@ -4,6 +4,7 @@ this module adds the fake (meta) kernels so ``torch.compile`` traces the ops, an
 Python entry points with their argument checks.
 """
 
+import numbers
 from typing import Sequence
 
 import torch
@@ -58,11 +59,19 @@ def ema_update_(ema_tensors: Sequence[torch.Tensor], model_tensors: Sequence[tor
     correctly, through ATen temporaries (slower). Any number of tensors; empty lists are
     a no-op.
 
+    In-place semantics are torch's (csrc/composite/ema_inplace.cpp): the version counter of
+    every written tensor is bumped, so autograd detects a saved tensor modified by the op.
+
     Raises:
         RuntimeError naming the argument: lengths, shapes or devices that do not match, a
-        non-floating tensor, ``decay`` outside [0, 1].
+        non-floating tensor, ``decay`` outside [0, 1], tensors on a device type other than
+        CPU/CUDA (e.g. meta), a written tensor that requires grad while grad mode is on
+        (torch's "a leaf Variable that requires grad is being used in an in-place
+        operation"), memory shared by an EMA tensor and any other tensor of the call.
     """
     ema_tensors, model_tensors = _paired_lists(ema_tensors, model_tensors)
+    if isinstance(decay, (bool, str)) or not isinstance(decay, (numbers.Real, torch.Tensor)):
+        raise TypeError(f"argument `decay` must be a float in [0, 1], got {type(decay).__name__} {decay!r}")
     decay = float(decay)
     if not 0.0 <= decay <= 1.0:  # also rejects NaN
         raise ValueError(f"argument `decay` must lie in [0, 1], got {decay}")
@@ -82,7 +91,9 @@ def ema_swap_(ema_tensors: Sequence[torch.Tensor], model_tensors: Sequence[torch
     Other dtype pairs raise (``ModelEMA.swap`` stashes those in host memory instead).
     Non-finite values: restore is bit-exact for every bit pattern; while swapped a NaN
     EMA value may show in the model as another NaN or a signed zero, and a value within
-    half a bfloat16 ulp of its maximum as infinity.
+    half a bfloat16 ulp of its maximum as infinity. Both lists are written: the same
+    in-place rules as :func:`ema_update_` apply to both (version bump, grad-mode refusal,
+    no shared memory).
     """
     ema_tensors, model_tensors = _paired_lists(ema_tensors, model_tensors)
     if ema_tensors:

@@ -7,6 +7,8 @@ differentiable: its input is uint8.
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Sequence
 
 import torch
@@ -38,11 +40,39 @@ def _normalize_images_fake(images, mean, std, channels_last_input, out_dtype, ch
 def _as_floats(name: str, values) -> list[float]:
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().double().flatten().tolist()  # setup time, not the hot path
-    try:
-        out = [float(v) for v in values]
-    except TypeError as e:
-        raise TypeError(f"argument `{name}` must be a sequence of numbers, got {type(values).__name__}") from e
+    # A string is a sequence too: "0.5" would be read character by character.
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"argument `{name}` must be a sequence of numbers, got {type(values).__name__} {values!r}")
+    out = []
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise TypeError(f"argument `{name}` must hold numbers, got {type(v).__name__} {v!r} at index {i}")
+        out.append(float(v))
+    if not out:
+        raise ValueError(f"argument `{name}` must hold one value per channel, got 0 values")
     return out
+
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _check_mean_std(mean: list[float], std: list[float]) -> None:
+    """The kernels compute ``x * (1 / (255 std)) - mean / std`` in float32: both factors must
+    be finite there (a denormal std such as 1e-45 passes ``std != 0`` but gives NaN)."""
+    if len(mean) != len(std):
+        raise ValueError(f"arguments `mean` and `std` must have the same length, got {len(mean)} and {len(std)}")
+    for c, (m, s) in enumerate(zip(mean, std)):
+        if not math.isfinite(m):
+            raise ValueError(f"argument `mean[{c}]` must be finite, got {m}")
+        if not math.isfinite(s) or s == 0.0:
+            raise ValueError(f"argument `std[{c}]` must be non-zero and finite, got {s}")
+        scale, shift = 1.0 / (255.0 * s), m / s
+        if not (abs(scale) <= _FLOAT32_MAX and abs(shift) <= _FLOAT32_MAX):
+            raise ValueError(
+                f"argument `std[{c}]` = {s} is too close to zero: the reciprocal 1 / (255 std) "
+                f"(or mean / std) is not finite in float32, where the op computes; use |std| >= "
+                f"{1.0 / (255.0 * _FLOAT32_MAX):.3g} (and >= |mean| / {_FLOAT32_MAX:.3g})"
+            )
 
 
 def normalize_images(
@@ -77,7 +107,10 @@ def normalize_images(
         input's device.
 
     Raises:
-        ValueError: bad ``input_layout``/``memory_format``/``dtype``, or mean/std lengths.
+        ValueError: bad ``input_layout``/``memory_format``/``dtype``, mean/std lengths, no
+        channels, a zero or non-finite std, or one so small (e.g. 1e-45) that 1 / (255 std)
+        is not finite in float32.
+        TypeError: ``mean``/``std`` not a sequence of numbers (e.g. a string).
         RuntimeError (from the op): images not uint8, wrong rank, channel count not matching
         ``len(mean)``, zero or non-finite std, more than 64 channels.
     """
@@ -92,6 +125,7 @@ def normalize_images(
     if not isinstance(images, torch.Tensor):
         raise TypeError(f"argument `images` must be a torch.Tensor, got {type(images).__name__}")
     mean_l, std_l = _as_floats("mean", mean), _as_floats("std", std)
+    _check_mean_std(mean_l, std_l)
     return torch.ops.shardkit.normalize_images(
         images, mean_l, std_l, input_layout == "NHWC", dtype, memory_format == torch.channels_last
     )

@@ -205,11 +205,26 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(output[3])
 
 
+DOUBLE_BACKWARD_MESSAGE = (
+    "shardkit.ce_shard_stats does not support double backward (create_graph=True): its "
+    "backward is a fused kernel with no derivative of its own, so a second-order gradient "
+    "(e.g. a gradient penalty) through ShardedSoftmaxLoss / sharded_cross_entropy would be "
+    "wrong. Differentiate twice only through parts of the model without the sharded loss, "
+    "or use torch.nn.functional.cross_entropy for the term that needs it"
+)
+
+
 def _backward(ctx, grad_lse, grad_target, grad_sum, _grad_count):
     x, w, labels, lse = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if not (need_x or need_w):
         return (None,) * 11
+    # Grad mode is on inside a backward only for create_graph=True. The kernel's outputs
+    # would carry no graph and a second derivative would silently be zero: refuse.
+    if torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (grad_lse, grad_target, grad_sum, x, w)
+    ):
+        raise RuntimeError(DOUBLE_BACKWARD_MESSAGE)
     grads = [g if g is not None else torch.zeros_like(lse) for g in (grad_lse, grad_target, grad_sum)]
     gx, gw = torch.ops.shardkit.ce_shard_stats_backward.default(*grads, x, w, labels, lse, *ctx.params)
     return (gx if need_x else None, gw if need_w else None) + (None,) * 9

@@ -14,9 +14,17 @@ and copies them bit for bit. The optional momentum rows are :class:`shardkit.Spa
 (``torch.optim.SGD``'s buffer has the same layout and is saved too; ``seen`` is then all
 True). Save into an empty (or this head's own) directory: files of another sharding left
 there overlap and loading rejects them.
+
+Which files are shards: exactly the names ``classes-<12 digits>-<12 digits>.pt``; every
+other file (an interrupted save's ``*.tmp<pid>``, notes, a README) is ignored. Every shard
+file that loading reads is checked: a file that does not unpickle with
+``weights_only=True`` (empty, truncated, garbage, or a pickle that would run code), a dict
+of another format, or rows/offsets that disagree with its name raise ``ValueError`` naming
+the file.
 """
 
 import os
+import re
 from typing import List, Optional, Tuple
 
 import torch
@@ -29,6 +37,44 @@ __all__ = ["save_sharded", "load_sharded", "export_full_weight", "import_full_we
 
 def _file_name(start: int, end: int) -> str:
     return f"classes-{start:012d}-{end:012d}.pt"
+
+
+_SHARD_NAME = re.compile(r"classes-(\d{12})-(\d{12})\.pt")
+
+
+def _load_shard(path: str, start: int, end: int, num_classes: Optional[int] = None, dim: Optional[int] = None):
+    """The dict of one shard file, checked against its name (and the checkpoint's class
+    count and width when given). ValueError naming the file on anything unexpected."""
+    try:
+        blob = torch.load(path, weights_only=True, mmap=True)
+    except Exception as err:  # EOFError, UnpicklingError, RuntimeError of the zip reader, ...
+        raise ValueError(
+            f"shard file {path!r} cannot be read as a {FORMAT} file (empty, truncated, garbage, or "
+            f"not a weights-only pickle): {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        ) from err
+    if not isinstance(blob, dict) or blob.get("format") != FORMAT or blob.get("version") != VERSION:
+        got = (blob.get("format"), blob.get("version")) if isinstance(blob, dict) else type(blob).__name__
+        raise ValueError(f"shard file {path!r} is not a {FORMAT} v{VERSION} file (got {got!r})")
+    weight = blob.get("weight")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"shard file {path!r} holds no 2-D `weight` tensor")
+    if blob.get("class_offset") != start or weight.shape[0] != end - start:
+        raise ValueError(
+            f"shard file {path!r}: its name says classes [{start}, {end}) ({end - start} rows), the file "
+            f"holds {weight.shape[0]} rows at class_offset {blob.get('class_offset')!r}"
+        )
+    if (num_classes is not None and blob.get("num_classes") != num_classes) or (
+        dim is not None and weight.shape[1] != dim
+    ):
+        raise ValueError(
+            f"shard file {path!r} holds {blob.get('num_classes')!r} classes x {weight.shape[1]}, the other "
+            f"shard files {num_classes} x {dim} (files of another checkpoint in the directory?)"
+        )
+    for key in ("momentum_buffer", "momentum_seen"):
+        t = blob.get(key)
+        if t is not None and (not isinstance(t, torch.Tensor) or t.shape[0] != weight.shape[0]):
+            raise ValueError(f"shard file {path!r}: `{key}` does not have the {weight.shape[0]} rows of `weight`")
+    return blob
 
 
 def save_shard_file(
@@ -71,18 +117,21 @@ def _index(directory: str) -> Tuple[int, int, List[Tuple[int, int, str]]]:
         raise FileNotFoundError(f"argument `directory`: no checkpoint directory at {directory!r}")
     entries = []
     for name in sorted(os.listdir(directory)):
-        if not (name.startswith("classes-") and name.endswith(".pt")):
-            continue
-        start, end = (int(v) for v in name[len("classes-") : -len(".pt")].split("-"))
+        match = _SHARD_NAME.fullmatch(name)
+        if match is None:
+            continue  # not a shard file (see the module docstring)
+        start, end = int(match.group(1)), int(match.group(2))
+        if end < start:
+            raise ValueError(f"shard file {os.path.join(directory, name)!r}: its class range ends before it starts")
         entries.append((start, end, os.path.join(directory, name)))
     if not entries:
-        raise FileNotFoundError(f"argument `directory`: {directory!r} holds no shard files (classes-*.pt)")
-    head = torch.load(entries[0][2], weights_only=True, mmap=True)
-    if head.get("format") != FORMAT or head.get("version") != VERSION:
-        raise ValueError(
-            f"{entries[0][2]!r} is not a {FORMAT} v{VERSION} file (got {head.get('format')!r} v{head.get('version')!r})"
+        raise FileNotFoundError(
+            f"argument `directory`: {directory!r} holds no shard files (classes-<start>-<end>.pt, 12 digits each)"
         )
-    num_classes, dim = head["num_classes"], head["embedding_dim"]
+    head = _load_shard(entries[0][2], entries[0][0], entries[0][1])
+    num_classes, dim = head.get("num_classes"), head["weight"].shape[1]
+    if not isinstance(num_classes, int) or head.get("embedding_dim") != dim:
+        raise ValueError(f"shard file {entries[0][2]!r} has a corrupt `num_classes` or `embedding_dim`")
     expected = 0
     for start, end, path in entries:
         if start != expected:
@@ -101,7 +150,7 @@ def read_rows(directory: str, start: int, count: int, key: str = "weight") -> Op
     """Rows [start, start + count) of ``key`` ("weight", "momentum_buffer" or
     "momentum_seen") from a checkpoint directory, on the CPU, bit-exact; None when the
     files lack ``key``."""
-    num_classes, _, entries = _index(directory)
+    num_classes, _dim, entries = _index(directory)
     if not 0 <= start <= start + count <= num_classes:
         raise ValueError(f"rows [{start}, {start + count}) are outside the checkpoint's [0, {num_classes})")
     parts = []
@@ -109,18 +158,23 @@ def read_rows(directory: str, start: int, count: int, key: str = "weight") -> Op
         lo, hi = max(start, f_start), min(start + count, f_end)
         if lo >= hi:
             continue
-        blob = torch.load(path, weights_only=True, mmap=True)
+        blob = _load_shard(path, f_start, f_end, num_classes, _dim)
         if key not in blob:
             return None
         parts.append(blob[key][lo - f_start : hi - f_start].clone())
     if not parts:  # count == 0: an empty tensor of the stored dtype
-        stored = torch.load(entries[0][2], weights_only=True, mmap=True).get(key)
+        stored = _load_shard(entries[0][2], entries[0][0], entries[0][1], num_classes, _dim).get(key)
         return None if stored is None else stored[:0].clone()
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def _shards(module) -> Tuple[List[Tuple[int, torch.nn.Parameter]], int]:
     """[(class_offset, parameter)] of the head's local shards, and its total classes."""
+    if not all(hasattr(module, a) for a in ("class_offsets", "weight_shards", "num_classes")):
+        raise TypeError(
+            f"argument `module` must be a shardkit.ShardedSoftmaxLoss (a class-sharded head), got "
+            f"{type(module).__name__}"
+        )
     return list(zip(module.class_offsets, module.weight_shards)), module.num_classes
 
 
@@ -144,8 +198,8 @@ def load_sharded(module, directory: str, optimizer: Optional[torch.optim.Optimiz
     bit for bit, cast only if the dtypes differ). With ``optimizer``, momentum buffers saved
     with the checkpoint are restored into its state. Raises ValueError when the class count
     or embedding width differ."""
-    num_classes, dim, _ = _index(directory)
     shards, mine = _shards(module)
+    num_classes, dim, _ = _index(directory)
     if num_classes != mine or dim != shards[0][1].shape[1]:
         raise ValueError(
             f"checkpoint {directory!r} holds {num_classes} classes x {dim}, the module has "
@@ -166,12 +220,15 @@ def load_sharded(module, directory: str, optimizer: Optional[torch.optim.Optimiz
 def export_full_weight(module) -> torch.Tensor:
     """The class-ordered [C, D] weight (``module.full_weight()``; a collective in the
     distributed mode: every rank must call it)."""
+    _shards(module)  # TypeError naming `module` for anything but a head
     return module.full_weight()
 
 
 def import_full_weight(module, weight: torch.Tensor) -> None:
     """Copy the rows of a class-ordered [C, D] ``weight`` into ``module``'s local shards
     (every rank passes the same full weight; no collective)."""
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"argument `weight` must be a [C, D] torch.Tensor, got {type(weight).__name__}")
     shards, num_classes = _shards(module)
     if weight.dim() != 2 or weight.shape[0] != num_classes or weight.shape[1] != shards[0][1].shape[1]:
         raise ValueError(

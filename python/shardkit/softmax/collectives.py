@@ -5,8 +5,9 @@ GPUs, gloo on CPUs).
 Rank ``r`` owns one contiguous class range (ranks in order, sizes as even as possible:
 the first ``C % W`` ranks hold one class more). Per step and rank:
 
-1. one tiny host-side exchange on a CPU (gloo) group: every rank's batch size, embedding
-   width, dtype and an input-error flag. Batch sizes are host-known (``x.shape[0]``), so
+1. one tiny host-side exchange on a CPU (gloo) group (:mod:`shardkit.softmax.exchange`):
+   every rank's batch size, embedding width, dtype, an input-error flag and the step's
+   mode. Batch sizes are host-known (``x.shape[0]``), so
    this blocks the host until all ranks arrive but never waits for the GPU (no
    ``.item()``); a rank with bad input makes EVERY rank raise at once instead of hanging.
 2. one ``all_gather`` of a byte-packed ``[B_max, 8 + D * elem]`` buffer per rank: labels
@@ -37,13 +38,11 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 DATA_PARALLEL = "data_parallel"
 REPLICATED = "replicated"
 _LAYOUTS = (DATA_PARALLEL, REPLICATED)
-
-# Dtype codes for the size exchange (ranks must agree on the embeddings' dtype).
-_DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4}
 
 
 def split_classes(num_classes: int, world_size: int) -> List[int]:
@@ -155,48 +154,6 @@ class DistContext:
         )
 
 
-def exchange_batch_info(ctx: DistContext, x, error: Optional[str]) -> List[int]:
-    """Host-side exchange of (batch size, width, dtype, error flag) on the CPU group.
-
-    Returns every rank's batch size. Raises :class:`DistributedInputError` on every rank
-    when any rank reports an error or when ranks disagree on the width or dtype (or, in
-    the replicated layout, on the batch size).
-    """
-    ok = isinstance(x, torch.Tensor) and x.dim() == 2
-    b, d = (x.shape[0], x.shape[1]) if ok else (-1, -1)
-    code = _DTYPE_CODES.get(x.dtype, 0) if ok else 0
-    mine = torch.tensor([b, d, code, 1 if error else 0], dtype=torch.int64)
-    out = torch.empty(ctx.world_size * 4, dtype=torch.int64)
-    try:
-        dist.all_gather_into_tensor(out, mine, group=ctx.cpu_group)
-    except Exception as err:  # gloo raises RuntimeError / DistBackendError on timeout or peer loss
-        raise ctx.fail("batch-size exchange", err) from err
-    info = out.view(ctx.world_size, 4).tolist()  # CPU tensor: no device sync
-    if error:
-        raise DistributedInputError(f"ShardedSoftmaxLoss rank {ctx.rank}: {error}")
-    bad = [r for r, row in enumerate(info) if row[3]]
-    if bad:
-        raise DistributedInputError(
-            f"ShardedSoftmaxLoss rank {ctx.rank}: rank(s) {bad} got invalid input (their error says "
-            f"which); every rank raises so that none waits in a collective"
-        )
-    widths = sorted({row[1] for row in info})
-    dtypes = sorted({row[2] for row in info})
-    if len(widths) > 1 or len(dtypes) > 1:
-        raise DistributedInputError(
-            f"ShardedSoftmaxLoss rank {ctx.rank}: argument `embeddings` must have the same width and "
-            f"dtype on every rank, got widths {[row[1] for row in info]} and dtype codes "
-            f"{[row[2] for row in info]}"
-        )
-    sizes = [row[0] for row in info]
-    if ctx.layout == REPLICATED and len(set(sizes)) > 1:
-        raise DistributedInputError(
-            f"ShardedSoftmaxLoss rank {ctx.rank}: input_layout='replicated' needs the same "
-            f"`embeddings` on every rank, got batch sizes {sizes}"
-        )
-    return sizes
-
-
 def _row_bytes(dim: int, elem: int) -> int:
     # Labels first (8 bytes, so the int64 view is aligned), then the embedding row padded to
     # a multiple of 8 bytes so the next row's label stays aligned too.
@@ -256,6 +213,7 @@ class _GatherBatch(torch.autograd.Function):
         return xg, yg
 
     @staticmethod
+    @once_differentiable  # the collective has no recorded graph: a second derivative raises
     def backward(ctx, grad_xg, _grad_yg):
         dctx, sizes, b_max = ctx.dctx, ctx.sizes, ctx.b_max
         full = _pad_rows(grad_xg, sizes, b_max)
@@ -279,6 +237,7 @@ class _ReplicatedInput(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
+    @once_differentiable  # the collective has no recorded graph: a second derivative raises
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
         try:

@@ -20,7 +20,6 @@ from shardkit.softmax.collectives import (
     DistributedInputError,
     all_gather_rows,
     combine_stats,
-    exchange_batch_info,
     gather_batch,
 )
 from shardkit.softmax.core import (
@@ -32,6 +31,7 @@ from shardkit.softmax.core import (
     plain_target_logit,
     weights_for,
 )
+from shardkit.softmax.exchange import check_same_config, exchange_batch_info
 from shardkit.softmax.sampling import mark_sampled, sample_shard, sampled_class_counts
 
 
@@ -59,7 +59,11 @@ class ProcessGroupShards:
     ``state_dict()`` holds the rank's own shard only; :func:`shardkit.save_sharded` writes
     re-shardable files."""
 
-    def __init__(self, num_classes: int, process_group, input_layout: str, devices, shard_sizes):
+    def __init__(
+        self, num_classes: int, process_group, input_layout: str, devices, shard_sizes, config: Optional[dict] = None
+    ):
+        """``config``: the head's arguments that every rank must share (checked across the
+        group with one small collective, :func:`check_same_config`)."""
         if shard_sizes is not None:
             raise ValueError(
                 "argument `shard_sizes` is not used with `process_group`: rank r holds "
@@ -75,6 +79,7 @@ class ProcessGroupShards:
             raise ValueError(f"argument `devices` must name ONE device per rank with `process_group`, got {devices}")
         self.devices = [torch.device(devices[0])]
         self.sizes = [self.ctx.num_local]
+        check_same_config(self.ctx, {"num_classes": num_classes, "input_layout": input_layout, **(config or {})})
 
     def attach(self, module) -> None:
         """Nothing to add: ranks keep their own shard in ``state_dict()``."""
@@ -117,6 +122,7 @@ class ProcessGroupShards:
             check_inputs=module.check_inputs,
             sample_rate=rate,
             generator=module.sample_generator,
+            return_details=return_details,
         )
         with torch.autocast(stats.lse.device.type, enabled=False):  # fp32 statistics stay fp32
             loss, valid = loss_from_statistics(
@@ -175,6 +181,7 @@ def distributed_statistics(
     check_inputs=True,
     sample_rate: float = 1.0,
     generator: Optional[torch.Generator] = None,
+    return_details: bool = False,
 ):
     """One rank's part of the distributed loss, up to the global statistics.
 
@@ -188,6 +195,8 @@ def distributed_statistics(
             (top-k); costs one extra all-reduce of [B_g] (the plain target logit).
         sample_rate: PartialFC rate in (0, 1]; below 1 only the sampled classes take part.
         generator: torch.Generator on the weight's device for the sampling.
+        return_details: whether the caller returns details (checked to agree across
+            ranks, with ``with_rank`` and ``sample_rate``, in the per-step exchange).
 
     Returns:
         ``(stats, labels_global, num_classes_used)``: :class:`ShardStatistics` of the
@@ -206,7 +215,7 @@ def distributed_statistics(
             embeddings = embeddings.to(dtype)  # cast before the gather: fewer bytes on the wire
     except (ValueError, TypeError) as err:
         error = str(err)
-    sizes = exchange_batch_info(dctx, embeddings, error)
+    sizes = exchange_batch_info(dctx, embeddings, error, (return_details, with_rank, sample_rate))
     if sum(sizes) == 0:
         raise DistributedInputError(
             f"ShardedSoftmaxLoss rank {dctx.rank}: argument `embeddings` is empty on every rank; the loss "

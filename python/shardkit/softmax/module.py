@@ -100,6 +100,9 @@ class ShardedSoftmaxLoss(nn.Module):
         sample_rate: float = 1.0,
     ):
         super().__init__()
+        dtype = torch.get_default_dtype() if dtype is None else dtype
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"argument `dtype` must be a floating dtype, got {dtype}")
         for name, value in (("embedding_dim", embedding_dim), ("num_classes", num_classes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"argument `{name}` must be a positive int, got {value!r}")
@@ -113,11 +116,17 @@ class ShardedSoftmaxLoss(nn.Module):
                 raise ValueError("argument `input_layout` needs `process_group`")
             self._mode = LocalShards(num_classes, devices, shard_sizes)
         else:
-            self._mode = ProcessGroupShards(num_classes, process_group, input_layout, devices, shard_sizes)
+            config = {
+                "embedding_dim": embedding_dim,
+                "dtype": str(dtype),
+                "margin": None if margin is None else tuple(margin.params()),
+                "sample_rate": self.sample_rate,
+                "ignore_index": ignore_index,
+                "label_smoothing": float(label_smoothing),
+                "reduction": reduction,
+            }
+            self._mode = ProcessGroupShards(num_classes, process_group, input_layout, devices, shard_sizes, config)
         sizes, devices = self._mode.sizes, self._mode.devices
-        dtype = torch.get_default_dtype() if dtype is None else dtype
-        if not dtype.is_floating_point:
-            raise TypeError(f"argument `dtype` must be a floating dtype, got {dtype}")
         self.embedding_dim = embedding_dim
         self.num_classes = num_classes
         self.margin = margin

@@ -56,10 +56,37 @@ class SparseRowSGD(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def load_state_dict(self, state_dict) -> None:
+        """Loads a SparseRowSGD state_dict, or a ``torch.optim.SGD`` one (same layout; its
+        states lack ``seen``).
+
+        A ``torch.optim.SGD`` momentum buffer has been started for every row (SGD updates
+        all rows every step), so a loaded buffer gets ``seen`` True for every row: the next
+        steps then equal what ``torch.optim.SGD`` would have done (a row with a zero buffer
+        gets ``momentum * 0 + (1 - dampening) * g``, as in SGD, not the first-step ``g``).
+        A ``None`` buffer (SGD with momentum 0, or no step yet) starts fresh. SGD's
+        ``maximize=True`` is refused (SparseRowSGD only minimizes); ``foreach``, ``fused``
+        and ``differentiable`` are implementation choices and are ignored.
+        """
+        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError(
+                "argument `state_dict` must be an optimizer state_dict (a dict with 'state' and 'param_groups')"
+            )
+        for i, group in enumerate(state_dict["param_groups"]):
+            if group.get("maximize"):
+                raise ValueError(
+                    f"argument `state_dict`: param group {i} has maximize=True (a torch.optim.SGD state); "
+                    "SparseRowSGD only minimizes"
+                )
         super().load_state_dict(state_dict)
         # Optimizer.load_state_dict casts tensor state to the parameter's floating dtype;
         # the per-row `seen` flags must stay boolean.
         for state in self.state.values():
+            if state.get("momentum_buffer", 0) is None:
+                del state["momentum_buffer"]
+                state.pop("seen", None)
+            elif "momentum_buffer" in state and "seen" not in state:
+                buf = state["momentum_buffer"]
+                state["seen"] = torch.ones(buf.shape[0] if buf.dim() else 1, dtype=torch.bool, device=buf.device)
             if "seen" in state:
                 state["seen"] = state["seen"].bool()
 

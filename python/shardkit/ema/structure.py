@@ -1,0 +1,105 @@
+"""The model side of ``ModelEMA``: finding a model's parameters and buffers, checking them
+against the EMA's, and noticing cheaply, on every update, that the model has changed."""
+
+import weakref
+
+from torch import nn
+
+__all__ = ["ModelTracker", "check_structure"]
+
+
+def _unwrap(model):
+    """The user's module inside DataParallel / DistributedDataParallel (and so shardkit's
+    DataParallelModel, a DataParallel subclass) and torch.compile wrappers."""
+    while True:
+        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def _slots(root: nn.Module):
+    """(name, owner dict, key, is_param) for every parameter and buffer, once per tensor
+    (tied weights appear once, so they are averaged once), in a fixed order."""
+    out, seen = [], set()
+    for prefix, mod in root.named_modules():
+        for is_param, table in ((True, mod._parameters), (False, mod._buffers)):
+            for key, t in table.items():
+                if t is None or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                out.append((f"{prefix}.{key}" if prefix else key, table, key, is_param))
+    return out
+
+
+def check_structure(src: nn.Module, names, ema, where: str):
+    """``src``'s slots (:func:`_slots`), after checking their names and shapes against the
+    EMA's ``names`` / ``ema`` tensors; ValueError naming the first parameter or buffer that
+    differs."""
+    slots = _slots(src)
+    got = [s[0] for s in slots]
+    if got != names:
+        missing = sorted(set(names) - set(got))
+        extra = sorted(set(got) - set(names))
+        raise ValueError(
+            f"{where}: argument `model` does not have the EMA's structure "
+            f"(missing {missing[:5]}, unexpected {extra[:5]}); a parameter or buffer added, "
+            "removed or renamed after the EMA was made is not averaged: build a new ModelEMA "
+            "(or load its state into one made from the changed model)"
+        )
+    for (name, table, key, _), e in zip(slots, ema):
+        if table[key].shape != e.shape:
+            raise ValueError(
+                f"{where}: argument `model` has {name} of shape {tuple(table[key].shape)}, "
+                f"the EMA has {tuple(e.shape)}; the model changed after the EMA was made: "
+                "build a new ModelEMA"
+            )
+    return slots
+
+
+class ModelTracker:
+    """The tensors of one model, in the EMA's order, with a cheap change check per call.
+
+    Host-only, no device sync: the model's tensors and submodules must be the very objects
+    seen at the last full check, and every module's parameter, buffer and child tables must
+    keep their sizes (an added tensor or submodule changes one). Anything else runs the full
+    :func:`check_structure` again, which names the parameter (or accepts a replacement of
+    the same shape and follows it). A tensor reshaped in place (``p.data = ...``) keeps its
+    identity: the op raises then, and ``ModelEMA`` re-checks to name it.
+    """
+
+    def __init__(self, model, names, ema, where: str):
+        src = _unwrap(model)
+        if not isinstance(src, nn.Module):
+            raise TypeError(f"{where}: argument `model` must be an nn.Module, got {type(model).__name__}")
+        self._names, self._ema = names, ema
+        self.model = weakref.ref(src)
+        self._snapshot(src, where)
+
+    def follows(self, model) -> bool:
+        return self.model() is _unwrap(model)
+
+    def _snapshot(self, src, where):
+        slots = check_structure(src, self._names, self._ema, where)
+        self._keys = [(table, key) for _, table, key, _ in slots]
+        modules = list(src.modules())
+        self._tables = [(t, len(t)) for mod in modules for t in (mod._parameters, mod._buffers, mod._modules)]
+        self._children = [(mod._modules, k, c) for mod in modules for k, c in mod._modules.items()]
+        self._tensors = [table[key] for table, key in self._keys]
+
+    def tensors(self, where: str) -> list:
+        try:
+            tensors = [table[key] for table, key in self._keys]
+        except KeyError:
+            tensors = None
+        if (
+            tensors is not None
+            and all(a is b for a, b in zip(tensors, self._tensors))
+            and all(len(t) == n for t, n in self._tables)
+            and all(t.get(k) is c for t, k, c in self._children)
+        ):
+            return tensors
+        self._snapshot(self.model(), where)
+        return list(self._tensors)

@@ -1,0 +1,154 @@
+"""The host-side exchanges of the process-group mode, on the gloo ``cpu_group`` of a
+:class:`~shardkit.softmax.collectives.DistContext`: the configuration fingerprint (once, at
+construction) and the per-step batch info and mode. Both let EVERY rank raise
+:class:`DistributedInputError` at once where the device collectives would otherwise
+disagree (or hang until the group's timeout)."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from shardkit.softmax.collectives import _LAYOUTS, REPLICATED, DistContext, DistributedInputError
+
+# Dtype codes for the size exchange (ranks must agree on the embeddings' dtype).
+_DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4}
+
+
+# ---- the configuration fingerprint, exchanged once at construction ----------------------
+# Each field travels as _SLOTS float64: [kind, values...]; kind 0 None, 1 number, 2 string
+# (its crc32), 3 tuple of numbers. Strings are decoded back through this vocabulary.
+_SLOTS = 6
+_KNOWN_STRINGS = {
+    zlib.crc32(v.encode()): v
+    for v in ["mean", "sum", "none", *_LAYOUTS]
+    + [str(t) for t in (torch.float32, torch.float64, torch.float16, torch.bfloat16)]
+}
+
+
+def _encode_field(value) -> List[float]:
+    if value is None:
+        out = [0.0]
+    elif isinstance(value, str):
+        out = [2.0, float(zlib.crc32(value.encode()))]
+    elif isinstance(value, (tuple, list)):
+        out = [3.0, float(len(value))] + [float(v) for v in value]
+    else:
+        out = [1.0, float(value)]
+    if len(out) > _SLOTS:
+        raise ValueError(f"configuration field {value!r} does not fit the fingerprint")
+    return out + [0.0] * (_SLOTS - len(out))
+
+
+def _decode_field(slots: List[float]):
+    kind = int(slots[0])
+    if kind == 0:
+        return None
+    if kind == 2:
+        return _KNOWN_STRINGS.get(int(slots[1]), f"<string crc {int(slots[1])}>")
+    if kind == 3:
+        return tuple(slots[2 : 2 + int(slots[1])])
+    v = slots[1]
+    return int(v) if v == int(v) else v
+
+
+def check_same_config(ctx: DistContext, config: dict) -> None:
+    """Raises :class:`DistributedInputError` on every rank unless every rank built its head
+    with the same ``config`` (a dict of numbers, strings, None or short tuples of numbers,
+    the same keys on every rank). One all_gather of ``len(config) * 6`` float64 on the CPU
+    group, at construction only. Heads that disagree (e.g. on ``num_classes``) would
+    otherwise train without error, with classes in no shard or in two."""
+    names = list(config)
+    mine = torch.tensor([v for name in names for v in _encode_field(config[name])], dtype=torch.float64)
+    out = torch.empty(ctx.world_size * mine.numel(), dtype=torch.float64)
+    try:
+        dist.all_gather_into_tensor(out, mine, group=ctx.cpu_group)
+    except Exception as err:
+        raise ctx.fail("configuration exchange", err) from err
+    rows = out.view(ctx.world_size, len(names), _SLOTS).tolist()
+    diffs = []
+    for i, name in enumerate(names):
+        if any(row[i] != rows[0][i] for row in rows):
+            per_rank = ", ".join(f"rank {r}: {_decode_field(row[i])!r}" for r, row in enumerate(rows))
+            diffs.append(f"`{name}` differs ({per_rank})")
+    if diffs:
+        raise DistributedInputError(
+            f"ShardedSoftmaxLoss rank {ctx.rank}: the ranks of the process group built different heads: "
+            + "; ".join(diffs)
+            + ". Build the loss with the same arguments on every rank"
+        )
+
+
+# Per-step mode fields carried by the batch-info exchange (after b, d, dtype code, error).
+_MODE_FIELDS = ("return_details", "with_rank (topk details)", "sample_rate (train vs eval)")
+
+
+def _float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _bits_float(b: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", int(b)))[0]
+
+
+def exchange_batch_info(ctx: DistContext, x, error: Optional[str], mode: Sequence = (False, False, 1.0)) -> List[int]:
+    """Host-side exchange of (batch size, width, dtype, error flag) and of this step's mode
+    (``(return_details, with_rank, effective sample_rate)``) on the CPU group.
+
+    Returns every rank's batch size. Raises :class:`DistributedInputError` on every rank
+    when any rank reports an error, when ranks disagree on the width or dtype (or, in the
+    replicated layout, on the batch size), or when they call the loss in different modes
+    (the collectives that follow would differ and stall until the group's timeout).
+    """
+    ok = isinstance(x, torch.Tensor) and x.dim() == 2
+    b, d = (x.shape[0], x.shape[1]) if ok else (-1, -1)
+    code = _DTYPE_CODES.get(x.dtype, 0) if ok else 0
+    details, with_rank, rate = mode
+    row = [b, d, code, 1 if error else 0, int(bool(details)), int(bool(with_rank)), _float_bits(rate)]
+    mine = torch.tensor(row, dtype=torch.int64)
+    out = torch.empty(ctx.world_size * len(row), dtype=torch.int64)
+    try:
+        dist.all_gather_into_tensor(out, mine, group=ctx.cpu_group)
+    except Exception as err:  # gloo raises RuntimeError / DistBackendError on timeout or peer loss
+        raise ctx.fail("batch-size exchange", err) from err
+    info = out.view(ctx.world_size, len(row)).tolist()  # CPU tensor: no device sync
+    if error:
+        raise DistributedInputError(f"ShardedSoftmaxLoss rank {ctx.rank}: {error}")
+    diffs = []
+    for k, name in enumerate(_MODE_FIELDS):
+        values = [r[4 + k] for r in info]
+        if len(set(values)) > 1:
+            shown = [_bits_float(v) for v in values] if k == 2 else [bool(v) for v in values]
+            diffs.append(f"{name} {shown}")
+    if diffs:
+        raise DistributedInputError(
+            f"ShardedSoftmaxLoss rank {ctx.rank}: the ranks called the loss in different modes this step "
+            f"(values per rank): {'; '.join(diffs)}. Every rank must call it alike: the same "
+            "return_details and topk, and all in train() or all in eval() mode (sample_rate applies in "
+            "training only); compute details on every rank and log them on one"
+        )
+    bad = [r for r, row in enumerate(info) if row[3]]
+    if bad:
+        raise DistributedInputError(
+            f"ShardedSoftmaxLoss rank {ctx.rank}: rank(s) {bad} got invalid input (their error says "
+            f"which); every rank raises so that none waits in a collective"
+        )
+    widths = sorted({row[1] for row in info})
+    dtypes = sorted({row[2] for row in info})
+    if len(widths) > 1 or len(dtypes) > 1:
+        raise DistributedInputError(
+            f"ShardedSoftmaxLoss rank {ctx.rank}: argument `embeddings` must have the same width and "
+            f"dtype on every rank, got widths {[row[1] for row in info]} and dtype codes "
+            f"{[row[2] for row in info]}"
+        )
+    sizes = [row[0] for row in info]
+    if ctx.layout == REPLICATED and len(set(sizes)) > 1:
+        raise DistributedInputError(
+            f"ShardedSoftmaxLoss rank {ctx.rank}: input_layout='replicated' needs the same "
+            f"`embeddings` on every rank, got batch sizes {sizes}"
+        )
+    return sizes
