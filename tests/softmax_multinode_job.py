@@ -1,0 +1,59 @@
+"""A job for tests/test_softmax_multinode.py, launched by torchrun: the distributed head (and a
+small backbone under DDP) trained for a few steps on gloo, saved with save_sharded, or loaded
+into whatever world size this launch has. Usage:
+
+    torchrun ... tests/softmax_multinode_job.py train DIR STEPS
+    torchrun ... tests/softmax_multinode_job.py resume DIR STEPS
+
+Both modes write DIR/<mode>-rank<r>.pt with what the test compares (weights, losses)."""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import shardkit
+
+C, D, B = 37, 6, 5
+
+
+def main():
+    mode, directory, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)  # the same backbone on every rank
+    backbone = torch.nn.Linear(8, D).double()
+    head = shardkit.ShardedSoftmaxLoss(D, C, process_group=dist.group.WORLD, dtype=torch.float64,
+                                       margin=shardkit.ArcFace(s=8.0, m=0.2))  # fmt: skip
+    params = list(backbone.parameters()) + list(head.parameters())
+    opt = shardkit.SparseRowSGD(params, lr=0.5, momentum=0.9)
+    if mode == "resume":
+        shardkit.load_sharded(head, os.path.join(directory, "head"), optimizer=opt)
+        backbone.load_state_dict(torch.load(os.path.join(directory, "backbone.pt"), weights_only=True))
+    ddp = torch.nn.parallel.DistributedDataParallel(backbone)
+    losses = []
+    g = torch.Generator().manual_seed(1000 + (0 if mode == "train" else 1))
+    # one GLOBAL batch, drawn alike on every rank (each rank takes its own rows), seen every step
+    x_all = torch.randn(B * 6, 8, generator=g, dtype=torch.float64)
+    y_all = torch.randint(0, C, (B * 6,), generator=g)
+    for _ in range(steps):
+        rows = torch.arange(B * 6).tensor_split(world)[rank]
+        loss = head(ddp(x_all[rows]), y_all[rows])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    full = shardkit.export_full_weight(head)
+    if mode == "train":
+        shardkit.save_sharded(head, os.path.join(directory, "head"), optimizer=opt)
+        if rank == 0:
+            torch.save(backbone.state_dict(), os.path.join(directory, "backbone.pt"))
+    torch.save({"losses": losses, "full": full, "world": world, "backbone": backbone.state_dict()},
+               os.path.join(directory, f"{mode}-rank{rank}.pt"))  # fmt: skip
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
