@@ -9,22 +9,28 @@ import torch.distributed as dist
 
 
 class Progress:
-    """A tqdm bar (or, without a terminal or with --no-progress, a log line every ~10%)."""
+    """A tqdm bar (or, without a terminal or with --no-progress, a line every ~10%); the
+    ~10% lines always go to the run's log."""
 
-    def __init__(self, total: int, start: int, enabled: bool, bar: bool = True):
-        self.total, self.enabled, self.bar, self.last_line = total, enabled, None, start
+    def __init__(self, total: int, start: int, enabled: bool, bar: bool = True, log=None):
+        self.total, self.enabled, self.bar, self.last_line, self.log = total, enabled, None, start, log
         if enabled and bar and sys.stderr.isatty():
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
 
     def set(self, step: int, stats: dict) -> None:
+        due = step - self.last_line >= max(1, self.total // 10) or step == self.total
+        line = f"step {step}/{self.total} " + " ".join(f"{k} {v}" for k, v in stats.items())
         if self.bar is not None:
             self.bar.n = step
             self.bar.set_postfix(stats, refresh=True)
-        elif self.enabled and (step - self.last_line >= max(1, self.total // 10) or step == self.total):
+        if due and self.enabled:
             self.last_line = step
-            print(f"step {step}/{self.total} " + " ".join(f"{k} {v}" for k, v in stats.items()), flush=True)
+            if self.bar is None:
+                print(line, flush=True)
+            if self.log is not None:
+                self.log.write(line)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -86,23 +92,26 @@ def evaluate(parts, args, world) -> dict:
     return report
 
 
-def print_report(report: dict, history, args) -> None:
-    print(
-        "\nresults (train top-1 from the sharded head's statistics; verification on "
-        f"{args.val_classes} held-out identities):"
-    )
-    print(f"  {'model':<6} {'train top-1':>12} {'verif. acc':>12} {'TAR@FAR=1e-3':>14}")
+def report_lines(report: dict, history, args) -> list:
+    """The results table, as lines."""
+    lines = [
+        "",
+        "results (train top-1 from the sharded head's statistics; verification on "
+        f"{args.val_classes} held-out identities):",
+        f"  {'model':<6} {'train top-1':>12} {'verif. acc':>12} {'TAR@FAR=1e-3':>14}",
+    ]
     for name, r in report.items():
         v = r["verification"]
-        print(f"  {name:<6} {100 * r['top1']:>11.2f}% {100 * v.accuracy:>11.2f}% {100 * v.tar:>13.2f}%")
+        lines.append(f"  {name:<6} {100 * r['top1']:>11.2f}% {100 * v.accuracy:>11.2f}% {100 * v.tar:>13.2f}%")
     v = report["raw"]["verification"]
-    print(
+    lines.append(
         f"  ({v.num_genuine} genuine / {v.num_impostor} impostor pairs; chance accuracy 50%"
         + ("" if v.far_reliable else f"; FAR resolution {v.far_resolution:.1e}")
         + ")"
     )
     if history["loss"]:
-        print(f"  loss: first step {history['loss'][0]:.3f}, last step {history['loss'][-1]:.3f}")
+        lines.append(f"  loss: first step {history['loss'][0]:.3f}, last step {history['loss'][-1]:.3f}")
+    return lines
 
 
 def plot(history, report, path: str) -> None:
