@@ -184,3 +184,15 @@ def test_log_and_header(finished_run):
     log = open(os.path.join(finished_run, "log.txt")).read()
     for needle in ("MFLOPs/image", "M parameters", "classes [0, 16)", "head memory", "step 3/3", "verif. acc"):
         assert needle in log, needle
+
+
+def test_verification_every_k_steps_in_history_and_plot(tmp_path):
+    out = str(tmp_path / "run")
+    assert train.main(TINY + ["--steps", "6", "--eval-every", "2", "--out", out]) == 0
+    state = _state(out)
+    ev = state["history"]["eval"]
+    assert ev["step"] == [2, 4]  # every 2 steps (the final evaluation comes after the last save)
+    for key in ("raw_acc", "raw_tar", "ema_acc", "ema_tar"):
+        assert len(ev[key]) == 2 and all(0 <= v <= 1 for v in ev[key]), key
+    assert len(state["history"]["img_s"]) == 6 and all(v > 0 for v in state["history"]["img_s"])
+    assert os.path.getsize(os.path.join(out, "curves.png")) > 20000

@@ -83,8 +83,9 @@ at the last step (SGD, momentum 0.9, for the backbone and the head's rows).
 
 --resume DIR continues the run in DIR (output too, unless --out is given) with the settings
 saved in its checkpoint. Flags that may change on resume: --steps, --epochs, --lr, --amp,
---checkpointing, and the ones about this machine (--devices, --dp, --workers, --cache-ram,
---out, --no-progress). Any other flag given with a value other than the checkpoint's is an error.
+--checkpointing, and the ones about this machine and the output (--devices, --dp, --workers,
+--cache-ram, --out, --eval-every, --no-progress). Any other flag given with a value other
+than the checkpoint's is an error.
 
 exit status: 0 done, 2 a user error (one line on stderr saying what to do), 1 an internal
 error (with its traceback), 130 interrupted by Ctrl-C (checkpoint saved).
@@ -215,6 +216,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", metavar="DIR", help="continue the run in DIR, a run's --out or its checkpoint/ (default: a new run)"
     )
     o.add_argument(
+        "--eval-every",
+        type=int,
+        default=None,
+        metavar="K",
+        help="held-out verification of the raw and EMA backbones every K steps, for the plot; 0: only "
+        "at the end (default: once per epoch)",
+    )
+    o.add_argument(
         "--no-progress", action="store_true", help="plain log lines instead of a progress bar (default: off)"
     )
     return p
@@ -248,6 +257,8 @@ def _check_args(a: argparse.Namespace) -> None:
         raise UsageError("--amp fp16 needs a CUDA device; use --amp bf16 on the CPU")
     if not 0 <= a.ema < 1:
         raise UsageError(f"--ema must be in [0, 1), got {a.ema}")
+    if a.eval_every is not None and a.eval_every < 0:
+        raise UsageError(f"--eval-every must be >= 0, got {a.eval_every}")
     if a.workers < 0:
         raise UsageError(f"--workers must be >= 0, got {a.workers}")
     if a.val_per_class < 2 or a.val_classes < 2:

@@ -15,7 +15,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from shardkit.train import checkpoint, header, setup
+from shardkit.train import checkpoint, header, plots, setup
 from shardkit.train import report as report_mod
 from shardkit.train.errors import UsageError
 from shardkit.train.log import RunLog
@@ -47,14 +47,36 @@ def init_distributed(args) -> World:
     return World(size, rank, dev)
 
 
-def _peak_memory(devices: List[torch.device]) -> str:
-    parts = []
+def _peak_gib(devices: List[torch.device]) -> List[float]:
+    """Peak memory of each distinct device, GiB (the CPU: the process's peak resident set, as
+    the CPU has no per-device allocator statistics)."""
+    out = []
     for dev in dict.fromkeys(devices):
         if dev.type == "cuda":
-            parts.append(f"{dev}:{torch.cuda.max_memory_allocated(dev) / 2**30:.2f}G")
-        else:  # the process's peak resident set: the CPU has no per-device allocator statistics
-            parts.append(f"cpu(rss):{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f}G")
-    return " ".join(parts)
+            out.append(torch.cuda.max_memory_allocated(dev) / 2**30)
+        else:
+            out.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+    return out
+
+
+def _peak_memory(devices: List[torch.device]) -> str:
+    names = [f"{d}:" if d.type == "cuda" else "cpu(rss):" for d in dict.fromkeys(devices)]
+    return " ".join(f"{n}{g:.2f}G" for n, g in zip(names, _peak_gib(devices)))
+
+
+def new_history() -> dict:
+    """Per step: loss, batch top-1, images/s, peak GiB per device; every --eval-every steps and
+    at the end: held-out verification of the raw and EMA backbones."""
+    ev = {k: [] for k in ("step", "raw_acc", "raw_tar", "ema_acc", "ema_tar")}
+    return {"step": [], "loss": [], "top1": [], "img_s": [], "mem_gib": [], "eval": ev}
+
+
+def _record_eval(history: dict, step: int, results: dict) -> None:
+    ev = history["eval"]
+    ev["step"].append(step)
+    for name, (acc, tar) in results.items():
+        ev[f"{name}_acc"].append(acc)
+        ev[f"{name}_tar"].append(tar)
 
 
 def _lr_at(step: int, total: int, base: float) -> float:
@@ -94,11 +116,12 @@ def _run(args, world: World, log: RunLog) -> int:
         log.line(line)
     for text in header.warnings(parts, args, world):
         log.warn(text)
-    history = {"step": [], "loss": [], "top1": []}
+    history = new_history()
     start = 0
     if args.resume:
         found = checkpoint.find(args.resume)
-        start, history = setup.load_checkpoint(found, parts, world)
+        start, saved = setup.load_checkpoint(found, parts, world)
+        history.update(saved)
         log.line(f"resumed from {found} at step {start} of {total}; writing to {args.out}")
         if start >= total:
             log.line(
@@ -123,14 +146,21 @@ def _run(args, world: World, log: RunLog) -> int:
     signal.signal(signal.SIGINT, on_sigint)
     bar = report_mod.Progress(total, start, enabled=lead, bar=not args.no_progress, log=log)
     t_last, img_since = time.perf_counter(), 0
+    per_step = args.batch * args.accumulate * world.size
+    eval_every = steps_per_epoch if args.eval_every is None else args.eval_every
     step = start
     try:
         for step in range(start, total):
+            t0 = time.perf_counter()
             loss, top1 = train_step(parts, args, step, steps_per_epoch, total, world)
             history["step"].append(step + 1)
             history["loss"].append(loss)
             history["top1"].append(top1)
-            img_since += args.batch * args.accumulate * world.size
+            history["img_s"].append(per_step / max(time.perf_counter() - t0, 1e-9))
+            history["mem_gib"].append(_peak_gib(parts.devices))
+            img_since += per_step
+            if lead and eval_every and (step + 1) % eval_every == 0 and step + 1 < total:
+                _record_eval(history, step + 1, report_mod.verify_now(parts, args))
             if lead:
                 now = time.perf_counter()
                 rate = img_since / max(now - t_last, 1e-9)
@@ -156,7 +186,10 @@ def _run(args, world: World, log: RunLog) -> int:
     if lead:
         for line in report_mod.report_lines(report, history, args):
             log.line(line)
-        report_mod.plot(history, report, os.path.join(args.out, "curves.png"))
+        _record_eval(
+            history, total, {n: (r["verification"].accuracy, r["verification"].tar) for n, r in report.items()}
+        )
+        plots.plot(history, list(dict.fromkeys(parts.devices)), os.path.join(args.out, "curves.png"))
         log.line(f"checkpoint: {ckpt_dir}   plot: {os.path.join(args.out, 'curves.png')}   log: {log.path}")
     return 0
 

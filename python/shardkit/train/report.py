@@ -73,13 +73,30 @@ def _train_top1(parts, model, limit: int = 4096) -> float:
     return float(correct) / max(1, int(valid))
 
 
-def evaluate(parts, args, world) -> dict:
-    """Train top-1 and held-out verification for the raw and the EMA backbone."""
+def _models(parts) -> dict:
     models = {"raw": parts.backbone}
     if parts.ema is not None:
         models["ema"] = parts.ema.module
+    return models
+
+
+def verify_now(parts, args) -> dict:
+    """Held-out verification (accuracy, TAR@FAR) of the raw and the EMA backbone, on this
+    process (rank 0 during training): {name: (accuracy, tar)}."""
+    out = {}
+    for name, model in _models(parts).items():
+        was_training = model.training
+        model.eval()
+        v = parts.val_set.evaluate(parts.val_set.embed(_embed_fn(parts, model), batch_size=args.batch))
+        model.train(was_training)
+        out[name] = (v.accuracy, v.tar)
+    return out
+
+
+def evaluate(parts, args, world) -> dict:
+    """Train top-1 and held-out verification for the raw and the EMA backbone."""
     report = {}
-    for name, model in models.items():
+    for name, model in _models(parts).items():
         was_training = model.training
         model.eval()
         top1 = _train_top1(parts, model)
@@ -112,36 +129,3 @@ def report_lines(report: dict, history, args) -> list:
     if history["loss"]:
         lines.append(f"  loss: first step {history['loss'][0]:.3f}, last step {history['loss'][-1]:.3f}")
     return lines
-
-
-def plot(history, report, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(1, 2, figsize=(10, 3.8))
-    ax[0].plot(history["step"], history["loss"], lw=1)
-    ax[0].set_xlabel("step")
-    ax[0].set_ylabel("training loss")
-    ax[0].set_yscale("log")
-    steps = [s for s, t in zip(history["step"], history["top1"]) if t is not None]
-    tops = [100 * t for t in history["top1"] if t is not None]
-    if tops:
-        ax[1].plot(steps, tops, lw=1, label="train top-1 (batch)")
-    for name, r in report.items():
-        ax[1].axhline(
-            100 * r["verification"].accuracy,
-            ls="--",
-            lw=1,
-            color="C1" if name == "raw" else "C2",
-            label=f"verification acc ({name})",
-        )
-    ax[1].set_xlabel("step")
-    ax[1].set_ylabel("%")
-    ax[1].set_ylim(0, 100)
-    ax[1].legend(loc="lower right", fontsize=8)
-    fig.suptitle("shardkit.train")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
