@@ -196,3 +196,35 @@ def test_verification_every_k_steps_in_history_and_plot(tmp_path):
         assert len(ev[key]) == 2 and all(0 <= v <= 1 for v in ev[key]), key
     assert len(state["history"]["img_s"]) == 6 and all(v > 0 for v in state["history"]["img_s"])
     assert os.path.getsize(os.path.join(out, "curves.png")) > 20000
+
+
+def test_profile_prints_phases_verdict_trace_and_chart(tmp_path, capsys):
+    import json
+
+    from shardkit.train import profile
+
+    out = str(tmp_path / "prof")
+    assert train.main(TINY + ["--profile", "3", "--out", out]) == 0
+    text = capsys.readouterr().out
+    assert "profile: 3 steps" in text and "verdict: " in text
+    for phase in profile.PHASES:
+        assert f"  {phase} " in text, phase
+    assert json.load(open(os.path.join(out, "profile_trace.json")))["traceEvents"]
+    assert os.path.getsize(os.path.join(out, "profile.png")) > 5000
+    assert not os.path.exists(os.path.join(out, "checkpoint"))  # profiling trains nothing to keep
+
+
+def test_profile_verdicts():
+    from shardkit.train.profile import PHASES, verdict
+
+    def shares(**kw):
+        base = dict.fromkeys(PHASES, 0.0)
+        base.update({k.replace("_", " "): v for k, v in kw.items()})
+        return base
+
+    assert verdict(shares(data_wait=0.5, backward=0.5), True).startswith("input-bound") and "--workers" in verdict(
+        shares(data_wait=0.5), True
+    )
+    assert verdict(shares(backward=0.9, data_wait=0.1), True).startswith("GPU-bound")
+    assert verdict(shares(optimizer=0.5, backward=0.5), True).startswith("host-bound")
+    assert verdict(shares(backward=0.9, data_wait=0.1), False).startswith("host-bound (CPU")

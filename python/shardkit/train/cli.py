@@ -216,6 +216,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", metavar="DIR", help="continue the run in DIR, a run's --out or its checkpoint/ (default: a new run)"
     )
     o.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="time N steps phase by phase, print where the time goes and a verdict, write a profiler "
+        "trace and a chart to --out, then stop; 0: train (default: %(default)s)",
+    )
+    o.add_argument(
         "--eval-every",
         type=int,
         default=None,
@@ -257,6 +265,10 @@ def _check_args(a: argparse.Namespace) -> None:
         raise UsageError("--amp fp16 needs a CUDA device; use --amp bf16 on the CPU")
     if not 0 <= a.ema < 1:
         raise UsageError(f"--ema must be in [0, 1), got {a.ema}")
+    if a.profile < 0:
+        raise UsageError(f"--profile must be >= 0, got {a.profile}")
+    if a.profile and a.resume:
+        raise UsageError("--profile measures a fresh run; drop --resume (or --profile)")
     if a.eval_every is not None and a.eval_every < 0:
         raise UsageError(f"--eval-every must be >= 0, got {a.eval_every}")
     if a.workers < 0:

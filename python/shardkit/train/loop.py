@@ -116,6 +116,10 @@ def _run(args, world: World, log: RunLog) -> int:
         log.line(line)
     for text in header.warnings(parts, args, world):
         log.warn(text)
+    if args.profile:
+        from shardkit.train import profile
+
+        return profile.run(parts, args, steps_per_epoch, total, log)
     history = new_history()
     start = 0
     if args.resume:
