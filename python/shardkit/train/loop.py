@@ -119,7 +119,7 @@ def _run(args, world: World, log: RunLog) -> int:
     if args.profile:
         from shardkit.train import profile
 
-        return profile.run(parts, args, steps_per_epoch, total, log)
+        return profile.run(parts, args, steps_per_epoch, _lr_at(0, total, args.lr), log)
     history = new_history()
     start = 0
     if args.resume:

@@ -82,16 +82,15 @@ def verdict(shares: dict, on_gpu: bool) -> str:
     return "balanced: no phase dominates"
 
 
-def run(parts, args, steps_per_epoch: int, total: int, log) -> int:
-    """Profile ``args.profile`` steps from step 0; print the table and verdict; write the trace and chart."""
-    from shardkit.train.loop import _lr_at
-
+def run(parts, args, steps_per_epoch: int, lr: float, log) -> int:
+    """Profile ``args.profile`` steps from step 0 at learning rate ``lr``; print the table and
+    verdict; write the trace and chart."""
     parts.backbone_train.train()
     n = args.profile
     timer = _Timer(parts.devices)
     for opt in parts.optimizers:
         for g in opt.param_groups:
-            g["lr"] = _lr_at(0, total, args.lr)
+            g["lr"] = lr
     _step(parts, args, 0, steps_per_epoch, _Timer(parts.devices))  # warm-up: first-call costs
     trace = os.path.join(args.out, "profile_trace.json")
     t0 = time.perf_counter()
