@@ -149,7 +149,6 @@ def _run(args, world: World, log: RunLog) -> int:
 
     signal.signal(signal.SIGINT, on_sigint)
     bar = report_mod.Progress(total, start, enabled=lead, bar=not args.no_progress, log=log)
-    t_last, img_since = time.perf_counter(), 0
     per_step = args.batch * args.accumulate * world.size
     eval_every = steps_per_epoch if args.eval_every is None else args.eval_every
     step = start
@@ -162,18 +161,16 @@ def _run(args, world: World, log: RunLog) -> int:
             history["top1"].append(top1)
             history["img_s"].append(per_step / max(time.perf_counter() - t0, 1e-9))
             history["mem_gib"].append(_peak_gib(parts.devices))
-            img_since += per_step
             if lead and eval_every and (step + 1) % eval_every == 0 and step + 1 < total:
                 _record_eval(history, step + 1, report_mod.verify_now(parts, args))
             if lead:
-                now = time.perf_counter()
-                rate = img_since / max(now - t_last, 1e-9)
+                # Training throughput of the last steps (evaluation and checkpoint time excluded).
+                recent = history["img_s"][-10:]
+                rate = len(recent) / sum(1 / r for r in recent)
                 stats = {"loss": f"{loss:.3f}", "img/s": f"{rate:.0f}", "mem": _peak_memory(parts.devices)}
                 if top1 is not None:
                     stats["top1"] = f"{100 * top1:.1f}%"
                 bar.set(step + 1, stats)
-                if now - t_last > 2:
-                    t_last, img_since = now, 0
             if (step + 1) % steps_per_epoch == 0 or step + 1 == total:
                 setup.save_checkpoint(ckpt_dir, parts, step + 1, history, world)
             if stop["flag"]:
