@@ -36,8 +36,9 @@ def _copy(run, dst):
     return str(dst)
 
 
-def test_resume_continues_in_its_dir_with_its_settings(finished_run, tmp_path, capsys):
+def test_resume_continues_in_its_dir_with_its_settings(finished_run, tmp_path, capsys, monkeypatch):
     run = _copy(finished_run, tmp_path / "run")
+    monkeypatch.chdir(tmp_path)  # where the default --out, runs/train, would land
     capsys.readouterr()
     # No --out, no --margin, no --seed: the run continues in its own directory as a CosFace run.
     assert train.main(["--resume", run, "--steps", "5", "--no-progress"]) == 0
@@ -45,7 +46,7 @@ def test_resume_continues_in_its_dir_with_its_settings(finished_run, tmp_path, c
     assert f"writing to {run}" in out and "CosFace s=32 m=0.25" in out and "seed 5" in out
     state = _state(run)
     assert state["step"] == 5 and state["args"]["margin"] == "cosface" and state["args"]["m"] == 0.25
-    assert not os.path.exists("runs/train/checkpoint/checkpoint.pt.never")  # nothing written to the default
+    assert not (tmp_path / "runs").exists()  # nothing written to the default --out
     log = open(os.path.join(run, "log.txt")).read()
     assert log.count("shardkit.train: ") == 2 and "step 5/5" in log and "results" in log  # appended
     # --out elsewhere: the resumed run writes there and leaves the original alone.
