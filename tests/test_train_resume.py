@@ -229,3 +229,45 @@ def test_profile_verdicts():
     assert verdict(shares(backward=0.9, data_wait=0.1), True).startswith("GPU-bound")
     assert verdict(shares(optimizer=0.5, backward=0.5), True).startswith("host-bound")
     assert verdict(shares(backward=0.9, data_wait=0.1), False).startswith("host-bound (CPU")
+
+
+@pytest.mark.parametrize("layout", ["empty", "no_images", "broken_image"])
+def test_bad_data_folder_exits_2(tmp_path, layout, capsys):
+    root = tmp_path / "faces"
+    root.mkdir()
+    if layout != "empty":
+        for k in range(6):
+            (root / f"id{k}").mkdir()
+            if layout == "broken_image":
+                for i in range(3):
+                    (root / f"id{k}" / f"{i}.png").write_bytes(b"not a png")
+    argv = ["--data", str(root), "--val-classes", "2", "--cache-ram", "decoded", "--out", str(tmp_path / "o")]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and str(root) in err, err
+
+
+@pytest.mark.parametrize("kind", ["xavier", "kaiming"])
+def test_init_backbone_and_whole_head(kind):
+    import shardkit
+    from shardkit.train.models import build_backbone
+    from shardkit.train.setup import init_weights
+
+    torch.manual_seed(0)
+    backbone = build_backbone("tiny", 64)
+    head = shardkit.ShardedSoftmaxLoss(64, 3000, devices=["cpu", "cpu"])
+    init_weights(kind, backbone, head, 3000)
+    w = torch.cat([p.detach() for p in head.parameters()])
+    assert w.shape == (3000, 64)
+    if kind == "xavier":  # U(-b, b), b from the whole [3000, 64] weight, on both shards
+        bound = (6 / (64 + 3000)) ** 0.5
+        assert w.abs().max() <= bound and w.abs().max() > 0.95 * bound
+        assert all(p.abs().max() > 0.9 * bound for p in head.parameters())
+    else:  # N(0, 2 / fan_in)
+        assert abs(w.std().item() - (2 / 64) ** 0.5) < 0.01
+    conv = backbone.stem[0].weight
+    fan_in = conv[0].numel()
+    if kind == "kaiming":
+        assert abs(conv.std().item() - (2 / fan_in) ** 0.5) < 0.3 * (2 / fan_in) ** 0.5
+    else:
+        assert conv.abs().max() <= (6 / (fan_in + conv.shape[0] * conv[0, 0].numel())) ** 0.5
