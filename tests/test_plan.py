@@ -216,7 +216,10 @@ def test_cli_errors_exit_2(argv, match, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2
-    assert __import__("re").search(match, capsys.readouterr().err)
+    err = capsys.readouterr().err
+    assert __import__("re").search(match, err)
+    # One line saying what is wrong and where to look, no usage block, no traceback.
+    assert err.startswith("python -m shardkit.plan: error: ") and err.count("\n") == 1, err
 
 
 def test_module_entry_point():

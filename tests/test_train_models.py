@@ -77,3 +77,23 @@ def test_learns_synthetic_identities():
         opt.step()
         losses.append(loss.item())
     assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5
+
+
+def test_checkpointing_updates_batchnorm_statistics_once():
+    # The recomputation in the backward must not update running stats a second time.
+    torch.manual_seed(0)
+    a = Backbone((8, 16), (1, 2), 16)
+    b = Backbone((8, 16), (1, 2), 16, checkpointing=True)
+    b.load_state_dict(a.state_dict())
+    for _ in range(3):
+        x = torch.randn(6, 3, 16, 16)
+        a(x).square().sum().backward()
+        b(x).square().sum().backward()
+    bufs_a, bufs_b = dict(a.named_buffers()), dict(b.named_buffers())
+    assert bufs_a.keys() == bufs_b.keys()
+    for name, buf in bufs_a.items():
+        if name.endswith("num_batches_tracked"):
+            assert int(buf) == 3 and int(bufs_b[name]) == 3, name
+        else:
+            assert torch.allclose(buf, bufs_b[name], rtol=1e-5, atol=1e-6), name
+    assert all(m.track_running_stats for m in b.modules() if isinstance(m, torch.nn.BatchNorm2d))

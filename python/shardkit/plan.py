@@ -347,8 +347,13 @@ def _size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # the CLI contract: one line on stderr, exit status 2
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = _Parser(
         prog="python -m shardkit.plan",
         description="Memory per device of a large softmax head: shardkit vs PartialFC_V2 vs one naive device.",
     )
@@ -379,7 +384,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """CLI entry point (``shardkit-plan``). Returns 0; bad flags exit with status 2."""
+    """CLI entry point (``shardkit-plan``). Returns 0; a user error exits with status 2 and one
+    line on stderr, an internal error with its traceback (status 1)."""
     ap = _parser()
     args = ap.parse_args(argv)
     try:
@@ -400,7 +406,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         # plan_memory names its Python arguments (`sample_rate`); say the flag instead.
         msg = re.sub(r"argument `(\w+)`", lambda m: "--" + m.group(1).replace("_", "-"), str(e))
-        ap.error(msg)  # prints usage + message, exits with status 2
+        ap.error(msg)  # one line, exit status 2
     print(format_plan(plan))
     return 0
 

@@ -12,7 +12,9 @@ The default finishes in about three minutes on a 2-core CPU. Scale it with flags
 ``--devices cuda:0,cuda:1`` (head shards on both GPUs, backbone on the first), ``--dp``
 (backbone and loss data-parallel over the devices), ``torchrun --nproc_per_node=N -m
 shardkit.train`` (distributed head, DDP backbone). ``python -m shardkit.train --help`` lists
-every flag. Bad flags or paths exit with code 2; Ctrl-C saves a resumable checkpoint.
+every flag. A user error (bad flag, path, data folder or checkpoint) exits with status 2 and
+one line saying what is wrong and what to do; an internal error exits 1 with its traceback.
+Ctrl-C saves a resumable checkpoint and exits 130.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 
 import torch
 import torch.distributed as dist
 
-from shardkit.train import loop
+from shardkit.train import checkpoint, loop
+from shardkit.train.errors import UsageError
 from shardkit.train.models import PRESETS
 
 __all__ = ["main", "build_parser"]
@@ -66,49 +70,128 @@ def _rate(text):
     return v
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are a UsageError (one line, exit 2 in main), not usage + exit."""
+
+    def error(self, message):
+        raise UsageError(f"{message} (see --help)")
+
+
+EPILOG = """\
+learning rate: linear warm-up over the first 5% of the steps to --lr, then cosine decay to 0
+at the last step (SGD, momentum 0.9, for the backbone and the head's rows).
+
+--resume DIR continues the run in DIR (output too, unless --out is given) with the settings
+saved in its checkpoint. Flags that may change on resume: --steps, --epochs, --lr, --amp,
+--checkpointing, and the ones about this machine and the output (--devices, --dp, --workers,
+--cache-ram, --out, --eval-every, --no-progress). Any other flag given with a value other
+than the checkpoint's is an error.
+
+exit status: 0 done, 2 a user error (one line on stderr saying what to do), 1 an internal
+error (with its traceback), 130 interrupted by Ctrl-C (checkpoint saved).
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m shardkit.train",
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     d = p.add_argument_group("data")
     d.add_argument(
         "--data",
         metavar="PATH",
-        help="ImageFolder-style directory (class subfolders) instead of the built-in synthetic identities",
+        help="ImageFolder-style directory (class subfolders); default: the built-in synthetic identities",
     )
     d.add_argument(
         "--cache-ram",
         choices=["none", "encoded", "decoded"],
         default="none",
-        help="with --data: keep images in RAM as encoded file bytes or decoded uint8",
+        help="with --data: keep images in RAM as encoded file bytes or decoded uint8 (default: %(default)s)",
     )
-    d.add_argument("--classes", type=_positive(int), default=200, help="synthetic training identities")
-    d.add_argument("--per-class", type=_positive(int), default=32, help="synthetic images per identity")
-    d.add_argument("--image-size", type=_positive(int), default=32)
-    d.add_argument("--val-classes", type=_positive(int), default=100, help="held-out identities for verification")
-    d.add_argument("--val-per-class", type=_positive(int), default=6)
-    d.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
+    d.add_argument(
+        "--classes", type=_positive(int), default=200, help="synthetic training identities (default: %(default)s)"
+    )
+    d.add_argument(
+        "--per-class", type=_positive(int), default=32, help="synthetic images per identity (default: %(default)s)"
+    )
+    d.add_argument("--image-size", type=_positive(int), default=32, help="image side in pixels (default: %(default)s)")
+    d.add_argument(
+        "--val-classes",
+        type=_positive(int),
+        default=100,
+        help="held-out identities for verification (default: %(default)s)",
+    )
+    d.add_argument(
+        "--val-per-class", type=_positive(int), default=6, help="images per held-out identity (default: %(default)s)"
+    )
+    d.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="DataLoader worker processes (default: %(default)s, load in the main process)",
+    )
     m = p.add_argument_group("model and loss")
-    m.add_argument("--backbone", choices=sorted(PRESETS), default="tiny")
-    m.add_argument("--dim", type=_positive(int), default=128, help="embedding size")
-    m.add_argument("--margin", choices=["arcface", "cosface", "none"], default="arcface")
-    m.add_argument("--scale", type=_positive(float), default=32.0, help="s of the margin logits")
-    m.add_argument("--m", type=float, default=None, help="margin (default 0.3 arcface, 0.25 cosface)")
-    m.add_argument("--sample-rate", type=_rate, default=1.0, help="PartialFC negative class sampling rate")
+    m.add_argument("--backbone", choices=sorted(PRESETS), default="tiny", help="backbone preset (default: %(default)s)")
+    m.add_argument("--dim", type=_positive(int), default=128, help="embedding size (default: %(default)s)")
+    m.add_argument(
+        "--init",
+        choices=["default", "xavier", "kaiming"],
+        default="default",
+        help="weight init of the backbone's conv/linear layers and the head (default: %(default)s, torch's own)",
+    )
+    m.add_argument(
+        "--margin",
+        choices=["arcface", "cosface", "none"],
+        default="arcface",
+        help="margin of the softmax (default: %(default)s)",
+    )
+    m.add_argument("--scale", type=_positive(float), default=32.0, help="s of the margin logits (default: %(default)s)")
+    m.add_argument("--m", type=float, default=None, help="margin (default: 0.3 for arcface, 0.25 for cosface)")
+    m.add_argument(
+        "--sample-rate",
+        type=_rate,
+        default=1.0,
+        help="PartialFC negative class sampling rate (default: %(default)s, no sampling)",
+    )
     t = p.add_argument_group("training")
-    t.add_argument("--epochs", type=_positive(int), default=6)
-    t.add_argument("--steps", type=_positive(int), default=None, help="stop after this many optimizer steps")
-    t.add_argument("--batch", type=_positive(int), default=128, help="micro-batch size (per rank under torchrun)")
-    t.add_argument("--accumulate", type=_positive(int), default=1, help="micro-batches per optimizer step")
-    t.add_argument("--lr", type=_positive(float), default=0.2)
-    t.add_argument("--weight-decay", type=float, default=5e-4)
-    t.add_argument("--ema", type=float, default=0.995, metavar="DECAY", help="EMA decay (0 disables EMA)")
-    t.add_argument("--ema-tau", type=float, default=100.0, help="EMA warm-up ramp (updates)")
-    t.add_argument("--amp", choices=["bf16", "fp16"], default=None, help="autocast dtype")
-    t.add_argument("--checkpointing", action="store_true", help="recompute backbone stages in the backward")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument(
+        "--epochs", type=_positive(int), default=6, help="passes over the training set (default: %(default)s)"
+    )
+    t.add_argument(
+        "--steps", type=_positive(int), default=None, help="optimizer steps to train (default: --epochs worth)"
+    )
+    t.add_argument(
+        "--batch",
+        type=_positive(int),
+        default=128,
+        help="micro-batch size, per rank under torchrun (default: %(default)s)",
+    )
+    t.add_argument(
+        "--accumulate", type=_positive(int), default=1, help="micro-batches per optimizer step (default: %(default)s)"
+    )
+    t.add_argument(
+        "--lr", type=_positive(float), default=0.2, help="peak learning rate, see below (default: %(default)s)"
+    )
+    t.add_argument(
+        "--weight-decay",
+        type=float,
+        default=5e-4,
+        help="SGD weight decay of weights, not of biases/BN (default: %(default)s)",
+    )
+    t.add_argument(
+        "--ema", type=float, default=0.995, metavar="DECAY", help="EMA decay, 0 disables EMA (default: %(default)s)"
+    )
+    t.add_argument("--ema-tau", type=float, default=100.0, help="EMA warm-up ramp in updates (default: %(default)s)")
+    t.add_argument(
+        "--amp", choices=["none", "bf16", "fp16"], default="none", help="autocast dtype (default: %(default)s)"
+    )
+    t.add_argument(
+        "--checkpointing", action="store_true", help="recompute backbone stages in the backward (default: off)"
+    )
+    t.add_argument("--seed", type=int, default=0, help="seed of the data, init and sampling (default: %(default)s)")
     x = p.add_argument_group("devices")
     x.add_argument(
         "--devices",
@@ -121,48 +204,110 @@ def build_parser() -> argparse.ArgumentParser:
         "--dp",
         action="store_true",
         help="backbone and loss data-parallel over --devices "
-        "(shardkit.parallel.DataParallelModel / DataParallelCriterion)",
+        "(shardkit.parallel.DataParallelModel / DataParallelCriterion; default: off)",
     )
     o = p.add_argument_group("output")
-    o.add_argument("--out", default="runs/train", help="output directory (checkpoint, plot, log)")
-    o.add_argument("--resume", metavar="DIR", help="resume from a checkpoint directory (or the --out of a run)")
-    o.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    o.add_argument(
+        "--out",
+        default=None,
+        help="output directory: checkpoint/, log.txt, curves.png (default: runs/train, or the resumed run's directory)",
+    )
+    o.add_argument(
+        "--resume", metavar="DIR", help="continue the run in DIR, a run's --out or its checkpoint/ (default: a new run)"
+    )
+    o.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="time N steps phase by phase, print where the time goes and a verdict, write a profiler "
+        "trace and a chart to --out, then stop; 0: train (default: %(default)s)",
+    )
+    o.add_argument(
+        "--eval-every",
+        type=int,
+        default=None,
+        metavar="K",
+        help="held-out verification of the raw and EMA backbones every K steps, for the plot; 0: only "
+        "at the end (default: once per epoch)",
+    )
+    o.add_argument(
+        "--no-progress", action="store_true", help="plain log lines instead of a progress bar (default: off)"
+    )
     return p
 
 
-def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+def _explicit(argv) -> set:
+    """The destinations of the flags given on the command line."""
+    p = build_parser()
+    for action in p._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(p.parse_args(argv)))
+
+
+def _check_args(a: argparse.Namespace) -> None:
     if a.data is not None and not os.path.isdir(a.data):
-        p.error(f"--data {a.data!r} is not a directory")
-    if a.resume is not None and loop.find_checkpoint(a.resume) is None:
-        p.error(f"--resume {a.resume!r}: no checkpoint found there (expected {loop.CKPT_FILE})")
+        raise UsageError(f"--data {a.data!r} is not a directory; give a folder of class subfolders of images")
     if a.devices is None:
         a.devices = [torch.device("cuda", 0)] if torch.cuda.is_available() else [torch.device("cpu")]
     for dev in a.devices:
-        if dev.type == "cuda" and (not torch.cuda.is_available() or dev.index >= torch.cuda.device_count()):
-            p.error(f"--devices: {dev} is not available on this machine")
         if dev.type not in ("cpu", "cuda"):
-            p.error(f"--devices: only cpu and cuda devices are supported, got {dev}")
+            raise UsageError(f"--devices: only cpu and cuda devices are supported, got {dev}")
+        if dev.type == "cuda" and (not torch.cuda.is_available() or dev.index >= torch.cuda.device_count()):
+            raise UsageError(f"--devices: {dev} is not available on this machine; use cpu or a visible GPU")
     if a.m is None:
         a.m = {"arcface": 0.3, "cosface": 0.25, "none": 0.0}[a.margin]
     if a.margin != "none" and not 0 <= a.m < math.pi:
-        p.error(f"--m must be in [0, pi), got {a.m}")
+        raise UsageError(f"--m must be in [0, pi), got {a.m}")
+    if a.amp == "none":
+        a.amp = None
     if a.amp == "fp16" and all(d.type == "cpu" for d in a.devices):
-        p.error("--amp fp16 needs a CUDA device; use --amp bf16 on the CPU")
+        raise UsageError("--amp fp16 needs a CUDA device; use --amp bf16 on the CPU")
     if not 0 <= a.ema < 1:
-        p.error(f"--ema must be in [0, 1), got {a.ema}")
+        raise UsageError(f"--ema must be in [0, 1), got {a.ema}")
+    if a.profile < 0:
+        raise UsageError(f"--profile must be >= 0, got {a.profile}")
+    if a.profile and a.resume:
+        raise UsageError("--profile measures a fresh run; drop --resume (or --profile)")
+    if a.eval_every is not None and a.eval_every < 0:
+        raise UsageError(f"--eval-every must be >= 0, got {a.eval_every}")
     if a.workers < 0:
-        p.error(f"--workers must be >= 0, got {a.workers}")
+        raise UsageError(f"--workers must be >= 0, got {a.workers}")
     if a.val_per_class < 2 or a.val_classes < 2:
-        p.error("--val-classes and --val-per-class must be >= 2 (verification needs pairs)")
+        raise UsageError("--val-classes and --val-per-class must be >= 2 (verification needs pairs)")
+
+
+def parse(argv=None) -> argparse.Namespace:
+    """The run's settings: the flags, and on --resume the checkpoint's saved settings."""
+    args = build_parser().parse_args(argv)
+    if args.resume is not None:
+        found = checkpoint.find(args.resume)
+        if found is None:
+            raise UsageError(
+                f"--resume {args.resume!r}: no checkpoint found there (expected {checkpoint.CKPT_FILE} in it "
+                "or in its checkpoint/); give the --out of an earlier run"
+            )
+        ranks = sorted(f for f in os.listdir(found) if f.startswith(checkpoint.CKPT_FILE))
+        saved = checkpoint.read(os.path.join(found, ranks[0]))
+        checkpoint.restore_settings(args, _explicit(argv), saved["args"], found)
+        if args.out is None:
+            args.out = checkpoint.run_dir(found)
+    if args.out is None:
+        args.out = "runs/train"
+    _check_args(args)
+    return args
 
 
 def main(argv=None) -> int:
-    """Entry point of ``python -m shardkit.train`` and the ``shardkit-train`` script; returns the exit code."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    _check_args(parser, args)
-    had_group = dist.is_available() and dist.is_initialized()
-    world = loop.init_distributed(args)
+    """Entry point of ``python -m shardkit.train`` and the ``shardkit-train`` script; returns
+    the exit code: 2 with one line on stderr for a user error."""
+    try:
+        args = parse(sys.argv[1:] if argv is None else argv)
+        had_group = dist.is_available() and dist.is_initialized()
+        world = loop.init_distributed(args)
+    except UsageError as e:
+        print(f"python -m shardkit.train: error: {e}", file=sys.stderr)
+        return 2
     try:
         code = loop.run(args, world)
         if world.size > 1 and dist.is_initialized():
@@ -170,6 +315,10 @@ def main(argv=None) -> int:
             # connections, and a peer's socket closing under a rank that still reads it aborts it.
             dist.barrier()
         return code
+    except UsageError as e:
+        if world.rank == 0:
+            print(f"python -m shardkit.train: error: {e}", file=sys.stderr)
+        return 2
     finally:
         # Leave the process as we found it.
         if not had_group and dist.is_available() and dist.is_initialized():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -14,10 +15,12 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from shardkit.train import checkpoint, header, plots, setup
 from shardkit.train import report as report_mod
-from shardkit.train import setup
+from shardkit.train.errors import UsageError
+from shardkit.train.log import RunLog
 
-CKPT_FILE = setup.CKPT_FILE
+CKPT_FILE = checkpoint.CKPT_FILE
 
 
 @dataclass
@@ -44,23 +47,36 @@ def init_distributed(args) -> World:
     return World(size, rank, dev)
 
 
-def find_checkpoint(path: str) -> Optional[str]:
-    """The checkpoint directory at ``path`` or ``path/checkpoint`` (a one-process checkpoint,
-    or the rank-0 file of a torchrun one), else None."""
-    for cand in (path, os.path.join(path, "checkpoint")):
-        if any(os.path.isfile(os.path.join(cand, CKPT_FILE + sfx)) for sfx in ("", ".rank0")):
-            return cand
-    return None
+def _peak_gib(devices: List[torch.device]) -> List[float]:
+    """Peak memory of each distinct device, GiB (the CPU: the process's peak resident set, as
+    the CPU has no per-device allocator statistics)."""
+    out = []
+    for dev in dict.fromkeys(devices):
+        if dev.type == "cuda":
+            out.append(torch.cuda.max_memory_allocated(dev) / 2**30)
+        else:
+            out.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+    return out
 
 
 def _peak_memory(devices: List[torch.device]) -> str:
-    parts = []
-    for dev in dict.fromkeys(devices):
-        if dev.type == "cuda":
-            parts.append(f"{dev}:{torch.cuda.max_memory_allocated(dev) / 2**30:.2f}G")
-        else:  # the process's peak resident set: the CPU has no per-device allocator statistics
-            parts.append(f"cpu(rss):{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f}G")
-    return " ".join(parts)
+    names = [f"{d}:" if d.type == "cuda" else "cpu(rss):" for d in dict.fromkeys(devices)]
+    return " ".join(f"{n}{g:.2f}G" for n, g in zip(names, _peak_gib(devices)))
+
+
+def new_history() -> dict:
+    """Per step: loss, batch top-1, images/s, peak GiB per device; every --eval-every steps and
+    at the end: held-out verification of the raw and EMA backbones."""
+    ev = {k: [] for k in ("step", "raw_acc", "raw_tar", "ema_acc", "ema_tar")}
+    return {"step": [], "loss": [], "top1": [], "img_s": [], "mem_gib": [], "eval": ev}
+
+
+def _record_eval(history: dict, step: int, results: dict) -> None:
+    ev = history["eval"]
+    ev["step"].append(step)
+    for name, (acc, tar) in results.items():
+        ev[f"{name}_acc"].append(acc)
+        ev[f"{name}_tar"].append(tar)
 
 
 def _lr_at(step: int, total: int, base: float) -> float:
@@ -77,23 +93,47 @@ class _Interrupted(Exception):
 
 
 def run(args, world: World) -> int:
+    log = RunLog(args.out, enabled=world.rank == 0, append=bool(args.resume))
+    try:
+        return _run(args, world, log)
+    finally:
+        log.close()
+
+
+def _run(args, world: World, log: RunLog) -> int:
     lead = world.rank == 0
     torch.manual_seed(args.seed + world.rank)
     random.seed(args.seed)
     parts = setup.build(args, world)
     steps_per_epoch = len(parts.train_set) // (args.batch * world.size * args.accumulate)
     if steps_per_epoch < 1:
-        raise SystemExit(
-            f"error: the training set ({len(parts.train_set)} images) is smaller than one step's "
-            f"batch ({args.batch} x {world.size} ranks x {args.accumulate} micro-batches)"
+        raise UsageError(
+            f"the training set ({len(parts.train_set)} images) is smaller than one step's batch ({args.batch} x "
+            f"{world.size} ranks x {args.accumulate} micro-batches); use a smaller --batch or --accumulate"
         )
     total = args.steps or steps_per_epoch * args.epochs
-    history = {"step": [], "loss": [], "top1": []}
+    for line in header.lines(parts, args, world, total, steps_per_epoch):
+        log.line(line)
+    for text in header.warnings(parts, args, world):
+        log.warn(text)
+    if args.profile:
+        from shardkit.train import profile
+
+        return profile.run(parts, args, steps_per_epoch, _lr_at(0, total, args.lr), log)
+    history = new_history()
     start = 0
     if args.resume:
-        start, history = setup.load_checkpoint(find_checkpoint(args.resume), parts, world)
-        if lead:
-            print(f"resumed from {args.resume} at step {start}")
+        found = checkpoint.find(args.resume)
+        start, saved = setup.load_checkpoint(found, parts, world)
+        history.update(saved)
+        log.line(f"resumed from {found} at step {start} of {total}; writing to {args.out}")
+        if start >= total:
+            log.line(
+                f"that run already finished ({start} of {total} steps): nothing to train or evaluate; its "
+                f"results are in {os.path.join(checkpoint.run_dir(found), 'log.txt')}. To train on, resume "
+                f"with --steps N (N > {start}) or more --epochs"
+            )
+            return 0
     ckpt_dir = os.path.join(args.out, "checkpoint")
     os.makedirs(ckpt_dir, exist_ok=True)
 
@@ -108,25 +148,29 @@ def run(args, world: World) -> int:
         stop["flag"] = True
 
     signal.signal(signal.SIGINT, on_sigint)
-    bar = report_mod.Progress(total, start, enabled=lead, bar=not args.no_progress)
-    t_last, img_since = time.perf_counter(), 0
+    bar = report_mod.Progress(total, start, enabled=lead, bar=not args.no_progress, log=log)
+    per_step = args.batch * args.accumulate * world.size
+    eval_every = steps_per_epoch if args.eval_every is None else args.eval_every
     step = start
     try:
         for step in range(start, total):
+            t0 = time.perf_counter()
             loss, top1 = train_step(parts, args, step, steps_per_epoch, total, world)
             history["step"].append(step + 1)
             history["loss"].append(loss)
             history["top1"].append(top1)
-            img_since += args.batch * args.accumulate * world.size
+            history["img_s"].append(per_step / max(time.perf_counter() - t0, 1e-9))
+            history["mem_gib"].append(_peak_gib(parts.devices))
+            if lead and eval_every and (step + 1) % eval_every == 0 and step + 1 < total:
+                _record_eval(history, step + 1, report_mod.verify_now(parts, args))
             if lead:
-                now = time.perf_counter()
-                rate = img_since / max(now - t_last, 1e-9)
+                # Training throughput of the last steps (evaluation and checkpoint time excluded).
+                recent = history["img_s"][-10:]
+                rate = len(recent) / sum(1 / r for r in recent)
                 stats = {"loss": f"{loss:.3f}", "img/s": f"{rate:.0f}", "mem": _peak_memory(parts.devices)}
                 if top1 is not None:
                     stats["top1"] = f"{100 * top1:.1f}%"
                 bar.set(step + 1, stats)
-                if now - t_last > 2:
-                    t_last, img_since = now, 0
             if (step + 1) % steps_per_epoch == 0 or step + 1 == total:
                 setup.save_checkpoint(ckpt_dir, parts, step + 1, history, world)
             if stop["flag"]:
@@ -134,19 +178,20 @@ def run(args, world: World) -> int:
     except _Interrupted:
         setup.save_checkpoint(ckpt_dir, parts, step + 1, history, world)
         bar.close()
-        if lead:
-            print(
-                f"\ninterrupted: checkpoint of step {step + 1} saved in {ckpt_dir}; continue with --resume {ckpt_dir}"
-            )
+        log.line(f"\ninterrupted: checkpoint of step {step + 1} saved in {ckpt_dir}; continue with --resume {args.out}")
         return 130
     finally:
         signal.signal(signal.SIGINT, old_handler)
     bar.close()
     report = report_mod.evaluate(parts, args, world)
     if lead:
-        report_mod.print_report(report, history, args)
-        report_mod.plot(history, report, os.path.join(args.out, "curves.png"))
-        print(f"checkpoint: {ckpt_dir}   plot: {os.path.join(args.out, 'curves.png')}")
+        for line in report_mod.report_lines(report, history, args):
+            log.line(line)
+        _record_eval(
+            history, total, {n: (r["verification"].accuracy, r["verification"].tar) for n, r in report.items()}
+        )
+        plots.plot(history, list(dict.fromkeys(parts.devices)), os.path.join(args.out, "curves.png"))
+        log.line(f"checkpoint: {ckpt_dir}   plot: {os.path.join(args.out, 'curves.png')}   log: {log.path}")
     return 0
 
 
@@ -159,19 +204,11 @@ def train_step(parts, args, step: int, steps_per_epoch: int, total: int, world: 
     parts.backbone_train.train()
     loss_sum, correct, valid = 0.0, 0, 0
     for micro in range(args.accumulate):
-        images, labels = parts.batches.get(step * args.accumulate + micro, steps_per_epoch * args.accumulate)
-        with parts.autocast():
-            x = parts.normalize(images.to(parts.devices[0], non_blocking=True))
-            emb = parts.backbone_train(x)
-        labels = labels.to(parts.devices[0], non_blocking=True)
-        if args.dp:
-            loss = parts.criterion(emb, labels)
-            top = None
-        else:
-            out = parts.head(emb.float() if args.amp == "fp16" else emb, labels, return_details=True, topk=(1,))
-            loss, top = out.loss, out
-        scaled = loss / args.accumulate
-        parts.scaler.scale(scaled).backward() if parts.scaler is not None else scaled.backward()
+        # DDP all-reduces the backbone's gradients once per step, on the last micro-batch.
+        last = micro == args.accumulate - 1
+        sync = contextlib.nullcontext() if last or world.size == 1 else parts.backbone_train.no_sync()
+        with sync:
+            loss, top = _micro_step(parts, args, step * args.accumulate + micro, steps_per_epoch)
         loss_sum += float(loss.detach())
         if top is not None:
             correct += int(top.correct[1])
@@ -188,3 +225,20 @@ def train_step(parts, args, step: int, steps_per_epoch: int, total: int, world: 
     if parts.ema is not None:
         parts.ema.update(parts.backbone)
     return loss_sum / args.accumulate, (correct / valid if valid else None)
+
+
+def _micro_step(parts, args, index: int, steps_per_epoch: int):
+    """Forward and backward of micro-batch ``index`` of the run; returns (loss, head output or None)."""
+    images, labels = parts.batches.get(index, steps_per_epoch * args.accumulate)
+    with parts.autocast():
+        x = parts.normalize(images.to(parts.devices[0], non_blocking=True))
+        emb = parts.backbone_train(x)
+    labels = labels.to(parts.devices[0], non_blocking=True)
+    if args.dp:
+        loss, top = parts.criterion(emb, labels), None
+    else:
+        out = parts.head(emb.float() if args.amp == "fp16" else emb, labels, return_details=True, topk=(1,))
+        loss, top = out.loss, out
+    scaled = loss / args.accumulate
+    parts.scaler.scale(scaled).backward() if parts.scaler is not None else scaled.backward()
+    return loss, top

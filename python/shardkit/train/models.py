@@ -13,6 +13,7 @@ on 2 CPU cores), ``small``, ``r18`` (ResNet-18 widths and depths).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, Optional, Sequence
 
 import torch
@@ -34,6 +35,30 @@ def _act(kind: str, channels: int) -> nn.Module:
     if kind == "relu":
         return nn.ReLU(inplace=True)
     raise ValueError(f"argument `act` must be 'prelu' or 'relu', got {kind!r}")
+
+
+@contextlib.contextmanager
+def _frozen_bn_stats(module: nn.Module):
+    """BatchNorm layers of ``module`` normalize with the batch's statistics (as in training)
+    and leave their running statistics and ``num_batches_tracked`` as they were. The op must
+    be the same as in the forward (the checkpoint compares what both save), so the running
+    statistics are still passed, with momentum 0: ``(1 - 0) * running + 0 * batch`` is exact."""
+    bns = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    saved = [(m.momentum, m.num_batches_tracked.clone()) for m in bns]  # clone: no device sync
+    for m in bns:
+        m.momentum = 0.0
+    try:
+        yield
+    finally:
+        for m, (momentum, tracked) in zip(bns, saved):
+            m.momentum = momentum
+            m.num_batches_tracked.copy_(tracked)
+
+
+def _no_bn_update_on_recompute(stage: nn.Module):
+    """A ``context_fn`` for torch.utils.checkpoint: the forward updates BatchNorm's running
+    statistics once; the recomputation in the backward leaves them alone."""
+    return lambda: (contextlib.nullcontext(), _frozen_bn_stats(stage))
 
 
 class BasicBlock(nn.Module):
@@ -75,8 +100,9 @@ class Backbone(nn.Module):
         dropout: dropout before the embedding Linear.
         stem_stride: stride of the stem conv (2 quarters the cost of everything after it).
         checkpointing: recompute each stage in the backward (``torch.utils.checkpoint``),
-            trading compute for activation memory. BatchNorm running statistics are then
-            updated twice per step (forward and recomputation) — the usual checkpointing caveat.
+            trading compute for activation memory. The recomputation normalizes with the
+            batch's statistics as the forward did but does not update BatchNorm's running
+            statistics again, so they match a run without checkpointing.
 
     Shapes: ``[N, in_channels, H, W]`` float -> ``[N, embedding_dim]`` of the same dtype.
     """
@@ -134,7 +160,10 @@ class Backbone(nn.Module):
         x = self.stem(x)
         use_ckpt = self.checkpointing and self.training and torch.is_grad_enabled()
         for stage in self.stages:
-            x = checkpoint(stage, x, use_reentrant=False) if use_ckpt else stage(x)
+            if use_ckpt:
+                x = checkpoint(stage, x, use_reentrant=False, context_fn=_no_bn_update_on_recompute(stage))
+            else:
+                x = stage(x)
         x = self.bn_features(x)
         if self.head_kind == "flatten":
             if x.shape[-1] != self.feature_side or x.shape[-2] != self.feature_side:

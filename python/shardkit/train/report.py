@@ -9,22 +9,28 @@ import torch.distributed as dist
 
 
 class Progress:
-    """A tqdm bar (or, without a terminal or with --no-progress, a log line every ~10%)."""
+    """A tqdm bar (or, without a terminal or with --no-progress, a line every ~10%); the
+    ~10% lines always go to the run's log."""
 
-    def __init__(self, total: int, start: int, enabled: bool, bar: bool = True):
-        self.total, self.enabled, self.bar, self.last_line = total, enabled, None, start
+    def __init__(self, total: int, start: int, enabled: bool, bar: bool = True, log=None):
+        self.total, self.enabled, self.bar, self.last_line, self.log = total, enabled, None, start, log
         if enabled and bar and sys.stderr.isatty():
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
 
     def set(self, step: int, stats: dict) -> None:
+        due = step - self.last_line >= max(1, self.total // 10) or step == self.total
+        line = f"step {step}/{self.total} " + " ".join(f"{k} {v}" for k, v in stats.items())
         if self.bar is not None:
             self.bar.n = step
             self.bar.set_postfix(stats, refresh=True)
-        elif self.enabled and (step - self.last_line >= max(1, self.total // 10) or step == self.total):
+        if due and self.enabled:
             self.last_line = step
-            print(f"step {step}/{self.total} " + " ".join(f"{k} {v}" for k, v in stats.items()), flush=True)
+            if self.bar is None:
+                print(line, flush=True)
+            if self.log is not None:
+                self.log.write(line)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -67,13 +73,30 @@ def _train_top1(parts, model, limit: int = 4096) -> float:
     return float(correct) / max(1, int(valid))
 
 
-def evaluate(parts, args, world) -> dict:
-    """Train top-1 and held-out verification for the raw and the EMA backbone."""
+def _models(parts) -> dict:
     models = {"raw": parts.backbone}
     if parts.ema is not None:
         models["ema"] = parts.ema.module
+    return models
+
+
+def verify_now(parts, args) -> dict:
+    """Held-out verification (accuracy, TAR@FAR) of the raw and the EMA backbone, on this
+    process (rank 0 during training): {name: (accuracy, tar)}."""
+    out = {}
+    for name, model in _models(parts).items():
+        was_training = model.training
+        model.eval()
+        v = parts.val_set.evaluate(parts.val_set.embed(_embed_fn(parts, model), batch_size=args.batch))
+        model.train(was_training)
+        out[name] = (v.accuracy, v.tar)
+    return out
+
+
+def evaluate(parts, args, world) -> dict:
+    """Train top-1 and held-out verification for the raw and the EMA backbone."""
     report = {}
-    for name, model in models.items():
+    for name, model in _models(parts).items():
         was_training = model.training
         model.eval()
         top1 = _train_top1(parts, model)
@@ -86,53 +109,23 @@ def evaluate(parts, args, world) -> dict:
     return report
 
 
-def print_report(report: dict, history, args) -> None:
-    print(
-        "\nresults (train top-1 from the sharded head's statistics; verification on "
-        f"{args.val_classes} held-out identities):"
-    )
-    print(f"  {'model':<6} {'train top-1':>12} {'verif. acc':>12} {'TAR@FAR=1e-3':>14}")
+def report_lines(report: dict, history, args) -> list:
+    """The results table, as lines."""
+    lines = [
+        "",
+        "results (train top-1 from the sharded head's statistics; verification on "
+        f"{args.val_classes} held-out identities):",
+        f"  {'model':<6} {'train top-1':>12} {'verif. acc':>12} {'TAR@FAR=1e-3':>14}",
+    ]
     for name, r in report.items():
         v = r["verification"]
-        print(f"  {name:<6} {100 * r['top1']:>11.2f}% {100 * v.accuracy:>11.2f}% {100 * v.tar:>13.2f}%")
+        lines.append(f"  {name:<6} {100 * r['top1']:>11.2f}% {100 * v.accuracy:>11.2f}% {100 * v.tar:>13.2f}%")
     v = report["raw"]["verification"]
-    print(
+    lines.append(
         f"  ({v.num_genuine} genuine / {v.num_impostor} impostor pairs; chance accuracy 50%"
         + ("" if v.far_reliable else f"; FAR resolution {v.far_resolution:.1e}")
         + ")"
     )
     if history["loss"]:
-        print(f"  loss: first step {history['loss'][0]:.3f}, last step {history['loss'][-1]:.3f}")
-
-
-def plot(history, report, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(1, 2, figsize=(10, 3.8))
-    ax[0].plot(history["step"], history["loss"], lw=1)
-    ax[0].set_xlabel("step")
-    ax[0].set_ylabel("training loss")
-    ax[0].set_yscale("log")
-    steps = [s for s, t in zip(history["step"], history["top1"]) if t is not None]
-    tops = [100 * t for t in history["top1"] if t is not None]
-    if tops:
-        ax[1].plot(steps, tops, lw=1, label="train top-1 (batch)")
-    for name, r in report.items():
-        ax[1].axhline(
-            100 * r["verification"].accuracy,
-            ls="--",
-            lw=1,
-            color="C1" if name == "raw" else "C2",
-            label=f"verification acc ({name})",
-        )
-    ax[1].set_xlabel("step")
-    ax[1].set_ylabel("%")
-    ax[1].set_ylim(0, 100)
-    ax[1].legend(loc="lower right", fontsize=8)
-    fig.suptitle("shardkit.train")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        lines.append(f"  loss: first step {history['loss'][0]:.3f}, last step {history['loss'][-1]:.3f}")
+    return lines

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Sampler, Subset
 
 import shardkit
 from shardkit.parallel import DataParallelCriterion, DataParallelModel
+from shardkit.train import checkpoint
 from shardkit.train.data import (
     EpochBatchSampler,
     ImageFolderDataset,
@@ -24,10 +25,11 @@ from shardkit.train.data import (
     collate_uint8,
     verification_split,
 )
+from shardkit.train.errors import UsageError
 from shardkit.train.models import build_backbone
 
 MEAN, STD = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
-CKPT_FILE = "checkpoint.pt"
+CKPT_FILE = checkpoint.CKPT_FILE
 
 
 class _RankSlice(Sampler):
@@ -68,7 +70,12 @@ class Batches:
             )
             self._it = iter(loader)
         self._next = i + 1 if (i + 1) % per_epoch else None
-        return next(self._it)
+        try:
+            return next(self._it)
+        except ValueError as e:
+            if "cannot decode image" not in str(e):
+                raise
+            raise UsageError(f"{str(e).splitlines()[0]}; remove or replace that file in --data") from None
 
 
 @dataclass
@@ -97,11 +104,14 @@ class Parts:
 
 
 def _folder_data(args):
-    full = ImageFolderDataset(args.data, args.image_size, cache_ram=args.cache_ram)
+    try:
+        full = ImageFolderDataset(args.data, args.image_size, cache_ram=args.cache_ram)
+    except ValueError as e:  # an empty or broken folder, an image that does not decode
+        raise UsageError(f"{e}; point --data at a folder of class subfolders of images") from None
     k = len(full.classes)
     if k <= args.val_classes:
-        raise SystemExit(
-            f"error: --data has {k} classes; need more than --val-classes={args.val_classes} "
+        raise UsageError(
+            f"--data has {k} classes; need more than --val-classes={args.val_classes} "
             f"(the last --val-classes classes are held out for verification)"
         )
     train_k = k - args.val_classes
@@ -124,10 +134,33 @@ def _pairs_from(images, ids, seed, num_impostor=10000) -> VerificationSet:
     j = torch.randint(0, len(ids), (4 * num_impostor,), generator=g)
     keep = (ids[i] != ids[j]).nonzero().flatten()[:num_impostor]
     if len(genuine) == 0 or len(keep) == 0:
-        raise SystemExit("error: the held-out classes give no genuine or no impostor pairs")
+        raise UsageError("the held-out classes give no genuine or no impostor pairs; use more --val-per-class images")
     pairs = torch.cat([genuine, torch.stack([i[keep], j[keep]], 1)])
     is_same = torch.cat([torch.ones(len(genuine), dtype=torch.bool), torch.zeros(len(keep), dtype=torch.bool)])
     return VerificationSet(images, ids, pairs, is_same, len(genuine))
+
+
+def init_weights(kind: str, backbone: nn.Module, head, num_classes: int) -> None:
+    """``--init``: xavier or kaiming for the backbone's conv/linear weights and the head's
+    rows (the head's bounds from its full [classes, dim] shape, not a shard's); default keeps torch's."""
+    if kind == "default":
+        return
+    with torch.no_grad():
+        for mod in backbone.modules():
+            if isinstance(mod, (nn.Conv2d, nn.Linear)):
+                if kind == "xavier":
+                    nn.init.xavier_uniform_(mod.weight)
+                else:
+                    nn.init.kaiming_normal_(mod.weight, nonlinearity="relu")
+                if mod.bias is not None:
+                    mod.bias.zero_()
+        for w in head.parameters():
+            dim = w.shape[1]
+            if kind == "xavier":
+                bound = (6.0 / (dim + num_classes)) ** 0.5
+                w.uniform_(-bound, bound)
+            else:
+                w.normal_(0.0, (2.0 / dim) ** 0.5)
 
 
 def build(args, world) -> Parts:
@@ -161,6 +194,7 @@ def build(args, world) -> Parts:
     )
     if group is not None:
         head.to(dev0)
+    init_weights(args.init, backbone, head, num_classes)
     criterion = None
     backbone_train = backbone
     if args.dp:
@@ -208,43 +242,52 @@ def build(args, world) -> Parts:
 
 
 def save_checkpoint(ckpt_dir: str, parts: Parts, step: int, history, world) -> None:
-    """Everything a resume needs, written atomically. The head's weight is shard-agnostic
-    (one class-ordered weight; under torchrun, one file per rank via shardkit.save_sharded)."""
+    """Everything a resume needs, as tensors and plain types, written atomically. The head's
+    weight is shard-agnostic (one class-ordered weight; under torchrun, one file per rank via
+    shardkit.save_sharded)."""
     rank_sfx = f".rank{world.rank}" if world.size > 1 else ""
     state = {
+        "format": checkpoint.FORMAT,
         "step": step,
+        "world_size": world.size,
         "history": history,
         "backbone": parts.backbone.state_dict(),
         "optimizers": [o.state_dict() for o in parts.optimizers],
         "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
         "ema": parts.ema.state_dict() if parts.ema is not None else None,
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-        "args": {k: v for k, v in vars(parts.args).items() if isinstance(v, (int, float, str, bool, type(None)))},
+        "args": checkpoint.settings_of(parts.args),
     }
     if world.size > 1:
         shardkit.save_sharded(parts.head, os.path.join(ckpt_dir, "head"))
     else:
         state["head"] = parts.head.state_dict()
-    tmp = os.path.join(ckpt_dir, CKPT_FILE + rank_sfx + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, os.path.join(ckpt_dir, CKPT_FILE + rank_sfx))
+    checkpoint.write_atomic(state, os.path.join(ckpt_dir, CKPT_FILE + rank_sfx))
 
 
 def load_checkpoint(ckpt_dir: str, parts: Parts, world):
-    rank_sfx = f".rank{world.rank}" if world.size > 1 else ""
-    path = os.path.join(ckpt_dir, CKPT_FILE + rank_sfx)
-    state = torch.load(path, map_location="cpu", weights_only=False)  # our own file: RNG state is a tuple
-    parts.backbone.load_state_dict(state["backbone"])
-    if world.size > 1:
-        shardkit.load_sharded(parts.head, os.path.join(ckpt_dir, "head"))
-    else:
-        parts.head.load_state_dict(state["head"])
-    for opt, sd in zip(parts.optimizers, state["optimizers"]):
-        opt.load_state_dict(sd)
-    if parts.scaler is not None and state["scaler"] is not None:
-        parts.scaler.load_state_dict(state["scaler"])
-    if parts.ema is not None and state["ema"] is not None:
-        parts.ema.load_state_dict(state["ema"])
-    torch.set_rng_state(state["rng"]["torch"])
-    random.setstate(state["rng"]["python"])
-    return state["step"], state["history"]
+    """Restore a checkpoint into ``parts``; returns (step, history). A UsageError for a file
+    that is unreadable, unsafe, or does not fit the model built from the restored settings."""
+    path = checkpoint.file_for(ckpt_dir, world.size, world.rank)
+    state = checkpoint.read(path)
+    try:
+        parts.backbone.load_state_dict(state["backbone"])
+        if world.size > 1:
+            shardkit.load_sharded(parts.head, os.path.join(ckpt_dir, "head"))
+        else:
+            parts.head.load_state_dict(state["head"])
+        for opt, sd in zip(parts.optimizers, state["optimizers"]):
+            opt.load_state_dict(sd)
+        if parts.scaler is not None and state["scaler"] is not None:
+            parts.scaler.load_state_dict(state["scaler"])
+        if parts.ema is not None and state["ema"] is not None:
+            parts.ema.load_state_dict(state["ema"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        return state["step"], state["history"]
+    except (RuntimeError, KeyError, ValueError, TypeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(
+            f"checkpoint {path} does not fit this run ({first}); resume it with the version of "
+            "shardkit that wrote it, or start a new run without --resume"
+        ) from None

@@ -1,0 +1,161 @@
+"""Checkpoints of ``python -m shardkit.train``: find, write atomically, read safely, and
+restore the run's settings on ``--resume``.
+
+A checkpoint holds only tensors and plain Python types (dicts, lists, tuples, numbers,
+strings, None) and is always read with ``torch.load(..., weights_only=True)``: a crafted
+file cannot run code, it is refused. It is written to a temporary file in the same
+directory, flushed to disk (fsync) and renamed over the previous one, so a write killed
+halfway leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import zipfile
+from typing import Optional
+
+import torch
+
+from shardkit.train.errors import UsageError
+
+CKPT_FILE = "checkpoint.pt"
+FORMAT = "shardkit.train/2"
+
+# Settings that define the run (its data, model, loss and data order): restored on resume;
+# a flag that contradicts the checkpoint is an error.
+FIXED = (
+    "data",
+    "classes",
+    "per_class",
+    "image_size",
+    "val_classes",
+    "val_per_class",
+    "backbone",
+    "dim",
+    "init",
+    "margin",
+    "scale",
+    "m",
+    "sample_rate",
+    "batch",
+    "accumulate",
+    "weight_decay",
+    "ema",
+    "ema_tau",
+    "seed",
+)
+# Restored on resume unless given again, and may be changed then.
+CHANGEABLE = ("steps", "epochs", "lr", "amp", "checkpointing")
+# Not restored: where and how this process runs.
+LOCAL = ("devices", "dp", "workers", "cache_ram", "out", "resume", "no_progress", "eval_every", "profile")
+
+
+def find(path: str) -> Optional[str]:
+    """The checkpoint directory at ``path`` or ``path/checkpoint`` (a one-process checkpoint,
+    or the rank-0 file of a torchrun one), else None."""
+    for cand in (path, os.path.join(path, "checkpoint")):
+        if any(os.path.isfile(os.path.join(cand, CKPT_FILE + sfx)) for sfx in ("", ".rank0")):
+            return cand
+    return None
+
+
+def run_dir(ckpt_dir: str) -> str:
+    """The run directory a checkpoint directory belongs to (where a resume writes by default)."""
+    ckpt_dir = os.path.normpath(ckpt_dir)
+    if os.path.basename(ckpt_dir) == "checkpoint":
+        return os.path.dirname(ckpt_dir) or "."
+    return ckpt_dir
+
+
+def file_for(ckpt_dir: str, world_size: int, rank: int) -> str:
+    """This process's checkpoint file; a UsageError when the checkpoint was written by another
+    number of processes (one file for one process, ``.rankR`` files under torchrun)."""
+    single = os.path.join(ckpt_dir, CKPT_FILE)
+    if world_size == 1:
+        if os.path.isfile(single):
+            return single
+        ranks = len([f for f in os.listdir(ckpt_dir) if f.startswith(CKPT_FILE + ".rank")])
+        raise UsageError(
+            f"{ckpt_dir} holds a checkpoint of a torchrun run with {ranks} processes; resume it "
+            f"with `torchrun --nproc_per_node={ranks} -m shardkit.train --resume {ckpt_dir}`"
+        )
+    path = os.path.join(ckpt_dir, f"{CKPT_FILE}.rank{rank}")
+    if not os.path.isfile(path):
+        what = "a one-process run" if os.path.isfile(single) else "a run with fewer processes"
+        raise UsageError(
+            f"{ckpt_dir} holds a checkpoint of {what} (no {os.path.basename(path)}); resume it with "
+            "the same number of processes it was written with"
+        )
+    return path
+
+
+def write_atomic(state: dict, path: str) -> None:
+    """``torch.save`` to a temporary file beside ``path``, fsync, then rename over ``path``."""
+    directory = os.path.dirname(path) or "."
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    try:  # make the rename itself durable
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read(path: str) -> dict:
+    """A checkpoint file's contents (tensors and plain types only); a UsageError naming the
+    file for an empty, truncated, foreign or unsafe file."""
+    again = "resume from another checkpoint, or start a new run without --resume"
+    if os.path.getsize(path) == 0:
+        raise UsageError(f"checkpoint {path} is empty (0 bytes); {again}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "GLOBAL" in str(e):
+            raise UsageError(
+                f"refusing to load {path}: it holds Python objects other than tensors and plain types "
+                f"(a shardkit checkpoint never does; loading it could run code); {again}"
+            ) from None
+        raise UsageError(f"checkpoint {path} is not a readable checkpoint (garbage or truncated); {again}") from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError):
+        raise UsageError(f"checkpoint {path} is not a readable checkpoint (garbage or truncated); {again}") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise UsageError(f"{path} is not a checkpoint of this version of python -m shardkit.train; {again}")
+    return state
+
+
+def settings_of(args) -> dict:
+    """The run's settings as plain types (what a checkpoint stores)."""
+    out = {k: getattr(args, k) for k in FIXED + CHANGEABLE}
+    out["devices"] = [str(d) for d in args.devices]
+    return out
+
+
+def restore_settings(args, explicit: set, saved: dict, where: str) -> None:
+    """Fill ``args`` from a checkpoint's settings: a FIXED flag given with another value than
+    the checkpoint's is a UsageError naming both; CHANGEABLE flags keep the value given."""
+    for key in FIXED:
+        value = saved.get(key)
+        flag = "--" + key.replace("_", "-")
+        if key in explicit and getattr(args, key) != value:
+            raise UsageError(
+                f"{flag} {getattr(args, key)} contradicts the checkpoint in {where}, which was trained with "
+                f"{flag} {value}; drop {flag} to continue that run (the flags that may change on resume are "
+                f"listed in --help), or start a new run with another --out"
+            )
+        setattr(args, key, value)
+    for key in CHANGEABLE:
+        if key not in explicit and key in saved:
+            setattr(args, key, saved[key])

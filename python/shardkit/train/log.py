@@ -1,0 +1,44 @@
+"""The run's log, ``<--out>/log.txt``: the header, progress lines, warnings and results, as
+printed (progress as plain lines even when the terminal shows a bar). A resumed run appends."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+
+class RunLog:
+    """Print and log lines (on rank 0; other ranks neither print nor write)."""
+
+    def __init__(self, out_dir: str, enabled: bool, append: bool = False):
+        self.enabled, self.file, self._warned = enabled, None, set()
+        self.path = os.path.join(out_dir, "log.txt")
+        if enabled:
+            os.makedirs(out_dir, exist_ok=True)
+            self.file = open(self.path, "a" if append else "w", encoding="utf-8")
+            self.file.write(f"---- {time.strftime('%Y-%m-%d %H:%M:%S')} ----\n")
+
+    def write(self, text: str) -> None:
+        """To the log file only."""
+        if self.file is not None:
+            self.file.write(text.rstrip("\n") + "\n")
+            self.file.flush()
+
+    def line(self, text: str = "") -> None:
+        """Printed on stdout and written to the log."""
+        if self.enabled:
+            print(text, flush=True)
+            self.write(text)
+
+    def warn(self, text: str) -> None:
+        """``warning: ...`` on stderr and in the log, once per distinct text."""
+        if self.enabled and text not in self._warned:
+            self._warned.add(text)
+            print(f"warning: {text}", file=sys.stderr, flush=True)
+            self.write(f"warning: {text}")
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None

@@ -1,0 +1,135 @@
+"""``--profile N``: where the time of a step goes. N optimizer steps (after one warm-up step)
+with each phase timed, a verdict naming the flag to try, a torch profiler trace
+(``<out>/profile_trace.json``, open it in https://ui.perfetto.dev or chrome://tracing) and a
+bar chart (``<out>/profile.png``). Nothing is saved to the checkpoint.
+
+Phases are timed on the host; on a GPU each phase is closed by a synchronize, which this
+mode pays for and normal runs never do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections import defaultdict
+
+import torch
+
+PHASES = ("data wait", "host-to-device", "normalize", "backbone fwd", "head", "backward", "optimizer", "EMA")
+
+
+class _Timer:
+    def __init__(self, devices):
+        self.cuda = [d for d in dict.fromkeys(devices) if d.type == "cuda"]
+        self.total = defaultdict(float)
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        with torch.profiler.record_function(phase):
+            yield
+            for d in self.cuda:
+                torch.cuda.synchronize(d)
+        self.total[phase] += time.perf_counter() - t0
+
+
+def _step(parts, args, index: int, per_epoch: int, timer: _Timer) -> None:
+    dev0 = parts.devices[0]
+    for micro in range(args.accumulate):
+        with timer("data wait"):
+            images, labels = parts.batches.get(index * args.accumulate + micro, per_epoch * args.accumulate)
+        with timer("host-to-device"):
+            images, labels = images.to(dev0, non_blocking=True), labels.to(dev0, non_blocking=True)
+        with parts.autocast():
+            with timer("normalize"):
+                x = parts.normalize(images)
+            with timer("backbone fwd"):
+                emb = parts.backbone_train(x)
+        with timer("head"):
+            if args.dp:
+                loss = parts.criterion(emb, labels)
+            else:
+                loss = parts.head(emb.float() if args.amp == "fp16" else emb, labels)
+        with timer("backward"):
+            scaled = loss / args.accumulate
+            parts.scaler.scale(scaled).backward() if parts.scaler is not None else scaled.backward()
+    with timer("optimizer"):
+        for opt in parts.optimizers:
+            parts.scaler.step(opt) if parts.scaler is not None else opt.step()
+        if parts.scaler is not None:
+            parts.scaler.update()
+        for opt in parts.optimizers:
+            opt.zero_grad(set_to_none=True)
+    with timer("EMA"):
+        if parts.ema is not None:
+            parts.ema.update(parts.backbone)
+
+
+def verdict(shares: dict, on_gpu: bool) -> str:
+    """The bottleneck and the flag to try, from each phase's share of the step time."""
+    data = shares["data wait"]
+    host = shares["host-to-device"] + shares["normalize"] + shares["optimizer"] + shares["EMA"]
+    compute = shares["backbone fwd"] + shares["head"] + shares["backward"]
+    if data >= 0.3:
+        return "input-bound: the step waits for data; try --workers N, or --cache-ram decoded with --data"
+    if not on_gpu:
+        return "host-bound (CPU compute): the model runs on the CPU; try --devices cuda:0 on a GPU machine"
+    if compute >= 0.6:
+        return "GPU-bound: compute dominates; try --amp bf16 (or fp16), or --dp over more --devices"
+    if host >= 0.3:
+        return "host-bound: copies, optimizer or EMA dominate; try a larger --batch, or --amp to halve the traffic"
+    return "balanced: no phase dominates"
+
+
+def run(parts, args, steps_per_epoch: int, lr: float, log) -> int:
+    """Profile ``args.profile`` steps from step 0 at learning rate ``lr``; print the table and
+    verdict; write the trace and chart."""
+    parts.backbone_train.train()
+    n = args.profile
+    timer = _Timer(parts.devices)
+    for opt in parts.optimizers:
+        for g in opt.param_groups:
+            g["lr"] = lr
+    _step(parts, args, 0, steps_per_epoch, _Timer(parts.devices))  # warm-up: first-call costs
+    trace = os.path.join(args.out, "profile_trace.json")
+    t0 = time.perf_counter()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if timer.cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities, acc_events=True) as prof:
+        for i in range(1, n + 1):
+            _step(parts, args, i, steps_per_epoch, timer)
+    wall = time.perf_counter() - t0
+    os.makedirs(args.out, exist_ok=True)
+    prof.export_chrome_trace(trace)
+    timed = sum(timer.total.values())
+    shares = {p: timer.total[p] / max(timed, 1e-12) for p in PHASES}
+    images = n * args.batch * args.accumulate
+    log.line(f"\nprofile: {n} steps, {1000 * wall / n:.1f} ms/step, {images / wall:.0f} img/s (profiler on)")
+    log.line(f"  {'phase':<16} {'ms/step':>9} {'share':>7}")
+    for p in PHASES:
+        log.line(f"  {p:<16} {1000 * timer.total[p] / n:>9.2f} {100 * shares[p]:>6.1f}%")
+    log.line(f"verdict: {verdict(shares, any(d.type == 'cuda' for d in parts.devices))}")
+    chart = os.path.join(args.out, "profile.png")
+    _chart(shares, {p: 1000 * timer.total[p] / n for p in PHASES}, chart)
+    log.line(f"trace: {trace} (open in https://ui.perfetto.dev)   chart: {chart}")
+    return 0
+
+
+def _chart(shares: dict, ms: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    names = list(PHASES)[::-1]
+    ax.barh(names, [ms[p] for p in names], color="C0")
+    for y, p in enumerate(names):
+        ax.text(ms[p], y, f" {100 * shares[p]:.0f}%", va="center", fontsize=8)
+    ax.set_xlabel("milliseconds per optimizer step")
+    ax.set_title("python -m shardkit.train --profile: where a step's time goes")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
