@@ -9,6 +9,7 @@ import math
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from shardkit.distributed import sampled_class_counts
 from shardkit.plan import format_size, plan_memory
 
 
@@ -96,7 +97,7 @@ def warnings(parts, args, world) -> list:
         sizes = list(parts.head.shard_sizes) if world.size == 1 else [math.ceil(parts.num_classes / world.size)]
         global_batch = args.batch * world.size
         # PartialFC keeps at least as many classes per shard as the global batch has images.
-        kept = [min(c, max(math.ceil(args.sample_rate * c), min(global_batch, c))) for c in sizes]
+        kept = sampled_class_counts(sizes, args.sample_rate, global_batch)
         if kept == sizes:
             out.append(
                 f"--sample-rate {args.sample_rate:g} samples nothing here: a shard keeps at least as many "
