@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from shardkit.plan import format_size, main, parse_size, plan_memory
 
@@ -241,3 +242,35 @@ def test_module_entry_point():
         [sys.executable, "-m", "shardkit.plan", "--classes", "x"], capture_output=True, text=True, env=env, timeout=120
     )
     assert bad.returncode == 2 and "invalid int value" in bad.stderr
+
+
+@pytest.mark.parametrize("devices", [1, 2, 3, 5])
+def test_balance_shards_evens_out_memory(devices):
+    from shardkit.plan import balance_shards, head_bytes_per_class
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    per_class = head_bytes_per_class(512, "fp16", "sgd-momentum")
+    assert per_class == 512 * (2 + 4 + 4 + 2)  # weight, fp32 master, fp32 momentum, gradient
+    classes = int(torch.randint(1, 5_000_000, (), generator=g))
+    used = [int(u) for u in torch.randint(0, 8 * 2**30, (devices,), generator=g)]
+    sizes = balance_shards(classes, 512, used, dtype="fp16")
+    assert len(sizes) == devices and sum(sizes) == classes and min(sizes) >= 0
+    totals = [u + s * per_class for u, s in zip(used, sizes)]
+    filled = [t for t, s in zip(totals, sizes) if s > 0]
+    assert max(filled) - min(filled) <= 2 * per_class  # one class of rounding either way
+    for t, s in zip(totals, sizes):
+        if s == 0:  # a device left empty is already at least as full as the others end up
+            assert t >= min(filled) - per_class
+
+
+def test_balance_shards_examples_and_errors():
+    from shardkit.plan import balance_shards
+
+    assert balance_shards(10, 4, [0, 0]) == [5, 5]
+    per = 4 * (4 + 4 + 4)  # fp32: weight, gradient, momentum
+    assert balance_shards(10, 4, [4 * per, 0]) == [3, 7]
+    assert balance_shards(10, 4, ["1GiB", 0]) == [0, 10]
+    with pytest.raises(ValueError, match="argument `used`"):
+        balance_shards(10, 4, [])
+    with pytest.raises(ValueError, match="argument `dtype`"):
+        balance_shards(10, 4, [0], dtype="fp8")

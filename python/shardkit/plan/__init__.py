@@ -1,0 +1,19 @@
+"""The memory planner of a large softmax head: :func:`plan_memory` (the figures),
+:func:`balance_shards` (shard sizes that even out memory over devices that hold other things
+too), and ``python -m shardkit.plan`` (:mod:`shardkit.plan.cli`)."""
+
+from shardkit.plan.cli import format_plan, main
+from shardkit.plan.memory import DeviceMemory, MemoryPlan, format_size, parse_size, plan_memory
+from shardkit.plan.shards import balance_shards, head_bytes_per_class
+
+__all__ = [
+    "DeviceMemory",
+    "MemoryPlan",
+    "parse_size",
+    "format_size",
+    "plan_memory",
+    "format_plan",
+    "main",
+    "balance_shards",
+    "head_bytes_per_class",
+]

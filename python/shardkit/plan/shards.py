@@ -1,0 +1,67 @@
+"""Shard sizes of a class-sharded head that even out memory over devices which already
+hold other things (a pipelined backbone's stages, say): the head's bytes go first where
+the least is used, like water filling the lowest vessels."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+from shardkit.plan.memory import DTYPE_BYTES, OPTIMIZER_STATES, _check_int, _head_parts, parse_size
+
+
+def head_bytes_per_class(
+    dim: int, dtype: str = "fp32", optimizer: str = "sgd-momentum", master_weights: Optional[bool] = None
+) -> int:
+    """Bytes one class costs on its device: weight row, its gradient, fp32 master copy (for
+    fp16/bf16 unless ``master_weights=False``) and optimizer state (as :func:`plan_memory`)."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"argument `dtype` must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"argument `optimizer` must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}")
+    master = dtype != "fp32" if master_weights is None else bool(master_weights)
+    weights, master_bytes, states = _head_parts(1, dim, DTYPE_BYTES[dtype], OPTIMIZER_STATES[optimizer], master)
+    return weights + master_bytes + states + dim * DTYPE_BYTES[dtype]  # + the gradient row
+
+
+def balance_shards(
+    classes: int,
+    dim: int,
+    used: Sequence[Union[int, str]],
+    dtype: str = "fp32",
+    optimizer: str = "sgd-momentum",
+    master_weights: Optional[bool] = None,
+) -> list:
+    """Classes per device (ints summing to ``classes``) such that ``used[k]`` plus device k's
+    share of the head is as even as possible over the devices.
+
+    Args:
+        classes: C (int >= 1).
+        dim: D, the embedding size.
+        used: bytes each device holds already (ints or size strings such as "3GiB"), e.g.
+            ``list(pipeline.memory_per_device().values())``.
+        dtype, optimizer, master_weights: as :func:`shardkit.plan.plan_memory`.
+
+    Returns a list for ``ShardedSoftmaxLoss(..., shard_sizes=...)``: a device already fuller
+    than the level the head fills the others to gets no class.
+    """
+    classes = _check_int("classes", classes, 1)
+    dim = _check_int("dim", dim, 1)
+    if isinstance(used, (str, int)) or len(used) == 0:
+        raise ValueError(f"argument `used` must list the bytes used on each device, got {used!r}")
+    base = [parse_size(u) for u in used]
+    per_class = head_bytes_per_class(dim, dtype, optimizer, master_weights)
+    # The water level L with sum_k max(0, L - base_k) = classes * per_class, over the devices
+    # below it: add devices in order of their use until the level stops rising past the next.
+    order = sorted(range(len(base)), key=lambda k: base[k])
+    total, active, level = classes * per_class, 0, 0.0
+    for n in range(1, len(order) + 1):
+        active = n
+        level = (total + sum(base[k] for k in order[:n])) / n
+        if n == len(order) or level <= base[order[n]]:
+            break
+    exact = [max(0.0, (level - base[k]) / per_class) if k in order[:active] else 0.0 for k in range(len(base))]
+    sizes = [int(e) for e in exact]
+    by_remainder = sorted(range(len(base)), key=lambda k: exact[k] - sizes[k], reverse=True)
+    for k in by_remainder[: classes - sum(sizes)]:
+        sizes[k] += 1
+    return sizes
