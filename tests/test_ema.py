@@ -545,3 +545,28 @@ def test_model_ema_load_state_dict_missing_or_corrupt_key():
         ema.load_state_dict({**good, "decay": 2.0})
     assert ema.decay == good["decay"]  # the refused schedule is not half-applied
     ema.load_state_dict(good)
+
+
+def test_model_spread_over_devices_gets_one_update_per_device():
+    """A pipelined backbone spreads a model over devices: ModelEMA calls the fused op once
+    per device. CPU stands in; the op sees two groups when the EMA lives on two 'devices'
+    of the same type only on GPUs, so here the grouping is checked to equal a plain update."""
+    torch.manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+    ema = shardkit.ModelEMA(model, decay=0.9, tau=None)
+    ref = [t.detach().clone().double() for t in ema.module.state_dict().values()]
+    for _ in range(3):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        model(torch.randn(5, 3))
+        ema.update(model)
+        d = ema.get_decay(ema.updates)  # the first update copies (decay 0)
+        for r, m in zip(ref, model.state_dict().values()):
+            if m.is_floating_point():
+                r.add_((1 - d) * (m.double() - r))
+            else:
+                r.copy_(m)
+    assert len(ema._avg_groups) == 1
+    for r, e in zip(ref, ema.module.state_dict().values()):
+        torch.testing.assert_close(e.double(), r, rtol=1e-6, atol=1e-6)

@@ -151,6 +151,12 @@ class ModelEMA:
         self._avg_idx = [i for i, a in enumerate(self._avg) if a]
         self._cp_idx = [i for i, a in enumerate(self._avg) if not a]
         self._avg_e = [self._ema[i] for i in self._avg_idx]
+        # One fused call per device: a model spread over devices (a pipelined backbone) has its
+        # EMA spread alike, and the op takes the tensors of one device per call.
+        by_device = {}
+        for i in self._avg_idx:
+            by_device.setdefault(self._ema[i].device, []).append(i)
+        self._avg_groups = [([self._ema[i] for i in idx], idx) for idx in by_device.values()]
         self._cp_e = [self._ema[i] for i in self._cp_idx]
         self._tracker = None  # the last model seen and its tensors (ModelTracker)
         self._stage = None
@@ -245,13 +251,13 @@ class ModelEMA:
             self._apply(src, d)
 
     def _apply(self, src, d):
-        # The hot path: two list comprehensions and one fused op call (plus one foreach
-        # copy for integer buffers); devices are compared once, on the first tensor.
-        if src and src[0].device != self._ema[0].device:
-            src = [m.to(e.device, non_blocking=True) for e, m in zip(self._ema, src)]
+        # The hot path: list comprehensions and one fused op call per device (plus one foreach
+        # copy for integer buffers); devices are compared on the first and last tensors.
+        if src and (src[0].device != self._ema[0].device or src[-1].device != self._ema[-1].device):
+            src = [m if m.device == e.device else m.to(e.device, non_blocking=True) for e, m in zip(self._ema, src)]
         try:
-            if self._avg_e:
-                torch.ops.shardkit.ema_update_(self._avg_e, [src[i] for i in self._avg_idx], d)
+            for ema_k, idx_k in self._avg_groups:
+                torch.ops.shardkit.ema_update_(ema_k, [src[i] for i in idx_k], d)
             if self._cp_e:
                 torch._foreach_copy_(self._cp_e, [src[i] for i in self._cp_idx])
         except RuntimeError:
