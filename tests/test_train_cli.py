@@ -10,6 +10,7 @@ import torch
 
 from shardkit import train
 from shardkit.train import loop as train_loop
+from shardkit.train.models import build_backbone
 
 TINY = [
     "--classes",
@@ -194,3 +195,25 @@ def test_torchrun_two_ranks_and_resume(tmp_path):
     assert "resumed from" in r.stdout
     state = torch.load(os.path.join(out, "checkpoint", train_loop.CKPT_FILE + ".rank1"), weights_only=True)
     assert state["step"] == 4
+
+
+def test_pipeline_over_two_cpu_devices(tmp_path, capsys):
+    out = str(tmp_path / "pipe")
+    argv = TINY + ["--steps", "4", "--out", out, "--pipeline", "--devices", "cpu,cpu", "--chunks", "3"]
+    assert train.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "backbone pipelined (--pipeline): layers per stage" in text and "3 micro-batches" in text
+    state = torch.load(os.path.join(out, "checkpoint", train_loop.CKPT_FILE), weights_only=True)
+    assert state["step"] == 4
+    # the checkpoint holds the backbone under its usual keys (the stages share its modules)
+    plain = build_backbone("tiny", 32)
+    plain.load_state_dict(state["backbone"])
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [(["--pipeline", "--dp"], "--pipeline and --dp"), (["--pipeline", "--chunks", "0"], "--chunks must be >= 1")],
+)
+def test_pipeline_flag_errors(tmp_path, capsys, extra, match):
+    assert train.main(TINY + ["--steps", "1", "--out", str(tmp_path / "x"), "--devices", "cpu,cpu"] + extra) == 2
+    assert match in capsys.readouterr().err

@@ -182,7 +182,11 @@ class PipelineModel(nn.Module):
                 f"argument `balance` {balance} sums to {sum(balance)}, but the model has {len(layers)} layers"
             )
         if batchnorm == "deferred":
-            layers = [DeferredBatchNorm.convert(m) for m in layers]
+            if isinstance(stages, nn.Sequential):  # in place, so the caller's model holds them too
+                DeferredBatchNorm.convert(stages)
+                layers = _layers(stages)
+            else:
+                layers = [DeferredBatchNorm.convert(m) for m in layers]
         parts, start = [], 0
         for size, dev in zip(balance, devs):
             parts.append(nn.Sequential(*layers[start : start + size]).to(dev))

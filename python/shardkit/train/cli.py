@@ -206,6 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="backbone and loss data-parallel over --devices "
         "(shardkit.parallel.DataParallelModel / DataParallelCriterion; default: off)",
     )
+    x.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="split the backbone over --devices (one stage each, balanced by layer time) and pipeline "
+        "micro-batches through them (shardkit.parallel.PipelineModel); head shards sized to even out memory "
+        "(default: off)",
+    )
+    x.add_argument("--chunks", type=int, default=4, help="micro-batches per step with --pipeline (default: 4)")
     o = p.add_argument_group("output")
     o.add_argument(
         "--out",
@@ -271,6 +279,12 @@ def _check_args(a: argparse.Namespace) -> None:
         raise UsageError("--profile measures a fresh run; drop --resume (or --profile)")
     if a.eval_every is not None and a.eval_every < 0:
         raise UsageError(f"--eval-every must be >= 0, got {a.eval_every}")
+    if a.pipeline and a.dp:
+        raise UsageError("--pipeline and --dp are two ways to use --devices; pick one")
+    if a.pipeline and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError("--pipeline runs in one process; launch it without torchrun")
+    if a.chunks < 1:
+        raise UsageError(f"--chunks must be >= 1, got {a.chunks}")
     if a.workers < 0:
         raise UsageError(f"--workers must be >= 0, got {a.workers}")
     if a.val_per_class < 2 or a.val_classes < 2:

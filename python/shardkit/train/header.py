@@ -76,6 +76,10 @@ def lines(parts, args, world, total: int, steps_per_epoch: int) -> list:
         f"AMP {amp}; EMA {ema}"
     )
     mode = "data-parallel (--dp)" if args.dp else ("DDP" if world.size > 1 else "backbone on the first")
+    if args.pipeline:
+        pipe = parts.backbone_train
+        mode = (f"backbone pipelined (--pipeline): layers per stage {pipe.balance}, {args.chunks} micro-batches; "
+                f"head classes per device {list(parts.head.shard_sizes)}")  # fmt: skip
     out.append(f"devices: {', '.join(str(d) for d in parts.devices)}; {mode}")
     return out
 

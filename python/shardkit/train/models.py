@@ -160,21 +160,51 @@ class Backbone(nn.Module):
         x = self.stem(x)
         use_ckpt = self.checkpointing and self.training and torch.is_grad_enabled()
         for stage in self.stages:
+            x = _to_device_of(stage, x)  # a backbone split by PipelineModel spans devices
             if use_ckpt:
                 x = checkpoint(stage, x, use_reentrant=False, context_fn=_no_bn_update_on_recompute(stage))
             else:
                 x = stage(x)
-        x = self.bn_features(x)
-        if self.head_kind == "flatten":
-            if x.shape[-1] != self.feature_side or x.shape[-2] != self.feature_side:
-                raise ValueError(
-                    f"head='flatten' was built for {self.feature_side}x{self.feature_side} final feature "
-                    f"maps (image_size), got {x.shape[-2]}x{x.shape[-1]}"
-                )
-            x = torch.flatten(x, 1)
-        else:
-            x = x.mean(dim=(2, 3))
-        return self.bn_embedding(self.fc(self.dropout(x)))
+        return _neck(self, _to_device_of(self.fc, x))
+
+    def as_layers(self) -> list:
+        """The backbone as a list of layers in order (stem, each block, the embedding neck),
+        sharing this module's submodules (and so its state_dict), for
+        :class:`shardkit.parallel.PipelineModel`."""
+        return [self.stem] + [block for stage in self.stages for block in stage] + [_Neck(self)]
+
+
+def _to_device_of(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    p = next(module.parameters(), None)
+    return x if p is None or p.device == x.device else x.to(p.device, non_blocking=True)
+
+
+def _neck(m, x: torch.Tensor) -> torch.Tensor:
+    """Feature map -> embedding: BN, global pooling or flatten, dropout, FC, BN."""
+    x = m.bn_features(x)
+    if m.head_kind == "flatten":
+        if x.shape[-1] != m.feature_side or x.shape[-2] != m.feature_side:
+            raise ValueError(
+                f"head='flatten' was built for {m.feature_side}x{m.feature_side} final feature "
+                f"maps (image_size), got {x.shape[-2]}x{x.shape[-1]}"
+            )
+        x = torch.flatten(x, 1)
+    else:
+        x = x.mean(dim=(2, 3))
+    return m.bn_embedding(m.fc(m.dropout(x)))
+
+
+class _Neck(nn.Module):
+    """The backbone's embedding neck as one pipeline layer (the same module objects)."""
+
+    def __init__(self, backbone: Backbone):
+        super().__init__()
+        self.bn_features, self.dropout, self.fc = backbone.bn_features, backbone.dropout, backbone.fc
+        self.bn_embedding = backbone.bn_embedding
+        self.head_kind, self.feature_side = backbone.head_kind, backbone.feature_side
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _neck(self, x)
 
 
 def build_backbone(name: str = "tiny", embedding_dim: int = 128, **overrides) -> Backbone:

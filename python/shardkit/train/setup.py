@@ -15,7 +15,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler, Subset
 
 import shardkit
-from shardkit.parallel import DataParallelCriterion, DataParallelModel
+from shardkit.parallel import DataParallelCriterion, DataParallelModel, PipelineModel
+from shardkit.plan import balance_shards
 from shardkit.train import checkpoint
 from shardkit.train.data import (
     EpochBatchSampler,
@@ -183,6 +184,7 @@ def build(args, world) -> Parts:
     group = None
     if world.size > 1:
         group = dist.group.WORLD
+    pipeline = build_pipeline(args, backbone, devices) if args.pipeline else None
     head = shardkit.ShardedSoftmaxLoss(
         args.dim,
         num_classes,
@@ -190,6 +192,7 @@ def build(args, world) -> Parts:
         sample_rate=args.sample_rate,
         process_group=group,
         devices=None if group is not None else devices,
+        shard_sizes=None if pipeline is None else pipeline_shard_sizes(pipeline, num_classes, args.dim),
         topk=(1,),
     )
     if group is not None:
@@ -197,7 +200,9 @@ def build(args, world) -> Parts:
     init_weights(args.init, backbone, head, num_classes)
     criterion = None
     backbone_train = backbone
-    if args.dp:
+    if pipeline is not None:
+        backbone_train = pipeline
+    elif args.dp:
         ids = [d.index if d.type == "cuda" else d for d in devices]
         backbone_train = DataParallelModel(backbone, device_ids=ids)
         criterion = DataParallelCriterion(head, device_ids=ids)
@@ -236,6 +241,27 @@ def build(args, world) -> Parts:
     )
     parts.batches = Batches(train_set, args.batch, world, args.seed, args.workers)
     return parts
+
+
+def build_pipeline(args, backbone, devices):
+    """--pipeline: the backbone's layers over the devices, one stage each, balanced by their
+    measured time on a sample batch; output (the embeddings) back on the first device."""
+    sample = torch.randn(max(2, args.batch // max(args.chunks, 1)), 3, args.image_size, args.image_size,
+                         device=devices[0])  # fmt: skip
+    layers = backbone.as_layers()
+    if len(layers) < len(devices):
+        raise UsageError(f"--pipeline: the {args.backbone} backbone has {len(layers)} layers, fewer than the "
+                         f"{len(devices)} devices; pass fewer --devices")  # fmt: skip
+    balance = PipelineModel.balance_by(layers, sample, len(devices), by="time")
+    return PipelineModel(layers, devices, chunks=args.chunks, balance=balance, output_device=devices[0],
+                         checkpoint="except_last" if args.checkpointing else "never")  # fmt: skip
+
+
+def pipeline_shard_sizes(pipeline, num_classes: int, dim: int) -> list:
+    """Head classes per device that even out each device's memory with its backbone stage."""
+    used = [sum(t.numel() * t.element_size() for t in list(part.parameters()) + list(part.buffers()))
+            for part in pipeline.partitions]  # fmt: skip
+    return balance_shards(num_classes, dim, used)
 
 
 # ---- checkpoints -----------------------------------------------------------------
