@@ -143,3 +143,8 @@ def test_margin_objects():
         shardkit.CombinedMargin(64, 1.0, 0.3, math.inf)
     with pytest.raises(TypeError, match=r"ArcFace: argument `m` must be a real number"):
         shardkit.ArcFace(64, "0.5")
+
+
+def test_unknown_device_names_the_argument():
+    with pytest.raises(ValueError, match="argument `devices` must list devices"):
+        shardkit.ShardedSoftmaxLoss(8, 11, devices=["gpu"])

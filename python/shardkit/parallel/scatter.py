@@ -18,7 +18,10 @@ def as_device(d: Any) -> torch.device:
     """torch.device with an explicit CUDA index (ints are CUDA indices, like DataParallel)."""
     if isinstance(d, int):
         return torch.device("cuda", d)
-    dev = torch.device(d)
+    try:
+        dev = torch.device(d)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"not a device: {d!r} (use e.g. 'cpu', 'cuda:0' or a CUDA index)") from err
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev

@@ -204,7 +204,11 @@ class LocalShards:
             devices = ["cpu"] if shard_sizes is None else ["cpu"] * len(list(shard_sizes))
         if isinstance(devices, (str, torch.device)):
             devices = [devices]
-        self.devices = [torch.device(d) for d in devices]
+        try:
+            self.devices = [torch.device(d) for d in devices]
+        except (RuntimeError, TypeError) as err:
+            msg = f"argument `devices` must list devices such as 'cpu' or 'cuda:0', got {devices!r}"
+            raise ValueError(msg) from err
         if not self.devices:
             raise ValueError("argument `devices` must name at least one device")
         self.sizes = split_sizes(num_classes, len(self.devices), shard_sizes)
