@@ -1,33 +1,65 @@
 #!/usr/bin/env bash
-# One stage of shardkit's GPU session on the lent device machine (one H100 or H200, no
-# network). Each stage is one `device run` call, built to end inside that call's 10-minute
-# limit: it runs its steps in order, starts a step only if the stage budget still has room
-# for it, bounds every step with `timeout` (a hang loses that step, not the stage's other
-# outputs), and after EVERY step re-packs its logs, JSON and PNG files into
-# $OUT/<stage>.tar.gz and rewrites $OUT/<stage>_summary.txt, so a call cut short still
-# returns what finished (the device returns at most 8 files from $OUT: hence the tarball).
+# shardkit's GPU suite: builds the CUDA extension, runs the GPU tests and the compute-sanitizer
+# checks, and produces every GPU figure of benchmarks/RESULTS.md, on any machine with one
+# CUDA GPU (written for an H100/H200: TORCH_CUDA_ARCH_LIST defaults to 9.0), python3 with
+# torch, triton, pytest and matplotlib, and CUDA's nvcc and compute-sanitizer. No network
+# is needed: the peer libraries come from wheels/ (benchmarks/fetch_wheels.sh fetches them).
 #
-#   bash benchmarks/gpu_session.sh test      # info, wheels, build, GPU tests, the rest of the suite
-#   bash benchmarks/gpu_session.sh bench-a   # info, wheels, build, ema/normalize/parallel/distributed/
-#                                            #   ce-kernels benchmarks
-#   bash benchmarks/gpu_session.sh bench-b   # info, wheels, build, the sharded-loss benchmark, largest C
-#   bash benchmarks/gpu_session.sh STAGE BUDGET_S   # another budget (default 540 s)
+#   bash benchmarks/gpu_suite.sh test      # GPU tests, compute-sanitizer, then the rest of the tests
+#   bash benchmarks/gpu_suite.sh bench-a   # ce-kernels, ema, normalize, parallel, distributed, pipeline
+#   bash benchmarks/gpu_suite.sh bench-b   # the sharded-loss benchmark, then the largest C per method
+#   bash benchmarks/gpu_suite.sh STAGE BUDGET_S   # another time budget (default 540 s)
+#
+# Each stage first prints versions and nvidia-smi, installs the wheels and builds (or reuses)
+# the extension, then runs its steps in order, most useful first. Each stage ends within its
+# budget (540 s by default, so inside ten minutes): a step starts only while the budget has
+# room for it, every step is bounded by `timeout` (a hang loses that step, not the others;
+# the step's own cap is in $STEP_CAP for the command to size its work), and after EVERY step
+# the logs, JSON and PNG files so far are re-packed into $OUT/<stage>.tar.gz and the step
+# table into $OUT/<stage>_summary.txt, so a run stopped early keeps what finished. The
+# output ends with that table and every `TARGET PASS|FAIL|n/a` line. OUT defaults to
+# benchmarks/out/gpu_suite/.
 #
 # Build: `FORCE_CUDA=1 MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 python3 setup.py build_ext --inplace`
-# (shardkit then imports from python/ through PYTHONPATH). A stage that built the extension
-# also writes $OUT/shardkit_C_<hash>_cp312.tar.gz; copied into wheels/ here and carried, a
-# later stage on a fresh machine unpacks it instead of rebuilding (only if <hash>, over
-# setup.py and csrc/, and the Python tag still match). On a machine still warm from the last call the build is reused.
-# Peer wheels: wheels/*.whl (benchmarks/fetch_wheels.sh gets them), installed with
-# `pip install --no-index --no-deps --target /tmp/site`.
-# Outside the device (no $OUT) the files go to benchmarks/out/gpu_session/.
+# (shardkit then imports from python/ through PYTHONPATH). A stage that builds also writes
+# $OUT/shardkit_C_<hash>_<pytag>.tar.gz; put that file into wheels/ and a later stage on
+# another machine unpacks it instead of rebuilding, if <hash> (over setup.py and csrc/) and
+# the Python tag still match. A machine that built it already reuses its build.
+# Peer wheels: wheels/*.whl, installed with `pip install --no-index --no-deps --target /tmp/site`.
+#
+# Estimated times on one H100 with 16 cores (nothing has run there yet: from bytes and FLOPs
+# at ~3.0 TB/s and ~700 TFLOP/s bf16, plus process start-up and Triton compilation; caps in
+# brackets). Common to every stage: info + wheels + import check ~30 s; the build ~2-3 min
+# [300] on a fresh machine (9 sources compile in parallel: 3 .cu files of 150-430 lines,
+# each ~1-2 min of nvcc for one architecture with torch's headers, 6 .cpp files ~20-40 s
+# each, then the link; ~5 s when unpacked from wheels/ or reused).
+#   test     ~6.5-8.5 min fresh, ~4-6 min with the build unpacked:
+#     tests-gpu ~1-3 min [240] (largest case: a 2049 x 1M-class chunk, 12 GB);
+#     sanitize-memcheck ~1 min [120], sanitize-racecheck ~1-2 min [150] (tiny sizes, but
+#       torch's start-up and every kernel run under the tool);
+#     tests-rest ~2-4 min with xdist [what is left] (the CPU suite with CUDA visible: last,
+#       as CI runs it too; reported SKIPPED when the budget is spent).
+#   bench-a  ~6-7 min with the build unpacked (~8.5 fresh: then the last step may be skipped):
+#     bench-ce-kernels ~40-70 s [120]: B=1024 C=1M, the default chunk + 4 sizes, 12 fwd + 12
+#       fwd+bwd each (~5-20 ms);
+#     bench-ema ~45-90 s [150]: 2 models x 2 dtypes x 50 rounds of 5 timings of 1-10 ms;
+#     bench-normalize ~20 s per dtype [90]; bench-parallel ~30 s [90]: 318 MB logits, 5 cases;
+#     bench-distributed ~45-90 s [150]: NCCL start, two 1M-class heads, 100 steps;
+#     bench-pipeline ~30-60 s [120]: ResNet-50 layout, B=128 224x224, unsplit + 4 splits on
+#       two streams of one GPU (cuda:0,cuda:0), 7 steps each.
+#   bench-b  ~7-8.5 min with the build unpacked:
+#     bench-sharded-loss ~2.5-4.5 min [300]: 4 shapes x 6 methods, each <= 10 s of timed
+#       steps, plus the Triton compiles of the peers (~20-60 s the first time, cut-cross-
+#       entropy twice: its filtered and exact backward are two kernels);
+#     bench-maxc ~3-4 min [240, or what is left]: the searches share $STEP_CAP - 30 s (shardkit
+#       2 shares, the 4 others 1 each); a search cut short reports its lower bound.
 set -u
-STAGE=${1:?usage: gpu_session.sh test|bench-a|bench-b [budget_s]}
+STAGE=${1:?usage: gpu_suite.sh test|bench-a|bench-b [budget_s]}
 BUDGET=${2:-540}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
-DEST=${OUT:-$ROOT/benchmarks/out/gpu_session}
-WORK=/tmp/shardkit_gpu_session/$STAGE
+DEST=${OUT:-$ROOT/benchmarks/out/gpu_suite}
+WORK=/tmp/shardkit_gpu_suite/$STAGE
 rm -rf "$WORK" && mkdir -p "$WORK/out" "$DEST"
 SUMMARY=$WORK/summary.txt
 export PY=${PYTHON:-python3} WORK
@@ -46,7 +78,7 @@ pack() {  # everything so far into $DEST (a call cut short still returns it)
 
 # step NAME CAP_S COMMAND: runs COMMAND (a bash string) under `timeout` for at most CAP_S
 # seconds (fewer if the stage budget is short; skipped when under min(CAP_S, 45) s remain),
-# output to $WORK/NAME.log, whose tail is printed.
+# output to $WORK/NAME.log, whose tail is printed. COMMAND sees the cap it got as $STEP_CAP.
 step() {
   local name=$1 cap=$2; shift 2
   local left=$(( BUDGET - SECONDS - 15 )) min=$(( cap < 45 ? cap : 45 ))
@@ -57,7 +89,7 @@ step() {
   (( cap > left )) && cap=$left
   echo "=== $name (cap ${cap}s, t=${SECONDS}s)"
   local t0=$SECONDS rc msg=""
-  timeout --kill-after=15 "$cap" bash -c "$*" > "$WORK/$name.log" 2>&1
+  STEP_CAP=$cap timeout --kill-after=15 "$cap" bash -c "$*" > "$WORK/$name.log" 2>&1
   rc=$?
   (( rc == 124 || rc == 137 )) && msg="TIMED OUT at ${cap}s"
   note "$name" "$rc" "$(( SECONDS - t0 ))" "$cap" "$msg"
@@ -66,7 +98,7 @@ step() {
   return $rc
 }
 
-# The carried build's name: a hash over setup.py and csrc/, and the Python tag (an extension
+# The saved build's name: a hash over setup.py and csrc/, and the Python tag (an extension
 # built for another Python, e.g. on the 3.11 development machine, does not load on 3.12).
 build_tag() {
   local h py
@@ -102,7 +134,7 @@ PYEOF
 
 wheels() {
   if ! ls wheels/*.whl > /dev/null 2>&1; then
-    note wheels - 0 0 "no wheels/*.whl carried: the peers are reported as not installed"
+    note wheels - 0 0 "no wheels/*.whl: the peers are reported as not installed"
     return 0
   fi
   cat > "$WORK/peers.py" <<'PYEOF'
@@ -117,14 +149,14 @@ PYEOF
 
 build() {
   local h stamp pre
-  h=$(build_tag); stamp=/tmp/shardkit_gpu_session/built_$h; pre=wheels/shardkit_C_$h.tar.gz
+  h=$(build_tag); stamp=/tmp/shardkit_gpu_suite/built_$h; pre=wheels/shardkit_C_$h.tar.gz
   if ls python/shardkit/_C*.so > /dev/null 2>&1 && [ -f "$stamp" ]; then
     note build 0 0 0 "reused this machine's build ($h)"
   elif [ -f "$pre" ]; then
     step build-unpack 60 "tar xzf $pre -C python/shardkit && ls -la python/shardkit/_C*.so" && touch "$stamp"
   else
-    ls wheels/shardkit_C_*.tar.gz > /dev/null 2>&1 && echo "the carried build is not of these sources ($h): rebuilding"
-    step build 420 'export FORCE_CUDA=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+    ls wheels/shardkit_C_*.tar.gz > /dev/null 2>&1 && echo "the saved build in wheels/ is not of these sources ($h): rebuilding"
+    step build 300 'export FORCE_CUDA=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
       [ -n "${CUDA_HOME:-}" ] || export CUDA_HOME=$(dirname "$(dirname "$(which nvcc)")")
       $PY setup.py build_ext --inplace' \
       && touch "$stamp" && (cd python/shardkit && tar czf "$DEST/shardkit_C_$h.tar.gz" _C*.so) \
@@ -148,45 +180,44 @@ PYEOF
   fi
 }
 
-# ---- stages -------------------------------------------------------------------------------
-# Estimated times on one H100 (nothing has run there yet: from bytes and FLOPs at ~3.0 TB/s
-# and ~700 TFLOP/s bf16, plus process start-up and Triton compilation), caps in brackets:
-#   info + wheels + import check  ~30 s; build ~1.5-3 min [420 s] (the .cu files took 3.5-5 min
-#     each on the 2-core dev machine; here they compile in parallel) or ~5 s unpacked/reused
-#   tests-gpu  ~1-3 min [300] (the largest case: a 2049 x 1M-class chunk, 12 GB)
-#   tests-rest ~2-4 min with xdist [400, or what is left]
-#   bench-ema ~45-90 s [180]: 2 models x 2 dtypes x 50 rounds of 5 timings of 1-10 ms, model set-up
-#   bench-normalize ~20 s per dtype [90]; bench-parallel ~30 s [120]: 318 MB logits, 5 cases x 53
-#   bench-distributed ~45-90 s [150]: NCCL start, two 1M-class heads initialized on the CPU, 100 steps
-#   bench-ce-kernels ~30-60 s [120]: B=1024 C=1M, 5 variants x 12 fwd + 12 fwd+bwd (~5-20 ms each)
-#   bench-sharded-loss ~2-4 min [330]: 4 shapes x 5 methods, each <= 12 s of timed steps, plus
-#     Triton compiles of the peers (~20-60 s the first time) and liger's ~1 s steps at C=1M
-#   bench-maxc ~2.5-4 min [240]: shardkit <= 80 s, 3 other methods <= 40 s each (probes ~1-3 s)
+# ---- stages (estimated times: see the header) ---------------------------------------------
 PYTEST_OPTS="-rfEs -p no:cacheprovider"
 $PY -c "import pytest_timeout" 2>/dev/null && PYTEST_OPTS="$PYTEST_OPTS --timeout=240"
 B="$PY benchmarks"
+SANITIZER=$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")
+# Every tensor its own cudaMalloc, so memcheck sees an access past a tensor's end (torch's
+# caching allocator would hide it inside a pooled block).
+SAN="PYTORCH_NO_CUDA_MEMORY_CACHING=1 $SANITIZER --error-exitcode 2 --print-limit 50"
 case "$STAGE" in
   test)
     info; wheels; build
-    # Every GPU test, no -x (all failures at once), junit XML next to the log.
-    step tests-gpu 300 "$PY -m pytest -m gpu tests $PYTEST_OPTS -v --junitxml=$WORK/out/junit_gpu.xml"
+    # Every GPU test (tests/test_*_gpu.py and the gpu-marked twins elsewhere, the pipeline's
+    # among them), no -x (all failures at once), junit XML next to the log.
+    step tests-gpu 240 "$PY -m pytest -m gpu tests $PYTEST_OPTS -v --junitxml=$WORK/out/junit_gpu.xml"
+    # compute-sanitizer over one small sharded-loss fwd+bwd, EMA update and normalize call.
+    step sanitize-memcheck 120 "$SAN --tool memcheck $PY benchmarks/sanitize_smoke.py"
+    step sanitize-racecheck 150 "$SAN --tool racecheck $PY benchmarks/sanitize_smoke.py"
     # The rest of the suite, now on a machine where CUDA is visible (xdist if there).
     XDIST=""; $PY -c "import xdist" 2>/dev/null && XDIST="-n 8"
     step tests-rest 400 "$PY -m pytest -m 'not gpu' tests $PYTEST_OPTS -q $XDIST --junitxml=$WORK/out/junit_rest.xml"
     ;;
   bench-a)
     info; wheels; build
-    step bench-ema 180 "$B/bench_ema.py --device cuda"
-    step bench-normalize 90 "$B/bench_normalize.py --device cuda && $B/bench_normalize.py --device cuda --dtype bfloat16"
-    step bench-parallel 120 "$B/bench_parallel.py --device cuda"
-    step bench-distributed 150 "$B/bench_distributed.py --device cuda --timeout 130"
+    # The kernel benchmark first: the default chunk size (always timed) and four others.
     step bench-ce-kernels 120 "$B/bench_sharded_ce_kernels.py --device cuda --batch 1024 --dim 512 \
       --classes 1000000 --dtype bfloat16 --reps 10 --chunks 4096,16384,65536,262144"
+    step bench-ema 150 "$B/bench_ema.py --device cuda"
+    step bench-normalize 90 "$B/bench_normalize.py --device cuda && $B/bench_normalize.py --device cuda --dtype bfloat16"
+    step bench-parallel 90 "$B/bench_parallel.py --device cuda"
+    step bench-distributed 150 "$B/bench_distributed.py --device cuda --timeout 130"
+    # One GPU: the two stages are two streams of cuda:0 (with two GPUs: --devices cuda:0,cuda:1).
+    step bench-pipeline 120 "$B/bench_pipeline.py --devices cuda:0,cuda:0"
     ;;
   bench-b)
     info; wheels; build
-    step bench-sharded-loss 330 "$B/bench_sharded_loss.py --device cuda --method-budget 12"
-    step bench-maxc 240 "$B/bench_sharded_loss.py --device cuda --max-classes-only --search-budget 40"
+    step bench-sharded-loss 300 "$B/bench_sharded_loss.py --device cuda --method-budget 10"
+    # The largest-C searches share what the step's cap leaves after start-up and saving.
+    step bench-maxc 240 "$B/bench_sharded_loss.py --device cuda --max-classes-only --search-total \$((STEP_CAP - 30))"
     ;;
   *) echo "unknown stage $STAGE (test, bench-a, bench-b)"; exit 2 ;;
 esac
