@@ -109,7 +109,7 @@ def unavailable(method, device):
             else:
                 from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss  # noqa: F401
         except ImportError as err:
-            return f"not installed ({err}); on the GPU machine install the carried wheels"
+            return f"not installed ({err}); benchmarks/fetch_wheels.sh gets the wheels gpu_suite.sh installs"
     return None
 
 
