@@ -16,7 +16,7 @@ import time
 import torch
 
 # Where the scripts write their JSON and PNG files: benchmarks/out/ (git-ignored), or the
-# folder named by SHARDKIT_BENCH_OUT (the GPU-session driver points it into its own
+# folder named by SHARDKIT_BENCH_OUT (benchmarks/gpu_suite.sh points it into its own
 # output folder, so one run's files are collected in one place).
 OUT_ENV = "SHARDKIT_BENCH_OUT"
 

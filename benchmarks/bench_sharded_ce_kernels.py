@@ -6,6 +6,11 @@ Times forward and forward+backward of one shard holding all C classes, the loss
 and the GEMM floor: the three GEMMs of the layer (logits, dX, dW) timed with torch.mm,
 plus one more logits GEMM for the backward's recompute.
 
+The default chunk size (what ``ce_shard_stats`` picks when ``chunk_classes`` is None, from
+its working-set budget) is always measured, first, and ``--chunks`` adds sizes to compare
+with it. The JSON is rewritten after each variant, so a run stopped part-way keeps the
+variants that finished.
+
     python benchmarks/bench_sharded_ce_kernels.py --device cpu --batch 256 --dim 128 --classes 200000
 """
 
@@ -35,7 +40,7 @@ def main():
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--classes", type=int, default=200_000)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--chunks", default="", help="comma-separated chunk sizes (default: the wrapper's default)")
+    ap.add_argument("--chunks", default="", help="more chunk sizes, comma-separated (the default always runs)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--normalize", action="store_true", help="cosine logits with an ArcFace margin (s=64, m=0.5)")
     ap.add_argument(
@@ -78,7 +83,38 @@ def main():
     )
     del gl
 
-    chunks = [int(c) for c in args.chunks.split(",") if c] or [None]
+    # The op's own default first (always measured), then the sweep, without repeating it.
+    default_chunk = shardkit.ops._sharded_ce._default_chunk(xd, wd)
+    chunks = [None] + [c for c in dict.fromkeys(int(c) for c in args.chunks.split(",") if c) if c != default_chunk]
+    print(
+        f"device={dev} dtype={args.dtype} B={B} D={D} C={C} torch {torch.__version__} threads={torch.get_num_threads()}"
+    )
+    print(f"GEMM floor (4 GEMMs: logits x2, dX, dW): {t_gemm * 1e3:.1f} ms")
+    print(f"{'variant':<36}{'fwd ms':>10}{'fwd+bwd ms':>12}{'fwd ratio':>11}{'f+b ratio':>11}{'floor %':>9}")
+
+    def report(name, tf, tfb):
+        print(
+            f"{name:<36}{tf * 1e3:>10.1f}{tfb * 1e3:>12.1f}{tf / t_bf:>11.2f}{tfb / t_bfb:>11.2f}"
+            f"{100 * t_gemm / tfb:>9.0f}",
+            flush=True,
+        )
+
+    def save():
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(
+                {
+                    "args": vars(args),
+                    "torch": torch.__version__,
+                    "default_chunk": default_chunk,
+                    "gemm_floor_s": t_gemm,
+                    "rows": [{"name": n, "chunk": c, "fwd_s": a, "fwd_bwd_s": b} for n, c, a, b in rows],
+                },
+                f,
+                indent=1,
+            )
+
+    report(*(rows[0][i] for i in (0, 2, 3)))
     for ch in chunks:
 
         def ours_fwd(ch=ch):
@@ -92,36 +128,11 @@ def main():
             lse, t, _, _ = shardkit.ops.ce_shard_stats(x, w, labels, chunk_classes=ch, **margin)
             (lse - t).mean().backward()
 
-        rows.append(
-            (
-                f"ce_shard_stats chunk={ch or 'default'}",
-                ch,
-                _timeit(ours_fwd, dev, args.reps),
-                _timeit(ours_fb, dev, args.reps),
-            )
-        )
-
-    print(
-        f"device={dev} dtype={args.dtype} B={B} D={D} C={C} torch {torch.__version__} threads={torch.get_num_threads()}"
-    )
-    print(f"GEMM floor (4 GEMMs: logits x2, dX, dW): {t_gemm * 1e3:.1f} ms")
-    print(f"{'variant':<36}{'fwd ms':>10}{'fwd+bwd ms':>12}{'fwd ratio':>11}{'f+b ratio':>11}{'floor %':>9}")
-    for name, _, tf, tfb in rows:
-        print(
-            f"{name:<36}{tf * 1e3:>10.1f}{tfb * 1e3:>12.1f}{tf / t_bf:>11.2f}{tfb / t_bfb:>11.2f}"
-            f"{100 * t_gemm / tfb:>9.0f}"
-        )
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(
-            {
-                "args": vars(args),
-                "gemm_floor_s": t_gemm,
-                "rows": [{"name": n, "chunk": c, "fwd_s": a, "fwd_bwd_s": b} for n, c, a, b in rows],
-            },
-            f,
-            indent=1,
-        )
+        name = f"ce_shard_stats chunk={ch}" if ch else f"ce_shard_stats chunk={default_chunk} (default)"
+        rows.append((name, ch or default_chunk, _timeit(ours_fwd, dev, args.reps), _timeit(ours_fb, dev, args.reps)))
+        report(*(rows[-1][i] for i in (0, 2, 3)))
+        save()
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,11 @@
 Peers, in the same run and on the same inputs:
   (a) nn.Linear(D, C, bias=False) + F.cross_entropy (full logits),
   (b) torch's F.linear_cross_entropy, where the installed torch has it,
-  (c) Apple's cut-cross-entropy and Liger's fused linear cross-entropy (GPU only; when importable),
+  (c) Apple's cut-cross-entropy, twice: "cce_filtered" with its default ``filter_eps`` (its
+      backward skips the gradient tiles whose softmax values all fall below eps: an
+      approximate gradient, and at random init most tiles are skipped) and "cce_exact" with
+      ``filter_eps=None`` (every tile: the exact gradient, the fair comparison),
+  (d) Liger's fused linear cross-entropy (GPU only, as (c); each when importable),
 and on the GPU the floor: cuBLAS time of the layer's three GEMMs of the same shapes
 (logits = X W^T, dX = G W, dW = G^T X) measured in the same run.
 
@@ -20,13 +24,16 @@ Usage:
   python benchmarks/bench_sharded_loss.py --cpu-target          # D=128, B=256, C=200k fp32 (CPU)
   python benchmarks/bench_sharded_loss.py --device cuda         # D=512, B {256,1024}, C {100k,1M} bf16
   python benchmarks/bench_sharded_loss.py --device cuda --max-classes-only   # largest trainable C per method
-Writes bench_sharded_loss[_maxc].json and .png to benchmarks/out/ (or $SHARDKIT_BENCH_OUT).
+Writes bench_sharded_loss[_maxc].json and .png to benchmarks/out/ (or $SHARDKIT_BENCH_OUT),
+rewritten as each shape (and each method's largest-C search) finishes, with that shape's
+TARGET lines printed then: a run stopped part-way keeps everything that finished.
 
 GPU run time: each method's timed steps are capped at --method-budget seconds (slow peers
 get fewer steps; at least 3); the largest-C search runs each method in its own subprocess
 (an illegal address or a kernel's int32 overflow at huge C kills that process, not the
-run) with --search-budget seconds each, reporting the largest C that trained so far.
-Targets (issue 3) are printed as TARGET lines at the end.
+run) with --search-budget seconds each (or, with --search-total S, S seconds shared out: twice
+as much for shardkit as for each other method), reporting the largest C that trained so far.
+Targets (issues 3 and 10) are printed as TARGET lines.
 """
 
 import argparse
@@ -44,7 +51,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 sys.path.insert(0, HERE)  # _timing, whatever the cwd (also under python -m)
 
-from _sharded_loss_report import check_targets, save  # noqa: E402
+from _sharded_loss_report import check_largest_target, check_shape_targets, save  # noqa: E402
 from _timing import time_all, time_once  # noqa: E402
 
 import shardkit  # noqa: E402
@@ -54,9 +61,38 @@ METHODS = [
     "shardkit+checks",
     "linear+cross_entropy",
     "torch.linear_cross_entropy",
-    "cut_cross_entropy",
+    "cce_filtered",
+    "cce_exact",
     "liger_flce",
 ]
+CCE = ("cce_filtered", "cce_exact")
+# The largest-C search: shardkit's own search gets SHARDKIT_SHARE shares of the time, each
+# other method one (its C is the one the issues ask for; ~35M classes on an 80 GB GPU, ~15 probes).
+MAXC_METHODS = ("shardkit", "linear+cross_entropy", *CCE, "liger_flce")
+SHARDKIT_SHARE = 2
+
+
+def cce_default_filter_eps():
+    """The installed cut-cross-entropy's default ``filter_eps`` (what "cce_filtered" runs with)."""
+    import inspect
+
+    from cut_cross_entropy import linear_cross_entropy
+
+    return inspect.signature(linear_cross_entropy).parameters["filter_eps"].default
+
+
+def method_notes():
+    """What each method is, for the JSON and the printed legend."""
+    try:
+        eps = f"filter_eps={cce_default_filter_eps()!r} (its default)"
+    except Exception:  # not installed: the notes still say what the rows would be
+        eps = "filter_eps left at its default"
+    return {
+        "cce_filtered": f"cut-cross-entropy, {eps}: skips backward tiles, approximate gradient",
+        "cce_exact": "cut-cross-entropy, filter_eps=None: every tile, exact gradient (the fair comparison)",
+    }
+
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -64,16 +100,16 @@ def unavailable(method, device):
     """None if the method can run here, else the reason."""
     if method == "torch.linear_cross_entropy" and not hasattr(F, "linear_cross_entropy"):
         return f"torch {torch.__version__} has no F.linear_cross_entropy"
-    if method in ("cut_cross_entropy", "liger_flce"):
+    if method in (*CCE, "liger_flce"):
         if device.type != "cuda":
             return "GPU-only (Triton kernels)"
         try:  # the exact symbols build_step uses
-            if method == "cut_cross_entropy":
+            if method in CCE:
                 from cut_cross_entropy import linear_cross_entropy  # noqa: F401
             else:
                 from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss  # noqa: F401
         except ImportError as err:
-            return f"not installed ({err}); on the GPU machine install the carried wheels"
+            return f"not installed ({err}); benchmarks/fetch_wheels.sh gets the wheels gpu_suite.sh installs"
     return None
 
 
@@ -107,12 +143,17 @@ def build_step(method, batch, classes, dim, dtype, device):
             fwd = lambda: F.cross_entropy(F.linear(x, weight).float(), y)  # noqa: E731
         elif method == "torch.linear_cross_entropy":
             fwd = lambda: F.linear_cross_entropy(x, weight, y)  # noqa: E731
-        elif method == "cut_cross_entropy":
-            # linear_cross_entropy(e [..., D], c [C, D] classifier, targets [...]); its defaults
-            # (mean reduction, gradient filtering "high") as a user gets them.
+        elif method in CCE:
+            # linear_cross_entropy(e [..., D], c [C, D] classifier, targets [...]), mean reduction.
+            # cce_filtered: its default filter_eps, as a user gets it (backward tiles whose
+            # values all fall below eps are skipped: approximate gradient); cce_exact:
+            # filter_eps=None, no tile skipped (exact gradient).
             from cut_cross_entropy import linear_cross_entropy
 
-            fwd = lambda: linear_cross_entropy(x, weight, y)  # noqa: E731
+            if method == "cce_exact":
+                fwd = lambda: linear_cross_entropy(x, weight, y, filter_eps=None)  # noqa: E731
+            else:
+                fwd = lambda: linear_cross_entropy(x, weight, y)  # noqa: E731
         elif method == "liger_flce":
             # LigerFusedLinearCrossEntropyLoss.forward(lin_weight [C, D], _input [B, D], target [B])
             from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
@@ -314,11 +355,19 @@ def run(args):
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     shapes = [(b, c, args.dim) for b in args.batch for c in args.classes]
-    rows = []
+    rows, largest, targets = [], {}, []
+    notes = method_notes()
+
+    def emit():  # after each shape and each largest-C search: a run stopped later keeps these
+        save(rows, largest, targets, args, notes, complete=False)
+
     print(
         f"# torch {torch.__version__}, shardkit head with {SHARDS} shard(s), device {device}"
         f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, dtype {args.dtype}"
     )
+    if device.type == "cuda":
+        for method in CCE:
+            print(f"# {method}: {notes[method]}")
     for batch, classes, dim in shapes:
         print(f"\nB={batch} C={classes} D={dim}:")
         # Rounds run the methods interleaved (and re-measure the floor), so a change in the
@@ -367,6 +416,7 @@ def run(args):
             f"  {'method':28s} {'time ms':>9s} {'x (a)':>7s} {'x GEMMs':>8s} {'% floor':>8s} "
             f"{'extra MiB':>10s} {'x (a)':>7s}"
         )
+        shape_rows = []
         for method, res in results.items():
             t_ratio = res["time_s"] / base["time_s"] if base else float("nan")
             m_ratio = res["extra_mib"] / base["extra_mib"] if base and base["extra_mib"] > 0 else float("nan")
@@ -375,7 +425,7 @@ def run(args):
                 f"{100 * floor_t / res['time_s']:7.1f}% "
                 f"{res['extra_mib']:10.1f} {m_ratio:7.3f}"
             )
-            rows.append(
+            shape_rows.append(
                 dict(
                     method=method,
                     batch=batch,
@@ -390,7 +440,9 @@ def run(args):
                     **res,
                 )
             )
-    largest = {}
+        rows.extend(shape_rows)
+        targets.extend(check_shape_targets(shape_rows, device, args.dtype))
+        emit()
     if args.max_classes or args.max_classes_only:
         if device.type != "cuda" and args.max_classes_range is None:
             print("\n--max-classes needs --device cuda (on the CPU only with an explicit --max-classes-range)")
@@ -398,19 +450,32 @@ def run(args):
             lo, hi = args.max_classes_range or (100_000, 1 << 27)
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the search runs in subprocesses: leave them the memory
+            methods = [m for m in MAXC_METHODS if not unavailable(m, device)]
+            for m in MAXC_METHODS:
+                if m not in methods:
+                    print(f"  {m:28s} skipped: {unavailable(m, device)}")
+            shares = {m: SHARDKIT_SHARE if m == "shardkit" else 1 for m in methods}
+            # --search-total S: the search ends within S s of here; each method gets its share
+            # of what is left when it starts (time a quick search leaves goes to the next).
+            deadline = time.monotonic() + args.search_total if args.search_total else None
+            per = (
+                f"{args.search_total:.0f} s in all, shared {SHARDKIT_SHARE}:1 between shardkit and each other method"
+                if deadline
+                else f"<= {args.search_budget:.0f} s per method, {SHARDKIT_SHARE}x that for shardkit"
+            )
             print(
-                f"\nlargest C one GPU trains (B={args.batch[-1]}, D={args.dim}, {args.dtype}; "
-                f"<= {args.search_budget:.0f} s per method, twice that for shardkit):",
+                f"\nlargest C one GPU trains (B={args.batch[-1]}, D={args.dim}, {args.dtype}; {per}):",
                 flush=True,
             )
-            for method in ("shardkit", "linear+cross_entropy", "cut_cross_entropy", "liger_flce"):
-                reason = unavailable(method, device)
-                if reason:
-                    print(f"  {method:28s} skipped: {reason}")
+            for i, method in enumerate(methods):
+                if deadline is None:
+                    budget = args.search_budget * shares[method]
+                else:
+                    left = deadline - time.monotonic()
+                    budget = left * shares[method] / sum(shares[m] for m in methods[i:])
+                if budget < 10:
+                    print(f"  {method:28s} not searched: {max(budget, 0):.0f} s left for it", flush=True)
                     continue
-                # shardkit's own search gets twice the budget: its C is the one the issue asks for
-                # and reaches ~35M classes on an 80 GB GPU (about 15 probes).
-                budget = args.search_budget * (2 if method == "shardkit" else 1)
                 res = max_classes(method, args.batch[-1], args.dim, args.dtype, device, budget, lo, hi)
                 largest[method] = res
                 note = "" if res["complete"] else f"  (at least; {res['stopped']})"
@@ -420,7 +485,10 @@ def run(args):
                     + (f"  [failed probes: {'; '.join(fails)[:100]}]" if fails else ""),
                     flush=True,
                 )
-    return rows, largest
+                if method in ("shardkit", "linear+cross_entropy"):
+                    targets.extend(check_largest_target(largest))
+                emit()
+    return rows, largest, targets
 
 
 def main():
@@ -436,6 +504,12 @@ def main():
     p.add_argument("--max-classes", action="store_true", help="GPU: also the largest C each method trains")
     p.add_argument("--max-classes-only", action="store_true", help="GPU: only the largest-C search")
     p.add_argument("--search-budget", type=float, default=120.0, help="seconds per method for the largest-C search")
+    p.add_argument(
+        "--search-total",
+        type=float,
+        default=None,
+        help="seconds for the whole largest-C search, shared out between the methods (overrides --search-budget)",
+    )
     p.add_argument("--method-budget", type=float, default=20.0, help="GPU: seconds of timed steps per method/shape")
     p.add_argument(
         "--max-classes-range",
@@ -481,10 +555,9 @@ def main():
         return
     if args.max_classes_only:
         args.classes = []  # no timed shapes
-    rows, largest = run(args)
+    rows, largest, targets = run(args)
     print()
-    targets = check_targets(rows, largest, torch.device(args.device), args.dtype)
-    save(rows, largest, targets, args)
+    save(rows, largest, targets, args, method_notes(), complete=True)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Fetches the peer libraries the GPU benchmarks compare against, as wheels for the device
-# machine (Python 3.12, x86-64 Linux, no network there), into wheels/ (git-ignored), to be
-# named in the device call's `carry` and installed there offline by gpu_session.sh.
+# Fetches the peer libraries the GPU benchmarks compare against, as wheels (Python 3.12,
+# x86-64 Linux), into wheels/ (git-ignored), where benchmarks/gpu_suite.sh installs them
+# offline: the GPU machine itself needs no network.
 #
 #   bash benchmarks/fetch_wheels.sh            # run from anywhere; prints names and sizes
+#   PYVER=3.11 bash benchmarks/fetch_wheels.sh # for another Python on the GPU machine
 #
 # Both peers are pure-Python wheels whose only run-time needs are torch and triton (plus
-# packaging and tqdm, imported by liger-kernel), all preinstalled on the device image; the
-# script lists every wheel's Requires-Dist (extras left out) so a new version that needs
-# more shows up here, not on the device.
+# packaging and tqdm, imported by liger-kernel); the script lists every wheel's
+# Requires-Dist (extras left out) so a new version that needs more shows up here, not on
+# the GPU machine.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 DIR=$ROOT/wheels
@@ -27,12 +28,12 @@ for w in "$DIR"/*.whl; do
   printf '  %-50s %9d bytes\n' "$(basename "$w")" "$size"
   unzip -p "$w" '*.dist-info/METADATA' | grep '^Requires-Dist' | grep -v 'extra ==' | sed 's/^/      /' || true
 done
-# Everything else carried lives there too (a shardkit_C_*.tar.gz build, if copied in).
+# A saved build (shardkit_C_*.tar.gz, from gpu_suite.sh) may live there too.
 all=$(du -sb "$DIR" | cut -f1)
-printf 'total %d bytes of wheels, %d bytes in wheels/ (carry limit: 64 MiB with everything else carried)\n' \
+printf 'total %d bytes of wheels, %d bytes in wheels/\n' \
   "$total" "$all"
 if (( all > 60 * 1024 * 1024 )); then
-  echo "wheels/ is over 60 MiB: too large to carry" >&2
+  echo "wheels/ is over 60 MiB: more than the two peers and one build; remove stale files" >&2
   exit 1
 fi
 if ! git -C "$ROOT" check-ignore -q "$DIR/x.whl"; then

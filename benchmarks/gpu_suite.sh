@@ -1,0 +1,224 @@
+#!/usr/bin/env bash
+# shardkit's GPU suite: builds the CUDA extension, runs the GPU tests and the compute-sanitizer
+# checks, and produces every GPU figure of benchmarks/RESULTS.md, on any machine with one
+# CUDA GPU (written for an H100/H200: TORCH_CUDA_ARCH_LIST defaults to 9.0), python3 with
+# torch, triton, pytest and matplotlib, and CUDA's nvcc and compute-sanitizer. No network
+# is needed: the peer libraries come from wheels/ (benchmarks/fetch_wheels.sh fetches them).
+#
+#   bash benchmarks/gpu_suite.sh test      # GPU tests, compute-sanitizer, then the rest of the tests
+#   bash benchmarks/gpu_suite.sh bench-a   # ce-kernels, ema, normalize, parallel, distributed, pipeline
+#   bash benchmarks/gpu_suite.sh bench-b   # the sharded-loss benchmark, then the largest C per method
+#   bash benchmarks/gpu_suite.sh STAGE BUDGET_S   # another time budget (default 540 s)
+#
+# Each stage first prints versions and nvidia-smi, installs the wheels and builds (or reuses)
+# the extension, then runs its steps in order, most useful first. Each stage ends within its
+# budget (540 s by default, so inside ten minutes): a step starts only while the budget has
+# room for it, every step is bounded by `timeout` (a hang loses that step, not the others;
+# the step's own cap is in $STEP_CAP for the command to size its work), and after EVERY step
+# the logs, JSON and PNG files so far are re-packed into $OUT/<stage>.tar.gz and the step
+# table into $OUT/<stage>_summary.txt, so a run stopped early keeps what finished. The
+# output ends with that table and every `TARGET PASS|FAIL|n/a` line. OUT defaults to
+# benchmarks/out/gpu_suite/.
+#
+# Build: `FORCE_CUDA=1 MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 python3 setup.py build_ext --inplace`
+# (shardkit then imports from python/ through PYTHONPATH). A stage that builds also writes
+# $OUT/shardkit_C_<hash>_<pytag>.tar.gz; put that file into wheels/ and a later stage on
+# another machine unpacks it instead of rebuilding, if <hash> (over setup.py and csrc/) and
+# the Python tag still match. A machine that built it already reuses its build.
+# Peer wheels: wheels/*.whl, installed with `pip install --no-index --no-deps --target /tmp/site`.
+#
+# Estimated times on one H100 with 16 cores (nothing has run there yet: from bytes and FLOPs
+# at ~3.0 TB/s and ~700 TFLOP/s bf16, plus process start-up and Triton compilation; caps in
+# brackets). Common to every stage: info + wheels + import check ~30 s; the build ~2-3 min
+# [300] on a fresh machine (9 sources compile in parallel: 3 .cu files of 150-430 lines,
+# each ~1-2 min of nvcc for one architecture with torch's headers, 6 .cpp files ~20-40 s
+# each, then the link; ~5 s when unpacked from wheels/ or reused).
+#   test     ~6.5-8.5 min fresh, ~4-6 min with the build unpacked:
+#     tests-gpu ~1-3 min [240] (largest case: a 2049 x 1M-class chunk, 12 GB);
+#     sanitize-memcheck ~1 min [120], sanitize-racecheck ~1-2 min [150] (tiny sizes, but
+#       torch's start-up and every kernel run under the tool);
+#     tests-rest ~2-4 min with xdist [what is left] (the CPU suite with CUDA visible: last,
+#       as CI runs it too; reported SKIPPED when the budget is spent).
+#   bench-a  ~6-7 min with the build unpacked (~8.5 fresh: then the last step may be skipped):
+#     bench-ce-kernels ~40-70 s [120]: B=1024 C=1M, the default chunk + 4 sizes, 12 fwd + 12
+#       fwd+bwd each (~5-20 ms);
+#     bench-ema ~45-90 s [150]: 2 models x 2 dtypes x 50 rounds of 5 timings of 1-10 ms;
+#     bench-normalize ~20 s per dtype [90]; bench-parallel ~30 s [90]: 318 MB logits, 5 cases;
+#     bench-distributed ~45-90 s [150]: NCCL start, two 1M-class heads, 100 steps;
+#     bench-pipeline ~30-60 s [120]: ResNet-50 layout, B=128 224x224, unsplit + 4 splits on
+#       two streams of one GPU (cuda:0,cuda:0), 7 steps each.
+#   bench-b  ~7-8.5 min with the build unpacked:
+#     bench-sharded-loss ~2.5-4.5 min [300]: 4 shapes x 6 methods, each <= 10 s of timed
+#       steps, plus the Triton compiles of the peers (~20-60 s the first time, cut-cross-
+#       entropy twice: its filtered and exact backward are two kernels);
+#     bench-maxc ~3-4 min [240, or what is left]: the searches share $STEP_CAP - 30 s (shardkit
+#       2 shares, the 4 others 1 each); a search cut short reports its lower bound.
+set -u
+STAGE=${1:?usage: gpu_suite.sh test|bench-a|bench-b [budget_s]}
+BUDGET=${2:-540}
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+DEST=${OUT:-$ROOT/benchmarks/out/gpu_suite}
+WORK=/tmp/shardkit_gpu_suite/$STAGE
+rm -rf "$WORK" && mkdir -p "$WORK/out" "$DEST"
+SUMMARY=$WORK/summary.txt
+export PY=${PYTHON:-python3} WORK
+export PYTHONUNBUFFERED=1
+export SHARDKIT_BENCH_OUT=$WORK/out
+export PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH}
+export MPLBACKEND=Agg
+printf '%-20s %5s %5s %5s  %s\n' step rc secs cap note > "$SUMMARY"
+
+note() { printf '%-20s %5s %5s %5s  %s\n' "$@" >> "$SUMMARY"; }
+
+pack() {  # everything so far into $DEST (a call cut short still returns it)
+  cp "$SUMMARY" "$DEST/${STAGE}_summary.txt"
+  tar czf "$DEST/$STAGE.tar.gz.tmp" -C "$WORK" . && mv "$DEST/$STAGE.tar.gz.tmp" "$DEST/$STAGE.tar.gz"
+}
+
+# step NAME CAP_S COMMAND: runs COMMAND (a bash string) under `timeout` for at most CAP_S
+# seconds (fewer if the stage budget is short; skipped when under min(CAP_S, 45) s remain),
+# output to $WORK/NAME.log, whose tail is printed. COMMAND sees the cap it got as $STEP_CAP.
+step() {
+  local name=$1 cap=$2; shift 2
+  local left=$(( BUDGET - SECONDS - 15 )) min=$(( cap < 45 ? cap : 45 ))
+  if (( left < min )); then
+    note "$name" - 0 "$cap" "SKIPPED: ${left}s left in this stage"
+    echo "=== $name SKIPPED (${left}s left)"; pack; return 3
+  fi
+  (( cap > left )) && cap=$left
+  echo "=== $name (cap ${cap}s, t=${SECONDS}s)"
+  local t0=$SECONDS rc msg=""
+  STEP_CAP=$cap timeout --kill-after=15 "$cap" bash -c "$*" > "$WORK/$name.log" 2>&1
+  rc=$?
+  (( rc == 124 || rc == 137 )) && msg="TIMED OUT at ${cap}s"
+  note "$name" "$rc" "$(( SECONDS - t0 ))" "$cap" "$msg"
+  tail -n "${TAIL_LINES:-25}" "$WORK/$name.log"
+  pack
+  return $rc
+}
+
+# The saved build's name: a hash over setup.py and csrc/, and the Python tag (an extension
+# built for another Python, e.g. on the 3.11 development machine, does not load on 3.12).
+build_tag() {
+  local h py
+  h=$( (cat setup.py; find csrc -type f | LC_ALL=C sort | xargs cat) | sha256sum | cut -c1-12)
+  py=$($PY -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+  echo "${h}_$py"
+}
+
+finish() {
+  echo; echo "=== $STAGE summary (${SECONDS}s of ${BUDGET}s)"; cat "$SUMMARY"
+  echo; echo "=== TARGET lines"; cat "$WORK"/*.log 2>/dev/null | grep -h "^TARGET" || echo "(none)"
+  pack; ls -la "$DEST"
+}
+
+# ---- steps every stage runs ---------------------------------------------------------------
+info() {
+  cat > "$WORK/info.py" <<'PYEOF'
+import os, sysconfig, torch, triton
+print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)
+print("device", torch.cuda.get_device_name(), torch.cuda.get_device_properties(0))
+inc = sysconfig.get_paths()["include"]
+print("Python.h present:", os.path.exists(os.path.join(inc, "Python.h")), inc)
+from torch.utils.cpp_extension import CUDA_HOME
+print("CUDA_HOME", CUDA_HOME)
+PYEOF
+  step info 60 'date -u; uname -r; nproc; free -g | head -2; df -h /tmp | tail -1
+    nvidia-smi
+    nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.limit --format=csv
+    which $PY; $PY -V; which nvcc && nvcc --version | tail -2
+    $PY $WORK/info.py
+    $PY -m pip list 2>/dev/null | grep -iE "^(torch|triton|timm|torchvision|pytest|pytest-xdist|pytest-timeout|ninja|setuptools|liger|cut)"'
+}
+
+wheels() {
+  if ! ls wheels/*.whl > /dev/null 2>&1; then
+    note wheels - 0 0 "no wheels/*.whl: the peers are reported as not installed"
+    return 0
+  fi
+  cat > "$WORK/peers.py" <<'PYEOF'
+from cut_cross_entropy import linear_cross_entropy  # noqa: F401
+from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss  # noqa: F401
+print("peers import OK")
+PYEOF
+  step wheels 90 '$PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site wheels/*.whl && ls /tmp/site && PYTHONPATH=/tmp/site $PY $WORK/peers.py'
+  export PYTHONPATH=/tmp/site:$PYTHONPATH
+}
+
+build() {
+  local h stamp pre
+  h=$(build_tag); stamp=/tmp/shardkit_gpu_suite/built_$h; pre=wheels/shardkit_C_$h.tar.gz
+  if ls python/shardkit/_C*.so > /dev/null 2>&1 && [ -f "$stamp" ]; then
+    note build 0 0 0 "reused this machine's build ($h)"
+  elif [ -f "$pre" ]; then
+    step build-unpack 60 "tar xzf $pre -C python/shardkit && ls -la python/shardkit/_C*.so" && touch "$stamp"
+  else
+    ls wheels/shardkit_C_*.tar.gz > /dev/null 2>&1 && echo "the saved build in wheels/ is not of these sources ($h): rebuilding"
+    step build 300 'export FORCE_CUDA=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+      [ -n "${CUDA_HOME:-}" ] || export CUDA_HOME=$(dirname "$(dirname "$(which nvcc)")")
+      $PY setup.py build_ext --inplace' \
+      && touch "$stamp" && (cd python/shardkit && tar czf "$DEST/shardkit_C_$h.tar.gz" _C*.so) \
+      && ls -la "$DEST/shardkit_C_$h.tar.gz"
+  fi
+  cat > "$WORK/import_check.py" <<'PYEOF'
+import torch
+import shardkit
+print("shardkit", shardkit.__file__, "cuda_built", shardkit.cuda_built())
+assert shardkit.cuda_built(), "the build has no CUDA kernels"
+x = torch.randn(3, 5, device="cuda")
+e = [torch.zeros_like(x)]
+shardkit.ops.ema_update_(e, [x], 0.5)  # e = 0.5 * 0 + 0.5 * x
+torch.cuda.synchronize()
+print("ema_update_ on cuda, max error:", float((e[0] - 0.5 * x).abs().max()))
+PYEOF
+  if ! step import-check 60 '$PY $WORK/import_check.py' && [ "$STAGE" != test ]; then
+    # (the test stage goes on: its tests say more about what fails)
+    echo "shardkit's CUDA build does not import or run: the stage stops here (see build.log, import-check.log)"
+    finish; exit 1
+  fi
+}
+
+# ---- stages (estimated times: see the header) ---------------------------------------------
+PYTEST_OPTS="-rfEs -p no:cacheprovider"
+$PY -c "import pytest_timeout" 2>/dev/null && PYTEST_OPTS="$PYTEST_OPTS --timeout=240"
+B="$PY benchmarks"
+SANITIZER=$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")
+# Every tensor its own cudaMalloc, so memcheck sees an access past a tensor's end (torch's
+# caching allocator would hide it inside a pooled block).
+SAN="PYTORCH_NO_CUDA_MEMORY_CACHING=1 $SANITIZER --error-exitcode 2 --print-limit 50"
+case "$STAGE" in
+  test)
+    info; wheels; build
+    # Every GPU test (tests/test_*_gpu.py and the gpu-marked twins elsewhere, the pipeline's
+    # among them), no -x (all failures at once), junit XML next to the log.
+    step tests-gpu 240 "$PY -m pytest -m gpu tests $PYTEST_OPTS -v --junitxml=$WORK/out/junit_gpu.xml"
+    # compute-sanitizer over one small sharded-loss fwd+bwd, EMA update and normalize call.
+    step sanitize-memcheck 120 "$SAN --tool memcheck $PY benchmarks/sanitize_smoke.py"
+    step sanitize-racecheck 150 "$SAN --tool racecheck $PY benchmarks/sanitize_smoke.py"
+    # The rest of the suite, now on a machine where CUDA is visible (xdist if there).
+    XDIST=""; $PY -c "import xdist" 2>/dev/null && XDIST="-n 8"
+    step tests-rest 400 "$PY -m pytest -m 'not gpu' tests $PYTEST_OPTS -q $XDIST --junitxml=$WORK/out/junit_rest.xml"
+    ;;
+  bench-a)
+    info; wheels; build
+    # The kernel benchmark first: the default chunk size (always timed) and four others.
+    step bench-ce-kernels 120 "$B/bench_sharded_ce_kernels.py --device cuda --batch 1024 --dim 512 \
+      --classes 1000000 --dtype bfloat16 --reps 10 --chunks 4096,16384,65536,262144"
+    step bench-ema 150 "$B/bench_ema.py --device cuda"
+    step bench-normalize 90 "$B/bench_normalize.py --device cuda && $B/bench_normalize.py --device cuda --dtype bfloat16"
+    step bench-parallel 90 "$B/bench_parallel.py --device cuda"
+    step bench-distributed 150 "$B/bench_distributed.py --device cuda --timeout 130"
+    # One GPU: the two stages are two streams of cuda:0 (with two GPUs: --devices cuda:0,cuda:1).
+    step bench-pipeline 120 "$B/bench_pipeline.py --devices cuda:0,cuda:0"
+    ;;
+  bench-b)
+    info; wheels; build
+    step bench-sharded-loss 300 "$B/bench_sharded_loss.py --device cuda --method-budget 10"
+    # The largest-C searches share what the step's cap leaves after start-up and saving.
+    step bench-maxc 240 "$B/bench_sharded_loss.py --device cuda --max-classes-only --search-total \$((STEP_CAP - 30))"
+    ;;
+  *) echo "unknown stage $STAGE (test, bench-a, bench-b)"; exit 2 ;;
+esac
+finish
