@@ -17,6 +17,7 @@ SOURCE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 # softmax's distributed mode has no business with parallel, but the train app uses all.)
 LAYERS = {
     "_C": 0,
+    "_build_info": 0,
     "ops": 1,
     "softmax": 2,
     "parallel": 2,
@@ -25,6 +26,8 @@ LAYERS = {
     "plan": 2,
     "distributed": 3,
     "__init__": 4,
+    "build": 4,
+    "info": 5,
     "train": 5,
 }
 MAX_LINES = 420

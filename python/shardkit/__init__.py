@@ -6,16 +6,17 @@ Public names only; see the README for usage. The wings: :mod:`shardkit.softmax`,
 all over :mod:`shardkit.ops`; the application :mod:`shardkit.train` sits on top.
 """
 
+# ruff: noqa: I001  (import order matters: torch, the version check, then the extension)
 import torch  # noqa: F401  (loads libtorch before our extension)
 
-from shardkit import (  # noqa: F401  (public submodules)
-    _C,  # noqa: F401  (loads the library: registers torch.ops.shardkit.*)
-    distributed,
-    ops,
-    parallel,
-)
-from shardkit.ema import ModelEMA
-from shardkit.softmax import (
+from shardkit.build import build_info, check_torch_version
+
+check_torch_version()  # before loading _C: a mismatch is a clear ImportError, not an undefined symbol
+
+from shardkit import _C  # noqa: E402, F401  (loads the library: registers torch.ops.shardkit.*)
+from shardkit import distributed, ops, parallel  # noqa: E402, F401  (public submodules)
+from shardkit.ema import ModelEMA  # noqa: E402
+from shardkit.softmax import (  # noqa: E402
     ArcFace,
     CombinedMargin,
     CosFace,
@@ -28,7 +29,7 @@ from shardkit.softmax import (
     save_sharded,
     sharded_cross_entropy,
 )
-from shardkit.transforms import Normalize
+from shardkit.transforms import Normalize  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -44,6 +45,7 @@ def cuda_built() -> bool:
 
 __all__ = [
     "cuda_built",
+    "build_info",
     "ops",
     # ema
     "ModelEMA",

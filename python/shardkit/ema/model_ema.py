@@ -223,7 +223,7 @@ class ModelEMA:
 
     def _feeds_host(self, src) -> bool:
         """Whether this update goes through the pinned host staging (CPU EMA, CUDA model)."""
-        return bool(self._ema) and self._ema[0].device.type == "cpu" and src[0].is_cuda
+        return len(self._ema) > 0 and self._ema[0].device.type == "cpu" and src[0].is_cuda
 
     # ---- update ------------------------------------------------------------------------
     @torch.no_grad()

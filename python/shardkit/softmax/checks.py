@@ -140,7 +140,8 @@ def check_values(embeddings, labels, num_classes: int, ignore_index: int, mode) 
     One fused flag tensor; ``mode=True`` syncs once (``.tolist()``) and raises a
     ValueError naming the argument; ``mode="async"`` uses ``torch._assert_async`` (no
     sync: on CUDA a failure surfaces later as a device-side assert that ends the process's
-    CUDA context; on the CPU it raises at once).
+    CUDA context; on the CPU it raises at once). Under ``torch.compile`` ``True`` acts as
+    ``"async"``, so the default traces into one graph.
     """
     with torch.no_grad():
         ignored = labels == ignore_index
@@ -148,7 +149,9 @@ def check_values(embeddings, labels, num_classes: int, ignore_index: int, mode) 
         too_big = ((labels >= num_classes) & ~ignored).any()
         not_finite = ~torch.isfinite(embeddings).all()
         flags = torch.stack([negative, too_big, not_finite])
-        if mode == "async":
+        # Under torch.compile a host read would break the graph: the traced form of the check
+        # is the asynchronous assert (one graph; the failure raises when the graph runs).
+        if mode == "async" or torch.compiler.is_compiling():
             torch._assert_async(
                 ~flags.any(),
                 "sharded cross-entropy: `labels` out of [0, num_classes) (and not ignore_index) "

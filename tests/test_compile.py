@@ -1,0 +1,62 @@
+"""torch.compile(fullgraph=True) with default settings: the sharded head (inductor on the CPU,
+forward and backward, with the default check_inputs=True), ModelEMA.update and Normalize
+trace into one graph each and give what eager mode gives."""
+
+import copy
+
+import pytest
+import torch
+
+import shardkit
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_sharded_head_compiles_whole_with_default_checks():
+    head = shardkit.ShardedSoftmaxLoss(16, 37, margin=shardkit.ArcFace(s=16.0, m=0.3), devices=["cpu", "cpu"])
+    assert head.check_inputs is True  # the default, which syncs in eager mode
+    ref_head = copy.deepcopy(head)
+    x = torch.randn(8, 16)
+    y = torch.randint(0, 37, (8,))
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    step = torch.compile(lambda e, t: head(e, t), fullgraph=True)  # inductor
+    loss = step(x1, y)
+    loss.backward()
+    ref = ref_head(x2, y)
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-4, atol=1e-6)
+    for p, q in zip(head.parameters(), ref_head.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    # the compiled check still refuses bad labels (as an assert raised when the graph runs)
+    with pytest.raises(RuntimeError, match="out of \\[0, num_classes\\)"):
+        step(x1, torch.full((8,), 99))
+
+
+def test_model_ema_update_compiles_whole():
+    torch.manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 2))
+    ema, ref = shardkit.ModelEMA(model, decay=0.9, tau=None), shardkit.ModelEMA(model, decay=0.9, tau=None)
+    update = torch.compile(lambda: ema.update(model), fullgraph=True)
+    for _ in range(3):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        model(torch.randn(5, 4))
+        update()
+        ref.update(model)
+    assert ema.updates == ref.updates == 3
+    for a, b in zip(ema.module.state_dict().values(), ref.module.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_normalize_compiles_whole():
+    norm = shardkit.Normalize((0.5, 0.4, 0.3), (0.25, 0.2, 0.3))
+    images = torch.randint(0, 256, (3, 7, 5, 3), dtype=torch.uint8)
+    compiled = torch.compile(norm, fullgraph=True)
+    torch.testing.assert_close(compiled(images), norm(images), rtol=0, atol=0)
