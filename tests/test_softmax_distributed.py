@@ -223,6 +223,13 @@ def _worker(rank, init_file, tmp):
         results["fatal"] = traceback.format_exc()
     finally:
         torch.save(results, os.path.join(tmp, f"rank{rank}.pt"))
+        # Tear down together, then destroy every group: a process that exits with live gloo
+        # groups (one of them broken by the failure scenario) could abort in their
+        # destructors ("terminate called without an active exception").
+        try:
+            dist.monitored_barrier(timeout=timedelta(seconds=120))
+        finally:
+            dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
