@@ -4,6 +4,9 @@ import pytest
 import torch
 
 HAS_GPU = torch.cuda.is_available()
+# (major, minor) of the installed torch, for the few features that need a newer torch than
+# the declared minimum (each such test says which version and why in its skip reason).
+TORCH_VERSION = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 
 
 def pytest_collection_modifyitems(config, items):

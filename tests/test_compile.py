@@ -6,8 +6,15 @@ import copy
 
 import pytest
 import torch
+from conftest import TORCH_VERSION
 
 import shardkit
+
+# torch 2.6's dynamo cannot trace these whole (float() of a margin attribute, bool() of a
+# list); 2.11 and 2.15 can. Versions between were not tried.
+pytestmark = pytest.mark.skipif(
+    TORCH_VERSION < (2, 11), reason=f"fullgraph tracing of shardkit needs torch >= 2.11, this is {torch.__version__}"
+)
 
 
 @pytest.fixture(autouse=True)

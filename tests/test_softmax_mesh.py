@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from conftest import TORCH_VERSION
 
 C, D, ROWS = 13, 6, 3
 
@@ -81,6 +82,11 @@ def _free_port():
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available in this build")
+@pytest.mark.skipif(
+    TORCH_VERSION < (2, 11),
+    reason=f"FSDP2 on CPU/gloo fails inside torch 2.6 ('Stream' has no record_event); tested from 2.11, this is "
+    f"{torch.__version__}",
+)
 def test_head_on_a_2d_mesh_with_fsdp2_backbone():
     pytest.importorskip("torch.distributed.fsdp", reason="needs torch.distributed.fsdp.fully_shard (FSDP2)")
     ctx = mp.get_context("spawn")
