@@ -238,6 +238,8 @@ class PipelineModel(nn.Module):
                 if isinstance(mod, DeferredBatchNorm):
                     mod.begin_step(m)
         streams = self._stage_streams(x)
+        if streams[0] is not None and x.device == self.stage_devices[0]:
+            x.record_stream(streams[0])  # the caller's tensor, read on stage 0's stream
         acts: list = list(micro)
         events: list = [None] * m
         for clock in range(m + k - 1):
