@@ -121,6 +121,7 @@ def _extension():
         # and sqrt everywhere (EMA with decay 1 would stop being exact); the one hot
         # transcendental, exp in the softmax statistics, uses the __expf intrinsic explicitly.
         nvcc = opt + ["--expt-relaxed-constexpr", "-lineinfo"]
+        _write_build_info(True, reason)
         print(
             f"shardkit setup: building CPU + CUDA kernels ({reason}); "
             f"TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', '(from visible GPUs)')}, "
