@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import zipfile
 from typing import Optional
 
 import torch
@@ -129,7 +128,9 @@ def read(path: str) -> dict:
                 f"(a shardkit checkpoint never does; loading it could run code); {again}"
             ) from None
         raise UsageError(f"checkpoint {path} is not a readable checkpoint (garbage or truncated); {again}") from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError):
+    except (KeyboardInterrupt, MemoryError):
+        raise
+    except Exception:  # torch's unpickler fails garbage in many ways (EOFError, IndexError on 2.15, ...)
         raise UsageError(f"checkpoint {path} is not a readable checkpoint (garbage or truncated); {again}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise UsageError(f"{path} is not a checkpoint of this version of python -m shardkit.train; {again}")
