@@ -37,6 +37,27 @@ def target_line(name, ok, detail):
     return {"target": name, "ok": ok, "detail": detail}
 
 
+def cpu_description():
+    """The CPU model, its logical cores, torch's thread count and the vector ISA flags that
+    matter to the kernels (CPU figures only compare on the same machine)."""
+    model, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown CPU":
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    isa = [f for f in ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
+    return (
+        f"{model}, {os.cpu_count()} logical cores, torch threads {torch.get_num_threads()}, "
+        f"ISA {' '.join(isa) or 'unknown'}"
+    )
+
+
 SYNCS = ("event", "device")
 
 

@@ -7,7 +7,10 @@ Peers, in the same run and on the same inputs:
       backward skips the gradient tiles whose softmax values all fall below eps: an
       approximate gradient, and at random init most tiles are skipped) and "cce_exact" with
       ``filter_eps=None`` (every tile: the exact gradient, the fair comparison),
-  (d) Liger's fused linear cross-entropy (GPU only, as (c); each when importable),
+      (both GPU only), and its impl="torch_compile" mode, "cce_torch_compile" (a
+      torch.compile'd chunked loop that also runs on the CPU),
+  (d) Liger's fused linear cross-entropy (GPU only; each peer when importable: see
+      benchmarks/requirements.txt),
 and on the GPU the floor: cuBLAS time of the layer's three GEMMs of the same shapes
 (logits = X W^T, dX = G W, dW = G^T X) measured in the same run.
 
@@ -21,7 +24,7 @@ as after optimizer.zero_grad()):
        (/proc/self/clear_refs = 5) and extra = VmHWM after the step - VmRSS before it.
 
 Usage:
-  python benchmarks/bench_sharded_loss.py --cpu-target          # D=128, B=256, C=200k fp32 (CPU)
+  python benchmarks/bench_sharded_loss.py --cpu-target          # CPU, fp32, B=256: D=128 C=200k and D=512 C=100k
   python benchmarks/bench_sharded_loss.py --device cuda         # D=512, B {256,1024}, C {100k,1M} bf16
   python benchmarks/bench_sharded_loss.py --device cuda --max-classes-only   # largest trainable C per method
 Writes bench_sharded_loss[_maxc].json and .png to benchmarks/out/ (or $SHARDKIT_BENCH_OUT),
@@ -52,7 +55,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "python"))
 sys.path.insert(0, HERE)  # _timing, whatever the cwd (also under python -m)
 
 from _sharded_loss_report import check_largest_target, check_shape_targets, save  # noqa: E402
-from _timing import time_all, time_once  # noqa: E402
+from _timing import cpu_description, time_all, time_once  # noqa: E402
 
 import shardkit  # noqa: E402
 
@@ -63,9 +66,10 @@ METHODS = [
     "torch.linear_cross_entropy",
     "cce_filtered",
     "cce_exact",
+    "cce_torch_compile",
     "liger_flce",
 ]
-CCE = ("cce_filtered", "cce_exact")
+CCE = ("cce_filtered", "cce_exact")  # its Triton kernels (GPU)
 # The largest-C search: shardkit's own search gets SHARDKIT_SHARE shares of the time, each
 # other method one (its C is the one the issues ask for; ~35M classes on an 80 GB GPU, ~15 probes).
 MAXC_METHODS = ("shardkit", "linear+cross_entropy", *CCE, "liger_flce")
@@ -90,6 +94,7 @@ def method_notes():
     return {
         "cce_filtered": f"cut-cross-entropy, {eps}: skips backward tiles, approximate gradient",
         "cce_exact": "cut-cross-entropy, filter_eps=None: every tile, exact gradient (the fair comparison)",
+        "cce_torch_compile": 'cut-cross-entropy, impl="torch_compile": its torch.compile\'d path (CPU and GPU)',
     }
 
 
@@ -100,16 +105,19 @@ def unavailable(method, device):
     """None if the method can run here, else the reason."""
     if method == "torch.linear_cross_entropy" and not hasattr(F, "linear_cross_entropy"):
         return f"torch {torch.__version__} has no F.linear_cross_entropy"
-    if method in (*CCE, "liger_flce"):
-        if device.type != "cuda":
+    if method in (*CCE, "cce_torch_compile", "liger_flce"):
+        if device.type != "cuda" and method != "cce_torch_compile":
             return "GPU-only (Triton kernels)"
         try:  # the exact symbols build_step uses
-            if method in CCE:
+            if method != "liger_flce":
                 from cut_cross_entropy import linear_cross_entropy  # noqa: F401
             else:
                 from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss  # noqa: F401
         except ImportError as err:
-            return f"not installed ({err}); benchmarks/fetch_wheels.sh gets the wheels gpu_suite.sh installs"
+            return (
+                f"not installed ({err}); pip install -r benchmarks/requirements.txt "
+                "(benchmarks/fetch_wheels.sh gets the wheels gpu_suite.sh installs)"
+            )
     return None
 
 
@@ -143,6 +151,10 @@ def build_step(method, batch, classes, dim, dtype, device):
             fwd = lambda: F.cross_entropy(F.linear(x, weight).float(), y)  # noqa: E731
         elif method == "torch.linear_cross_entropy":
             fwd = lambda: F.linear_cross_entropy(x, weight, y)  # noqa: E731
+        elif method == "cce_torch_compile":
+            from cut_cross_entropy import linear_cross_entropy
+
+            fwd = lambda: linear_cross_entropy(x, weight, y, impl="torch_compile")  # noqa: E731
         elif method in CCE:
             # linear_cross_entropy(e [..., D], c [C, D] classifier, targets [...]), mean reduction.
             # cce_filtered: its default filter_eps, as a user gets it (backward tiles whose
@@ -354,7 +366,7 @@ def max_classes(method, batch, dim, dtype_name, device, budget_s, lo, hi):
 def run(args):
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
-    shapes = [(b, c, args.dim) for b in args.batch for c in args.classes]
+    shapes = args.shapes or [(b, c, args.dim) for b in args.batch for c in args.classes]
     rows, largest, targets = [], {}, []
     notes = method_notes()
 
@@ -365,6 +377,8 @@ def run(args):
         f"# torch {torch.__version__}, shardkit head with {SHARDS} shard(s), device {device}"
         f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, dtype {args.dtype}"
     )
+    if device.type == "cpu":
+        print(f"# {cpu_description()}")
     if device.type == "cuda":
         for method in CCE:
             print(f"# {method}: {notes[method]}")
@@ -525,8 +539,11 @@ def main():
     args = p.parse_args()
     global SHARDS, METHOD_BUDGET_S
     SHARDS, METHOD_BUDGET_S = args.shards, args.method_budget
-    if args.cpu_target:
+    args.shapes = None
+    if args.cpu_target:  # issue 16's two CPU shapes (unless --batch/--classes/--dim narrow them)
         args.device, args.dtype = "cpu", args.dtype or "fp32"
+        if not (args.batch or args.classes or args.dim):
+            args.shapes = [(256, 200_000, 128), (256, 100_000, 512)]
         args.batch, args.classes, args.dim = args.batch or [256], args.classes or [200_000], args.dim or 128
     gpu = torch.device(args.device).type == "cuda"
     args.dtype = args.dtype or ("bf16" if gpu else "fp32")

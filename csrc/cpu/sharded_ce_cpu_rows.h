@@ -8,24 +8,22 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+
+#include "cpu/sharded_ce_cpu_avx2.h"
 
 namespace shardkit {
 namespace sce {
 namespace cpu_rows {
 namespace {  // included by one translation unit: internal linkage, as for the kernels there
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define SCE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define SCE_CLONES
-#endif
-
-// The float row loops are written with GCC/Clang vector extensions (16 lanes): explicit
-// lane-wise code compiles to zmm instructions in the AVX-512 clone, ymm pairs in the AVX2
-// one and SSE2 quadruples by default, without relying on the auto-vectorizer (which will not
-// if-convert the clamps of exp under the default -ftrapping-math).
+// The generic float row loops are written with GCC/Clang vector extensions (16 lanes):
+// explicit lane-wise code for any target (SSE2 quadruples on a baseline x86-64 build, NEON on
+// ARM), without relying on the auto-vectorizer (which will not if-convert the clamps of exp
+// under the default -ftrapping-math). On x86-64 CPUs with AVX2 and FMA the versions in
+// sharded_ce_cpu_avx2.h run instead (picked once at run time; see use_avx2 below).
 #pragma GCC diagnostic ignored "-Wpsabi"  // vector arguments only cross always_inline calls
 constexpr int kLanes = 16;
 typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
@@ -82,7 +80,7 @@ __attribute__((always_inline)) inline vf exp_vec(vf x) {
 }
 
 // z[j] <- s * z[j]; returns max_j z[j] and adds #{j : z[j] > ref} to *count (if count).
-SCE_CLONES float scale_max_count_f(float* z, int64_t n, float s, float ref, bool count, int64_t* cnt) {
+float scale_max_count_generic(float* z, int64_t n, float s, float ref, bool count, int64_t* cnt) {
   const float ninf = -std::numeric_limits<float>::infinity();
   vf mx = splat(ninf);
   vi c = vi{};
@@ -111,7 +109,7 @@ SCE_CLONES float scale_max_count_f(float* z, int64_t n, float s, float ref, bool
 }
 
 // Returns sum_j exp(z[j] - m); adds sum_j z[j] to *zsum.
-SCE_CLONES float expsum_f(const float* z, int64_t n, float m, float* zsum) {
+float expsum_generic(const float* z, int64_t n, float m, float* zsum) {
   vf se = vf{}, sz = vf{}, se2 = vf{}, sz2 = vf{};  // two chains: more work in flight
   int64_t j = 0;
   for (; j + 2 * kLanes <= n; j += 2 * kLanes) {
@@ -137,7 +135,7 @@ SCE_CLONES float expsum_f(const float* z, int64_t n, float m, float* zsum) {
 }
 
 // z[j] <- s * (gl * exp(s * z[j] - lse) + gs): dlogit of the plain (non-target) columns.
-SCE_CLONES void dlogit_f(float* z, int64_t n, float s, float lse, float gl, float gs) {
+void dlogit_generic(float* z, int64_t n, float s, float lse, float gl, float gs) {
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
     const vf v = (exp_vec(load(z + j) * s - lse) * gl + gs) * s;
@@ -147,6 +145,42 @@ SCE_CLONES void dlogit_f(float* z, int64_t n, float s, float lse, float gl, floa
     const vf v = (exp_vec(load_tail(z + j, n - j, 0.f) * s - lse) * gl + gs) * s;
     for (int64_t k = 0; k < n - j; ++k) z[j + k] = v[k];
   }
+}
+
+// The float loops used: AVX2 + FMA where the CPU has both, unless the environment variable
+// SHARDKIT_CPU_ISA=generic asks for the generic versions (to test them, or to rule the
+// AVX2 code out when chasing a difference). Read once, at the first call.
+inline bool use_avx2() {
+#ifdef SCE_HAVE_AVX2
+  static const bool on = [] {
+    const char* isa = std::getenv("SHARDKIT_CPU_ISA");
+    if (isa != nullptr && std::strcmp(isa, "generic") == 0) return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return on;
+#else
+  return false;
+#endif
+}
+
+float scale_max_count_f(float* z, int64_t n, float s, float ref, bool count, int64_t* cnt) {
+#ifdef SCE_HAVE_AVX2
+  if (use_avx2()) return avx2::scale_max_count(z, n, s, ref, count, cnt);
+#endif
+  return scale_max_count_generic(z, n, s, ref, count, cnt);
+}
+float expsum_f(const float* z, int64_t n, float m, float* zsum) {
+#ifdef SCE_HAVE_AVX2
+  if (use_avx2()) return avx2::expsum(z, n, m, zsum);
+#endif
+  return expsum_generic(z, n, m, zsum);
+}
+void dlogit_f(float* z, int64_t n, float s, float lse, float gl, float gs) {
+#ifdef SCE_HAVE_AVX2
+  if (use_avx2()) return avx2::dlogit(z, n, s, lse, gl, gs);
+#endif
+  dlogit_generic(z, n, s, lse, gl, gs);
 }
 
 // Generic (double) versions of the three loops.
