@@ -16,7 +16,12 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include "cpu/sharded_ce_cpu_rows.h"
 #include "sharded_ce_common.h"
@@ -100,6 +105,22 @@ void for_each_chunk(const Tensor& xacc, int64_t C, int64_t chunk, int64_t nthrea
       }
     }
   });
+}
+
+// Asks Linux for transparent huge pages on a large fresh buffer before its first write (the
+// weight gradient, 100 MiB at C=200k, D=128): its page faults then cost ~8 ms instead of
+// ~35 ms per step. Advice only (ignored where THP is off), and only the 2 MiB-aligned interior.
+void prefer_huge_pages(const Tensor& t) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  const auto bytes = static_cast<uintptr_t>(t.nbytes());
+  if (bytes < 8 * kHuge) return;
+  const auto p = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const uintptr_t a = (p + kHuge - 1) & ~(kHuge - 1), b = (p + bytes) & ~(kHuge - 1);
+  if (b > a) (void)madvise(reinterpret_cast<void*>(a), b - a, MADV_HUGEPAGE);
+#else
+  (void)t;
+#endif
 }
 
 int64_t threads_for(int64_t C, int64_t chunk) {
@@ -200,6 +221,7 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cpu(const Tensor& grad_lse, c
   const int64_t B = x.size(0), D = x.size(1), C = w.size(0);
   Tensor grad_w = at::empty({C, D}, w.options());
   if (B == 0 || C == 0) return {at::zeros({B, D}, x.options()), grad_w.zero_()};
+  prefer_huge_pages(grad_w);
   const Margin mg = make_margin(scale, m1, m2, m3, normalize);
   const Tensor gl = grad_lse.to(acc).contiguous(), gt = grad_target.to(acc).contiguous(),
                gs = grad_sum.to(acc).contiguous(), lse = lse_in.to(acc).contiguous(),
