@@ -1,15 +1,12 @@
 // Device-generic operators of shardkit.parallel: the cross-device weighted loss reduction
 // and the coalesced split of several tensors onto several devices.
 //
-// Why CompositeExplicitAutograd rather than one kernel per backend: both ops take tensors
-// that live on DIFFERENT devices (per-device losses; pieces bound for other devices), so
-// no single backend owns a call (the dispatcher would pick CUDA for a CPU+CUDA mix), and
-// all the work is moving data and a few scalar multiply-adds, which ATen already does
-// on every device. One kernel written with ATen calls therefore serves CPU, CUDA and any
-// other backend. "Explicit" (not Implicit) because the autograd formulas are ours
-// (python/shardkit/ops/_parallel.py registers them with register_autograd): the backward
-// of the reduction must send each scaled gradient to its loss's device, and the fake
-// kernels are registered in Python so torch.compile can trace both ops.
+// Both are CompositeImplicitAutograd: written with differentiable ATen calls only, so
+// autograd, double backward, FakeTensor and torch.compile come from ATen, in C++ (no Python
+// autograd formula runs per step: the fixed cost matters for small per-device criteria).
+// They take tensors that live on DIFFERENT devices (per-device losses; pieces bound for
+// other devices), so no single backend kernel could own a call anyway; the backward of a
+// device-to-device copy (Tensor::to) sends each gradient back to its tensor's device.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -27,57 +24,51 @@ inline bool non_blocking_to(const c10::Device& dst) {
 
 // result = sum_k w_k * loss_k / sum_k w_k (normalize) or sum_k w_k * loss_k, on `output_device`.
 // losses: K tensors of one shape (usually 0-dim), floating point, on any devices.
-// weights: K one-element tensors (counts or weights), any dtype, on any devices; CPU
-// one-element weights stay on the host (ATen treats them as scalars: no copy, no sync).
+// weights: K one-element tensors (counts or weights), any dtype, on any devices (a host
+// weight meets a GPU output device by a non-blocking copy; its value is never read here).
 at::Tensor weighted_loss_reduce(at::TensorList losses, at::TensorList weights, c10::Device output_device,
                                 bool normalize) {
   TORCH_CHECK(!losses.empty(), "argument `losses` must hold at least one tensor");
   TORCH_CHECK(weights.size() == losses.size(), "argument `weights` must hold one weight per loss: got ",
               weights.size(), " weights for ", losses.size(), " losses");
-  const auto shape = losses[0].sizes();
+  const auto shape = losses[0].sym_sizes();
   auto out_dtype = losses[0].scalar_type();
   for (size_t k = 0; k < losses.size(); ++k) {
     TORCH_CHECK(at::isFloatingType(losses[k].scalar_type()), "argument `losses` must be floating point, got ",
                 losses[k].scalar_type(), " at index ", k);
-    TORCH_CHECK(losses[k].sizes() == shape, "argument `losses` must all have one shape: index 0 has ", shape,
-                ", index ", k, " has ", losses[k].sizes());
-    TORCH_CHECK(weights[k].numel() == 1, "argument `weights` must hold one-element tensors, got shape ",
-                weights[k].sizes(), " at index ", k);
+    TORCH_CHECK(losses[k].sym_sizes() == shape, "argument `losses` must all have one shape: index 0 has ",
+                shape, ", index ", k, " has ", losses[k].sym_sizes());
+    TORCH_CHECK(weights[k].sym_numel() == 1, "argument `weights` must hold one-element tensors, got shape ",
+                weights[k].sym_sizes(), " at index ", k);
     out_dtype = at::promote_types(out_dtype, losses[k].scalar_type());
   }
   // Accumulate half/bfloat16 losses in float: the reduced loss is the one number the
   // optimisation follows, rounding it K times would be wasteful.
   const auto acc_dtype = (out_dtype == at::kHalf || out_dtype == at::kBFloat16) ? at::kFloat : out_dtype;
-  const auto acc_opts = at::TensorOptions().dtype(acc_dtype).device(output_device);
 
+  // Weights on the output device (one-element host weights stay scalars there when it is
+  // the CPU), integers as acc dtype. No host read of a weight: the op must not sync and
+  // must trace under FakeTensor.
   auto place_weight = [&](const at::Tensor& w) {
     auto wf = w.reshape({});
     if (!at::isFloatingType(wf.scalar_type())) wf = wf.to(acc_dtype);
-    if (wf.device() == output_device || (wf.device().is_cpu() && wf.dim() == 0)) return wf;
+    if (wf.device() == output_device) return wf;
     return wf.to(output_device, wf.scalar_type(), non_blocking_to(output_device));
   };
 
-  at::Tensor numerator = at::zeros(shape, acc_opts);
-  at::Tensor denominator;
+  at::Tensor numerator, denominator;
   for (size_t k = 0; k < losses.size(); ++k) {
-    auto w = place_weight(weights[k]);
+    const auto w = place_weight(weights[k]);
+    const auto loss = losses[k].to(output_device, acc_dtype, non_blocking_to(output_device));
     // A device whose chunk has nothing to count (every target ignored) reports a NaN mean
-    // with weight 0; it must add nothing, as those elements add nothing on one device.
-    if (w.device().is_cpu()) {
-      if (w.item<double>() != 0.0) {  // a host scalar: reading it needs no device sync
-        numerator.add_(losses[k].to(output_device, acc_dtype, non_blocking_to(output_device)) * w);
-      }
-    } else {
-      auto loss = losses[k].to(output_device, acc_dtype, non_blocking_to(output_device));
-      numerator.add_(at::where(w != 0, loss * w, at::zeros({}, acc_opts)));
-    }
-    if (normalize) {
-      // Keep the sum of host weights on the host (cheap, no device work) until it must
-      // meet a device weight.
-      denominator = denominator.defined() ? denominator + w : w.to(acc_dtype);
-    }
+    // with weight 0; it must add nothing, as those elements add nothing on one device. The
+    // where() also sends it a zero gradient (0/0 = NaN when every weight is 0, as the
+    // one-device mean over no elements; the gradients are then all zero).
+    const auto term = at::where(w != 0, loss * w, at::zeros({}, loss.options()));
+    numerator = numerator.defined() ? numerator + term : term;
+    if (normalize) denominator = denominator.defined() ? denominator + w : w;
   }
-  at::Tensor result = normalize ? numerator / denominator.to(acc_dtype) : numerator;
+  at::Tensor result = normalize ? numerator / denominator : numerator;
   return result.to(out_dtype);
 }
 
@@ -103,19 +94,16 @@ std::vector<at::Tensor> split_to_devices(at::TensorList tensors, at::IntArrayRef
     TORCH_CHECK(t.dim() > 0, "argument `tensors` must not hold 0-dim tensors (index ", i,
                 "): there is no dimension to split");
     dims[i] = c10::maybe_wrap_dim(dim, t.dim());
-    TORCH_CHECK(t.size(dims[i]) == total, "argument `tensors`: index ", i, " has size ", t.size(dims[i]),
-                " along dim ", dim, " but `split_sizes` ", split_sizes, " sum to ", total);
+    TORCH_CHECK(t.sym_size(dims[i]) == total, "argument `tensors`: index ", i, " has size ",
+                t.sym_size(dims[i]), " along dim ", dim, " but `split_sizes` ", split_sizes, " sum to ",
+                total);
   }
   std::vector<at::Tensor> out(devices.size() * n);
   for (int64_t i = 0; i < n; ++i) {
-    const auto& t = tensors[i];
-    int64_t start = 0;
+    const auto pieces = at::split_with_sizes(tensors[i], split_sizes, dims[i]);  // backward: one cat
     for (size_t k = 0; k < devices.size(); ++k) {
-      auto piece = t.narrow(dims[i], start, split_sizes[k]);
-      start += split_sizes[k];
-      auto dst = at::empty(piece.sizes(), t.options().device(devices[k]));
-      if (piece.numel() > 0) dst.copy_(piece, non_blocking_to(devices[k]));
-      out[k * n + i] = std::move(dst);
+      out[k * n + i] = pieces[k].to(pieces[k].options().device(devices[k]), non_blocking_to(devices[k]),
+                                    /*copy=*/true, at::MemoryFormat::Contiguous);
     }
   }
   return out;
@@ -123,7 +111,7 @@ std::vector<at::Tensor> split_to_devices(at::TensorList tensors, at::IntArrayRef
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(shardkit, CompositeExplicitAutograd, m) {
+TORCH_LIBRARY_IMPL(shardkit, CompositeImplicitAutograd, m) {
   m.impl("weighted_loss_reduce", &weighted_loss_reduce);
   m.impl("split_to_devices", &split_to_devices);
 }

@@ -2,8 +2,10 @@
 coalesced split of tensors onto devices, with fake kernels and autograd.
 
 Both ops are device-generic C++ (``csrc/composite/parallel.cpp``, registered for
-CompositeExplicitAutograd): they move data between devices and do a few multiply-adds,
-which ATen does on every backend, and their inputs span several devices at once.
+CompositeImplicitAutograd): they move data between devices and do a few multiply-adds,
+which ATen does on every backend, and their inputs span several devices at once. Written
+with differentiable ATen calls, they get autograd (double backward included), FakeTensor
+and torch.compile support from ATen, without a Python formula on the step's path.
 """
 
 from __future__ import annotations
@@ -81,102 +83,3 @@ def split_to_devices(
     flat = torch.ops.shardkit.split_to_devices(list(tensors), [int(s) for s in split_sizes], dim, devs)
     n = len(tensors)
     return [flat[k * n : (k + 1) * n] for k in range(len(devs))]
-
-
-# ---- fake kernels (shapes, dtypes and devices only) for torch.compile / FakeTensor ----
-
-
-@torch.library.register_fake("shardkit::weighted_loss_reduce")
-def _weighted_loss_reduce_fake(losses, weights, output_device, normalize):
-    torch._check(len(losses) > 0, lambda: "argument `losses` must hold at least one tensor")
-    torch._check(len(weights) == len(losses), lambda: "argument `weights` must hold one weight per loss")
-    dtype = losses[0].dtype
-    for t in losses[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return losses[0].new_empty(losses[0].shape, dtype=dtype, device=output_device)
-
-
-@torch.library.register_fake("shardkit::split_to_devices")
-def _split_to_devices_fake(tensors, split_sizes, dim, devices):
-    out = []
-    for k, dev in enumerate(devices):
-        for t in tensors:
-            shape = list(t.shape)
-            shape[dim] = split_sizes[k]
-            out.append(t.new_empty(shape, device=dev))
-    return out
-
-
-# ---- autograd ----
-
-
-def _place_weight(w: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    # One-element host weights act as scalars in device arithmetic (no copy, no sync).
-    w = w.reshape(()).to(dtype)
-    if w.device == device or w.device.type == "cpu":
-        return w
-    return w.to(device, non_blocking=device.type == "cuda")
-
-
-def _reduce_setup(ctx, inputs, output):
-    losses, weights, _output_device, normalize = inputs
-    ctx.loss_meta = [(t.device, t.dtype) for t in losses]
-    ctx.normalize = normalize
-    ctx.save_for_backward(*weights)
-
-
-def _reduce_backward(ctx, grad):
-    # The scales w_k / sum w in the gradient's precision, at least float32 (float64 losses
-    # must not get float32-rounded scales; half losses are scaled in float32).
-    dtype = torch.promote_types(grad.dtype, torch.float32)
-    weights = [_place_weight(w, grad.device, dtype) for w in ctx.saved_tensors]
-    total = None
-    if ctx.normalize:
-        total = weights[0]
-        for w in weights[1:]:
-            total = total + w
-    grads = []
-    for (device, dtype), w in zip(ctx.loss_meta, weights):
-        # 0/0 (every weight zero: a NaN loss, as on one device) sends zero gradients, as
-        # the single-device loss does when every target is ignored.
-        scale = (w / total).nan_to_num(nan=0.0) if ctx.normalize else w
-        g = grad * scale
-        grads.append(g.to(device=device, dtype=dtype, non_blocking=device.type == "cuda"))
-    return grads, [None] * len(weights), None, None
-
-
-torch.library.register_autograd("shardkit::weighted_loss_reduce", _reduce_backward, setup_context=_reduce_setup)
-
-
-def _split_setup(ctx, inputs, output):
-    tensors, split_sizes, dim, _devices = inputs
-    ctx.meta = [(t.device, t.dtype, t.shape, t.is_floating_point() or t.is_complex()) for t in tensors]
-    ctx.split_sizes = list(split_sizes)
-    ctx.dim = dim
-
-
-def _split_backward(ctx, grads):
-    n = len(ctx.meta)
-    out = []
-    for i, (device, dtype, shape, differentiable) in enumerate(ctx.meta):
-        if not differentiable:
-            out.append(None)
-            continue
-        dim = ctx.dim % len(shape)
-        parts = []
-        for k, size in enumerate(ctx.split_sizes):
-            g = grads[k * n + i]
-            if g is None:
-                piece_shape = list(shape)
-                piece_shape[dim] = size
-                g = torch.zeros(piece_shape, dtype=dtype, device=device)
-            else:
-                # Host destinations stay synchronous: an async device-to-host copy could
-                # be read before it lands.
-                g = g.to(device=device, dtype=dtype, non_blocking=device.type == "cuda")
-            parts.append(g)
-        out.append(torch.cat(parts, dim))
-    return out, None, None, None
-
-
-torch.library.register_autograd("shardkit::split_to_devices", _split_backward, setup_context=_split_setup)

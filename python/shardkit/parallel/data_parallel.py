@@ -247,9 +247,15 @@ class DataParallelCriterion(nn.DataParallel):
                 replicas = share_replicas(self.module, len(devices))
             else:
                 replicas = self.replicate(self.module, [d.index for d in devices])
-            calls = [functools.partial(_call, m, out, t, k) for m, out, (t, k) in zip(replicas, inputs, per_device)]
+            # Each worker also computes its chunk's weight (the valid-target count of a mean
+            # criterion): those few small ops then run in parallel, not after the join.
+            auto = not (self.legacy_mean or getattr(self.module, "reduction", "mean") == "sum")
+            calls = [
+                functools.partial(_chunk_loss, m, out, t, k, n, auto)
+                for m, out, (t, k), n in zip(replicas, inputs, per_device, sizes)
+            ]
             results = run_parallel(calls, devices, "DataParallelCriterion")
-            return self._reduce(results, replicas, per_device, sizes)
+            return self._reduce(results)
 
     def replicate(self, module: nn.Module, device_ids) -> list[nn.Module]:
         """Replicas of a criterion with state (e.g. a class ``weight``) for ``device_ids``,
@@ -288,19 +294,11 @@ class DataParallelCriterion(nn.DataParallel):
             )
         return devices, sizes
 
-    def _reduce(self, results: list[Any], replicas: list[nn.Module], per_device, sizes: list[int]) -> Any:
+    def _reduce(self, results: list[tuple[Any, Any]]) -> Any:
+        """Reduces the workers' (value, weight) pairs (see _chunk_loss)."""
         reduction = getattr(self.module, "reduction", "mean")
-        values, weights = [], []
-        for k, r in enumerate(results):
-            value, weight = _split_weight(r)
-            if weight is None:
-                weight = (
-                    sizes[k]
-                    if self.legacy_mean or reduction == "sum"
-                    else _auto_weight(replicas[k], per_device[k][0], sizes[k])
-                )
-            values.append(value)
-            weights.append(1 if self.legacy_mean or reduction == "sum" else weight)
+        values = [value for value, _ in results]
+        weights = [1 if self.legacy_mean or reduction == "sum" else weight for _, weight in results]
         out_dev = U.as_device(self.output_device)
         normalize = reduction != "sum"
 
@@ -331,6 +329,16 @@ class DataParallelCriterion(nn.DataParallel):
             return list(vals)
 
         return combine_nested(values)
+
+
+def _chunk_loss(module: nn.Module, output: Any, targets: tuple, kwargs: dict, samples: int, auto: bool) -> tuple:
+    """One worker's part of DataParallelCriterion: (loss value, its weight). The weight is
+    what the criterion reports, else (when ``auto``) the denominator of its mean on this
+    chunk, else the chunk's sample count."""
+    value, weight = _split_weight(_call(module, output, targets, kwargs))
+    if weight is None:
+        weight = _auto_weight(module, targets, samples) if auto else samples
+    return value, weight
 
 
 def _split_weight(result: Any) -> tuple[Any, Any]:
