@@ -153,6 +153,9 @@ def main():
             f"{over * 100:+.1f}%" + ("" if device.type == "cuda" else " (target is for the GPU)"),
         )
     ]
+    if device.type == "cpu" and "ours k=2" in res:  # issue 16: k=2 CPU devices at most 2x the plain criterion
+        x = res["ours k=2"][0] / base
+        targets.append(target_line("parallel criterion k=2 cpu devices <= 2x plain", x <= 2.0, f"{x:.2f}x"))
     for k in args.chunks:
         o = res[f"ours k={k}"][0] / base - 1
         print(

@@ -421,3 +421,15 @@ def test_gather_helper():
     got = gather(net(x), "cpu")
     ref = net.module(x)
     assert rel(got["logits"], ref["logits"]) <= 1e-6 and got["aux"].shape == (8, 5)
+
+
+def test_profiler_ranges_appear_only_under_the_profiler():
+    # The forward ranges are recorded while a profiler runs (and skipped otherwise, for speed).
+    net = DataParallelModel(Net(), device_ids=["cpu"] * 2)
+    crit = DataParallelCriterion(nn.CrossEntropyLoss(), device_ids=["cpu"] * 2)
+    x, y = torch.randn(6, 7), torch.randint(0, 5, (6,))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        crit(net(x), y).backward()
+    names = {e.name for e in prof.events()}
+    assert {"shardkit.DataParallelModel.forward", "shardkit.DataParallelCriterion.forward"} <= names
+    assert not torch._C._autograd._profiler_enabled()

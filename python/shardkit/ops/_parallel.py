@@ -1,11 +1,11 @@
 """Functional ops of ``shardkit.parallel``: the cross-device weighted loss reduction and the
 coalesced split of tensors onto devices, with fake kernels and autograd.
 
-Both ops are device-generic C++ (``csrc/composite/parallel.cpp``, registered for
-CompositeImplicitAutograd): they move data between devices and do a few multiply-adds,
-which ATen does on every backend, and their inputs span several devices at once. Written
-with differentiable ATen calls, they get autograd (double backward included), FakeTensor
-and torch.compile support from ATen, without a Python formula on the step's path.
+Both ops are device-generic C++ (``csrc/composite/parallel.cpp``): they move data between
+devices and do a few multiply-adds, which ATen does on every backend, and their inputs
+span several devices at once. split_to_devices is CompositeImplicitAutograd (autograd,
+FakeTensor and compile from ATen); weighted_loss_reduce has a C++ autograd node (no Python
+formula runs per step) and its fake kernel here.
 """
 
 from __future__ import annotations
@@ -83,3 +83,13 @@ def split_to_devices(
     flat = torch.ops.shardkit.split_to_devices(list(tensors), [int(s) for s in split_sizes], dim, devs)
     n = len(tensors)
     return [flat[k * n : (k + 1) * n] for k in range(len(devs))]
+
+
+@torch.library.register_fake("shardkit::weighted_loss_reduce")
+def _weighted_loss_reduce_fake(losses, weights, output_device, normalize):
+    torch._check(len(losses) > 0, lambda: "argument `losses` must hold at least one tensor")
+    torch._check(len(weights) == len(losses), lambda: "argument `weights` must hold one weight per loss")
+    dtype = losses[0].dtype
+    for t in losses[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return losses[0].new_empty(losses[0].shape, dtype=dtype, device=output_device)

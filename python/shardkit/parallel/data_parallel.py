@@ -39,7 +39,7 @@ from shardkit.ops import weighted_loss_reduce
 from shardkit.parallel import scatter as U
 from shardkit.parallel.replicate import replicate_module, share_replicas
 from shardkit.parallel.sync import execute_replication_callbacks
-from shardkit.parallel.threads import run_parallel
+from shardkit.parallel.threads import profiler_range, run_parallel
 
 
 class WeightedLoss(NamedTuple):
@@ -129,7 +129,7 @@ class DataParallelModel(nn.DataParallel):
         self.gpu0_bsz = gpu0_bsz
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        with torch.autograd.profiler.record_function("shardkit.DataParallelModel.forward"):
+        with profiler_range("shardkit.DataParallelModel.forward"):
             if not self.device_ids:
                 return self.module(*inputs, **kwargs)
             src = self._devices[0]
@@ -218,7 +218,7 @@ class DataParallelCriterion(nn.DataParallel):
         self.legacy_mean = legacy_mean
 
     def forward(self, inputs: Any, *targets: Any, **kwargs: Any) -> Any:
-        with torch.autograd.profiler.record_function("shardkit.DataParallelCriterion.forward"):
+        with profiler_range("shardkit.DataParallelCriterion.forward"):
             if not self.device_ids:
                 return _strip_weight(_call(self.module, inputs, targets, kwargs))
             if len(self._devices) == 1:
