@@ -7,6 +7,7 @@ next to the one measured (1 - busy stage time / (K x forward wall time); the sta
 busy time is taken by hooks around each stage call).
 
     python benchmarks/bench_pipeline.py --devices cpu,cpu            # 2-core CPU: small images
+    python benchmarks/bench_pipeline.py --devices cpu,cpu --stage-threads 1   # a core per stage
     python benchmarks/bench_pipeline.py --devices cuda:0,cuda:1      # two GPUs
     python benchmarks/bench_pipeline.py --devices cuda:0,cuda:0      # one GPU, two streams
 
@@ -119,6 +120,13 @@ def main():
     ap.add_argument("--batch", type=int, default=None, help="batch (default 16 on CPU, 128 on CUDA)")
     ap.add_argument("--image", type=int, default=None, help="image side (default 64 on CPU, 224 on CUDA)")
     ap.add_argument("--reps", type=int, default=5, help="timed steps per case (median)")
+    ap.add_argument(
+        "--stage-threads",
+        type=int,
+        default=None,
+        help="CPU: torch intra-op threads while the split cases run (e.g. 1 on 2 cores: each stage thread "
+        "then has a core, as each stage has a device); the unsplit case keeps torch's default",
+    )
     args = ap.parse_args()
     devices = [torch.device(d) for d in args.devices.split(",")]
     cuda = devices[0].type == "cuda"
@@ -141,6 +149,9 @@ def main():
     t = run_case(unsplit, x, devices, args.reps)
     rows.append(dict(case="unsplit, one device", chunks=None, step_s=t, peak_mib=peaks(), bubble_pred=None,
                      bubble_meas=None))  # fmt: skip
+    default_threads = torch.get_num_threads()
+    if args.stage_threads:
+        torch.set_num_threads(args.stage_threads)
     sample = x[: max(2, batch // 8)]
     balance = PipelineModel.balance_by([m.to(devices[0]) for m in resnet50_layers()], sample, 2, by="time")
     for chunks in (1, 2, 4, 8):
@@ -162,7 +173,8 @@ def main():
                          bubble_meas=measured))  # fmt: skip
     base = rows[0]["step_s"]
     print(f"PipelineModel, ResNet-50 layout, batch {batch} x 3 x {image} x {image}, devices {args.devices}, "
-          f"balance {balance} (by time), torch {torch.__version__}")  # fmt: skip
+          f"balance {balance} (by time), torch {torch.__version__}, intra-op threads: unsplit "
+          f"{default_threads}, split {torch.get_num_threads()}")  # fmt: skip
     print(f"{'case':36} {'step ms':>9} {'vs unsplit':>10} {'bubble pred':>11} {'bubble meas':>11}  peak MiB per device")
     for r in rows:
         pred = "" if r["bubble_pred"] is None else f"{r['bubble_pred']:.2f}"
@@ -172,7 +184,8 @@ def main():
     path = os.path.join(out_dir(), f"bench_pipeline_{args.devices.replace(',', '_').replace(':', '')}.json")
     with open(path, "w") as f:
         json.dump(dict(devices=args.devices, batch=batch, image=image, balance=balance, torch=torch.__version__,
-                       rows=rows), f, indent=1)  # fmt: skip
+                       threads_unsplit=default_threads, threads_split=torch.get_num_threads(), rows=rows), f,
+                  indent=1)  # fmt: skip
     print(f"wrote {path}")
 
 
