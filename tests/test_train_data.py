@@ -165,3 +165,31 @@ def test_loader_batches_feed_normalize():
     items = [ds[i] for i in range(3)]
     imgs, lbs = collate_uint8(items)
     assert torch.equal(imgs, ds.get_batch(range(3))[0]) and lbs.tolist() == [0, 0, 0]
+
+
+def test_rank_batches_are_distributed_sampler_batches_and_resume_exactly():
+    from types import SimpleNamespace
+
+    from torch.utils.data import DistributedSampler
+
+    from shardkit.train.setup import _RankBatches
+
+    data = list(range(103))
+
+    def batches(size, rank, epoch, start=0, batch=4):
+        return list(_RankBatches(data, batch, SimpleNamespace(size=size, rank=rank), 7, epoch, start))
+
+    # Exactly torch's DistributedSampler (with set_epoch) cut into batches.
+    ref = DistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=7, drop_last=True)
+    ref.set_epoch(3)
+    idx = list(ref)
+    assert batches(2, 1, 3) == [idx[b * 4 : (b + 1) * 4] for b in range(len(idx) // 4)]
+    # The ranks' batches b are disjoint and together form global batch b of a one-rank run
+    # with the global batch size; a resume at batch 5 continues exactly; epochs differ.
+    one = batches(1, 0, 3, batch=8)
+    r0, r1 = batches(2, 0, 3), batches(2, 1, 3)
+    assert len(r0) == len(r1) == 12
+    for b in range(12):
+        assert not set(r0[b]) & set(r1[b]) and sorted(r0[b] + r1[b]) == sorted(one[b])
+    assert batches(2, 1, 3, start=5) == r1[5:]
+    assert batches(2, 1, 4) != r1

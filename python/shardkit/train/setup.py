@@ -12,14 +12,13 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, Sampler, Subset
+from torch.utils.data import DataLoader, DistributedSampler, Sampler, Subset
 
 import shardkit
 from shardkit.parallel import DataParallelCriterion, DataParallelModel, PipelineModel
 from shardkit.plan import balance_shards
 from shardkit.train import checkpoint
 from shardkit.train.data import (
-    EpochBatchSampler,
     ImageFolderDataset,
     SyntheticIdentities,
     VerificationSet,
@@ -33,18 +32,27 @@ MEAN, STD = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
 CKPT_FILE = checkpoint.CKPT_FILE
 
 
-class _RankSlice(Sampler):
-    """This rank's part of each global batch of an :class:`EpochBatchSampler`."""
+class _RankBatches(Sampler):
+    """This rank's micro-batches of one epoch, from batch ``start`` on: torch's
+    DistributedSampler (shuffled by seed and epoch, ``set_epoch``) cut into batches. Global
+    batch b is the same set of samples for every world size (positions [b B W, (b+1) B W)
+    of the epoch's permutation); skipping to ``start`` only slices indices, so a resume
+    mid-epoch reads no data it does not train on."""
 
-    def __init__(self, inner: EpochBatchSampler, rank: int, per_rank: int):
-        self.inner, self.rank, self.per_rank = inner, rank, per_rank
+    def __init__(self, dataset, batch: int, world, seed: int, epoch: int, start: int):
+        self.sampler = DistributedSampler(
+            dataset, num_replicas=world.size, rank=world.rank, shuffle=True, seed=seed, drop_last=True
+        )
+        self.sampler.set_epoch(epoch)
+        self.batch, self.start = batch, start
 
     def __len__(self):
-        return len(self.inner)
+        return max(0, len(self.sampler) // self.batch - self.start)
 
     def __iter__(self):
-        for idx in self.inner:
-            yield idx[self.rank * self.per_rank : (self.rank + 1) * self.per_rank]
+        idx = list(self.sampler)
+        for b in range(self.start, len(idx) // self.batch):
+            yield idx[b * self.batch : (b + 1) * self.batch]
 
 
 class Batches:
@@ -59,12 +67,9 @@ class Batches:
     def get(self, i: int, per_epoch: int):
         if i != self._next:
             epoch, start = divmod(i, per_epoch)
-            inner = EpochBatchSampler(
-                len(self.dataset), self.batch * self.world.size, seed=self.seed, epoch=epoch, start_batch=start
-            )
             loader = DataLoader(
                 self.dataset,
-                batch_sampler=_RankSlice(inner, self.world.rank, self.batch),
+                batch_sampler=_RankBatches(self.dataset, self.batch, self.world, self.seed, epoch, start),
                 collate_fn=collate_uint8,
                 num_workers=self.workers,
                 pin_memory=torch.cuda.is_available(),
