@@ -215,6 +215,51 @@ def test_profile_prints_phases_verdict_trace_and_chart(tmp_path, capsys):
     assert not os.path.exists(os.path.join(out, "checkpoint"))  # profiling trains nothing to keep
 
 
+@pytest.mark.gpu
+def test_profile_on_a_gpu_times_phases_with_events(tmp_path, capsys):
+    # GPU twin: the device column comes from CUDA events (no sync between phases).
+    out = str(tmp_path / "prof")
+    assert train.main(TINY + ["--profile", "3", "--devices", "cuda:0", "--out", out]) == 0
+    text = capsys.readouterr().out
+    assert "device ms" in text and "verdict: " in text
+    rows = [line.split() for line in text.splitlines() if line.startswith("  backbone fwd ")]
+    assert rows and float(rows[0][-2]) > 0  # the backbone's device time per step
+
+
+def test_profile_device_times_from_event_pairs(monkeypatch):
+    # The event bookkeeping, with a stand-in for CUDA events (no GPU here): a phase's device
+    # time is the sum over its occurrences of the longest (start, end) span among the devices.
+    from shardkit.train import profile
+
+    clock = {"t": 0.0}
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.t = None
+
+        def record(self, stream):
+            self.t = clock["t"] + (2.0 if stream == "s1" else 0.0)  # device 1 lags by 2 ms
+
+        def elapsed_time(self, end):
+            return end.t - self.t
+
+    synced = []
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d: f"s{d.index}")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d: synced.append(d))
+    timer = profile._Timer([torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cuda", 0)])
+    for ms in (3.0, 5.0):
+        with timer("head"):
+            clock["t"] += ms
+    with timer("EMA"):
+        clock["t"] += 1.0
+    out = timer.device_seconds()
+    assert synced == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert out == pytest.approx({"head": 0.008, "EMA": 0.001})
+    assert set(timer.total) == {"head", "EMA"}  # host times too
+
+
 def test_profile_verdicts():
     from shardkit.train.profile import PHASES, verdict
 
