@@ -124,7 +124,7 @@ def run(parts, args, steps_per_epoch: int, lr: float, log) -> int:
         for i in range(1, n + 1):
             _step(parts, args, i, steps_per_epoch, timer)
         device = timer.device_seconds() if timer.cuda else None  # waits for the devices
-    wall = time.perf_counter() - t0
+        wall = time.perf_counter() - t0  # before the profiler stops (processing its events takes long)
     os.makedirs(args.out, exist_ok=True)
     prof.export_chrome_trace(trace)
     # What the verdict weighs: host times on the CPU; on GPUs the device spans, and the host
