@@ -54,21 +54,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 sys.path.insert(0, HERE)  # _timing, whatever the cwd (also under python -m)
 
-from _sharded_loss_report import check_largest_target, check_shape_targets, save  # noqa: E402
+from _sharded_loss_report import PEERS, check_largest_target, check_shape_targets, save  # noqa: E402
 from _timing import cpu_description, time_all, time_once  # noqa: E402
 
 import shardkit  # noqa: E402
 
-METHODS = [
-    "shardkit",
-    "shardkit+checks",
-    "linear+cross_entropy",
-    "torch.linear_cross_entropy",
-    "cce_filtered",
-    "cce_exact",
-    "cce_torch_compile",
-    "liger_flce",
-]
+METHODS = ["shardkit", "shardkit+checks", *PEERS]
 CCE = ("cce_filtered", "cce_exact")  # its Triton kernels (GPU)
 # The largest-C search: shardkit's own search gets SHARDKIT_SHARE shares of the time, each
 # other method one (its C is the one the issues ask for; ~35M classes on an 80 GB GPU, ~15 probes).
