@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cmath>
@@ -148,13 +149,15 @@ void dlogit_generic(float* z, int64_t n, float s, float lse, float gl, float gs)
 }
 
 // The float loops used: AVX2 + FMA where the CPU has both, unless the environment variable
-// SHARDKIT_CPU_ISA=generic asks for the generic versions (to test them, or to rule the
-// AVX2 code out when chasing a difference). Read once, at the first call.
+// SHARDKIT_CPU_ISA=generic asks for the generic versions ("auto" or unset: the default) (to test them, or to
+// rule the AVX2 code out when chasing a difference). Read once, at the first call.
 inline bool use_avx2() {
 #ifdef SCE_HAVE_AVX2
   static const bool on = [] {
     const char* isa = std::getenv("SHARDKIT_CPU_ISA");
     if (isa != nullptr && std::strcmp(isa, "generic") == 0) return false;
+    if (isa != nullptr && *isa != '\0' && std::strcmp(isa, "auto") != 0)
+      TORCH_WARN("SHARDKIT_CPU_ISA=", isa, " is not one of \"auto\" or \"generic\"; using \"auto\"");
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   }();
