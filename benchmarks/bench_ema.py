@@ -271,7 +271,7 @@ def run_case(which, dtype_name, device, methods, reps, loop_max_params):
     n_tensors = len(model.state_dict())
     nbytes = sum(t.numel() * (2 * 4 + t.element_size()) for t in floats)  # EMA is fp32
     # All implementations live at once and are timed round-robin, one update each per
-    # round, so load changes on a shared machine hit them alike.
+    # round (in a rotating order), so load changes on a shared machine hit them alike.
     impls, errors = {}, {}
     for name in methods:
         if name == "loop" and device.type == "cpu" and n_params > loop_max_params:
@@ -297,11 +297,15 @@ def run_case(which, dtype_name, device, methods, reps, loop_max_params):
         copies["memcpy"] = lambda: np.copyto(copy_dst.numpy(), copy_src.numpy())
     copy_times = {k: [] for k in copies}
     times = {name: [] for name in impls}
-    for _ in range(reps):
+    names = list(impls)
+    for r in range(reps):
         for k, fn in copies.items():
             copy_times[k].append(time_once(fn, device))
-        for name, impl in impls.items():
-            times[name].append(time_once(lambda impl=impl: impl.update(model), device))  # noqa: F821
+        # The order rotates every round: a method that runs right after another one has read
+        # the model finds the last-read part of it in cache (a few % on the CPU's 32 MB L3),
+        # so no method may always come first or always follow a given one.
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            times[name].append(time_once(lambda impl=impls[name]: impl.update(model), device))  # noqa: F821
     bw = 2 * copy_src.numel() * 4 / min(statistics.median(v) for v in copy_times.values())
     floor = nbytes / bw
     copy_src = copy_dst = None
