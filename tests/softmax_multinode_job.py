@@ -9,6 +9,7 @@ Both modes write DIR/<mode>-rank<r>.pt with what the test compares (weights, los
 
 import os
 import sys
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -51,7 +52,13 @@ def main():
             torch.save(backbone.state_dict(), os.path.join(directory, "backbone.pt"))
     torch.save({"losses": losses, "full": full, "world": world, "backbone": backbone.state_dict()},
                os.path.join(directory, f"{mode}-rank{rank}.pt"))  # fmt: skip
-    dist.barrier()
+    # Tear down together and in order: drop what holds the groups (DDP's reducer, the head's
+    # exchange), wait for every rank with a barrier that completes by explicit
+    # acknowledgements, then destroy. A rank that exits while a peer's gloo threads still read
+    # its sockets aborts that peer ("terminate called without an active exception"), which
+    # failed one CI run of this job.
+    del ddp, head, opt, params
+    dist.monitored_barrier(timeout=timedelta(seconds=120))
     dist.destroy_process_group()
 
 
