@@ -137,11 +137,11 @@ class WeightedLossReduceFn : public torch::autograd::Function<WeightedLossReduce
     torch::autograd::variable_list out(2 * n + 2);  // losses, weights (none), device, normalize
     if (!grad.defined()) return out;
     if (grad.device().is_cpu() && host_scalars(weights, {})) {  // scales as doubles
+      std::vector<double> w(n);
       double total = 0;
-      for (int64_t k = 0; k < n; ++k) total += weights[k].item<double>();
+      for (int64_t k = 0; k < n; ++k) total += (w[k] = weights[k].item<double>());
       for (int64_t k = 0; k < n; ++k) {
-        const double w = weights[k].item<double>();
-        const double scale = normalize ? (w != 0 ? w / total : 0.0) : w;
+        const double scale = normalize ? (w[k] != 0 ? w[k] / total : 0.0) : w[k];
         out[k] = (grad * scale).to(meta[k].device(), meta[k].scalar_type());
       }
       return out;

@@ -148,9 +148,9 @@ void dlogit_generic(float* z, int64_t n, float s, float lse, float gl, float gs)
   }
 }
 
-// The float loops used: AVX2 + FMA where the CPU has both, unless the environment variable
-// SHARDKIT_CPU_ISA=generic asks for the generic versions ("auto" or unset: the default) (to test them, or to
-// rule the AVX2 code out when chasing a difference). Read once, at the first call.
+// The float loops used: AVX2 + FMA where the CPU has both. The environment variable
+// SHARDKIT_CPU_ISA=generic forces the generic versions (to test them, or to rule the AVX2
+// code out when chasing a difference); "auto" or unset is the default. Read once.
 inline bool use_avx2() {
 #ifdef SCE_HAVE_AVX2
   static const bool on = [] {

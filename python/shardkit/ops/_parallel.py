@@ -21,6 +21,8 @@ DeviceLike = torch.device | str | int
 
 def _device(d: DeviceLike) -> torch.device:
     """A torch.device with an explicit index for CUDA (an int means a CUDA index)."""
+    if isinstance(d, torch.device) and (d.type != "cuda" or d.index is not None):
+        return d  # already explicit (the per-step callers pass these)
     dev = torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())

@@ -9,6 +9,8 @@ from typing import Any, Sequence
 
 import torch
 
+from shardkit.ops import split_to_devices
+
 # ---- devices ------------------------------------------------------------------------
 
 
@@ -152,11 +154,8 @@ def split_args(
             )
     if not leaves:
         return [(args, kwargs) for _ in devices]
-    # The op itself, not the ops.split_to_devices wrapper: these devices are torch.device
-    # objects already (CUDA ones with their index), and this runs every step.
-    flat = torch.ops.shardkit.split_to_devices(leaves, list(sizes), dim, list(devices))
-    n = len(leaves)
-    return [unflatten(spec, iter(flat[k * n : (k + 1) * n])) for k in range(len(devices))]
+    pieces = split_to_devices(leaves, list(sizes), list(devices), dim)
+    return [unflatten(spec, iter(p)) for p in pieces]
 
 
 def to_device(obj: Any, device: torch.device) -> Any:
