@@ -5,6 +5,8 @@
 # torch, triton, pytest and matplotlib, and CUDA's nvcc and compute-sanitizer. No network
 # is needed: the peer libraries come from wheels/ (benchmarks/fetch_wheels.sh fetches them).
 #
+#   bash benchmarks/gpu_suite.sh quick     # the most informative 10 minutes (tests, memcheck, CE)
+#   bash benchmarks/gpu_suite.sh quick-b   # its follow-up: EMA and normalize bandwidth
 #   bash benchmarks/gpu_suite.sh test      # GPU tests, compute-sanitizer, then the rest of the tests
 #   bash benchmarks/gpu_suite.sh bench-a   # ce-kernels, ema, normalize, parallel, distributed, pipeline
 #   bash benchmarks/gpu_suite.sh bench-b   # the sharded-loss benchmark, then the largest C per method
@@ -54,7 +56,7 @@
 #     bench-maxc ~3-4 min [240, or what is left]: the searches share $STEP_CAP - 30 s (shardkit
 #       2 shares, the 4 others 1 each); a search cut short reports its lower bound.
 set -u
-STAGE=${1:?usage: gpu_suite.sh test|bench-a|bench-b [budget_s]}
+STAGE=${1:?usage: gpu_suite.sh quick|quick-b|test|bench-a|bench-b [budget_s]}
 BUDGET=${2:-540}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -154,6 +156,15 @@ build() {
     note build 0 0 0 "reused this machine's build ($h)"
   elif [ -f "$pre" ]; then
     step build-unpack 60 "tar xzf $pre -C python/shardkit && ls -la python/shardkit/_C*.so" && touch "$stamp"
+  fi
+  # A saved build made on another machine may not load here (other system libraries): then
+  # it is removed and the sources are built here.
+  if [ -f "$stamp" ] && ! $PY -c "import sys; sys.path.insert(0, 'python'); import shardkit._C" > "$WORK/unpack_check.log" 2>&1; then
+    cat "$WORK/unpack_check.log"; echo "the saved build does not load here: rebuilding"
+    rm -f python/shardkit/_C*.so "$stamp"
+  fi
+  if [ -f "$stamp" ]; then
+    :
   else
     ls wheels/shardkit_C_*.tar.gz > /dev/null 2>&1 && echo "the saved build in wheels/ is not of these sources ($h): rebuilding"
     step build 300 'export FORCE_CUDA=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
@@ -201,6 +212,22 @@ case "$STAGE" in
     XDIST=""; $PY -c "import xdist" 2>/dev/null && XDIST="-n 8"
     step tests-rest 400 "$PY -m pytest -m 'not gpu' tests $PYTEST_OPTS -q $XDIST --junitxml=$WORK/out/junit_rest.xml"
     ;;
+  quick)
+    # The most informative ten minutes: GPU tests, memcheck, the kernel breakdown, then the
+    # sharded loss against its peers at B=1024 (the bring-up issue's target shapes).
+    info; wheels; build
+    step tests-gpu 180 "$PY -m pytest -m gpu tests $PYTEST_OPTS --timeout=60 -q --junitxml=$WORK/out/junit_gpu.xml"
+    step sanitize-memcheck 90 "$SAN --tool memcheck $PY benchmarks/sanitize_smoke.py"
+    step bench-ce-kernels 90 "$B/bench_sharded_ce_kernels.py --device cuda --batch 1024 --dim 512 \
+      --classes 1000000 --dtype bfloat16 --reps 10 --chunks 16384,65536"
+    step bench-sharded-loss 400 "$B/bench_sharded_loss.py --device cuda --batch 1024 --method-budget 3"
+    ;;
+  quick-b)
+    # A short follow-up to quick: the EMA and normalize bandwidth figures.
+    info; build
+    step bench-ema 120 "$B/bench_ema.py --device cuda --reps 20"
+    step bench-normalize 60 "$B/bench_normalize.py --device cuda && $B/bench_normalize.py --device cuda --dtype bfloat16"
+    ;;
   bench-a)
     info; wheels; build
     # The kernel benchmark first: the default chunk size (always timed) and four others.
@@ -219,6 +246,6 @@ case "$STAGE" in
     # The largest-C searches share what the step's cap leaves after start-up and saving.
     step bench-maxc 240 "$B/bench_sharded_loss.py --device cuda --max-classes-only --search-total \$((STEP_CAP - 30))"
     ;;
-  *) echo "unknown stage $STAGE (test, bench-a, bench-b)"; exit 2 ;;
+  *) echo "unknown stage $STAGE (quick, quick-b, test, bench-a, bench-b)"; exit 2 ;;
 esac
 finish

@@ -9,10 +9,10 @@ Both modes write DIR/<mode>-rank<r>.pt with what the test compares (weights, los
 
 import os
 import sys
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from dist_teardown import end_rank
 
 import shardkit
 
@@ -58,8 +58,7 @@ def main():
     # its sockets aborts that peer ("terminate called without an active exception"), which
     # failed one CI run of this job.
     del ddp, head, opt, params
-    dist.monitored_barrier(timeout=timedelta(seconds=120))
-    dist.destroy_process_group()
+    end_rank()
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from dist_teardown import end_rank
 from softmax_dist_scenarios import IGNORE, SCENARIOS, WORLDS, D, check_against_reference, make_data, rel, run_scenario
 
 import shardkit
@@ -223,13 +224,10 @@ def _worker(rank, init_file, tmp):
         results["fatal"] = traceback.format_exc()
     finally:
         torch.save(results, os.path.join(tmp, f"rank{rank}.pt"))
-        # Tear down together, then destroy every group: a process that exits with live gloo
-        # groups (one of them broken by the failure scenario) could abort in their
-        # destructors ("terminate called without an active exception").
-        try:
-            dist.monitored_barrier(timeout=timedelta(seconds=120))
-        finally:
-            dist.destroy_process_group()
+        # Tear down together, destroy every group and leave without running torch's
+        # destructors: a process that exits with live gloo groups (one of them broken by the
+        # failure scenario) could abort in them (see dist_teardown.py).
+        end_rank()
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -71,7 +72,19 @@ def _interrupt_after(monkeypatch, n_steps):
 
 @pytest.mark.parametrize("extra", [[], ["--accumulate", "2", "--margin", "cosface"]])
 def test_ctrl_c_saves_and_resume_is_exact(tmp_path, monkeypatch, capsys, extra):
-    args = TINY + ["--steps", "5", "--seed", "1"] + extra
+    args = TINY + ["--steps", "5", "--seed", "1", "--devices", "cpu"] + extra
+    _ctrl_c_then_resume(tmp_path, monkeypatch, capsys, args)
+
+
+@pytest.mark.gpu
+def test_ctrl_c_saves_and_resume_is_exact_on_a_gpu(tmp_path, monkeypatch, capsys):
+    # cuDNN's default convolution backward is not deterministic: two identical GPU runs differ
+    # in the last bits from the first step on (seen on an H200), so bit-exact needs --deterministic.
+    args = TINY + ["--steps", "5", "--seed", "1", "--devices", "cuda:0", "--deterministic", "--margin", "cosface"]
+    _ctrl_c_then_resume(tmp_path, monkeypatch, capsys, args)
+
+
+def _ctrl_c_then_resume(tmp_path, monkeypatch, capsys, args):
     full = str(tmp_path / "full")
     assert train.main(args + ["--out", full]) == 0
     ref = _history(full)["history"]["loss"]
@@ -185,7 +198,7 @@ def test_torchrun_two_ranks_and_resume(tmp_path):
     cmd = (
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "shardkit.train"]
         + TINY
-        + ["--batch", "16", "--sample-rate", "0.5", "--out", out]
+        + ["--batch", "16", "--sample-rate", "0.5", "--devices", "cpu", "--out", out]
     )
     r = subprocess.run(cmd + ["--steps", "3"], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -217,3 +230,17 @@ def test_pipeline_over_two_cpu_devices(tmp_path, capsys):
 def test_pipeline_flag_errors(tmp_path, capsys, extra, match):
     assert train.main(TINY + ["--steps", "1", "--out", str(tmp_path / "x"), "--devices", "cpu,cpu"] + extra) == 2
     assert match in capsys.readouterr().err
+
+
+def test_torchrun_with_more_ranks_than_gpus_is_a_usage_error(monkeypatch):
+    # A second rank on a node with one GPU: a clear error naming the fix, not CUDA's
+    # "invalid device ordinal" from inside the process-group start (seen on a one-GPU machine).
+    from shardkit.train.errors import UsageError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    args = SimpleNamespace(devices=[torch.device("cuda", 0)])
+    with pytest.raises(UsageError, match=r"local rank 1 has no GPU of its own \(1 visible.*--devices cpu"):
+        train_loop.init_distributed(args)

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from dist_teardown import end_rank
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -24,6 +25,7 @@ def _rank(rank, init_file, tmp):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=120))  # fmt: skip
     result = {}
+    model = ddp = parts = None
     try:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
@@ -63,7 +65,8 @@ def _rank(rank, init_file, tmp):
     except Exception:
         result["error"] = traceback.format_exc()
     torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    del ddp, parts, model  # the reducer holds the group: gone before the teardown
+    end_rank()
 
 
 def test_ddp_accumulation_all_reduces_once_per_step(tmp_path):

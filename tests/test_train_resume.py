@@ -170,7 +170,8 @@ def test_warnings_sampling_nothing_and_slow_bf16(tmp_path, capsys, monkeypatch):
     from shardkit.train import header
 
     monkeypatch.setattr(header, "_cpu_has_fast_bf16", lambda: False)
-    assert train.main(TINY + ["--steps", "1", "--sample-rate", "0.5", "--amp", "bf16", "--out", str(tmp_path)]) == 0
+    argv = TINY + ["--steps", "1", "--sample-rate", "0.5", "--amp", "bf16", "--devices", "cpu"]
+    assert train.main(argv + ["--out", str(tmp_path)]) == 0
     err = capsys.readouterr().err
     assert err.count("--sample-rate 0.5 samples nothing here") == 1
     assert err.count("--amp bf16 on a CPU without native bf16") == 1

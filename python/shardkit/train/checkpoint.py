@@ -47,7 +47,18 @@ FIXED = (
 # Restored on resume unless given again, and may be changed then.
 CHANGEABLE = ("steps", "epochs", "lr", "amp", "checkpointing")
 # Not restored: where and how this process runs.
-LOCAL = ("devices", "dp", "workers", "cache_ram", "out", "resume", "no_progress", "eval_every", "profile")
+LOCAL = (
+    "devices",
+    "deterministic",
+    "dp",
+    "workers",
+    "cache_ram",
+    "out",
+    "resume",
+    "no_progress",
+    "eval_every",
+    "profile",
+)
 
 
 def find(path: str) -> Optional[str]:

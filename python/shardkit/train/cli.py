@@ -192,6 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpointing", action="store_true", help="recompute backbone stages in the backward (default: off)"
     )
     t.add_argument("--seed", type=int, default=0, help="seed of the data, init and sampling (default: %(default)s)")
+    t.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="bit-for-bit repeatable steps on a GPU (deterministic cuDNN/cuBLAS, a little slower); the CPU "
+        "is deterministic anyway (default: off)",
+    )
     x = p.add_argument_group("devices")
     x.add_argument(
         "--devices",

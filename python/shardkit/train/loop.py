@@ -36,7 +36,14 @@ def init_distributed(args) -> World:
     if size <= 1:
         return World()
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
+    if any(d.type == "cuda" for d in args.devices):  # (the default where a GPU is visible)
+        visible = torch.cuda.device_count()
+        if local >= visible:
+            raise UsageError(
+                f"torchrun: local rank {local} has no GPU of its own ({visible} visible on this node); start at "
+                f"most {visible} processes per node (--nproc_per_node={visible}), or pass --devices cpu to train "
+                "on the CPU with gloo"
+            )
         dev = torch.device("cuda", local)
         torch.cuda.set_device(dev)
         dist.init_process_group("nccl", device_id=dev)
@@ -92,6 +99,17 @@ class _Interrupted(Exception):
     pass
 
 
+def set_deterministic() -> None:
+    """Bit-for-bit repeatable GPU steps (--deterministic): cuDNN's deterministic algorithms and
+    no autotuning, cuBLAS with a fixed workspace, and torch's deterministic mode (warning, not
+    failing, where an op has no deterministic kernel). shardkit's own kernels use no atomics
+    and are deterministic already. The CPU path is deterministic without it."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
 def run(args, world: World) -> int:
     log = RunLog(args.out, enabled=world.rank == 0, append=bool(args.resume))
     try:
@@ -102,6 +120,8 @@ def run(args, world: World) -> int:
 
 def _run(args, world: World, log: RunLog) -> int:
     lead = world.rank == 0
+    if args.deterministic:
+        set_deterministic()
     torch.manual_seed(args.seed + world.rank)
     random.seed(args.seed)
     parts = setup.build(args, world)
