@@ -6,7 +6,8 @@
 #   bash benchmarks/fetch_wheels.sh            # run from anywhere; prints names and sizes
 #   PYVER=3.11 bash benchmarks/fetch_wheels.sh # for another Python on the GPU machine
 #
-# Both peers are pure-Python wheels whose only run-time needs are torch and triton (plus
+# The peers (Cut Cross-Entropy and Liger for the sharded loss, ema-pytorch and torch-ema for
+# the EMA) are pure-Python wheels whose only run-time needs are torch and triton (plus
 # packaging and tqdm, imported by liger-kernel); the script lists every wheel's
 # Requires-Dist (extras left out) so a new version that needs more shows up here, not on
 # the GPU machine.
@@ -15,7 +16,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 DIR=$ROOT/wheels
 PYVER=${PYVER:-3.12}
 # Pinned: the versions benchmarked (bump deliberately, then re-run this script).
-PKGS=(cut-cross-entropy==25.1.1 liger-kernel==0.8.5)
+PKGS=(cut-cross-entropy==25.1.1 liger-kernel==0.8.5 ema-pytorch==0.8.3 torch-ema==0.3)
 mkdir -p "$DIR"
 rm -f "$DIR"/*.whl  # one version of each: two stop the offline install
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PYVER" --implementation cp \
