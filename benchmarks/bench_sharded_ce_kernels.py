@@ -48,7 +48,17 @@ def main():
         default=None,
         help="JSON path (default: sharded_ce_kernels_<device>.json in $SHARDKIT_BENCH_OUT or benchmarks/out)",
     )
+    ap.add_argument(
+        "--kernels",
+        default="v1",
+        help="CUDA kernel sets to time, comma-separated: v1 (the default kernels) and/or v2 (SHARDKIT_CE_V2=1: "
+        "the wider statistics/dlogit kernels, direct 16-bit dW, fp32 dX accumulation); with both, their "
+        "loss and gradients are also compared",
+    )
     args = ap.parse_args()
+    kernels = [k for k in args.kernels.split(",") if k]
+    if not kernels or any(k not in ("v1", "v2") for k in kernels):
+        ap.error(f"--kernels takes v1 and/or v2, got {args.kernels!r}")
 
     dev = torch.device(args.device)
     args.out = args.out or os.path.join(out_dir(), f"sharded_ce_kernels_{dev.type}.json")
@@ -90,11 +100,11 @@ def main():
         f"device={dev} dtype={args.dtype} B={B} D={D} C={C} torch {torch.__version__} threads={torch.get_num_threads()}"
     )
     print(f"GEMM floor (4 GEMMs: logits x2, dX, dW): {t_gemm * 1e3:.1f} ms")
-    print(f"{'variant':<36}{'fwd ms':>10}{'fwd+bwd ms':>12}{'fwd ratio':>11}{'f+b ratio':>11}{'floor %':>9}")
+    print(f"{'variant':<40}{'fwd ms':>10}{'fwd+bwd ms':>12}{'fwd ratio':>11}{'f+b ratio':>11}{'floor %':>9}")
 
     def report(name, tf, tfb):
         print(
-            f"{name:<36}{tf * 1e3:>10.1f}{tfb * 1e3:>12.1f}{tf / t_bf:>11.2f}{tfb / t_bfb:>11.2f}"
+            f"{name:<40}{tf * 1e3:>10.1f}{tfb * 1e3:>12.1f}{tf / t_bf:>11.2f}{tfb / t_bfb:>11.2f}"
             f"{100 * t_gemm / tfb:>9.0f}",
             flush=True,
         )
@@ -115,7 +125,22 @@ def main():
             )
 
     report(*(rows[0][i] for i in (0, 2, 3)))
-    for ch in chunks:
+    if len(kernels) > 1:  # the two kernel sets on the same data: loss and gradients
+        got = {}
+        for kv in kernels:
+            os.environ["SHARDKIT_CE_V2"] = "1" if kv == "v2" else "0"
+            x.grad = None
+            w.grad = None
+            lse, t, _, _ = shardkit.ops.ce_shard_stats(x, w, labels, **margin)
+            loss = (lse - t).mean()
+            loss.backward()
+            got[kv] = [loss.detach().double(), x.grad.double(), w.grad.double()]
+        for name, a, b in zip(("loss", "dX", "dW"), got[kernels[0]], got[kernels[1]]):
+            rel = float((a - b).norm() / b.norm().clamp_min(1e-30))
+            print(f"{kernels[0]} vs {kernels[1]} {name}: relative difference {rel:.2e}", flush=True)
+        del got
+    for ch, kv in [(c, k) for c in chunks for k in kernels]:
+        os.environ["SHARDKIT_CE_V2"] = "1" if kv == "v2" else "0"
 
         def ours_fwd(ch=ch):
             with torch.no_grad():
@@ -129,9 +154,11 @@ def main():
             (lse - t).mean().backward()
 
         name = f"ce_shard_stats chunk={ch}" if ch else f"ce_shard_stats chunk={default_chunk} (default)"
+        name += f" {kv}" if len(kernels) > 1 else ""
         rows.append((name, ch or default_chunk, _timeit(ours_fwd, dev, args.reps), _timeit(ours_fb, dev, args.reps)))
         report(*(rows[-1][i] for i in (0, 2, 3)))
         save()
+    os.environ.pop("SHARDKIT_CE_V2", None)
     print(f"wrote {args.out}")
 
 

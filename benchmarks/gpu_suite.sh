@@ -29,9 +29,11 @@
 # the Python tag still match. A machine that built it already reuses its build.
 # Peer wheels: wheels/*.whl, installed with `pip install --no-index --no-deps --target /tmp/site`.
 #
-# Estimated times on one H100 with 16 cores (nothing has run there yet: from bytes and FLOPs
-# at ~3.0 TB/s and ~700 TFLOP/s bf16, plus process start-up and Triton compilation; caps in
-# brackets). Common to every stage: info + wheels + import check ~30 s; the build ~2-3 min
+# Measured on one H200 with 16 cores, the build unpacked (2026-11-26): quick 115 s, test 191 s
+# (tests-gpu 42 s, memcheck 8 s, racecheck 15 s, tests-rest 100 s), bench-a 88 s, bench-b
+# 305 s (bench-maxc 224 s of it). The estimates below (made before any run, from bytes and
+# FLOPs at ~3.0 TB/s and ~700 TFLOP/s bf16, plus start-up and Triton compilation; caps in
+# brackets) were generous: keep them as the caps. Common to every stage: info + wheels + import check ~30 s; the build ~2-3 min
 # [300] on a fresh machine (9 sources compile in parallel: 3 .cu files of 150-430 lines,
 # each ~1-2 min of nvcc for one architecture with torch's headers, 6 .cpp files ~20-40 s
 # each, then the link; ~5 s when unpacked from wheels/ or reused).
@@ -218,8 +220,15 @@ case "$STAGE" in
     info; wheels; build
     step tests-gpu 180 "$PY -m pytest -m gpu tests $PYTEST_OPTS --timeout=60 -q --junitxml=$WORK/out/junit_gpu.xml"
     step sanitize-memcheck 90 "$SAN --tool memcheck $PY benchmarks/sanitize_smoke.py"
-    step bench-ce-kernels 90 "$B/bench_sharded_ce_kernels.py --device cuda --batch 1024 --dim 512 \
-      --classes 1000000 --dtype bfloat16 --reps 10 --chunks 16384,65536"
+    # The second kernel set of the sharded loss (SHARDKIT_CE_V2=1): its tests and sanitizers,
+    # then both sets timed side by side (and compared) in one process.
+    step tests-gpu-v2 120 "SHARDKIT_CE_V2=1 $PY -m pytest -m gpu tests/test_softmax_*.py $PYTEST_OPTS --timeout=60 -q"
+    step sanitize-v2 90 "SHARDKIT_CE_V2=1 $SAN --tool memcheck $PY benchmarks/sanitize_smoke.py && \
+      SHARDKIT_CE_V2=1 $SAN --tool racecheck $PY benchmarks/sanitize_smoke.py"
+    step bench-ce-kernels 120 "$B/bench_sharded_ce_kernels.py --device cuda --batch 1024 --dim 512 \
+      --classes 1000000 --dtype bfloat16 --reps 10 --chunks 16384,65536 --kernels v1,v2 && \
+      $B/bench_sharded_ce_kernels.py --device cuda --batch 256 --dim 512 --classes 1000000 \
+      --dtype bfloat16 --reps 10 --kernels v1,v2"
     step bench-sharded-loss 400 "$B/bench_sharded_loss.py --device cuda --batch 1024 --method-budget 3"
     ;;
   quick-b)
@@ -232,7 +241,7 @@ case "$STAGE" in
     info; wheels; build
     # The kernel benchmark first: the default chunk size (always timed) and four others.
     step bench-ce-kernels 120 "$B/bench_sharded_ce_kernels.py --device cuda --batch 1024 --dim 512 \
-      --classes 1000000 --dtype bfloat16 --reps 10 --chunks 4096,16384,65536,262144"
+      --classes 1000000 --dtype bfloat16 --reps 10 --chunks 4096,16384,65536,262144 --kernels v1,v2"
     step bench-ema 150 "$B/bench_ema.py --device cuda"
     step bench-normalize 90 "$B/bench_normalize.py --device cuda && $B/bench_normalize.py --device cuda --dtype bfloat16"
     step bench-parallel 90 "$B/bench_parallel.py --device cuda"

@@ -2,12 +2,14 @@
 
 One sharded-loss forward+backward per mode (plain bf16 and ArcFace-normalized fp32, each
 over several chunks, a batch that is no multiple of a warp or a vector width, a target
-in the last, partial chunk), one ModelEMA update per model dtype (fp32 and bf16 models,
-fp32 EMA) and one normalize call per output dtype (fp32, bf16; the vectorized path and the
-generic one). Sizes are tiny: under racecheck every shared-memory access is tracked, which
-slows kernels by orders of magnitude. Each result is compared with a float64 reference (the
-loss: the CPU kernels; EMA and normalize: plain torch), so the run also fails (exit code 1)
-on a wrong answer, not only on a sanitizer report.
+in the last, partial chunk; and plain bf16 in one chunk of 4103 classes, which the second
+kernel set, SHARDKIT_CE_V2=1, splits into column ranges per row), one ModelEMA update per
+model dtype (fp32 and bf16 models, fp32 EMA) and one normalize call per output dtype
+(fp32, bf16; the vectorized path and the generic one). Sizes are tiny: under racecheck
+every shared-memory access is tracked, which slows kernels by orders of magnitude. Each
+result is compared with a float64 reference (the loss: the CPU kernels; EMA and normalize:
+plain torch), so the run also fails (exit code 1) on a wrong answer, not only on a
+sanitizer report.
 
     compute-sanitizer --tool memcheck --error-exitcode 2 python benchmarks/sanitize_smoke.py
     compute-sanitizer --tool racecheck --error-exitcode 2 python benchmarks/sanitize_smoke.py
@@ -34,13 +36,17 @@ def check(name, got, ref, tol):
     return ok
 
 
-def sharded_loss(device, dtype, margin):
-    batch, dim, classes = 37, 40, 1000  # odd batch, D not a multiple of 8
+def sharded_loss(device, dtype, margin, batch=37, classes=1000, chunk_memory=1 << 16):
+    # Default: an odd batch, D not a multiple of 8, and a 64 KiB working set: chunks of ~100-300
+    # classes, so several chunks and a partial last one. With the default working set, one
+    # chunk of a few thousand classes: rows split into column ranges by the second kernels.
+    dim = 40
     x = torch.randn(batch, dim, device=device, dtype=dtype, requires_grad=True)
     y = torch.randint(0, classes, (batch,), device=device)
     y[0] = classes - 1  # a target in the last (partial) chunk
-    # A 64 KiB working set: chunks of ~100-300 classes, so several chunks and a partial last one.
-    head = shardkit.ShardedSoftmaxLoss(dim, classes, devices=[device], dtype=dtype, margin=margin, chunk_memory=1 << 16)
+    head = shardkit.ShardedSoftmaxLoss(
+        dim, classes, devices=[device], dtype=dtype, margin=margin, chunk_memory=chunk_memory
+    )
     loss = head(x, y)
     loss.backward()
     # Reference: the same loss on the CPU kernels in float64 (tested against plain torch in
@@ -52,7 +58,7 @@ def sharded_loss(device, dtype, margin):
     ref = ref_head(xr, y.cpu())
     ref.backward()
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-    tag = f"sharded loss {dtype} {'plain' if margin is None else 'ArcFace'}"
+    tag = f"sharded loss {dtype} {'plain' if margin is None else 'ArcFace'} B={batch} C={classes}"
     ok = check(f"{tag} loss", loss.detach().cpu(), ref.detach(), tol)
     ok &= check(f"{tag} dX", x.grad.cpu(), xr.grad, tol)
     grads = torch.cat([s.grad.cpu() for s in head.weight_shards])
@@ -100,6 +106,7 @@ def main():
     torch.manual_seed(0)
     ok = sharded_loss(device, torch.bfloat16, None)
     ok &= sharded_loss(device, torch.float32, ArcFace(s=64.0, m=0.5))
+    ok &= sharded_loss(device, torch.bfloat16, None, batch=9, classes=4103, chunk_memory=None)
     ok &= ema(device, torch.float32)
     ok &= ema(device, torch.bfloat16)
     ok &= normalize(device, torch.float32)

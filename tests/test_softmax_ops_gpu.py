@@ -27,6 +27,15 @@ from shardkit.ops import ce_shard_stats, chunk_classes_for_budget
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(autouse=True, params=["v1", "v2"])
+def kernel_set(request, monkeypatch):
+    # Every test here runs on both CUDA kernel sets of the op: the first kernels and the
+    # second (SHARDKIT_CE_V2=1: column-range statistics, vectorized dlogits, direct 16-bit dW,
+    # fp32-accumulated dX), which must give the same results within the same tolerances.
+    monkeypatch.setenv("SHARDKIT_CE_V2", "1" if request.param == "v2" else "0")
+    return request.param
+
+
 @pytest.fixture(autouse=True)
 def _no_tf32():
     # The 1e-5 tolerances assume true fp32 GEMMs (torch's default); fail loudly otherwise.
@@ -44,6 +53,8 @@ def _no_tf32():
         (9, 5, 0, 0, 4),
         (5, 16, 1, 3, 1),
         (300, 64, 777, 0, None),
+        (5, 64, 20011, 3, None),  # one long chunk: rows split into column ranges (second kernels)
+        (1030, 32, 4099, 0, None),  # odd row length: rows start off 16-byte boundaries
     ],
 )
 def test_cuda_matches_reference(name, B, D, C, off, chunk):

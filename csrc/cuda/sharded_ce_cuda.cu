@@ -17,10 +17,13 @@
 // Extra memory: O(B * chunk + chunk * D).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/Exceptions.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 
 #include "sharded_ce_common.h"
@@ -207,9 +210,66 @@ __global__ void dw_fixup_kernel(const tmp_t* tmp, const scalar_t* __restrict__ v
     post = hat ? r : T(1);
   }
   __syncwarp();
+  if (!rw) {  // a plain copy / conversion: w is not read (0 * an inf weight would be NaN)
+    for (int64_t k = lane; k < D; k += 32)
+      out[row * D + k] = static_cast<out_t>(static_cast<T>(tmp[row * D + k]));
+    return;
+  }
   for (int64_t k = lane; k < D; k += 32)
     out[row * D + k] = static_cast<out_t>(
         (static_cast<T>(tmp[row * D + k]) - coef * static_cast<T>(v[row * s0 + k * s1])) * post);
+}
+
+}  // namespace
+}  // namespace sce
+}  // namespace shardkit
+
+#include "sharded_ce_v2.cuh"
+
+namespace shardkit {
+namespace sce {
+namespace {
+
+// SHARDKIT_CE_V2=1 selects the wider statistics / dlogit kernels (sharded_ce_v2.cuh), the
+// dW GEMM written straight in a 16-bit gradient's dtype and dX accumulated by the GEMM
+// (beta = 1) in fp32; unset or 0: the first kernels. Read on every call, so a process can
+// compare both.
+bool ce_v2_enabled() {
+  const char* e = std::getenv("SHARDKIT_CE_V2");
+  if (e == nullptr || *e == '\0' || std::strcmp(e, "0") == 0) return false;
+  if (std::strcmp(e, "1") == 0) return true;
+  TORCH_WARN_ONCE("SHARDKIT_CE_V2=", e, " is neither 0 nor 1: the first kernels run");
+  return false;
+}
+
+bool is_aligned(const void* ptr, size_t bytes) {
+  return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
+}
+
+int64_t sm_count() {
+  return at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+}
+
+// Column ranges per row for row_stats_v2: enough blocks for two waves of 8 blocks per SM at
+// this batch, at least two 16-byte vectors per thread in each range, at most 64 ranges.
+int row_parts(int64_t B, int64_t n) {
+  const int64_t want = (16 * sm_count() + B - 1) / B;
+  const int64_t most = std::max<int64_t>(1, n / 4 / (2 * kBlock));
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({want, most, 64})));
+}
+
+// dx [B, D] (fp32, contiguous) += G [B, n] @ v [n, D] (both 16-bit, rows contiguous): cuBLAS
+// with fp32 accumulation and beta = 1, no [B, D] temporary.
+void addmm_f32_out(Tensor& dx, const Tensor& G, const Tensor& v) {
+  const cudaDataType_t ab = G.scalar_type() == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
+  const float one = 1.f;
+  const int64_t rows = G.size(0), n = G.size(1), D = v.size(1);
+  TORCH_CUDABLAS_CHECK(cublasGemmEx(at::cuda::getCurrentCUDABlasHandle(), CUBLAS_OP_N, CUBLAS_OP_N,
+                                    static_cast<int>(D), static_cast<int>(rows), static_cast<int>(n), &one,
+                                    v.const_data_ptr(), ab, static_cast<int>(v.stride(0)), G.const_data_ptr(),
+                                    ab, static_cast<int>(G.stride(0)), &one, dx.mutable_data_ptr(),
+                                    CUDA_R_32F, static_cast<int>(dx.stride(0)), CUBLAS_COMPUTE_32F,
+                                    CUBLAS_GEMM_DEFAULT));
 }
 
 struct Prepared {
@@ -295,10 +355,35 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> ce_shard_stats_cuda(const Tensor& x, 
   const Tensor wbuf =
       w.scalar_type() != x.scalar_type() ? at::empty({chunk * w.size(1)}, x.options()) : Tensor();
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  // The wider kernels (float statistics only): per-range partials, [parts, B] each.
+  const bool v2 = ce_v2_enabled() && acc == at::kFloat && is_aligned(lbuf.const_data_ptr(), 16);
+  const int max_parts = v2 ? row_parts(B, chunk) : 1;
+  Tensor part_f = max_parts > 1 ? at::empty({3, max_parts * B}, opts) : Tensor();
+  Tensor part_c = max_parts > 1 ? at::empty({max_parts * B}, CN.options()) : Tensor();
   for (int64_t j0 = 0; j0 < C; j0 += chunk) {
     const int64_t n = std::min(chunk, C - j0);
     Tensor L = lbuf.narrow(0, 0, B * n).view({B, n});
     chunk_logits(p, weight_chunk(w, wbuf, j0, n), n, normalize, L, rw, Tensor(), stream);
+    if (v2) {
+      const int parts = std::min(max_parts, row_parts(B, n));
+      float* pf = parts > 1 ? part_f.mutable_data_ptr<float>() : nullptr;
+      row_stats_v2_kernel<<<B * parts, kBlock, 0, stream>>>(
+          L.const_data_ptr<float>(), n, j0, normalize ? rw.const_data_ptr<float>() : nullptr,
+          lab.const_data_ptr<int64_t>(), class_offset, count ? tref.const_data_ptr<float>() : nullptr,
+          to_device_margin<float>(mg), parts, B, M.mutable_data_ptr<float>(), S.mutable_data_ptr<float>(),
+          LS.mutable_data_ptr<float>(), TG.mutable_data_ptr<float>(), CN.mutable_data_ptr<int64_t>(), pf,
+          pf ? pf + max_parts * B : nullptr, pf ? pf + 2 * max_parts * B : nullptr,
+          parts > 1 ? part_c.mutable_data_ptr<int64_t>() : nullptr);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      if (parts > 1) {
+        merge_parts_kernel<<<(B + kBlock - 1) / kBlock, kBlock, 0, stream>>>(
+            B, parts, pf, pf + max_parts * B, pf + 2 * max_parts * B, part_c.const_data_ptr<int64_t>(),
+            M.mutable_data_ptr<float>(), S.mutable_data_ptr<float>(), LS.mutable_data_ptr<float>(),
+            CN.mutable_data_ptr<int64_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+      continue;
+    }
     AT_DISPATCH_FLOATING_TYPES(acc, "ce_shard_stats_cuda", [&] {
       using T = scalar_t;
       row_stats_kernel<T><<<B, kBlock, 0, stream>>>(
@@ -342,11 +427,15 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
   // Mixed mode (fp32 w, 16-bit x): w's chunks converted into wbuf (x's dtype); dW is the fp32
   // GEMM output written straight into grad_w (fp32), so no fp32 temporary tbuf.
   const bool mixed = w.scalar_type() != dt;
+  // SHARDKIT_CE_V2=1: the wider dlogit kernel; 16-bit plain dW straight from the GEMM in the
+  // gradient's dtype (no fp32 temporary, no fix-up); dX accumulated by the GEMM in fp32.
+  const bool v2 = ce_v2_enabled() && acc == at::kFloat;
+  const bool dw_direct = v2 && low && !mixed && !normalize;
   Tensor lbuf = at::empty({B * chunk}, opts);
   Tensor gbuf = low ? at::empty({B * chunk}, x.options()) : Tensor();
-  Tensor tbuf = low && !mixed ? at::empty({chunk * D}, opts) : Tensor();
+  Tensor tbuf = low && !mixed && !dw_direct ? at::empty({chunk * D}, opts) : Tensor();
   const Tensor wbuf = mixed ? at::empty({chunk * D}, x.options()) : Tensor();
-  Tensor dxc = low ? at::empty({B, D}, opts) : Tensor();
+  Tensor dxc = low && !v2 ? at::empty({B, D}, opts) : Tensor();
   Tensor rw = normalize ? at::empty({chunk}, opts) : Tensor();
   // 16-bit with normalize: G stays d loss / d cos (bounded like torch's own 16-bit dlogits)
   // and the dX GEMM uses the chunk's normalized rows, [chunk, D] in the input dtype.
@@ -363,6 +452,22 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
     Tensor G = low ? gbuf.narrow(0, 0, B * n).view({B, n}) : L;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dt, "sce_dlogit", [&] {
       using T = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+      if constexpr (std::is_same_v<T, float>) {
+        if (v2 && is_aligned(L.const_data_ptr(), 16) &&
+            is_aligned(G.const_data_ptr(), 4 * sizeof(scalar_t))) {
+          // Vectors of a row across x (at most 8 per thread), rows across y: ~4 waves in all.
+          const int64_t gx = std::max<int64_t>(1, (n / 4 + 8 * kBlock - 1) / (8 * kBlock));
+          const int64_t gy = std::min<int64_t>({B, 65535, std::max<int64_t>(1, 32 * sm_count() / gx)});
+          dlogit_v2_kernel<scalar_t><<<dim3(gx, gy), kBlock, 0, stream>>>(
+              L.const_data_ptr<float>(), G.mutable_data_ptr<scalar_t>(), B, n, j0,
+              normalize ? rw.const_data_ptr<float>() : nullptr, /*g_times_r=*/!hat,
+              lab.const_data_ptr<int64_t>(), class_offset, lse.const_data_ptr<float>(),
+              gl.const_data_ptr<float>(), gt.const_data_ptr<float>(), gs.const_data_ptr<float>(),
+              to_device_margin<float>(mg));
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          return;
+        }
+      }
       const dim3 grid((n + kBlock - 1) / kBlock, std::min<int64_t>(B, 65535));
       dlogit_kernel<T, scalar_t><<<grid, kBlock, 0, stream>>>(
           L.const_data_ptr<T>(), G.mutable_data_ptr<scalar_t>(), B, n, j0,
@@ -376,8 +481,20 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
       // (addmm with out_dtype wants `self` in the input dtype in some torch versions: GEMM into
       // an fp32 temporary and add, an extra O(B*D) per chunk.)
       const Tensor& v = hat ? what : wc;  // the rows the dX GEMM and the dW fix-up use
-      at::mm_out(dxc, G, v, acc);
-      dx.add_(dxc);
+      if (v2 && v.stride(1) == 1 && v.stride(0) >= D && v.stride(0) <= INT32_MAX && n <= INT32_MAX &&
+          B <= INT32_MAX) {
+        addmm_f32_out(dx, G, v);
+      } else {
+        if (!dxc.defined()) dxc = at::empty({B, D}, opts);
+        at::mm_out(dxc, G, v, acc);
+        dx.add_(dxc);
+      }
+      if (dw_direct) {
+        // The 16-bit rows written once by the GEMM (fp32 accumulation; split-K partial sums
+        // may be reduced in 16 bits where torch allows it, as in nn.Linear's own dW).
+        at::mm_out(gw, G.t(), p.xin);
+        continue;
+      }
       // Mixed: the fp32 GEMM output goes straight into the fp32 grad_w rows (contiguous: a
       // narrow of rows of a fresh [C, D] tensor); with normalize the fix-up then runs in place.
       Tensor tmp = mixed ? gw : tbuf.narrow(0, 0, n * D).view({n, D});
