@@ -1,6 +1,7 @@
 """The model side of ``ModelEMA``: finding a model's parameters and buffers, checking them
 against the EMA's, and noticing cheaply, on every update, that the model has changed."""
 
+import operator
 import weakref
 
 from torch import nn
@@ -83,22 +84,25 @@ class ModelTracker:
 
     def _snapshot(self, src, where):
         slots = check_structure(src, self._names, self._ema, where)
-        self._keys = [(table, key) for _, table, key, _ in slots]
+        # Column lists, so that the per-call check below runs in C (map over builtins and
+        # operator functions): ~20 ns per entry instead of a Python generator step.
+        self._owner = [table for _, table, _, _ in slots]
+        self._key = [key for _, _, key, _ in slots]
         modules = list(src.modules())
-        self._tables = [(t, len(t)) for mod in modules for t in (mod._parameters, mod._buffers, mod._modules)]
-        self._children = [(mod._modules, k, c) for mod in modules for k, c in mod._modules.items()]
-        self._tensors = [table[key] for table, key in self._keys]
+        self._tables = [t for mod in modules for t in (mod._parameters, mod._buffers, mod._modules)]
+        self._sizes = [len(t) for t in self._tables]
+        children = [(mod._modules, k, c) for mod in modules for k, c in mod._modules.items()]
+        self._child_tables = [t for t, _, _ in children]
+        self._child_keys = [k for _, k, _ in children]
+        self._child_mods = [c for _, _, c in children]
+        self._tensors = list(map(dict.get, self._owner, self._key))
 
     def tensors(self, where: str) -> list:
-        try:
-            tensors = [table[key] for table, key in self._keys]
-        except KeyError:
-            tensors = None
+        tensors = list(map(dict.get, self._owner, self._key))  # a removed entry reads None
         if (
-            tensors is not None
-            and all(a is b for a, b in zip(tensors, self._tensors))
-            and all(len(t) == n for t, n in self._tables)
-            and all(t.get(k) is c for t, k, c in self._children)
+            all(map(operator.is_, tensors, self._tensors))
+            and list(map(len, self._tables)) == self._sizes
+            and all(map(operator.is_, map(dict.get, self._child_tables, self._child_keys), self._child_mods))
         ):
             return tensors
         self._snapshot(self.model(), where)
