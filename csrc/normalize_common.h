@@ -4,7 +4,9 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 namespace shardkit {
@@ -63,6 +65,16 @@ inline Plan make_plan(const at::Tensor& images, at::ArrayRef<double> mean, at::A
     // (x / 255 - m) / s == x * (1 / (255 s)) + (-m / s): one fused multiply-add per element.
     p.scale[c] = 1.0 / (255.0 * std[c]);
     p.shift[c] = -mean[c] / std[c];
+    // The outputs of channel c lie between shift and 255 * scale + shift: both must fit the
+    // output dtype (a tiny std or a huge mean would otherwise give inf / NaN silently).
+    const double reach = std::max(std::fabs(p.shift[c]), std::fabs(255.0 * p.scale[c] + p.shift[c]));
+    const double top = out_dtype == at::kDouble  ? std::numeric_limits<double>::max()
+                       : out_dtype == at::kHalf  ? 65504.0
+                       : out_dtype == at::kFloat ? static_cast<double>(std::numeric_limits<float>::max())
+                                                 : 3.3895313892515355e38;  // bfloat16
+    TORCH_CHECK(std::isfinite(reach) && reach <= top, "normalize_images: with `mean[", c, "]` = ", mean[c],
+                " and `std[", c, "]` = ", std[c], " the outputs reach ", reach, ", beyond the range of ",
+                out_dtype, " (", top, ")");
   }
   // Use the input in place when it is dense in either layout (a permuted HWC numpy array
   // passed as NCHW is dense NHWC memory); copy only genuinely strided inputs.

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #ifdef __CUDACC__
 #define SCE_HD __host__ __device__ __forceinline__
@@ -100,6 +101,12 @@ inline void check_common(const at::Tensor& x, const at::Tensor& w, const at::Ten
   TORCH_CHECK(class_offset >= 0, "argument `class_offset` must be >= 0, got ", class_offset);
   TORCH_CHECK(chunk_classes >= 1, "argument `chunk_classes` must be >= 1, got ", chunk_classes);
   TORCH_CHECK(std::isfinite(scale), "argument `scale` must be finite, got ", scale);
+  // The kernels compute in float unless x is float64: the scale must be a finite float there.
+  TORCH_CHECK(xt == at::kDouble || std::fabs(scale) <= static_cast<double>(std::numeric_limits<float>::max()),
+              "argument `scale` = ", scale, " is beyond the float32 range the kernels compute in for ", xt,
+              " inputs");
+  TORCH_CHECK(std::isfinite(m2) && std::isfinite(m3), "arguments `m2` and `m3` must be finite, got ", m2,
+              " and ", m3);
   TORCH_CHECK(normalize || (m1 == 1.0 && m2 == 0.0 && m3 == 0.0), "margins (m1, m2, m3) = (", m1, ", ", m2,
               ", ", m3, ") require normalize=True; without normalization use m1=1, m2=0, m3=0");
   TORCH_CHECK(m1 > 0.0 && std::isfinite(m1), "argument `m1` must be a finite number > 0, got ", m1);

@@ -114,9 +114,10 @@ def test_sampling_generator_errors():
     head.sample_generator = [torch.Generator()] * 2
     with pytest.raises(TypeError, match="argument `generator` must be None, a torch.Generator or one"):
         head(x, labels)
-    head.sample_generator = "seed"
+    with pytest.raises(TypeError, match="`sample_generator` must be None, a torch.Generator"):
+        head.sample_generator = "seed"  # refused when set
     with pytest.raises(TypeError, match="argument `generator`"):
-        head(x, labels)
+        shardkit.sharded_cross_entropy(x, list(head.weight_shards), labels, sample_rate=0.5, generator=5)
     with pytest.raises(ValueError, match="argument `sample_rate` must be in"):
         shardkit.sharded_cross_entropy(x, list(head.weight_shards), labels, sample_rate=1.5)
 

@@ -18,6 +18,7 @@
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/library.h>
 
+#include <limits>
 #include <vector>
 
 namespace {
@@ -179,6 +180,8 @@ std::vector<at::Tensor> split_to_devices(at::TensorList tensors, at::IntArrayRef
   int64_t total = 0;
   for (auto s : split_sizes) {
     TORCH_CHECK(s >= 0, "argument `split_sizes` must be non-negative, got ", split_sizes);
+    TORCH_CHECK(s <= std::numeric_limits<int64_t>::max() - total, "argument `split_sizes` ", split_sizes,
+                " sums past the int64 range");
     total += s;
   }
   const auto n = static_cast<int64_t>(tensors.size());

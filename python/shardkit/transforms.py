@@ -8,7 +8,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from shardkit.ops._normalize import _as_floats, _check_mean_std, normalize_images
+from shardkit.ops._normalize import _as_floats, _check_mean_std, _check_options, normalize_images
 
 __all__ = ["Normalize"]
 
@@ -44,11 +44,10 @@ class Normalize(nn.Module):
         memory_format: torch.memory_format = torch.contiguous_format,
     ):
         super().__init__()
+        _check_options(input_layout, dtype, memory_format)
         self.mean = _as_floats("mean", mean)
         self.std = _as_floats("std", std)
-        _check_mean_std(self.mean, self.std)
-        if input_layout not in ("NHWC", "NCHW"):
-            raise ValueError(f"argument `input_layout` must be 'NHWC' or 'NCHW', got {input_layout!r}")
+        _check_mean_std(self.mean, self.std, dtype)
         self.input_layout = input_layout
         self.dtype = dtype
         self.memory_format = memory_format

@@ -10,13 +10,20 @@ Drop-in for the ModelEMA of yolov3/ultralytics (``ema.update(model)``, ``ema.ema
 import contextlib
 import copy
 import math
-import numbers
 import weakref
 from typing import Optional
 
 import torch
 from torch import nn
 
+from shardkit.ema.checks import (
+    _MAX_COUNT,
+    _check_int,
+    _check_step,
+    _short,
+    check_module_state,
+    check_schedule,
+)
 from shardkit.ema.stage import HostStage
 from shardkit.ema.structure import ModelTracker, _slots, _unwrap, check_structure
 from shardkit.ops._ema import ema_swap_, ema_unswap_
@@ -47,20 +54,6 @@ def _flat_ok(e: torch.Tensor, m: torch.Tensor) -> bool:
     return e.dim() == 4 and e.stride() == m.stride() and e.is_contiguous(memory_format=torch.channels_last)
 
 
-def _real(name, value) -> float:
-    # float(None) / float("0.9") would give a TypeError not naming the argument, or accept a string.
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        if not (isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point()):
-            raise TypeError(f"argument `{name}` must be a float, got {type(value).__name__} {value!r}")
-    return float(value)
-
-
-def _check_int(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"argument `{name}` must be an int >= {minimum}, got {value!r}")
-    return value
-
-
 class ModelEMA:
     """Exponential moving average of a model's parameters and buffers.
 
@@ -72,12 +65,12 @@ class ModelEMA:
         model: the ``nn.Module`` to average (DataParallel, DistributedDataParallel and
             torch.compile wrappers are unwrapped). ``self.module`` starts as a copy of it.
         decay: float in [0, 1], the (final) decay.
-        tau: ramp time constant (> 0): ``d = decay * (1 - exp(-t / tau))`` (ultralytics).
+        tau: ramp time constant (finite, > 0): ``d = decay * (1 - exp(-t / tau))`` (ultralytics).
             ``None`` gives a constant decay (timm ModelEmaV3 without warmup).
         warmup_gamma, warmup_power: giving either selects timm's warmup
             ``d = clamp(1 - (1 + s / gamma) ** -power, min_decay, decay)`` with
-            ``s = t - update_after_step - 1`` (defaults gamma 1.0, power 2/3); tau is
-            then unused.
+            ``s = t - update_after_step - 1`` (defaults gamma 1.0, power 2/3; both finite
+            and > 0); tau is then unused.
         min_decay: float in [0, decay], lower clamp of the ramp and the warmup.
         update_after_step: int >= 0. The first updates copy the model (d = 0): for
             t <= update_after_step with the ramp, t <= update_after_step + 1 with the
@@ -93,9 +86,9 @@ class ModelEMA:
             ``module``, ``state_dict()`` and ``swap`` are used.
         copy_float_buffers: copy floating buffers (e.g. BatchNorm running stats) instead
             of averaging them (timm's ``exclude_buffers``).
-        updates: initial update count (ultralytics' resume argument).
+        updates: initial update count, int in [0, 2**63 - 1] (ultralytics' resume argument).
 
-    ``t`` is ``step`` when ``update(model, step=...)`` gives one (timm), else the count of
+    ``t`` is ``step`` (an int >= 0) when ``update(model, step=...)`` gives one (timm), else the count of
     applied updates including this one (``self.updates``, 1 on the first update).
 
     Attributes: ``module`` (the averaged module, eval mode, ``requires_grad=False``;
@@ -125,7 +118,7 @@ class ModelEMA:
             raise ValueError(f"argument `dtype` must be a floating torch.dtype or None, got {dtype!r}")
         self._set_schedule(decay, tau, warmup_gamma, warmup_power, min_decay, update_after_step, update_every)
         self.copy_float_buffers = bool(copy_float_buffers)
-        self.updates = _check_int("updates", updates, 0)
+        self.updates = _check_int("updates", updates, 0, _MAX_COUNT)
         self._calls = 0
         self.enabled = True
         self._swapped = False
@@ -162,26 +155,16 @@ class ModelEMA:
         self._stage = None
 
     # ---- schedule --------------------------------------------------------------------
-    def _set_schedule(self, decay, tau, warmup_gamma, warmup_power, min_decay, update_after_step, update_every):
-        decay, min_decay = _real("decay", decay), _real("min_decay", min_decay)
-        tau = None if tau is None else _real("tau", tau)
-        warmup_gamma = None if warmup_gamma is None else _real("warmup_gamma", warmup_gamma)
-        warmup_power = None if warmup_power is None else _real("warmup_power", warmup_power)
-        if not 0.0 <= decay <= 1.0:
-            raise ValueError(f"argument `decay` must lie in [0, 1], got {decay}")
-        if not 0.0 <= min_decay <= decay:
-            raise ValueError(f"argument `min_decay` must lie in [0, decay={decay}], got {min_decay}")
-        if tau is not None and not float(tau) > 0:
-            raise ValueError(f"argument `tau` must be > 0 or None, got {tau}")
-        for name, v in (("warmup_gamma", warmup_gamma), ("warmup_power", warmup_power)):
-            if v is not None and not float(v) > 0:
-                raise ValueError(f"argument `{name}` must be > 0 or None, got {v}")
-        self.decay, self.min_decay = decay, min_decay
-        self.tau = None if tau is None else float(tau)
-        self.warmup_gamma = None if warmup_gamma is None else float(warmup_gamma)
-        self.warmup_power = None if warmup_power is None else float(warmup_power)
-        self.update_after_step = _check_int("update_after_step", update_after_step, 0)
-        self.update_every = _check_int("update_every", update_every, 1)
+    def _set_schedule(self, *args):
+        (
+            self.decay,
+            self.tau,
+            self.warmup_gamma,
+            self.warmup_power,
+            self.min_decay,
+            self.update_after_step,
+            self.update_every,
+        ) = check_schedule(*args)
 
     def get_decay(self, step: int) -> float:
         """The decay used at schedule step ``step`` (see the class docstring)."""
@@ -230,10 +213,14 @@ class ModelEMA:
     def update(self, model: nn.Module, step: Optional[int] = None) -> None:
         """Averages ``model`` (same structure as the EMA) into the EMA.
 
-        ``step``: the schedule step (timm's ``step``); ``None`` uses ``self.updates``.
+        ``step``: the schedule step (timm's ``step``), an int (or numpy integer) in
+        [0, 2**63 - 1]; ``None`` uses ``self.updates``. Anything else raises (TypeError or
+        ValueError naming ``step``) before the EMA or its counters change.
         """
         if self._swapped:
             raise RuntimeError("ModelEMA.update: called inside `with ema.swap(model)`; update after the block")
+        if step is not None and (type(step) is not int or not 0 <= step <= _MAX_COUNT):
+            step = _check_step(step)  # the slow path: checks, converts numpy integers
         if not self.enabled:
             return
         self._calls += 1
@@ -241,7 +228,7 @@ class ModelEMA:
             return
         src = self._model_tensors(model, "ModelEMA.update")
         self.updates += 1
-        d = self.get_decay(self.updates if step is None else int(step))
+        d = self.get_decay(self.updates if step is None else step)
         if self._feeds_host(src):
             if self._stage is None:
                 self._stage = HostStage(src)
@@ -332,7 +319,11 @@ class ModelEMA:
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restores what :meth:`state_dict` saved (weights copied into the EMA's tensors,
-        keeping its dtype and device)."""
+        keeping its dtype and device).
+
+        The whole state is checked first (keys, counters, schedule, and every tensor of
+        ``module``: present, no extra entry, same shape, a dtype of the same kind); a bad
+        one raises ``ValueError`` naming it and leaves the EMA exactly as it was."""
         if not isinstance(state_dict, dict) or state_dict.get("format") != _FORMAT:
             raise ValueError(f"argument `state_dict` is not a ModelEMA state_dict (expected format {_FORMAT!r})")
         for key, kinds in _STATE_KEYS.items():
@@ -345,15 +336,19 @@ class ModelEMA:
                     f"argument `state_dict` has a corrupt {key!r}: expected "
                     f"{' or '.join(k.__name__ for k in kinds)}, got {type(value).__name__}"
                 )
+        for key in ("updates", "calls"):
+            if not 0 <= state_dict[key] <= _MAX_COUNT:
+                raise ValueError(
+                    f"argument `state_dict` has a corrupt {key!r}: expected an int in [0, 2**63 - 1], "
+                    f"got {_short(state_dict[key])}"
+                )
         if bool(state_dict["copy_float_buffers"]) != self.copy_float_buffers:
             raise ValueError(
                 "argument `state_dict` was saved with copy_float_buffers="
                 f"{state_dict['copy_float_buffers']}, this ModelEMA has {self.copy_float_buffers}"
             )
-        self._flush()
-        old = self.state_dict()  # restored when the schedule or the weights are refused
         try:
-            self._set_schedule(
+            schedule = check_schedule(
                 state_dict["decay"],
                 state_dict["tau"],
                 state_dict["warmup_gamma"],
@@ -362,16 +357,19 @@ class ModelEMA:
                 state_dict["update_after_step"],
                 state_dict["update_every"],
             )
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"argument `state_dict`: {err}") from err
+        check_module_state(self._module, state_dict["module"])
+        # Everything is checked: from here on nothing raises on a well-formed state.
+        self._flush()
+        try:
             self._module.load_state_dict(state_dict["module"])
-        except (TypeError, ValueError, RuntimeError) as err:
-            self._set_schedule(
-                old["decay"], old["tau"], old["warmup_gamma"], old["warmup_power"],
-                old["min_decay"], old["update_after_step"], old["update_every"],
-            )  # fmt: skip
-            raise type(err)(f"argument `state_dict`: {err}") from err
-        self.updates = int(state_dict["updates"])
-        self._calls = int(state_dict["calls"])
-        self.enabled = bool(state_dict["enabled"])
+        except (TypeError, ValueError, RuntimeError) as err:  # e.g. a module's own load hook
+            raise ValueError(f"argument `state_dict`: {err}") from err
+        self._set_schedule(*schedule)
+        self.updates = state_dict["updates"]
+        self._calls = state_dict["calls"]
+        self.enabled = state_dict["enabled"]
 
     # ---- conveniences ------------------------------------------------------------------
     def attach(self, optimizer: torch.optim.Optimizer, model: Optional[nn.Module] = None):

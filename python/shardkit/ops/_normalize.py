@@ -54,24 +54,49 @@ def _as_floats(name: str, values) -> list[float]:
 
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+_MAX_CHANNELS = 64  # the kernels' per-channel constants travel by value (csrc/normalize_common.h)
 
 
-def _check_mean_std(mean: list[float], std: list[float]) -> None:
-    """The kernels compute ``x * (1 / (255 std)) - mean / std`` in float32: both factors must
-    be finite there (a denormal std such as 1e-45 passes ``std != 0`` but gives NaN)."""
+def _check_options(input_layout, dtype, memory_format) -> None:
+    """The options of a normalize call (also checked by ``Normalize`` at construction)."""
+    if input_layout not in _LAYOUTS:
+        raise ValueError(f"argument `input_layout` must be one of {_LAYOUTS}, got {input_layout!r}")
+    if memory_format not in (torch.contiguous_format, torch.channels_last):
+        raise ValueError(
+            f"argument `memory_format` must be torch.contiguous_format or torch.channels_last, got {memory_format}"
+        )
+    if dtype not in _OUT_DTYPES:
+        raise ValueError(f"argument `dtype` must be one of float32, float64, bfloat16, float16, got {dtype}")
+
+
+def _check_mean_std(mean: list[float], std: list[float], dtype: torch.dtype = torch.float32) -> None:
+    """The kernels compute ``x * (1 / (255 std)) - mean / std`` in float32 (float64 for a
+    float64 output): both factors must be finite there (a denormal std such as 1e-45 passes
+    ``std != 0`` but gives NaN), and the outputs, which lie between ``-mean / std`` and
+    ``(1 - mean) / std``, must fit ``dtype`` (65504 for float16)."""
     if len(mean) != len(std):
         raise ValueError(f"arguments `mean` and `std` must have the same length, got {len(mean)} and {len(std)}")
+    if len(mean) > _MAX_CHANNELS:
+        raise ValueError(f"at most {_MAX_CHANNELS} channels are supported, got {len(mean)} values in `mean`")
+    compute_max = _FLOAT32_MAX if dtype != torch.float64 else torch.finfo(torch.float64).max
+    top = min(compute_max, torch.finfo(dtype).max)
     for c, (m, s) in enumerate(zip(mean, std)):
         if not math.isfinite(m):
             raise ValueError(f"argument `mean[{c}]` must be finite, got {m}")
         if not math.isfinite(s) or s == 0.0:
             raise ValueError(f"argument `std[{c}]` must be non-zero and finite, got {s}")
-        scale, shift = 1.0 / (255.0 * s), m / s
-        if not (abs(scale) <= _FLOAT32_MAX and abs(shift) <= _FLOAT32_MAX):
+        scale = 1.0 / (255.0 * s)
+        if not abs(scale) <= compute_max:
             raise ValueError(
-                f"argument `std[{c}]` = {s} is too close to zero: the reciprocal 1 / (255 std) "
-                f"(or mean / std) is not finite in float32, where the op computes; use |std| >= "
-                f"{1.0 / (255.0 * _FLOAT32_MAX):.3g} (and >= |mean| / {_FLOAT32_MAX:.3g})"
+                f"argument `std[{c}]` = {s} is too close to zero: 1 / (255 std) is not finite in the "
+                f"op's arithmetic; use |std| >= {1.0 / (255.0 * compute_max):.3g}"
+            )
+        shift = -m / s
+        reach = max(abs(shift), abs(255.0 * scale + shift))
+        if not reach <= top:
+            raise ValueError(
+                f"arguments `mean[{c}]` = {m} and `std[{c}]` = {s}: the normalized values reach {reach:.3g}, "
+                f"beyond the range of {dtype} ({top:.5g}); check that mean and std are in the 0-1 scale"
             )
 
 
@@ -108,24 +133,18 @@ def normalize_images(
 
     Raises:
         ValueError: bad ``input_layout``/``memory_format``/``dtype``, mean/std lengths, no
-        channels, a zero or non-finite std, or one so small (e.g. 1e-45) that 1 / (255 std)
-        is not finite in float32.
+        channels or more than 64, a zero or non-finite std, one so small (e.g. 1e-45) that
+        1 / (255 std) is not finite in float32, or mean/std whose normalized values would not
+        fit ``dtype``.
         TypeError: ``mean``/``std`` not a sequence of numbers (e.g. a string).
         RuntimeError (from the op): images not uint8, wrong rank, channel count not matching
         ``len(mean)``, zero or non-finite std, more than 64 channels.
     """
-    if input_layout not in _LAYOUTS:
-        raise ValueError(f"argument `input_layout` must be one of {_LAYOUTS}, got {input_layout!r}")
-    if memory_format not in (torch.contiguous_format, torch.channels_last):
-        raise ValueError(
-            f"argument `memory_format` must be torch.contiguous_format or torch.channels_last, got {memory_format}"
-        )
-    if dtype not in _OUT_DTYPES:
-        raise ValueError(f"argument `dtype` must be one of float32, float64, bfloat16, float16, got {dtype}")
+    _check_options(input_layout, dtype, memory_format)
     if not isinstance(images, torch.Tensor):
         raise TypeError(f"argument `images` must be a torch.Tensor, got {type(images).__name__}")
     mean_l, std_l = _as_floats("mean", mean), _as_floats("std", std)
-    _check_mean_std(mean_l, std_l)
+    _check_mean_std(mean_l, std_l, dtype)
     return torch.ops.shardkit.normalize_images(
         images, mean_l, std_l, input_layout == "NHWC", dtype, memory_format == torch.channels_last
     )

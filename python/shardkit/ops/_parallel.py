@@ -10,7 +10,9 @@ formula runs per step) and its fake kernel here.
 
 from __future__ import annotations
 
-from typing import Sequence
+import math
+import numbers
+from typing import Any, Sequence
 
 import torch
 
@@ -29,6 +31,17 @@ def _device(d: DeviceLike) -> torch.device:
     return dev
 
 
+def check_weight(w: Any, what: str) -> None:
+    """A loss weight is a tensor (its value is not read: no host sync) or a finite,
+    non-negative real number (not a bool); ``what`` names it in the errors."""
+    if isinstance(w, torch.Tensor):
+        return
+    if isinstance(w, bool) or not isinstance(w, numbers.Real):
+        raise TypeError(f"{what} must be a one-element tensor or a real number, got {type(w).__name__} {w!r}")
+    if not (math.isfinite(w) and w >= 0):
+        raise ValueError(f"{what} must be finite and non-negative, got {w!r}")
+
+
 def weighted_loss_reduce(
     losses: Sequence[torch.Tensor],
     weights: Sequence[torch.Tensor | float | int],
@@ -43,7 +56,8 @@ def weighted_loss_reduce(
     Args:
         losses: K floating tensors of one shape (usually 0-dim), each on any device.
         weights: K weights: one-element tensors on any device (sample or valid-element
-            counts computed on the loss's device need no host sync) or Python numbers.
+            counts computed on the loss's device need no host sync) or Python numbers
+            (finite and non-negative; a tensor's value is not checked).
         output_device: where the result lives.
         normalize: divide by ``sum_k w_k``.
 
@@ -52,6 +66,10 @@ def weighted_loss_reduce(
         Differentiable in ``losses``: loss k receives ``grad * w_k / sum w`` on its own
         device and dtype. Weights get no gradient.
     """
+    if isinstance(weights, (str, bytes)) or not isinstance(weights, (Sequence, torch.Tensor)):
+        raise TypeError(f"argument `weights` must be a list of K weights, got {type(weights).__name__} {weights!r}")
+    for k, w in enumerate(weights):
+        check_weight(w, f"argument `weights` (index {k})")
     # Python numbers as float64: a float32 tensor would round them (0.1, counts > 2^24)
     # before the reduction of float64 losses.
     ws = [w if isinstance(w, torch.Tensor) else torch.tensor(float(w), dtype=torch.float64) for w in weights]

@@ -8,9 +8,6 @@ Modules of the wing: :mod:`~shardkit.parallel.data_parallel` (the two classes, `
 :mod:`~shardkit.parallel.pipeline` (PipelineModel: a backbone split over devices with
 micro-batches pipelined, BatchNorm in :mod:`~shardkit.parallel.pipeline_bn`),
 :mod:`~shardkit.parallel.replicate` (per-step replicas),
-:mod:`~shardkit.parallel.pipeline` (PipelineModel: a backbone split over devices with
-micro-batches pipelined, BatchNorm in :mod:`~shardkit.parallel.pipeline_bn`),
-:mod:`~shardkit.parallel.replicate` (per-step replicas),
 :mod:`~shardkit.parallel.scatter` (device lists, chunk sizes, splitting arguments),
 :mod:`~shardkit.parallel.threads` (per-device calls in threads),
 :mod:`~shardkit.parallel.sync` (SyncBN callbacks, ``allreduce``).

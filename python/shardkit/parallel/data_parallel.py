@@ -29,6 +29,7 @@ unpack tuples in the direct (0/1 device) mode too, so one criterion works in eve
 from __future__ import annotations
 
 import functools
+import numbers
 from itertools import chain
 from typing import Any, NamedTuple, Sequence
 
@@ -36,6 +37,7 @@ import torch
 from torch import nn
 
 from shardkit.ops import weighted_loss_reduce
+from shardkit.ops._parallel import check_weight
 from shardkit.parallel import scatter as U
 from shardkit.parallel.replicate import replicate_module, share_replicas
 from shardkit.parallel.sync import execute_replication_callbacks
@@ -47,7 +49,8 @@ class WeightedLoss(NamedTuple):
 
     ``loss``: a tensor (or a dict/tuple of tensors) already averaged over this device's
     chunk; ``weight``: what that average was divided by (valid elements, a weight sum):
-    a number or a one-element tensor on any device (no host sync needed).
+    a finite, non-negative number or a one-element tensor on any device (no host sync
+    needed; its value is not checked).
     """
 
     loss: Any
@@ -58,6 +61,9 @@ def _init_parallel(self: nn.DataParallel, module: nn.Module, device_ids, output_
     """nn.DataParallel.__init__ for CUDA lists of distinct devices; for repeated devices
     (``["cpu"] * k``, ``[0, 0]``), which nn.DataParallel rejects, the same public
     attributes (module, device_ids, output_device, dim) are set here."""
+    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
+        raise TypeError(f"argument `dim` must be an int, got {type(dim).__name__} {dim!r}")
+    dim = int(dim)
     if device_ids is None and not torch.cuda.is_available():
         nn.Module.__init__(self)
         self.module, self.device_ids, self.output_device, self.dim = module, [], None, dim
@@ -125,8 +131,7 @@ class DataParallelModel(nn.DataParallel):
         gpu0_bsz: int | None = None,
     ):
         _init_parallel(self, module, device_ids, output_device, dim)
-        self.chunk_sizes = U.check_split_options(max(len(self._devices), 1), chunk_sizes, gpu0_bsz)
-        self.gpu0_bsz = gpu0_bsz
+        self.chunk_sizes, self.gpu0_bsz = U.check_split_options(max(len(self._devices), 1), chunk_sizes, gpu0_bsz)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with profiler_range("shardkit.DataParallelModel.forward"):
@@ -342,9 +347,13 @@ def _chunk_loss(module: nn.Module, output: Any, targets: tuple, kwargs: dict, sa
 
 
 def _split_weight(result: Any) -> tuple[Any, Any]:
+    """(loss, the weight the criterion reports or None), the weight checked: a tensor or a
+    finite, non-negative number (in every device mode, so a criterion fails the same way)."""
     if isinstance(result, WeightedLoss):
+        check_weight(result.weight, "WeightedLoss.weight (the criterion's loss weight)")
         return result.loss, result.weight
     if isinstance(result, dict) and "weight" in result:
+        check_weight(result["weight"], 'the "weight" entry of the criterion\'s dict')
         rest = type(result)((k, v) for k, v in result.items() if k != "weight")
         return rest, result["weight"]
     return result, None

@@ -112,6 +112,26 @@ def layer_costs(layers: Sequence[nn.Module], sample: torch.Tensor, by: str, repe
     return costs
 
 
+def _check_visible(devices: Sequence[torch.device], name: str) -> None:
+    """Every CUDA device of ``devices`` is visible here (else the first ``.to`` would fail
+    with the driver's message, which names no argument)."""
+    cuda = [d for d in devices if d.type == "cuda"]
+    if not cuda:
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise ValueError(
+            f"argument `{name}` names CUDA devices ({', '.join(str(d) for d in cuda)}) but no CUDA GPU is visible "
+            "(torch.cuda.is_available() is False); use 'cpu' devices, e.g. ['cpu', 'cpu'], on this machine"
+        )
+    missing = [str(d) for d in cuda if d.index >= count]
+    if missing:
+        raise ValueError(
+            f"argument `{name}` names {', '.join(missing)} but only {count} CUDA GPU(s) are visible "
+            f"(cuda:0 to cuda:{count - 1})"
+        )
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -122,9 +142,11 @@ class PipelineModel(nn.Module):
 
     Args:
         stages: an ``nn.Sequential`` (or a list of modules) run in order; each layer takes
-            and returns one tensor with the batch along dim 0.
+            and returns one tensor with the batch along dim 0 (a stage that changes the
+            size of dim 0 raises ValueError when the batch is split into several micro-batches).
         devices: one device per stage, e.g. ``["cuda:0", "cuda:1"]`` (repeats allowed:
-            ``["cpu", "cpu"]`` runs the same schedule in threads on the CPU).
+            ``["cpu", "cpu"]`` runs the same schedule in threads on the CPU); CUDA devices
+            must be visible (ValueError otherwise).
         chunks: micro-batches per step (>= 1; fewer when the batch is smaller), sizes
             differing by at most one (``x.tensor_split(chunks)``).
         balance: layers per device (ints summing to the layer count), or ``"time"`` /
@@ -157,6 +179,7 @@ class PipelineModel(nn.Module):
         if isinstance(devices, (str, int, torch.device)) or not devices:
             raise ValueError(f"argument `devices` must be a non-empty list of devices, got {devices!r}")
         devs = [as_device(d) for d in devices]
+        _check_visible(devs, "devices")
         if len(devs) > len(layers):
             raise ValueError(
                 f"argument `devices` names {len(devs)} devices for {len(layers)} layers; each device needs "
@@ -198,6 +221,7 @@ class PipelineModel(nn.Module):
         self.checkpoint = checkpoint
         self.batchnorm = batchnorm
         self.output_device = devs[-1] if output_device is None else as_device(output_device)
+        _check_visible([self.output_device], "output_device")
         self._streams: dict = {}
         self._micro_count = 1
 
@@ -213,6 +237,11 @@ class PipelineModel(nn.Module):
         ``partitions`` stages. The layers are profiled where they are; returns the plan
         (a list of ints) so it can be printed and passed as ``balance=`` later."""
         layers = _layers(stages)
+        if not isinstance(sample, torch.Tensor):
+            raise TypeError(
+                f"argument `sample` must be a Tensor (a sample input batch to profile the layers on), "
+                f"got {type(sample).__name__}"
+            )
         if isinstance(partitions, bool) or not isinstance(partitions, int) or not 1 <= partitions <= len(layers):
             raise ValueError(f"argument `partitions` must be an int in [1, {len(layers)}], got {partitions!r}")
         return partition(layer_costs(layers, sample, by), partitions)
@@ -315,6 +344,15 @@ class PipelineModel(nn.Module):
             raise TypeError(
                 f"PipelineModel: stage {s} (layers of partitions[{s}]) returned {type(y).__name__}; "
                 "every stage must return one tensor with the batch along dim 0"
+            )
+        # A shape check only (no device sync). With several micro-batches, a stage that changes
+        # dim 0 (e.g. x.mean(0)) would give each micro-batch's result, not the whole batch's.
+        if y.dim() == 0 or (self._micro_count > 1 and y.shape[0] != x.shape[0]):
+            raise ValueError(
+                f"PipelineModel: stage {s} (layers of partitions[{s}]) turned a micro-batch of shape "
+                f"{tuple(x.shape)} into shape {tuple(y.shape)}; PipelineModel splits the batch into "
+                f"micro-batches ({self._micro_count} here) along dim 0, so every stage must keep dim 0 "
+                "(the batch size) unchanged"
             )
         return y
 

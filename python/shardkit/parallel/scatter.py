@@ -5,6 +5,10 @@ operator call (the scatter half of ``shardkit.parallel``; the threads are in
 
 from __future__ import annotations
 
+import math
+import numbers
+import operator
+from collections.abc import Iterable, Mapping, Set
 from typing import Any, Sequence
 
 import torch
@@ -23,7 +27,9 @@ def as_device(d: Any) -> torch.device:
     except (RuntimeError, TypeError) as err:
         raise ValueError(f"not a device: {d!r} (use e.g. 'cpu', 'cuda:0' or a CUDA index)") from err
     if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
+        # without a GPU, "cuda" means cuda:0 (the default current device), so the callers'
+        # checks of what is visible (or nn.DataParallel's CPU fallback) apply to it
+        dev = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
     return dev
 
 
@@ -80,21 +86,47 @@ def balanced_chunk_sizes(
     return [q + (1 if k < r else 0) for k in range(n)]
 
 
-def check_split_options(n: int, chunk_sizes: Sequence[int] | None, gpu0_bsz: int | None) -> list[int] | None:
+def as_int(value: Any, what: str) -> int:
+    """``value`` as an int: ints (not bools; numpy ints, 0-dim integer tensors) or integral
+    floats (``4.0``); ``what`` names it in the errors (which say "non-negative": the callers
+    check the sign with their own message)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be a non-negative int, got bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        if not isinstance(value, numbers.Real):
+            raise TypeError(f"{what} must be a non-negative int, got {type(value).__name__} {value!r}") from None
+        if not math.isfinite(value) or value != int(value):
+            raise ValueError(f"{what} must be a non-negative int, got {value!r}") from None
+        return int(value)
+
+
+def check_split_options(
+    n: int, chunk_sizes: Sequence[int] | None, gpu0_bsz: int | None
+) -> tuple[list[int] | None, int | None]:
+    """Validated ``(chunk_sizes, gpu0_bsz)`` of DataParallelModel, as lists of ints / an int."""
     if chunk_sizes is not None and gpu0_bsz is not None:
         raise ValueError("arguments `chunk_sizes` and `gpu0_bsz` are exclusive; pass one of them")
     if chunk_sizes is not None:
-        sizes = [int(c) for c in chunk_sizes]
+        if isinstance(chunk_sizes, (str, bytes, Mapping, Set)) or not isinstance(chunk_sizes, Iterable):
+            raise TypeError(
+                f"argument `chunk_sizes` must be a list of ints, one per device, got {type(chunk_sizes).__name__} "
+                f"{chunk_sizes!r}"
+            )
+        sizes = [as_int(c, f"argument `chunk_sizes` (index {k})") for k, c in enumerate(chunk_sizes)]
         if len(sizes) != n:
             raise ValueError(
                 f"argument `chunk_sizes` must hold one size per device: got {len(sizes)} sizes for {n} devices"
             )
         if any(c < 0 for c in sizes) or sum(sizes) == 0:
             raise ValueError(f"argument `chunk_sizes` must be non-negative with a positive sum, got {sizes}")
-        return sizes
-    if gpu0_bsz is not None and (int(gpu0_bsz) != gpu0_bsz or gpu0_bsz < 0):
-        raise ValueError(f"argument `gpu0_bsz` must be a non-negative int, got {gpu0_bsz!r}")
-    return None
+        return sizes, None
+    if gpu0_bsz is not None:
+        gpu0_bsz = as_int(gpu0_bsz, "argument `gpu0_bsz`")
+        if gpu0_bsz < 0:
+            raise ValueError(f"argument `gpu0_bsz` must be a non-negative int, got {gpu0_bsz!r}")
+    return None, gpu0_bsz
 
 
 # ---- nested arguments ---------------------------------------------------------------

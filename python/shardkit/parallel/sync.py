@@ -52,6 +52,24 @@ def allreduce(*inputs: Any) -> tuple[torch.Tensor, ...]:
     of group k is the sum over groups of tensor j, on group k's device. The backward is
     the same all-reduce of the gradients.
     """
+    if not inputs:
+        raise TypeError("allreduce(num_inputs, *tensors): argument `num_inputs` is missing")
+    num_inputs, tensors = inputs[0], inputs[1:]
+    if isinstance(num_inputs, bool) or not isinstance(num_inputs, int):
+        raise TypeError(
+            f"allreduce(num_inputs, *tensors): argument `num_inputs` must be an int (the tensors per group), "
+            f"got {type(num_inputs).__name__}"
+        )
+    if num_inputs < 1:
+        raise ValueError(f"allreduce: argument `num_inputs` must be >= 1, got {num_inputs}")
+    if not tensors:
+        raise TypeError(
+            f"allreduce(num_inputs, *tensors): argument `tensors` is empty; pass groups of `num_inputs`={num_inputs} "
+            "tensors, one group per device"
+        )
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"allreduce: argument `tensors` must hold tensors, got {type(t).__name__} at index {i}")
     return _AllReduce.apply(*inputs)
 
 

@@ -59,6 +59,9 @@ def check_shards(weight_shards, class_offsets) -> Tuple[List[torch.Tensor], List
     """Returns (shards, offsets, num_classes); shards must tile [0, num_classes)."""
     if isinstance(weight_shards, torch.Tensor):
         weight_shards = [weight_shards]
+    if isinstance(weight_shards, (str, bytes)) or not hasattr(weight_shards, "__iter__"):
+        got = type(weight_shards).__name__
+        raise TypeError(f"argument `weight_shards` must be a tensor or a list of [C_k, D] tensors, got {got}")
     shards = list(weight_shards)
     if not shards:
         raise ValueError("argument `weight_shards` must hold at least one [C_k, D] tensor")
@@ -86,6 +89,11 @@ def check_shards(weight_shards, class_offsets) -> Tuple[List[torch.Tensor], List
             offsets.append(acc)
             acc += size
         return shards, offsets, num_classes
+    if isinstance(class_offsets, (str, bytes)) or not hasattr(class_offsets, "__iter__"):
+        raise TypeError(f"argument `class_offsets` must be a sequence of ints, got {type(class_offsets).__name__}")
+    class_offsets = list(class_offsets)
+    if any(isinstance(o, bool) or not isinstance(o, Integral) for o in class_offsets):
+        raise TypeError(f"argument `class_offsets` must hold ints, got {class_offsets!r}")
     offsets = [int(o) for o in class_offsets]
     if len(offsets) != len(shards):
         raise ValueError(f"argument `class_offsets` has {len(offsets)} entries for {len(shards)} weight shards")
@@ -109,6 +117,8 @@ def check_tensors(embeddings, labels, dim: int) -> torch.Tensor:
         raise ValueError(f"argument `embeddings` must be 2-D [batch, dim], got shape {tuple(embeddings.shape)}")
     if not embeddings.is_floating_point():
         raise TypeError(f"argument `embeddings` must be floating point, got {embeddings.dtype}")
+    if embeddings.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"argument `embeddings` is on {embeddings.device}; shardkit's kernels run on cpu and cuda")
     if embeddings.shape[0] == 0:
         raise ValueError("argument `embeddings` is an empty batch (0 rows); the loss of no samples is undefined")
     if embeddings.shape[1] != dim:
@@ -174,7 +184,11 @@ def check_topk(topk: Optional[Sequence[int]]) -> Tuple[int, ...]:
         return ()
     if isinstance(topk, Integral):
         topk = (topk,)
-    ks = tuple(int(k) for k in topk)
-    if any(isinstance(k, bool) or k < 1 for k in topk):
+    if isinstance(topk, (str, bytes)) or not hasattr(topk, "__iter__"):
+        raise TypeError(f"argument `topk` must be an int or a sequence of ints, got {type(topk).__name__}")
+    topk = tuple(topk)
+    if any(isinstance(k, bool) or not isinstance(k, Integral) for k in topk):
+        raise TypeError(f"argument `topk` must hold ints, got {topk!r}")
+    if any(k < 1 for k in topk):
         raise ValueError(f"argument `topk` must hold positive ints, got {topk!r}")
-    return ks
+    return tuple(int(k) for k in topk)

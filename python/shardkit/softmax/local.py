@@ -7,6 +7,8 @@ other one. Both answer the same calls (sizes, offsets, init, full weight, forwar
 module never asks which mode it is in.
 """
 
+import math
+import numbers
 from typing import Optional, Sequence
 
 import torch
@@ -122,7 +124,7 @@ def _sample_shards(shards, offsets, labels, sample_rate, generator):
     if generator is None or isinstance(generator, torch.Generator):
         generators = [generator] * len(shards)
     else:
-        generators = list(generator)
+        generators = list(generator) if isinstance(generator, (list, tuple)) else []
         if len(generators) != len(shards) or not all(isinstance(g, torch.Generator) for g in generators):
             raise TypeError(
                 "argument `generator` must be None, a torch.Generator or one torch.Generator per "
@@ -138,17 +140,39 @@ def _sample_shards(shards, offsets, labels, sample_rate, generator):
     return subs, sub_labels, sum(counts)
 
 
+def check_devices(devices) -> None:
+    """cpu and visible cuda devices only (the kernels' backends): a clear error at construction
+    instead of torch's driver error or an autocast error at the first forward."""
+    for dev in devices:
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"argument `devices`: {dev} is not supported; shardkit's kernels run on cpu and cuda")
+        if dev.type == "cuda":
+            visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if (dev.index or 0) >= visible:
+                raise ValueError(
+                    f"argument `devices`: {dev} is not available ({visible} CUDA GPU(s) visible on this machine)"
+                )
+
+
 def split_sizes(num_classes: int, num_shards: int, shard_sizes) -> list:
     """Shard sizes from None (even split, the first shards one larger), explicit ints
     summing to num_classes, or proportions (floats, any positive total; largest remainder)."""
     if shard_sizes is None:
         base, extra = divmod(num_classes, num_shards)
         return [base + (k < extra) for k in range(num_shards)]
+    if isinstance(shard_sizes, (str, bytes)) or not hasattr(shard_sizes, "__iter__"):
+        raise TypeError(
+            f"argument `shard_sizes` must be a sequence of ints or proportions, got {type(shard_sizes).__name__}"
+        )
     sizes = list(shard_sizes)
     if len(sizes) != num_shards:
         raise ValueError(f"argument `shard_sizes` has {len(sizes)} entries for {num_shards} devices")
-    if any(isinstance(s, bool) or not isinstance(s, (int, float)) or s < 0 for s in sizes):
-        raise ValueError(f"argument `shard_sizes` must hold non-negative numbers, got {sizes}")
+    if any(isinstance(s, bool) or not isinstance(s, numbers.Real) for s in sizes):
+        raise TypeError(f"argument `shard_sizes` must hold numbers, got {sizes}")
+    # numpy / torch integers count as ints; NaN or inf proportions are refused.
+    sizes = [int(s) if isinstance(s, numbers.Integral) else float(s) for s in sizes]
+    if any(not math.isfinite(s) or s < 0 for s in sizes):
+        raise ValueError(f"argument `shard_sizes` must hold finite non-negative numbers, got {sizes}")
     if all(isinstance(s, int) for s in sizes):
         if sum(sizes) != num_classes:
             raise ValueError(f"argument `shard_sizes` {sizes} sums to {sum(sizes)}, not num_classes={num_classes}")
@@ -211,6 +235,7 @@ class LocalShards:
             raise ValueError(msg) from err
         if not self.devices:
             raise ValueError("argument `devices` must name at least one device")
+        check_devices(self.devices)
         self.sizes = split_sizes(num_classes, len(self.devices), shard_sizes)
 
     def attach(self, module) -> None:

@@ -29,6 +29,8 @@ from numbers import Real
 
 __all__ = ["Margin", "CosFace", "ArcFace", "CombinedMargin"]
 
+_FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
+
 
 def _number(name: str, value, *, cls: str) -> float:
     if isinstance(value, bool) or not isinstance(value, Real):
@@ -56,6 +58,8 @@ class Margin:
         m3 = _number("m3", m3, cls=_cls)
         if scale <= 0:
             raise ValueError(f"{_cls}: argument `s` (the scale) must be > 0, got {scale}")
+        if scale > _FLOAT32_MAX:  # the kernels compute in float32 (float64 inputs aside)
+            raise ValueError(f"{_cls}: argument `s` (the scale) must be at most {_FLOAT32_MAX:.4g}, got {scale}")
         if m1 <= 0:
             raise ValueError(f"{_cls}: argument `m1` must be > 0, got {m1}")
         if not 0.0 <= m2 < math.pi:

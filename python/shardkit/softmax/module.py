@@ -110,7 +110,7 @@ class ShardedSoftmaxLoss(nn.Module):
         self.sample_rate = check_sample_rate(sample_rate)
         # Set to seed the sampling: a torch.Generator of the shard's device (a CPU generator
         # for a CUDA shard is refused by the sampling op), or in the one-process mode one per shard.
-        self.sample_generator: Optional[torch.Generator] = None
+        self.sample_generator = None
         if process_group is None:
             if input_layout != DATA_PARALLEL:
                 raise ValueError("argument `input_layout` needs `process_group`")
@@ -144,6 +144,22 @@ class ShardedSoftmaxLoss(nn.Module):
         )
         self.reset_parameters()
         self._mode.attach(self)
+
+    @property
+    def sample_generator(self):
+        """The generator(s) of the class sampling: None, a torch.Generator, or (one-process
+        mode) a list with one per shard."""
+        return self._sample_generator
+
+    @sample_generator.setter
+    def sample_generator(self, value):
+        gens = value if isinstance(value, (list, tuple)) else [value]
+        if value is not None and not all(isinstance(g, torch.Generator) for g in gens):
+            raise TypeError(
+                "`sample_generator` must be None, a torch.Generator or a list of them (one per shard), "
+                f"got {type(value).__name__}"
+            )
+        self.__dict__["_sample_generator"] = value
 
     @property
     def shard_sizes(self) -> tuple:

@@ -1,0 +1,104 @@
+"""Argument checks of ``ModelEMA``: numbers, counters, the schedule and a saved state,
+each refused with an error naming it before anything changes."""
+
+import math
+import numbers
+
+import torch
+from torch import nn
+
+# Largest step / update count: an int64, as torch's step counters (a larger one overflows the
+# float math of the schedule).
+_MAX_COUNT = 2**63 - 1
+
+
+def _short(value) -> str:
+    """``repr(value)`` cut short (a huge int's repr is long, or refused past 4300 digits)."""
+    if isinstance(value, int) and value.bit_length() > 128:
+        return f"an int of {value.bit_length()} bits"
+    r = repr(value)
+    return r if len(r) <= 40 else f"{r[:20]}...({len(r)} characters)"
+
+
+def _real(name, value) -> float:
+    # float(None) / float("0.9") would give a TypeError not naming the argument, or accept a string.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        if not (isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point()):
+            raise TypeError(f"argument `{name}` must be a float, got {type(value).__name__} {value!r}")
+    try:
+        return float(value)
+    except OverflowError:  # an int (or Fraction) beyond the float range
+        raise ValueError(f"argument `{name}` must be a finite float, got {_short(value)}") from None
+
+
+def _check_int(name, value, minimum, maximum=None):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"argument `{name}` must be an int >= {minimum}, got {_short(value)}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"argument `{name}` must be an int in [{minimum}, 2**63 - 1], got {_short(value)}")
+    return value
+
+
+def _check_step(step) -> int:
+    """``update``'s ``step`` when it is not a plain int in range (the slow path)."""
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        raise TypeError(
+            f"argument `step` must be an int (or None), got {type(step).__name__} {_short(step)}; "
+            "a float or a tensor step is not truncated: pass int(step)"
+        )
+    value = int(step)  # numpy integers
+    if not 0 <= value <= _MAX_COUNT:
+        raise ValueError(f"argument `step` must be an int in [0, 2**63 - 1] or None, got {_short(step)}")
+    return value
+
+
+def _dtype_kind(dtype: torch.dtype) -> str:
+    if dtype.is_floating_point:
+        return "floating"
+    return "complex" if dtype.is_complex else "integer"
+
+
+def check_schedule(decay, tau, warmup_gamma, warmup_power, min_decay, update_after_step, update_every):
+    """The schedule arguments, checked and converted (floats, ints); changes nothing."""
+    decay, min_decay = _real("decay", decay), _real("min_decay", min_decay)
+    tau = None if tau is None else _real("tau", tau)
+    warmup_gamma = None if warmup_gamma is None else _real("warmup_gamma", warmup_gamma)
+    warmup_power = None if warmup_power is None else _real("warmup_power", warmup_power)
+    if not 0.0 <= decay <= 1.0:  # (NaN fails every comparison)
+        raise ValueError(f"argument `decay` must lie in [0, 1], got {decay}")
+    if not 0.0 <= min_decay <= decay:
+        raise ValueError(f"argument `min_decay` must lie in [0, decay={decay}], got {min_decay}")
+    # inf would make the decay 0 forever (the EMA a plain copy of the model), silently.
+    for name, v in (("tau", tau), ("warmup_gamma", warmup_gamma), ("warmup_power", warmup_power)):
+        if v is not None and not (v > 0 and math.isfinite(v)):
+            raise ValueError(f"argument `{name}` must be > 0 and finite, or None, got {v}")
+    update_after_step = _check_int("update_after_step", update_after_step, 0)
+    update_every = _check_int("update_every", update_every, 1)
+    return decay, tau, warmup_gamma, warmup_power, min_decay, update_after_step, update_every
+
+
+def check_module_state(module: nn.Module, module_state: dict) -> None:
+    """``module_state`` against the EMA module's own state_dict, before anything is copied
+    (``nn.Module.load_state_dict`` copies tensor by tensor and raises only at the end)."""
+    expected = module.state_dict(keep_vars=True)
+    missing = [k for k in expected if k not in module_state]
+    unexpected = [k for k in module_state if k not in expected]
+    if missing or unexpected:
+        raise ValueError(
+            "argument `state_dict` has a corrupt 'module': it does not match the EMA's module "
+            f"(missing {missing[:5]}, unexpected {unexpected[:5]}); a ModelEMA state loads only "
+            "into a ModelEMA of the same model"
+        )
+    for name, e in expected.items():
+        if not isinstance(e, torch.Tensor):
+            continue  # a module's extra state (get_extra_state): the module checks it
+        v = module_state[name]
+        where = f"argument `state_dict` has a corrupt 'module' entry {name!r}"
+        if not isinstance(v, torch.Tensor):
+            raise ValueError(f"{where}: expected a tensor, got {type(v).__name__}")
+        if v.shape != e.shape:
+            raise ValueError(f"{where}: shape {tuple(v.shape)}, the EMA has {tuple(e.shape)}")
+        if _dtype_kind(v.dtype) != _dtype_kind(e.dtype):
+            raise ValueError(f"{where}: dtype {v.dtype} does not convert to the EMA's {e.dtype}")
+        if v.is_meta or v.layout != torch.strided:
+            raise ValueError(f"{where}: a {v.layout} tensor on {v.device} holds no loadable values")
