@@ -218,3 +218,14 @@ def test_update_step_accepts_numpy_integers_and_large_ints():
     c = shardkit.ModelEMA(net, 0.9, tau=3.0)
     c.update(net, step=2**63 - 1)  # the ramp's float math at the largest step
     assert a.updates == 4 and c.updates == 1
+
+
+def test_device_must_be_visible(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(ValueError, match=r"`device`: cuda is not available \(0 CUDA GPU"):
+        shardkit.ModelEMA(model, device="cuda")
+    with pytest.raises(ValueError, match="`device` must name a device"):
+        shardkit.ModelEMA(model, device="nonsense")
+    assert shardkit.ModelEMA(model, device="cpu").module.weight.device.type == "cpu"

@@ -202,3 +202,8 @@ def test_data_parallel_cuda_ids_without_a_gpu_call_the_module(monkeypatch, devic
     assert torch.equal(out, net(x))
     loss = DataParallelCriterion(nn.MSELoss(), device_ids)(out, torch.zeros(6, 4))
     assert torch.equal(loss, nn.MSELoss()(out, torch.zeros(6, 4)))
+
+
+def test_legacy_mean_must_be_a_bool():
+    with pytest.raises(TypeError, match="legacy_mean"):
+        DataParallelCriterion(torch.nn.CrossEntropyLoss(), device_ids=["cpu"], legacy_mean="no")

@@ -102,3 +102,19 @@ def check_module_state(module: nn.Module, module_state: dict) -> None:
             raise ValueError(f"{where}: dtype {v.dtype} does not convert to the EMA's {e.dtype}")
         if v.is_meta or v.layout != torch.strided:
             raise ValueError(f"{where}: a {v.layout} tensor on {v.device} holds no loadable values")
+
+
+def check_device(device):
+    """``ModelEMA(device=...)``: None, or a cpu / visible cuda device (a clear error instead of
+    the driver's at the first copy)."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"argument `device` must name a device such as 'cpu' or 'cuda:0', got {device!r}") from err
+    if dev.type == "cuda":
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (dev.index or 0) >= visible:
+            raise ValueError(f"argument `device`: {dev} is not available ({visible} CUDA GPU(s) visible)")
+    return dev

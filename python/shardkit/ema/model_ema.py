@@ -21,6 +21,7 @@ from shardkit.ema.checks import (
     _check_int,
     _check_step,
     _short,
+    check_device,
     check_module_state,
     check_schedule,
 )
@@ -123,7 +124,7 @@ class ModelEMA:
         self.enabled = True
         self._swapped = False
         self._model_ref = weakref.ref(model)
-        device = torch.device(device) if device is not None else None
+        device = check_device(device)
 
         # Copy with the tensors converted on the way (a memo entry per tensor), so a CPU
         # EMA of a GPU model never holds a second copy on the GPU, even transiently.

@@ -220,6 +220,8 @@ class DataParallelCriterion(nn.DataParallel):
         self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0, *, legacy_mean: bool = False
     ):
         _init_parallel(self, module, device_ids, output_device, dim)
+        if not isinstance(legacy_mean, bool):
+            raise TypeError(f"argument `legacy_mean` must be True or False, got {type(legacy_mean).__name__}")
         self.legacy_mean = legacy_mean
 
     def forward(self, inputs: Any, *targets: Any, **kwargs: Any) -> Any:
