@@ -180,12 +180,13 @@ def plan_memory(
         dtype: head weight/gradient storage: ``"fp32"``, ``"fp16"`` or ``"bf16"``.
         optimizer: ``"sgd"``, ``"sgd-momentum"``, ``"adam"`` or ``"adamw"``.
         sample_rate: PartialFC rate in (0, 1].
-        gpu_memory: bytes per device (int or size string such as ``"80GiB"``), or None.
+        gpu_memory: bytes per device (int or size string such as ``"80GiB"``) > 0, or None.
         master_weights: fp32 master copy for fp16/bf16 (default: True unless fp32).
         sparse_grad: sampled mode keeps gradients of sampled rows only (else a dense buffer);
             None (default) = True, what shardkit's sampled mode does.
         chunk_budget: ShardedSoftmaxLoss's chunk working-set budget (default 192 MiB).
-        reserve: bytes set aside per device for everything not counted here.
+        reserve: bytes set aside per device for everything not counted here (less than
+            ``gpu_memory`` when that is given).
 
     Returns:
         MemoryPlan. Raises ValueError on invalid arguments.
@@ -205,6 +206,12 @@ def plan_memory(
     budget, reserve = parse_size(chunk_budget), parse_size(reserve)
     if budget <= 0:
         raise ValueError(f"argument `chunk_budget` must be > 0, got {chunk_budget!r}")
+    if gpu is not None and gpu <= 0:
+        raise ValueError(f"argument `gpu_memory` must be > 0, got {gpu_memory!r}")
+    if gpu is not None and reserve >= gpu:
+        raise ValueError(
+            f"argument `reserve` ({_short_size(reserve)}) must be less than argument `gpu_memory` ({_short_size(gpu)})"
+        )
     elem = DTYPE_BYTES[dtype]
     master = (dtype != "fp32") if master_weights is None else bool(master_weights)
     states = OPTIMIZER_STATES[optimizer]

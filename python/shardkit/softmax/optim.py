@@ -9,11 +9,42 @@ AND the momentum buffer of an unsampled row stay bit-for-bit unchanged, so the r
 misses that step (the PartialFC behaviour).
 """
 
+import math
+import numbers
 from typing import Iterable
 
 import torch
 
 __all__ = ["SparseRowSGD"]
+
+
+def _real(name: str, value, where: str) -> float:
+    """``value`` as a float: a real number (not a bool), or for ``lr`` a one-element tensor
+    (as ``torch.optim.SGD`` allows); else a TypeError naming the argument."""
+    if name == "lr" and isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{where}argument `lr` as a tensor must have one element, got shape {list(value.shape)}")
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{where}argument `{name}` must be a real number, got {type(value).__name__}")
+    return float(value)
+
+
+def _check_hyperparameters(group: dict, where: str = "") -> None:
+    """ValueError / TypeError naming the first bad hyper-parameter of ``group``."""
+    lr, momentum, dampening, wd = (
+        _real(name, group[name], where) for name in ("lr", "momentum", "dampening", "weight_decay")
+    )
+    for name, value, ok, rule in (
+        ("lr", lr, lr >= 0, ">= 0"),
+        ("momentum", momentum, 0 <= momentum < 1, "in [0, 1)"),
+        ("dampening", dampening, 0 <= dampening <= 1, "in [0, 1]"),
+        ("weight_decay", wd, wd >= 0, ">= 0"),
+    ):
+        if not (ok and math.isfinite(value)):
+            raise ValueError(f"{where}argument `{name}` must be {rule} and finite, got {value}")
+    if group["nesterov"] and (momentum <= 0 or dampening != 0):
+        raise ValueError(f"{where}argument `nesterov` needs momentum > 0 and dampening = 0")
 
 
 class SparseRowSGD(torch.optim.Optimizer):
@@ -22,7 +53,9 @@ class SparseRowSGD(torch.optim.Optimizer):
 
     Args:
         params: parameters or parameter groups, as for ``torch.optim.SGD``.
-        lr, momentum, dampening, weight_decay, nesterov: as ``torch.optim.SGD``.
+        lr, momentum, dampening, weight_decay, nesterov: as ``torch.optim.SGD``: lr (a float
+            or a one-element tensor) and weight_decay finite and >= 0, momentum in [0, 1),
+            dampening in [0, 1]. A ValueError names a bad value, a TypeError a non-number.
 
     Parameters with a sparse COO gradient (``F.embedding(..., sparse=True)``, which the
     sampled :class:`shardkit.ShardedSoftmaxLoss` produces) are updated row by row: for the
@@ -47,13 +80,16 @@ class SparseRowSGD(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         nesterov: bool = False,
     ):
-        for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
-            if value < 0.0:
-                raise ValueError(f"argument `{name}` must be >= 0, got {value}")
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("argument `nesterov` needs momentum > 0 and dampening = 0")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov)
+        _check_hyperparameters(defaults)
         super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """``torch.optim.Optimizer.add_param_group``, with the group's own lr, momentum,
+        dampening, weight_decay and nesterov checked as the constructor checks its arguments."""
+        if isinstance(param_group, dict):  # else torch's own TypeError
+            _check_hyperparameters({**self.defaults, **param_group}, where=f"param group {len(self.param_groups)}: ")
+        super().add_param_group(param_group)
 
     def load_state_dict(self, state_dict) -> None:
         """Loads a SparseRowSGD state_dict, or a ``torch.optim.SGD`` one (same layout; its

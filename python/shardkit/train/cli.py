@@ -28,46 +28,24 @@ import torch
 import torch.distributed as dist
 
 from shardkit.train import checkpoint, loop
+from shardkit.train.argtypes import (
+    FLOAT32_MAX,
+    MAX_LR,
+    MAX_SEED,
+    MIN_IMAGE_SIZE,
+    _device_list,
+    _finite,
+    _held_out_bytes,
+    _max_workers,
+    _non_negative,
+    _positive,
+    _ram_bytes,
+    _rate,
+)
 from shardkit.train.errors import UsageError
 from shardkit.train.models import PRESETS
 
 __all__ = ["main", "build_parser"]
-
-
-def _device_list(text: str):
-    out = []
-    for part in text.split(","):
-        part = part.strip()
-        try:
-            dev = torch.device(part)
-        except RuntimeError:
-            raise argparse.ArgumentTypeError(f"not a device: {part!r} (use e.g. cpu, cuda:0)") from None
-        if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", 0)
-        out.append(dev)
-    if not out:
-        raise argparse.ArgumentTypeError("empty device list")
-    return out
-
-
-def _positive(kind):
-    def parse(text):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a {kind.__name__}: {text!r}") from None
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return v
-
-    return parse
-
-
-def _rate(text):
-    v = _positive(float)(text)
-    if v > 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return v
 
 
 class _Parser(argparse.ArgumentParser):
@@ -148,8 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="arcface",
         help="margin of the softmax (default: %(default)s)",
     )
-    m.add_argument("--scale", type=_positive(float), default=32.0, help="s of the margin logits (default: %(default)s)")
-    m.add_argument("--m", type=float, default=None, help="margin (default: 0.3 for arcface, 0.25 for cosface)")
+    m.add_argument(
+        "--scale",
+        type=_positive(float, FLOAT32_MAX),
+        default=32.0,
+        help="s of the margin logits (default: %(default)s)",
+    )
+    m.add_argument("--m", type=_finite, default=None, help="margin (default: 0.3 for arcface, 0.25 for cosface)")
     m.add_argument(
         "--sample-rate",
         type=_rate,
@@ -173,18 +156,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--accumulate", type=_positive(int), default=1, help="micro-batches per optimizer step (default: %(default)s)"
     )
     t.add_argument(
-        "--lr", type=_positive(float), default=0.2, help="peak learning rate, see below (default: %(default)s)"
+        "--lr", type=_positive(float, MAX_LR), default=0.2, help="peak learning rate, see below (default: %(default)s)"
     )
     t.add_argument(
         "--weight-decay",
-        type=float,
+        type=_non_negative,
         default=5e-4,
         help="SGD weight decay of weights, not of biases/BN (default: %(default)s)",
     )
     t.add_argument(
         "--ema", type=float, default=0.995, metavar="DECAY", help="EMA decay, 0 disables EMA (default: %(default)s)"
     )
-    t.add_argument("--ema-tau", type=float, default=100.0, help="EMA warm-up ramp in updates (default: %(default)s)")
+    t.add_argument(
+        "--ema-tau", type=_positive(float), default=100.0, help="EMA warm-up ramp in updates (default: %(default)s)"
+    )
     t.add_argument(
         "--amp", choices=["none", "bf16", "fp16"], default="none", help="autocast dtype (default: %(default)s)"
     )
@@ -291,10 +276,28 @@ def _check_args(a: argparse.Namespace) -> None:
         raise UsageError("--pipeline runs in one process; launch it without torchrun")
     if a.chunks < 1:
         raise UsageError(f"--chunks must be >= 1, got {a.chunks}")
-    if a.workers < 0:
-        raise UsageError(f"--workers must be >= 0, got {a.workers}")
+    if not 0 <= a.workers <= _max_workers():
+        raise UsageError(f"--workers must be in [0, {_max_workers()}], got {a.workers}")
+    if not 0 <= a.seed <= MAX_SEED:
+        raise UsageError(f"--seed must be in [0, 2**63 - 1], got {a.seed}")
+    if a.image_size < MIN_IMAGE_SIZE:
+        raise UsageError(f"--image-size must be >= {MIN_IMAGE_SIZE}, got {a.image_size}")
+    if os.path.exists(a.out) and not os.path.isdir(a.out):
+        raise UsageError(f"--out {a.out!r} is a file; give a directory (a new one or an earlier run's)")
+    parent = os.path.dirname(os.path.abspath(a.out))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise UsageError(f"--out {a.out!r}: {parent!r} is a file, not a directory; give another --out")
     if a.val_per_class < 2 or a.val_classes < 2:
         raise UsageError("--val-classes and --val-per-class must be >= 2 (verification needs pairs)")
+    ram = _ram_bytes()
+    if a.data is None and ram is not None and _held_out_bytes(a) > ram:
+        raise UsageError(
+            f"--val-classes {a.val_classes} x --val-per-class {a.val_per_class}: the held-out images and their "
+            f"genuine pairs need over {_held_out_bytes(a) / 2**30:.3g} GiB of RAM, this machine has "
+            f"{ram / 2**30:.3g} GiB; lower --val-per-class"
+        )
 
 
 def parse(argv=None) -> argparse.Namespace:

@@ -1,0 +1,99 @@
+"""The trainer's argument types and limits: each parses one flag's text or checks a bound,
+raising argparse's error type so the message names the flag (exit 2 in main)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+import torch
+
+
+def _device_list(text: str):
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            dev = torch.device(part)
+        except RuntimeError:
+            raise argparse.ArgumentTypeError(f"not a device: {part!r} (use e.g. cpu, cuda:0)") from None
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", 0)
+        out.append(dev)
+    if not out:
+        raise argparse.ArgumentTypeError("empty device list")
+    return out
+
+
+def _number(kind, text, rule="a finite number"):
+    """``text`` as a finite ``kind`` (int or float), else an argparse error saying ``rule``."""
+    try:
+        v = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not {'an' if kind is int else 'a'} {kind.__name__}: {text!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+    return v
+
+
+def _positive(kind, high=None):
+    """argparse type: a finite ``kind`` > 0 (and <= ``high`` when given)."""
+
+    def parse(text):
+        v = _number(kind, text, "a finite number > 0")
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        if high is not None and v > high:
+            raise argparse.ArgumentTypeError(f"must be in (0, {high:g}], got {text}")
+        return v
+
+    return parse
+
+
+def _finite(text):
+    """argparse type: a finite float."""
+    return _number(float, text)
+
+
+def _non_negative(text):
+    """argparse type: a finite float >= 0."""
+    v = _number(float, text, "a finite number >= 0")
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return v
+
+
+def _rate(text):
+    v = _positive(float)(text)
+    if v > 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return v
+
+
+MAX_LR = 1e3  # far above any learning rate that trains; 1e30 only overflows the weights
+FLOAT32_MAX = torch.finfo(torch.float32).max  # the margins' largest scale
+MIN_IMAGE_SIZE = 4  # the synthetic identities' smallest side (the backbones take any size)
+MAX_SEED = 2**63 - 1  # seed + rank/epoch must stay a valid torch seed (< 2**64)
+
+
+def _max_workers() -> int:
+    """The most --workers that makes sense: DataLoader processes beyond this only thrash."""
+    return max(64, 8 * (os.cpu_count() or 1))
+
+
+def _ram_bytes():
+    """This machine's physical memory in bytes, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _held_out_bytes(a: argparse.Namespace) -> int:
+    """A lower bound of the RAM the synthetic held-out set takes: its uint8 images and
+    embeddings, and per pair (every genuine one + 10000 impostors) its indices and the two
+    fp32 embeddings gathered to score it."""
+    images = a.val_classes * a.val_per_class
+    pairs = a.val_classes * (a.val_per_class * (a.val_per_class - 1) // 2) + 10000
+    return images * (3 * a.image_size**2 + 4 * a.dim) + pairs * (16 + 8 * a.dim)
