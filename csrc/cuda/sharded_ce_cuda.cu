@@ -93,6 +93,36 @@ __global__ void inv_row_norm_kernel(const scalar_t* __restrict__ w, int64_t s0, 
       what[row * D + k] = static_cast<scalar_t>(static_cast<T>(w[row * s0 + k * s1]) * rn);
 }
 
+// Block reduction of every thread's (m, s, zs, cnt): warps by shuffles, then the warps'
+// partials through shared memory, in a fixed order. Thread 0 ends with the block's values
+// (the other threads' values are partial). Every thread of the block must call it.
+template <typename T>
+__device__ __forceinline__ void block_reduce_stats(T& m, T& s, T& zs, int64_t& cnt) {
+  for (int o = 16; o > 0; o /= 2) {
+    const T m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+    merge_ms(m, s, m2, s2);
+    zs += __shfl_xor_sync(0xffffffffu, zs, o);
+    cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
+  }
+  __shared__ T sm[32], ss[32], sz[32];
+  __shared__ int64_t sc[32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
+  if (lane == 0) {
+    sm[warp] = m;
+    ss[warp] = s;
+    sz[warp] = zs;
+    sc[warp] = cnt;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int k = 1; k < nwarps; ++k) {
+      merge_ms(m, s, sm[k], ss[k]);
+      zs += sz[k];
+      cnt += sc[k];
+    }
+  }
+}
+
 // Forward: row i = blockIdx.x of the chunk's logits L [B, n] (raw dots; times rw[j] when
 // normalizing) folded into the running statistics M (max), S (sum exp(z - M)), LS, CN, TG.
 template <typename T>
@@ -126,29 +156,8 @@ __global__ void row_stats_kernel(const T* __restrict__ L, int64_t n, int64_t j0,
       s += dev_exp(z - m);
     }
   }
-  // Block reduction: warps by shuffles, then the warps' partials through shared memory.
-  for (int o = 16; o > 0; o /= 2) {
-    const T m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
-    merge_ms(m, s, m2, s2);
-    zs += __shfl_xor_sync(0xffffffffu, zs, o);
-    cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
-  }
-  __shared__ T sm[32], ss[32], sz[32];
-  __shared__ int64_t sc[32];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
-  if (lane == 0) {
-    sm[warp] = m;
-    ss[warp] = s;
-    sz[warp] = zs;
-    sc[warp] = cnt;
-  }
-  __syncthreads();
+  block_reduce_stats(m, s, zs, cnt);
   if (threadIdx.x == 0) {
-    for (int k = 1; k < nwarps; ++k) {
-      merge_ms(m, s, sm[k], ss[k]);
-      zs += sz[k];
-      cnt += sc[k];
-    }
     T Mi = M[i], Si = S[i];
     merge_ms(Mi, Si, m, s);
     M[i] = Mi;

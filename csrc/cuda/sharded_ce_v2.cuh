@@ -129,29 +129,8 @@ __global__ void row_stats_v2_kernel(const float* __restrict__ L, int64_t n, int6
     const int64_t j = rs.tail0 + threadIdx.x;
     online_add(logit(row[j], j), m, s);
   }
-  // Block reduction: warps by shuffles, then the warps' partials through shared memory.
-  for (int o = 16; o > 0; o /= 2) {
-    const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
-    merge_ms(m, s, m2, s2);
-    zs += __shfl_xor_sync(0xffffffffu, zs, o);
-    cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
-  }
-  __shared__ float sm[32], ss[32], sz[32];
-  __shared__ int64_t sc[32];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
-  if (lane == 0) {
-    sm[warp] = m;
-    ss[warp] = s;
-    sz[warp] = zs;
-    sc[warp] = cnt;
-  }
-  __syncthreads();
+  block_reduce_stats(m, s, zs, cnt);
   if (threadIdx.x != 0) return;
-  for (int k = 1; k < nwarps; ++k) {
-    merge_ms(m, s, sm[k], ss[k]);
-    zs += sz[k];
-    cnt += sc[k];
-  }
   if (parts == 1) {
     float Mi = M[i], Si = S[i];
     merge_ms(Mi, Si, m, s);

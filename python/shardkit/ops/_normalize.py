@@ -60,7 +60,7 @@ _MAX_CHANNELS = 64  # the kernels' per-channel constants travel by value (csrc/n
 def _check_options(input_layout, dtype, memory_format) -> None:
     """The options of a normalize call (also checked by ``Normalize`` at construction)."""
     if input_layout not in _LAYOUTS:
-        raise ValueError(f"argument `input_layout` must be one of {_LAYOUTS}, got {input_layout!r}")
+        raise ValueError(f"argument `input_layout` must be 'NHWC' or 'NCHW', got {input_layout!r}")
     if memory_format not in (torch.contiguous_format, torch.channels_last):
         raise ValueError(
             f"argument `memory_format` must be torch.contiguous_format or torch.channels_last, got {memory_format}"
@@ -138,7 +138,7 @@ def normalize_images(
         fit ``dtype``.
         TypeError: ``mean``/``std`` not a sequence of numbers (e.g. a string).
         RuntimeError (from the op): images not uint8, wrong rank, channel count not matching
-        ``len(mean)``, zero or non-finite std, more than 64 channels.
+        ``len(mean)`` (the op repeats every check above for direct ``torch.ops`` callers).
     """
     _check_options(input_layout, dtype, memory_format)
     if not isinstance(images, torch.Tensor):
