@@ -172,3 +172,14 @@ def test_plan_memory_api_refuses_the_same():
     with pytest.raises(ValueError, match=re.escape("argument `reserve` (2 GiB) must be less than")):
         plan_memory(1000, 64, 1, 8, gpu_memory="1GiB", reserve="2GiB")
     assert plan_memory(1000, 64, 1, 8, gpu_memory="1GiB", reserve="512MiB").devices[0].fits is True
+
+
+def test_a_diverging_run_exits_2_naming_the_flags(tmp_path, capsys):
+    # An absurd (but finite) weight decay blows the backbone up after one step: the head's
+    # input check then sees NaN/inf embeddings; the run says it diverged and what to lower
+    # instead of ending in a traceback.
+    argv = TINY + ["--steps", "4", "--devices", "cpu", "--weight-decay", "1e30", "--out", str(tmp_path / "o")]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m shardkit.train: error: training diverged at step ") and err.count("\n") == 1
+    assert "--weight-decay (now 1e+30)" in err and "Traceback" not in err, err

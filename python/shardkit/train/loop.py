@@ -175,7 +175,15 @@ def _run(args, world: World, log: RunLog) -> int:
     try:
         for step in range(start, total):
             t0 = time.perf_counter()
-            loss, top1 = train_step(parts, args, step, steps_per_epoch, total, world)
+            try:
+                loss, top1 = train_step(parts, args, step, steps_per_epoch, total, world)
+            except ValueError as err:  # the head's input check: the backbone's output went NaN/inf
+                if "NaN or infinite" not in str(err):
+                    raise
+                raise UsageError(
+                    f"training diverged at step {step + 1} (the embeddings became NaN or infinite); "
+                    f"lower --lr (now {args.lr:g}), --weight-decay (now {args.weight_decay:g}) or --scale"
+                ) from err
             history["step"].append(step + 1)
             history["loss"].append(loss)
             history["top1"].append(top1)
