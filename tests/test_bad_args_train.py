@@ -183,3 +183,15 @@ def test_a_diverging_run_exits_2_naming_the_flags(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("python -m shardkit.train: error: training diverged at step ") and err.count("\n") == 1
     assert "--weight-decay (now 1e+30)" in err and "Traceback" not in err, err
+
+
+def test_a_head_that_cannot_fit_is_refused_up_front(tmp_path, capsys, no_training):
+    # A billion classes x 512 on the CPU: terabytes by the planner's count. Refused before the
+    # synthetic data (a per-class loop) or the head are built, naming the planner's figure.
+    argv = ["--classes", "1000000000", "--dim", "512", "--devices", "cpu", "--out", str(tmp_path / "o")]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--classes 1000000000 x --dim 512: the head needs about" in err, err
+    # the README's million-class CPU recipe (~1.2 GiB of head) is not refused
+    args = cli.parse(["--classes", "1000000", "--per-class", "2", "--sample-rate", "0.1", "--devices", "cpu"])
+    assert args.classes == 1_000_000

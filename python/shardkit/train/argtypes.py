@@ -9,6 +9,8 @@ import os
 
 import torch
 
+from shardkit.plan import format_size, plan_memory
+
 
 def _device_list(text: str):
     out = []
@@ -97,3 +99,30 @@ def _held_out_bytes(a: argparse.Namespace) -> int:
     images = a.val_classes * a.val_per_class
     pairs = a.val_classes * (a.val_per_class * (a.val_per_class - 1) // 2) + 10000
     return images * (3 * a.image_size**2 + 4 * a.dim) + pairs * (16 + 8 * a.dim)
+
+
+def _capacity(dev: torch.device):
+    """Bytes of memory behind a device: a GPU's total memory, the machine's RAM for the CPU."""
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev.index or 0).total_memory
+    return _ram_bytes()
+
+
+def _head_misfit(a: argparse.Namespace, world_size: int):
+    """None if the head of --classes x --dim (the planner's bytes per shard: weights, momentum,
+    gradient, loss working set) fits the memory of the devices holding it, else a message.
+    Shards on one device (``--devices cpu,cpu``) add up; under torchrun each rank holds one."""
+    n = world_size if world_size > 1 else len(a.devices)
+    batch = a.batch if world_size > 1 else max(1, a.batch // n)
+    plan = plan_memory(a.classes, a.dim, n, batch, sample_rate=a.sample_rate)
+    per_shard = plan.shardkit_max.total
+    held = [a.devices[0]] if world_size > 1 else a.devices
+    for dev in dict.fromkeys(held):
+        need, cap = per_shard * held.count(dev), _capacity(dev)
+        if cap is not None and need > cap:
+            return (
+                f"--classes {a.classes} x --dim {a.dim}: the head needs about {format_size(need)} on {dev} "
+                f"(python -m shardkit.plan's figure), which has {format_size(cap)}; use fewer classes, a smaller "
+                "--dim, --sample-rate, or more devices"
+            )
+    return None

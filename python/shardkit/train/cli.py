@@ -35,6 +35,7 @@ from shardkit.train.argtypes import (
     MIN_IMAGE_SIZE,
     _device_list,
     _finite,
+    _head_misfit,
     _held_out_bytes,
     _max_workers,
     _non_negative,
@@ -291,6 +292,9 @@ def _check_args(a: argparse.Namespace) -> None:
         raise UsageError(f"--out {a.out!r}: {parent!r} is a file, not a directory; give another --out")
     if a.val_per_class < 2 or a.val_classes < 2:
         raise UsageError("--val-classes and --val-per-class must be >= 2 (verification needs pairs)")
+    misfit = None if a.data is not None else _head_misfit(a, int(os.environ.get("WORLD_SIZE", "1")))
+    if misfit is not None:
+        raise UsageError(misfit)
     ram = _ram_bytes()
     if a.data is None and ram is not None and _held_out_bytes(a) > ram:
         raise UsageError(
