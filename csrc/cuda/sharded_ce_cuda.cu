@@ -93,6 +93,27 @@ __global__ void inv_row_norm_kernel(const scalar_t* __restrict__ w, int64_t s0, 
       what[row * D + k] = static_cast<scalar_t>(static_cast<T>(w[row * s0 + k * s1]) * rn);
 }
 
+// One logit of the statistics from c (the raw dot, or the cosine when normalizing): z = scale c,
+// counted against the reference (the plain logit, also at the target column), the margin
+// applied at the target column, whose value goes to *tg (the target lies in one chunk and one
+// block only: no race), and added to the logit sum zs. Returns z.
+template <typename T>
+__device__ __forceinline__ T stat_logit(T c, bool at_target, bool count, T ref, const MarginT<T>& mg,
+                                        int64_t& cnt, T& zs, T* tg) {
+  T z = mg.scale * c;
+  if (count) cnt += z > ref ? 1 : 0;
+  if (at_target) {
+    if (mg.normalize) {
+      T psi, dpsi;
+      margin_psi<T>(c, mg.plain, mg.m1, mg.m2, mg.m3, mg.c_max, &psi, &dpsi);
+      z = mg.scale * psi;
+    }
+    *tg = z;
+  }
+  zs += z;
+  return z;
+}
+
 // Block reduction of every thread's (m, s, zs, cnt): warps by shuffles, then the warps'
 // partials through shared memory, in a fixed order. Thread 0 ends with the block's values
 // (the other threads' values are partial). Every thread of the block must call it.
@@ -137,18 +158,8 @@ __global__ void row_stats_kernel(const T* __restrict__ L, int64_t n, int64_t j0,
   T m = -std::numeric_limits<T>::infinity(), s = 0, zs = 0;
   int64_t cnt = 0;
   for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
-    const T c = rw ? row[j] * rw[j] : row[j];
-    T z = mg.scale * c;
-    if (tref) cnt += z > ref ? 1 : 0;  // the plain logit, also at the target column
-    if (j == t) {
-      if (mg.normalize) {
-        T psi, dpsi;
-        margin_psi<T>(c, mg.plain, mg.m1, mg.m2, mg.m3, mg.c_max, &psi, &dpsi);
-        z = mg.scale * psi;
-      }
-      TG[i] = z;  // the target lies in one chunk only: no race
-    }
-    zs += z;
+    const T z =
+        stat_logit<T>(rw ? row[j] * rw[j] : row[j], j == t, tref != nullptr, ref, mg, cnt, zs, TG + i);
     if (z > m) {
       s = s * dev_exp(m - z) + T(1);
       m = z;

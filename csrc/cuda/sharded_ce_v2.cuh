@@ -84,22 +84,9 @@ __global__ void row_stats_v2_kernel(const float* __restrict__ L, int64_t n, int6
   const float ref = tref ? tref[i] : 0.f;
   float m = -INFINITY, s = 0.f, zs = 0.f;
   int64_t cnt = 0;
-  // The logit of column j from its raw dot: scale (and 1/|w_j|), the margin at the target,
-  // the count against the reference, the sum; the target's value goes to TG.
+  // The logit of column j from its raw dot (times 1/|w_j| when normalizing): see stat_logit.
   auto logit = [&](float raw, int64_t j) -> float {
-    const float c = rw ? raw * rw[j] : raw;
-    float z = mg.scale * c;
-    if (tref) cnt += z > ref ? 1 : 0;  // the plain logit, also at the target column
-    if (j == t) {
-      if (mg.normalize) {
-        float psi, dpsi;
-        margin_psi<float>(c, mg.plain, mg.m1, mg.m2, mg.m3, mg.c_max, &psi, &dpsi);
-        z = mg.scale * psi;
-      }
-      TG[i] = z;  // the target lies in one chunk and one part only: no race
-    }
-    zs += z;
-    return z;
+    return stat_logit<float>(rw ? raw * rw[j] : raw, j == t, tref != nullptr, ref, mg, cnt, zs, TG + i);
   };
   const RowSplit rs = split_row(row, n);
   const int64_t per = (rs.nvec + parts - 1) / parts;
