@@ -114,6 +114,18 @@ __device__ __forceinline__ T stat_logit(T c, bool at_target, bool count, T ref, 
   return z;
 }
 
+// Folds a row's partial statistics into the running ones of row i.
+template <typename T>
+__device__ __forceinline__ void fold_stats(int64_t i, T m, T s, T zs, int64_t cnt, T* M, T* S, T* LS,
+                                           int64_t* CN) {
+  T Mi = M[i], Si = S[i];
+  merge_ms(Mi, Si, m, s);
+  M[i] = Mi;
+  S[i] = Si;
+  LS[i] += zs;
+  CN[i] += cnt;
+}
+
 // Block reduction of every thread's (m, s, zs, cnt): warps by shuffles, then the warps'
 // partials through shared memory, in a fixed order. Thread 0 ends with the block's values
 // (the other threads' values are partial). Every thread of the block must call it.
@@ -168,14 +180,7 @@ __global__ void row_stats_kernel(const T* __restrict__ L, int64_t n, int64_t j0,
     }
   }
   block_reduce_stats(m, s, zs, cnt);
-  if (threadIdx.x == 0) {
-    T Mi = M[i], Si = S[i];
-    merge_ms(Mi, Si, m, s);
-    M[i] = Mi;
-    S[i] = Si;
-    LS[i] += zs;
-    CN[i] += cnt;
-  }
+  if (threadIdx.x == 0) fold_stats(i, m, s, zs, cnt, M, S, LS, CN);
 }
 
 // Backward: G[i, j] = d loss / d(cos_ij) (d loss / d(z_ij) without normalization), in the GEMM

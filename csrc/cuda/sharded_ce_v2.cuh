@@ -119,12 +119,7 @@ __global__ void row_stats_v2_kernel(const float* __restrict__ L, int64_t n, int6
   block_reduce_stats(m, s, zs, cnt);
   if (threadIdx.x != 0) return;
   if (parts == 1) {
-    float Mi = M[i], Si = S[i];
-    merge_ms(Mi, Si, m, s);
-    M[i] = Mi;
-    S[i] = Si;
-    LS[i] += zs;
-    CN[i] += cnt;
+    fold_stats(i, m, s, zs, cnt, M, S, LS, CN);
   } else {
     const int64_t k = static_cast<int64_t>(p) * B + i;
     pm[k] = m;
@@ -134,14 +129,14 @@ __global__ void row_stats_v2_kernel(const float* __restrict__ L, int64_t n, int6
   }
 }
 
-// Folds the parts' partials of each row into the running statistics, part 0 first.
+// Folds the parts' partials of each row (part 0 first) into its running statistics.
 __global__ void merge_parts_kernel(int64_t B, int parts, const float* __restrict__ pm,
                                    const float* __restrict__ ps, const float* __restrict__ pz,
                                    const int64_t* __restrict__ pc, float* M, float* S, float* LS,
                                    int64_t* CN) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= B) return;
-  float m = M[i], s = S[i], z = 0.f;
+  float m = -INFINITY, s = 0.f, z = 0.f;
   int64_t c = 0;
   for (int p = 0; p < parts; ++p) {
     const int64_t k = static_cast<int64_t>(p) * B + i;
@@ -149,10 +144,7 @@ __global__ void merge_parts_kernel(int64_t B, int parts, const float* __restrict
     z += pz[k];
     c += pc[k];
   }
-  M[i] = m;
-  S[i] = s;
-  LS[i] += z;
-  CN[i] += c;
+  fold_stats(i, m, s, z, c, M, S, LS, CN);
 }
 
 // Four values of the GEMM dtype stored with one 8-byte (16-bit) or 16-byte (fp32) write.
