@@ -460,7 +460,7 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
   Tensor gbuf = low ? at::empty({B * chunk}, x.options()) : Tensor();
   Tensor tbuf = low && !mixed && !dw_direct ? at::empty({chunk * D}, opts) : Tensor();
   const Tensor wbuf = mixed ? at::empty({chunk * D}, x.options()) : Tensor();
-  Tensor dxc = low && !v2 ? at::empty({B, D}, opts) : Tensor();
+  Tensor dxc;  // [B, D] fp32 chunk product, made on first use (the fp32-accumulating GEMM needs none)
   Tensor rw = normalize ? at::empty({chunk}, opts) : Tensor();
   // 16-bit with normalize: G stays d loss / d cos (bounded like torch's own 16-bit dlogits)
   // and the dX GEMM uses the chunk's normalized rows, [chunk, D] in the input dtype.

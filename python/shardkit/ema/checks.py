@@ -7,6 +7,8 @@ import numbers
 import torch
 from torch import nn
 
+from shardkit.ops._devices import check_visible
+
 # Largest step / update count: an int64, as torch's step counters (a larger one overflows the
 # float math of the schedule).
 _MAX_COUNT = 2**63 - 1
@@ -113,8 +115,5 @@ def check_device(device):
         dev = torch.device(device)
     except (RuntimeError, TypeError) as err:
         raise ValueError(f"argument `device` must name a device such as 'cpu' or 'cuda:0', got {device!r}") from err
-    if dev.type == "cuda":
-        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if (dev.index or 0) >= visible:
-            raise ValueError(f"argument `device`: {dev} is not available ({visible} CUDA GPU(s) visible)")
+    check_visible([dev], "device")
     return dev

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
+from shardkit.ops._devices import unavailable_cuda, visible_gpus
 from shardkit.parallel.pipeline_bn import DeferredBatchNorm, no_running_stats_update
 from shardkit.parallel.scatter import as_device
 from shardkit.parallel.threads import run_parallel
@@ -115,21 +116,20 @@ def layer_costs(layers: Sequence[nn.Module], sample: torch.Tensor, by: str, repe
 def _check_visible(devices: Sequence[torch.device], name: str) -> None:
     """Every CUDA device of ``devices`` is visible here (else the first ``.to`` would fail
     with the driver's message, which names no argument)."""
-    cuda = [d for d in devices if d.type == "cuda"]
-    if not cuda:
+    missing = unavailable_cuda(devices)
+    if not missing:
         return
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    count = visible_gpus()
     if count == 0:
+        cuda = ", ".join(str(d) for d in devices if d.type == "cuda")
         raise ValueError(
-            f"argument `{name}` names CUDA devices ({', '.join(str(d) for d in cuda)}) but no CUDA GPU is visible "
+            f"argument `{name}` names CUDA devices ({cuda}) but no CUDA GPU is visible "
             "(torch.cuda.is_available() is False); use 'cpu' devices, e.g. ['cpu', 'cpu'], on this machine"
         )
-    missing = [str(d) for d in cuda if d.index >= count]
-    if missing:
-        raise ValueError(
-            f"argument `{name}` names {', '.join(missing)} but only {count} CUDA GPU(s) are visible "
-            f"(cuda:0 to cuda:{count - 1})"
-        )
+    raise ValueError(
+        f"argument `{name}` names {', '.join(map(str, missing))} but only {count} CUDA GPU(s) are visible "
+        f"(cuda:0 to cuda:{count - 1})"
+    )
 
 
 def _sync(device: torch.device) -> None:

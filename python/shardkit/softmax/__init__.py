@@ -7,6 +7,7 @@ optim work on any head.
 """
 
 from shardkit.softmax.checkpoint import export_full_weight, import_full_weight, load_sharded, save_sharded
+from shardkit.softmax.checks import NonFiniteEmbeddingsError
 from shardkit.softmax.core import ShardedLossOutput
 from shardkit.softmax.local import sharded_cross_entropy
 from shardkit.softmax.margins import ArcFace, CombinedMargin, CosFace, Margin
@@ -26,4 +27,5 @@ __all__ = [
     "load_sharded",
     "export_full_weight",
     "import_full_weight",
+    "NonFiniteEmbeddingsError",
 ]

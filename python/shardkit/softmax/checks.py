@@ -17,6 +17,11 @@ REDUCTIONS = ("none", "sum", "mean")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
+class NonFiniteEmbeddingsError(ValueError):
+    """The embeddings given to the loss hold NaN or inf (``check_inputs=True``): usually a
+    diverged backbone. A ValueError, so existing handlers still catch it."""
+
+
 def parse_memory(value, name: str = "chunk_memory") -> int:
     """Bytes from an int or a string like ``"64MiB"``, ``"512 KiB"``, ``"1GB"``."""
     if isinstance(value, bool):
@@ -176,7 +181,7 @@ def check_values(embeddings, labels, num_classes: int, ignore_index: int, mode) 
             f"argument `labels` has class ids >= num_classes={num_classes} (other than ignore_index={ignore_index})"
         )
     if not_finite:
-        raise ValueError("argument `embeddings` contains NaN or infinite values")
+        raise NonFiniteEmbeddingsError("argument `embeddings` contains NaN or infinite values")
 
 
 def check_topk(topk: Optional[Sequence[int]]) -> Tuple[int, ...]:

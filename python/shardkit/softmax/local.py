@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from shardkit.ops._devices import check_visible
 from shardkit.softmax.checks import check_options, check_shards, check_tensors, check_topk, check_values, parse_memory
 from shardkit.softmax.core import combine_statistics, loss_from_statistics, loss_output, shard_statistics, to_device
 from shardkit.softmax.margins import Margin
@@ -146,12 +147,7 @@ def check_devices(devices) -> None:
     for dev in devices:
         if dev.type not in ("cpu", "cuda"):
             raise ValueError(f"argument `devices`: {dev} is not supported; shardkit's kernels run on cpu and cuda")
-        if dev.type == "cuda":
-            visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            if (dev.index or 0) >= visible:
-                raise ValueError(
-                    f"argument `devices`: {dev} is not available ({visible} CUDA GPU(s) visible on this machine)"
-                )
+    check_visible(devices, "devices")
 
 
 def split_sizes(num_classes: int, num_shards: int, shard_sizes) -> list:

@@ -15,6 +15,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from shardkit.softmax import NonFiniteEmbeddingsError
 from shardkit.train import checkpoint, header, plots, setup
 from shardkit.train import report as report_mod
 from shardkit.train.errors import UsageError
@@ -177,9 +178,7 @@ def _run(args, world: World, log: RunLog) -> int:
             t0 = time.perf_counter()
             try:
                 loss, top1 = train_step(parts, args, step, steps_per_epoch, total, world)
-            except ValueError as err:  # the head's input check: the backbone's output went NaN/inf
-                if "NaN or infinite" not in str(err):
-                    raise
+            except NonFiniteEmbeddingsError as err:  # the head's input check: the backbone went NaN/inf
                 raise UsageError(
                     f"training diverged at step {step + 1} (the embeddings became NaN or infinite); "
                     f"lower --lr (now {args.lr:g}), --weight-decay (now {args.weight_decay:g}) or --scale"
