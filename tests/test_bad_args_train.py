@@ -12,7 +12,7 @@ import shardkit
 from shardkit import train
 from shardkit.plan import plan_memory
 from shardkit.plan.cli import main as plan_main
-from shardkit.train import cli
+from shardkit.train import argtypes, cli
 from shardkit.train import loop as train_loop
 
 TINY = (
@@ -195,3 +195,59 @@ def test_a_head_that_cannot_fit_is_refused_up_front(tmp_path, capsys, no_trainin
     # the README's million-class CPU recipe (~1.2 GiB of head) is not refused
     args = cli.parse(["--classes", "1000000", "--per-class", "2", "--sample-rate", "0.1", "--devices", "cpu"])
     assert args.classes == 1_000_000
+
+
+def test_activations_that_cannot_fit_are_refused_up_front(monkeypatch, tmp_path, capsys, no_training):
+    # The bound comes from a meta-device forward of the chosen backbone: a size a real run
+    # uses parses, one whose activations exceed the device's memory is one line, exit 2.
+    monkeypatch.setattr(argtypes, "_ram_bytes", lambda: 2**30)
+    args = TINY + ["--out", str(tmp_path / "o"), "--devices", "cpu"]
+    assert cli.parse(args + ["--image-size", "64"]).image_size == 64
+    assert train.main(args + ["--image-size", "4000"]) == 2
+    _assert_one_line_error(capsys, "--image-size")
+    plain = argtypes._saved_bytes_per_image(cli.parse(args + ["--image-size", "64"]))
+    assert argtypes._saved_bytes_per_image(cli.parse(args + ["--image-size", "64", "--checkpointing"])) < plain
+
+
+def test_saved_bytes_grow_with_the_image_area(tmp_path):
+    out = ["--out", str(tmp_path / "o")]
+    small = argtypes._saved_bytes_per_image(cli.parse(TINY + out + ["--image-size", "256"]))
+    big = argtypes._saved_bytes_per_image(cli.parse(TINY + out + ["--image-size", "512"]))
+    assert 3.5 * small < big < 4.5 * small  # a conv net's activations scale with the pixels
+
+
+def test_training_set_order_bounded_by_ram(monkeypatch, tmp_path, capsys, no_training):
+    monkeypatch.setattr(cli, "_ram_bytes", lambda: 2**30)
+    out = ["--out", str(tmp_path / "o")]
+    assert cli.parse(TINY + out + ["--per-class", "1000"]).per_class == 1000
+    assert train.main(TINY + out + ["--per-class", "10000000000"]) == 2
+    _assert_one_line_error(capsys, "--per-class")
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you tried"),
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
+        MemoryError(),
+    ],
+)
+def test_running_out_of_memory_mid_run_is_one_line_naming_the_flags(monkeypatch, tmp_path, capsys, error):
+    # What the up-front bounds cannot foresee (they are lower bounds) still ends in one line.
+    def oom(*a, **k):
+        raise error
+
+    monkeypatch.setattr(train_loop, "train_step", oom)
+    assert train.main(TINY + ["--devices", "cpu", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m shardkit.train: error: out of memory (") and err.count("\n") == 1, err
+    assert "--batch" in err and "--image-size" in err and "Traceback" not in err
+
+
+def test_other_runtime_errors_keep_their_traceback(monkeypatch, tmp_path):
+    def bug(*a, **k):
+        raise RuntimeError("an internal error")
+
+    monkeypatch.setattr(train_loop, "train_step", bug)
+    with pytest.raises(RuntimeError, match="an internal error"):
+        train.main(TINY + ["--devices", "cpu", "--out", str(tmp_path / "o")])

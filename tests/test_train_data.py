@@ -184,6 +184,13 @@ def test_rank_batches_are_distributed_sampler_batches_and_resume_exactly():
     ref.set_epoch(3)
     idx = list(ref)
     assert batches(2, 1, 3) == [idx[b * 4 : (b + 1) * 4] for b in range(len(idx) // 4)]
+    for n, size in [(103, 3), (96, 4), (7, 8), (50, 1), (1000, 7)]:
+        for rank in range(size):
+            ref = DistributedSampler(range(n), num_replicas=size, rank=rank, shuffle=True, seed=11, drop_last=True)
+            ref.set_epoch(2)
+            idx = list(ref)
+            got = list(_RankBatches(list(range(n)), 3, SimpleNamespace(size=size, rank=rank), 11, 2, 0))
+            assert got == [idx[b * 3 : (b + 1) * 3] for b in range(len(idx) // 3)], (n, size, rank)
     # The ranks' batches b are disjoint and together form global batch b of a one-rank run
     # with the global batch size; a resume at batch 5 continues exactly; epochs differ.
     one = batches(1, 0, 3, batch=8)

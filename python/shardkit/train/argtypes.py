@@ -10,6 +10,7 @@ import os
 import torch
 
 from shardkit.plan import format_size, plan_memory
+from shardkit.train.models import build_backbone
 
 
 def _device_list(text: str):
@@ -126,3 +127,45 @@ def _head_misfit(a: argparse.Namespace, world_size: int):
                 "--dim, --sample-rate, or more devices"
             )
     return None
+
+
+def _saved_bytes_per_image(a: argparse.Namespace) -> int:
+    """Bytes the backbone's training forward keeps for its backward, per image of
+    --image-size (fp32, --checkpointing honoured): a forward on the meta device, which
+    allocates nothing, with every saved tensor counted."""
+    with torch.device("meta"):
+        backbone = build_backbone(a.backbone, a.dim, checkpointing=a.checkpointing)
+    backbone.train()
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        backbone(torch.empty(2, 3, a.image_size, a.image_size, device="meta"))
+    return total // 2
+
+
+def _activations_misfit(a: argparse.Namespace, world_size: int):
+    """None if one micro-batch's backbone activations can fit the first device's memory,
+    else a message. The figure is a lower bound (half the saved bytes, which count in-place
+    results twice; halved again under --amp), so only runs that cannot fit are refused."""
+    n = len(a.devices) if world_size == 1 and (a.dp or a.pipeline) else 1
+    per_device = -(-a.batch // n)
+    need = _saved_bytes_per_image(a) * per_device // (4 if a.amp else 2)
+    dev = a.devices[0]
+    cap = _capacity(dev)
+    if cap is None or need <= cap:
+        return None
+    hint = "" if a.checkpointing else ", or add --checkpointing"
+    return (
+        f"--image-size {a.image_size} with --batch {a.batch} and --backbone {a.backbone}: one step's activations "
+        f"need over {format_size(need)} on {dev}, which has {format_size(cap)}; lower --batch or --image-size{hint}"
+    )
+
+
+def _train_index_bytes(a: argparse.Namespace) -> int:
+    """RAM of an epoch's shuffled order of the synthetic training set (int64 per image)."""
+    return 8 * a.classes * a.per_class

@@ -33,6 +33,7 @@ from shardkit.train.argtypes import (
     MAX_LR,
     MAX_SEED,
     MIN_IMAGE_SIZE,
+    _activations_misfit,
     _device_list,
     _finite,
     _head_misfit,
@@ -42,6 +43,7 @@ from shardkit.train.argtypes import (
     _positive,
     _ram_bytes,
     _rate,
+    _train_index_bytes,
 )
 from shardkit.train.errors import UsageError
 from shardkit.train.models import PRESETS
@@ -292,10 +294,18 @@ def _check_args(a: argparse.Namespace) -> None:
         raise UsageError(f"--out {a.out!r}: {parent!r} is a file, not a directory; give another --out")
     if a.val_per_class < 2 or a.val_classes < 2:
         raise UsageError("--val-classes and --val-per-class must be >= 2 (verification needs pairs)")
-    misfit = None if a.data is not None else _head_misfit(a, int(os.environ.get("WORLD_SIZE", "1")))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    misfit = None if a.data is not None else _head_misfit(a, world_size)
+    misfit = misfit or _activations_misfit(a, world_size)
     if misfit is not None:
         raise UsageError(misfit)
     ram = _ram_bytes()
+    if a.data is None and ram is not None and _train_index_bytes(a) > ram // 2:
+        raise UsageError(
+            f"--classes {a.classes} x --per-class {a.per_class} training images: an epoch's shuffled order alone "
+            f"needs {_train_index_bytes(a) / 2**30:.3g} GiB of RAM, this machine has {ram / 2**30:.3g} GiB; "
+            "lower --per-class"
+        )
     if a.data is None and ram is not None and _held_out_bytes(a) > ram:
         raise UsageError(
             f"--val-classes {a.val_classes} x --val-per-class {a.val_per_class}: the held-out images and their "
@@ -325,6 +335,14 @@ def parse(argv=None) -> argparse.Namespace:
     return args
 
 
+def _out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` is an allocation failure: a GPU's (torch.OutOfMemoryError), the CPU
+    allocator's, or Python's MemoryError."""
+    if isinstance(e, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    return "DefaultCPUAllocator: can't allocate memory" in str(e)
+
+
 def main(argv=None) -> int:
     """Entry point of ``python -m shardkit.train`` and the ``shardkit-train`` script; returns
     the exit code: 2 with one line on stderr for a user error."""
@@ -345,6 +363,16 @@ def main(argv=None) -> int:
     except UsageError as e:
         if world.rank == 0:
             print(f"python -m shardkit.train: error: {e}", file=sys.stderr)
+        return 2
+    except (RuntimeError, MemoryError) as e:
+        if not _out_of_memory(e):
+            raise
+        said = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        print(
+            f"python -m shardkit.train: error: out of memory ({said}); lower --batch or --image-size, use a smaller "
+            "--backbone, add --checkpointing or --amp bf16, or give the head more --devices or a --sample-rate",
+            file=sys.stderr,
+        )
         return 2
     finally:
         # Leave the process as we found it.

@@ -12,7 +12,7 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, Sampler, Subset
+from torch.utils.data import DataLoader, Sampler, Subset
 
 import shardkit
 from shardkit.parallel import DataParallelCriterion, DataParallelModel, PipelineModel
@@ -33,26 +33,29 @@ CKPT_FILE = checkpoint.CKPT_FILE
 
 
 class _RankBatches(Sampler):
-    """This rank's micro-batches of one epoch, from batch ``start`` on: torch's
-    DistributedSampler (shuffled by seed and epoch, ``set_epoch``) cut into batches. Global
-    batch b is the same set of samples for every world size (positions [b B W, (b+1) B W)
-    of the epoch's permutation); skipping to ``start`` only slices indices, so a resume
-    mid-epoch reads no data it does not train on."""
+    """This rank's micro-batches of one epoch, from batch ``start`` on: the order of torch's
+    DistributedSampler (shuffled by ``seed + epoch``, drop_last), the same indices in the same
+    order, kept as one int64 tensor (8 bytes per image, not a Python list) and cut into
+    batches. Global batch b is the same set of samples for every world size (positions
+    [b B W, (b+1) B W) of the epoch's permutation); skipping to ``start`` only slices indices,
+    so a resume mid-epoch reads no data it does not train on."""
 
     def __init__(self, dataset, batch: int, world, seed: int, epoch: int, start: int):
-        self.sampler = DistributedSampler(
-            dataset, num_replicas=world.size, rank=world.rank, shuffle=True, seed=seed, drop_last=True
-        )
-        self.sampler.set_epoch(epoch)
+        self.n, self.world_size, self.rank = len(dataset), world.size, world.rank
+        self.seed, self.epoch = seed, epoch
+        self.per_rank = self.n // self.world_size  # DistributedSampler's num_samples with drop_last
         self.batch, self.start = batch, start
 
     def __len__(self):
-        return max(0, len(self.sampler) // self.batch - self.start)
+        return max(0, self.per_rank // self.batch - self.start)
 
     def __iter__(self):
-        idx = list(self.sampler)
-        for b in range(self.start, len(idx) // self.batch):
-            yield idx[b * self.batch : (b + 1) * self.batch]
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.n, generator=g)
+        mine = order[self.rank : self.per_rank * self.world_size : self.world_size]
+        for b in range(self.start, self.per_rank // self.batch):
+            yield mine[b * self.batch : (b + 1) * self.batch].tolist()
 
 
 class Batches:
