@@ -107,7 +107,10 @@ def _extension():
     )
     # No -std flag: torch's build helpers add the standard its headers need (C++17 up to
     # torch 2.14, C++20 from 2.15); a hard-coded one breaks the next torch that raises it.
-    cxx = opt + ["-fopenmp", "-Wall", "-Wno-unused-function"]
+    # -ffp-contract=off: no implicit fused multiply-adds (GCC's default where the target has
+    # FMA, e.g. ARM): the softmax's backward must round each logit s * z exactly as the
+    # forward did before lse is subtracted from it.
+    cxx = opt + ["-fopenmp", "-Wall", "-Wno-unused-function", "-ffp-contract=off"]
     define_macros = []
     extra_link = ["-fopenmp"]
     if with_cuda:

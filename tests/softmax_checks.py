@@ -7,6 +7,7 @@ comparison with the float64 reference loss."""
 import math
 
 import torch
+import torch.nn.functional as F
 from softmax_reference import full_logits, margin_kwargs, margin_psi, reference_loss_and_grads
 
 import shardkit
@@ -272,3 +273,32 @@ def assert_matches_reference(loss_fn, x, y, margin, tol=1e-5, **ref_kw):
     assert rel(loss, ref.loss) <= tol
     assert rel(gx, ref.grad_x) <= tol
     assert rel(gw, ref.grad_w) <= tol
+
+
+def check_large_scale(scale, m, device):
+    """CosFace(scale, m) on ``device``: the backward must subtract lse from the logit s * cos
+    rounded as the forward rounded it (a fused s * cos - lse is off by up to s * 2^-24, enough
+    at large s to make a softmax probability exceed 1: gradient error ~ s, then inf and NaN).
+    Both gradients must be as close to the float64 truth as torch's own float32 computation
+    of the same loss (4x its error, plus 1e-5)."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    x = torch.randn(7, 17, generator=g)
+    w = torch.randn(23, 17, generator=g)
+    y = torch.randint(0, 23, (7,), generator=g)
+
+    def reference(dtype):
+        xr, wr = x.to(dtype, copy=True).requires_grad_(), w.to(dtype, copy=True).requires_grad_()  # leaves
+        cos = F.normalize(xr, dim=1) @ F.normalize(wr, dim=1).T
+        F.cross_entropy(scale * (cos - m * F.one_hot(y, 23).to(dtype)), y, reduction="sum").backward()
+        return xr.grad, wr.grad
+
+    head = shardkit.ShardedSoftmaxLoss(17, 23, margin=shardkit.CosFace(scale, m), reduction="sum", devices=[device])
+    with torch.no_grad():
+        head.weight_shards[0].copy_(w)
+    xs = x.to(device, copy=True).requires_grad_()
+    head(xs, y.to(device)).backward()
+    grads = zip((xs.grad, head.weight_shards[0].grad), reference(torch.float32), reference(torch.float64))
+    for ours, torch32, exact in grads:
+        ours = ours.cpu()
+        assert torch.isfinite(ours).all()
+        assert rel(ours, exact) <= 4 * rel(torch32, exact) + 1e-5, (rel(ours, exact), rel(torch32, exact))

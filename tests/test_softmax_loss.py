@@ -141,6 +141,25 @@ def test_lse_and_topk_match_reference():
     assert bounds[3][0] <= int(plain.correct[3]) <= bounds[3][1]
 
 
+@pytest.mark.parametrize("margin", [None, "arcface"])
+def test_topk_in_float64_counts_no_class_above_its_own_target(margin):
+    # The float64 threshold (target logit + 1e-9 of its bound) must be built in float64: made
+    # in float32 it can fall below the target's own float64 logit, which then counts as a
+    # class "above" the target. One class: every non-ignored row is top-1 by definition.
+    mg = None if margin is None else shardkit.ArcFace(64.0, 0.5)
+    for _ in range(20):
+        head = shardkit.ShardedSoftmaxLoss(17, 1, margin=mg, dtype=torch.float64)
+        x = torch.randn(9, 17, dtype=torch.float64)
+        out = head(x, torch.zeros(9, dtype=torch.long), return_details=True, topk=(1,))
+        assert int(out.correct[1]) == 9
+    # Several classes: within the float64 reference's bracket.
+    head = shardkit.ShardedSoftmaxLoss(6, 40, margin=mg, devices=["cpu"] * 3, dtype=torch.float64, topk=(1, 3))
+    x, y = torch.randn(50, 6, dtype=torch.float64), make_labels(50, 40)
+    out = head(x, y, return_details=True)
+    for k, (lo, hi) in reference_correct(x, head.full_weight(), y, (1, 3), tol=1e-12, **margin_kwargs(mg)).items():
+        assert lo <= int(out.correct[k]) <= hi
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_topk_low_precision(dtype):
     # The target must never rank above itself, whatever rounding the kernels apply.

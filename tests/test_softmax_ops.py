@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from softmax_checks import (
     MARGINS,
     check_against_reference,
+    check_large_scale,
     check_low_precision,
     check_plain_by_rows,
     kw,
@@ -289,3 +290,9 @@ def test_double_backward_of_the_op_raises_also_with_graph_only_through_the_weigh
     lse, *_ = shardkit.ops.ce_shard_stats(x.detach(), w, y)
     with pytest.raises(RuntimeError, match="does not support double backward"):
         torch.autograd.grad(lse.sum(), w, create_graph=True)
+
+
+@pytest.mark.parametrize("scale", [1e3, 1e5, 1e7, 1e9, 1e11])
+@pytest.mark.parametrize("m", [0.0, 0.2])
+def test_large_scales_keep_the_gradient_of_the_rounded_logits(scale, m):
+    check_large_scale(scale, m, "cpu")

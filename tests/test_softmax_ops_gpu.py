@@ -10,6 +10,7 @@ import torch
 from softmax_checks import (
     MARGINS,
     check_against_reference,
+    check_large_scale,
     check_low_precision,
     check_plain_by_rows,
     kw,
@@ -286,3 +287,9 @@ def test_cuda_mixed_zero_and_small_weight_rows(dtype):
     og = _within_twice_torch(case, torch_autocast)
     assert og[0].dtype == dtype and og[1].dtype == torch.float32
     assert torch.isfinite(og[1]).all()
+
+
+@pytest.mark.parametrize("scale", [1e3, 1e7, 1e11])
+def test_cuda_large_scales_keep_the_gradient_of_the_rounded_logits(scale):
+    # nvcc fuses s * cos - lse into one fma unless told not to (the kernels round s * cos alone).
+    check_large_scale(scale, 0.2, "cuda")

@@ -144,8 +144,11 @@ SCE_AVX2 float expsum(const float* z, int64_t n, float m, float* zsum) {
   return hsum8(_mm256_add_ps(_mm256_add_ps(se0, se1), _mm256_add_ps(se2, se3)));
 }
 
+// The logit s * z is rounded before lse is subtracted, as the forward rounded it when it built
+// lse: a fused s * z - lse differs from it by up to |s z| 2^-24, which at large scales turns
+// exp(logit - lse) into a probability above 1 (and the gradient into inf, then NaN).
 SCE_AVX2_INLINE __m256 dlogit8(__m256 v, __m256 vs, __m256 vl, __m256 vgl, __m256 vgs) {
-  return _mm256_mul_ps(_mm256_fmadd_ps(exp8(_mm256_fmsub_ps(v, vs, vl)), vgl, vgs), vs);
+  return _mm256_mul_ps(_mm256_fmadd_ps(exp8(_mm256_sub_ps(_mm256_mul_ps(v, vs), vl)), vgl, vgs), vs);
 }
 
 // z[j] <- s * (gl * exp(s * z[j] - lse) + gs).

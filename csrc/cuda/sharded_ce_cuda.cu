@@ -37,6 +37,16 @@ using at::Tensor;
 constexpr int kBlock = 256;
 constexpr double kEps = 1e-12;
 
+// The logit scale * c rounded on its own (never fused into a following subtraction): the
+// statistics and the backward must see the same rounded logit, or exp(logit - lse) can exceed 1
+// at large scales (nvcc contracts a * b - c into one fma by default).
+__device__ __forceinline__ float scaled_logit(float s, float c) {
+  return __fmul_rn(s, c);
+}
+__device__ __forceinline__ double scaled_logit(double s, double c) {
+  return __dmul_rn(s, c);
+}
+
 template <typename T>
 struct MarginT {
   T scale;
@@ -100,13 +110,13 @@ __global__ void inv_row_norm_kernel(const scalar_t* __restrict__ w, int64_t s0, 
 template <typename T>
 __device__ __forceinline__ T stat_logit(T c, bool at_target, bool count, T ref, const MarginT<T>& mg,
                                         int64_t& cnt, T& zs, T* tg) {
-  T z = mg.scale * c;
+  T z = scaled_logit(mg.scale, c);
   if (count) cnt += z > ref ? 1 : 0;
   if (at_target) {
     if (mg.normalize) {
       T psi, dpsi;
       margin_psi<T>(c, mg.plain, mg.m1, mg.m2, mg.m3, mg.c_max, &psi, &dpsi);
-      z = mg.scale * psi;
+      z = scaled_logit(mg.scale, psi);
     }
     *tg = z;
   }
@@ -200,11 +210,11 @@ __global__ void dlogit_kernel(const T* L, g_t* G, int64_t B, int64_t n, int64_t 
     const int64_t idx = i * n + j;
     const T c = L[idx] * r;
     const bool is_t = labels[i] - class_offset - j0 == j;
-    T z = mg.scale * c, dpsi = 1;
+    T z = scaled_logit(mg.scale, c), dpsi = 1;
     if (is_t && mg.normalize) {
       T psi;
       margin_psi<T>(c, mg.plain, mg.m1, mg.m2, mg.m3, mg.c_max, &psi, &dpsi);
-      z = mg.scale * psi;
+      z = scaled_logit(mg.scale, psi);
     }
     const T dz = gl[i] * dev_exp(z - lse[i]) + gs[i] + (is_t ? gt[i] : T(0));
     G[idx] = static_cast<g_t>(mg.scale * dpsi * dz * rg);  // in place when g_t == T

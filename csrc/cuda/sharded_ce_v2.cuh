@@ -170,11 +170,11 @@ __global__ void dlogit_v2_kernel(const float* L, g_t* G, int64_t B, int64_t n, i
       const float r = rw ? rw[j] : 1.f;
       const float c = raw * r;
       const bool is_t = j == t;
-      float z = mg.scale * c, dpsi = 1.f;
+      float z = scaled_logit(mg.scale, c), dpsi = 1.f;
       if (is_t && mg.normalize) {
         float psi;
         margin_psi<float>(c, mg.plain, mg.m1, mg.m2, mg.m3, mg.c_max, &psi, &dpsi);
-        z = mg.scale * psi;
+        z = scaled_logit(mg.scale, psi);
       }
       const float dz = gl_i * __expf(z - lse_i) + gs_i + (is_t ? gt_i : 0.f);
       return static_cast<g_t>(mg.scale * dpsi * dz * (g_times_r ? r : 1.f));

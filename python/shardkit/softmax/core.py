@@ -99,11 +99,18 @@ def chunk_classes(batch: int, shard_classes: int, dim: int, dtype: torch.dtype, 
 RANK_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-8}
 
 
+def target_ref_dtype(x_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the top-k threshold: float64 for float64 embeddings (whose tolerance,
+    1e-9, is below float32's resolution), else float32 (the kernels' accumulation type)."""
+    return torch.float64 if x_dtype == torch.float64 else torch.float32
+
+
 def plain_target_logit(inputs, shards, offsets, labels, margin, device) -> torch.Tensor:
-    """[B] float32: each row's plain target logit (scale * cos, or x . w) plus the rank
-    tolerance, gathered from the shard owning its class (labels no shard owns get a value
-    that never matters: their rows are ignored). No logits: one [B, D] row gather per
-    shard. The threshold of the top-k counts; not differentiated."""
+    """[B] float32 (float64 for float64 embeddings, :func:`target_ref_dtype`): each row's
+    plain target logit (scale * cos, or x . w) plus the rank tolerance, gathered from the
+    shard owning its class (labels no shard owns get a value that never matters: their rows
+    are ignored). No logits: one [B, D] row gather per shard. The threshold of the top-k
+    counts; not differentiated."""
     total = None
     with torch.no_grad():
         for (x_k, labels_k), w, offset in zip(inputs, shards, offsets):
@@ -112,8 +119,9 @@ def plain_target_logit(inputs, shards, offsets, labels, margin, device) -> torch
                 continue
             local = labels_k - offset
             inside = (local >= 0) & (local < size)
-            rows = w.index_select(0, local.clamp(0, size - 1)).float()
-            xf = x_k.float()
+            acc = target_ref_dtype(x_k.dtype)
+            rows = w.index_select(0, local.clamp(0, size - 1)).to(acc)
+            xf = x_k.to(acc)
             if margin is not None:
                 dot = margin.scale * (F.normalize(xf, dim=1, eps=1e-12) * F.normalize(rows, dim=1, eps=1e-12)).sum(1)
                 bound = torch.full_like(dot, margin.scale)

@@ -29,6 +29,7 @@ from shardkit.softmax.core import (
     loss_from_statistics,
     loss_output,
     plain_target_logit,
+    target_ref_dtype,
     weights_for,
 )
 from shardkit.softmax.exchange import check_same_config, exchange_batch_info
@@ -238,7 +239,7 @@ def distributed_statistics(
     target_ref = None
     if with_rank:
         part = plain_target_logit([(xg, y_shard)], [w], [offset], y_shard, margin, xg.device)
-        target_ref = torch.zeros(batch, dtype=torch.float32, device=xg.device) if part is None else part
+        target_ref = torch.zeros(batch, dtype=target_ref_dtype(xg.dtype), device=xg.device) if part is None else part
         try:  # the rank owning each row's class contributes its plain logit, the others 0
             dist.all_reduce(target_ref, group=dctx.group)
         except Exception as err:
