@@ -12,7 +12,7 @@ import shardkit
 from shardkit import train
 from shardkit.plan import plan_memory
 from shardkit.plan.cli import main as plan_main
-from shardkit.train import argtypes, cli
+from shardkit.train import argtypes, checks, cli
 from shardkit.train import loop as train_loop
 
 TINY = (
@@ -97,7 +97,7 @@ def test_bounds_keep_legitimate_values(flag, good, bad, tmp_path, capsys, no_tra
 
 
 def test_held_out_set_bounded_by_ram(monkeypatch, tmp_path, capsys, no_training):
-    monkeypatch.setattr(cli, "_ram_bytes", lambda: 2**30)
+    monkeypatch.setattr(checks, "_ram_bytes", lambda: 2**30)
     out = ["--out", str(tmp_path / "o")]
     assert cli.parse(TINY + out + ["--val-per-class", "50"]).val_per_class == 50  # ~10 MiB: fine
     # 4 x C(20000, 2) genuine pairs, each scored with two gathered 32-d embeddings: > 1 GiB.
@@ -217,7 +217,7 @@ def test_saved_bytes_grow_with_the_image_area(tmp_path):
 
 
 def test_training_set_order_bounded_by_ram(monkeypatch, tmp_path, capsys, no_training):
-    monkeypatch.setattr(cli, "_ram_bytes", lambda: 2**30)
+    monkeypatch.setattr(checks, "_ram_bytes", lambda: 2**30)
     out = ["--out", str(tmp_path / "o")]
     assert cli.parse(TINY + out + ["--per-class", "1000"]).per_class == 1000
     assert train.main(TINY + out + ["--per-class", "10000000000"]) == 2

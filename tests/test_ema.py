@@ -570,3 +570,31 @@ def test_model_spread_over_devices_gets_one_update_per_device():
     assert len(ema._avg_groups) == 1
     for r, e in zip(ref, ema.module.state_dict().values()):
         torch.testing.assert_close(e.double(), r, rtol=1e-6, atol=1e-6)
+
+
+def test_model_ema_pickles_with_its_weights_schedule_and_counters(tmp_path):
+    import io
+
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.BatchNorm1d(4))
+    ema = shardkit.ModelEMA(model, decay=0.9, tau=None)
+    for _ in range(3):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        ema.update(model)
+    buf = io.BytesIO()
+    torch.save(ema, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=False)
+    assert back.updates == ema.updates == 3
+    for a, b in zip(back.module.state_dict().values(), ema.module.state_dict().values()):
+        assert torch.equal(a, b)
+    back.update(model)  # the next update follows the model it is given
+    ema.update(model)
+    for a, b in zip(back.module.state_dict().values(), ema.module.state_dict().values()):
+        assert torch.equal(a, b)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="attach\\(optimizer, model\\)"):
+        back.attach(opt)
+        model(torch.randn(3, 5)).sum().backward()
+        opt.step()

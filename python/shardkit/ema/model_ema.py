@@ -55,6 +55,10 @@ def _flat_ok(e: torch.Tensor, m: torch.Tensor) -> bool:
     return e.dim() == 4 and e.stride() == m.stride() and e.is_contiguous(memory_format=torch.channels_last)
 
 
+def _no_model():  # the model link of an unpickled ModelEMA (a weak reference cannot be pickled)
+    return None
+
+
 class ModelEMA:
     """Exponential moving average of a model's parameters and buffers.
 
@@ -154,6 +158,13 @@ class ModelEMA:
         self._cp_e = [self._ema[i] for i in self._cp_idx]
         self._tracker = None  # the last model seen and its tensors (ModelTracker)
         self._stage = None
+
+    def __getstate__(self):
+        """Pickling (``torch.save(ema)``, ``copy.deepcopy``) keeps the weights, schedule and
+        counters (pending staged updates applied first), not the weak link to the model:
+        :meth:`attach` then needs its ``model`` argument."""
+        self._flush()
+        return dict(self.__dict__, _model_ref=_no_model, _tracker=None, _stage=None)
 
     # ---- schedule --------------------------------------------------------------------
     def _set_schedule(self, *args):
@@ -384,7 +395,8 @@ class ModelEMA:
         def hook(opt, args, kwargs):
             m = ref()
             if m is None:
-                raise RuntimeError("ModelEMA.attach: the model was garbage-collected; attach(optimizer, model)")
+                msg = "no model (garbage-collected, or this EMA was unpickled); attach(optimizer, model)"
+                raise RuntimeError(f"ModelEMA.attach: {msg}")
             self.update(m)
 
         return optimizer.register_step_post_hook(hook)

@@ -145,7 +145,37 @@ def read(path: str) -> dict:
         raise UsageError(f"checkpoint {path} is not a readable checkpoint (garbage or truncated); {again}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise UsageError(f"{path} is not a checkpoint of this version of python -m shardkit.train; {again}")
+    problem = _malformed(state)
+    if problem is not None:
+        raise UsageError(f"checkpoint {path} is malformed ({problem}); {again}")
     return state
+
+
+def _malformed(state: dict) -> Optional[str]:
+    """What is wrong with the layout of a checkpoint's fields (a file of the right format
+    edited or damaged by hand), or None. The values of the settings are checked by the
+    flag parser (cli), the tensors by the state dicts that load them."""
+    step = state.get("step")
+    if type(step) is not int or step < 0:
+        return f"step {step!r} is not an int >= 0"
+    if not isinstance(state.get("args"), dict):
+        return "no settings (args)"
+    history = state.get("history")
+    if not isinstance(history, dict) or not isinstance(history.get("eval", {}), dict):
+        return "history is not a dict of lists"
+    lists = [v for k, v in history.items() if k != "eval"] + list(history.get("eval", {}).values())
+    if not all(isinstance(v, list) for v in lists):
+        return "history is not a dict of lists"
+    opts = state.get("optimizers")
+    if not isinstance(opts, list) or len(opts) != 2 or not all(isinstance(o, dict) for o in opts):
+        return "optimizers is not a list of the 2 optimizer states (backbone, head)"
+    for key in ("backbone", "rng"):
+        if not isinstance(state.get(key), dict):
+            return f"no {key} state"
+    ema = state.get("ema")
+    if (ema is None) != (not state["args"].get("ema")):
+        return "its EMA state does not match its --ema setting"
+    return None
 
 
 def settings_of(args) -> dict:
@@ -161,7 +191,12 @@ def restore_settings(args, explicit: set, saved: dict, where: str) -> None:
     for key in FIXED:
         value = saved.get(key)
         flag = "--" + key.replace("_", "-")
-        if key in explicit and getattr(args, key) != value:
+        given = getattr(args, key)
+        if key == "data" and isinstance(given, str) and isinstance(value, str):
+            same = os.path.realpath(given) == os.path.realpath(value)  # data/ and ./data are one folder
+        else:
+            same = given == value
+        if key in explicit and not same:
             raise UsageError(
                 f"{flag} {getattr(args, key)} contradicts the checkpoint in {where}, which was trained with "
                 f"{flag} {value}; drop {flag} to continue that run (the flags that may change on resume are "
@@ -171,3 +206,40 @@ def restore_settings(args, explicit: set, saved: dict, where: str) -> None:
     for key in CHANGEABLE:
         if key not in explicit and key in saved:
             setattr(args, key, saved[key])
+
+
+def head_optimizer_state(opt, head) -> dict:
+    """The head optimizer's (SparseRowSGD) state in class order, whatever the shard count:
+    one [C, D] momentum and one [C] flag of rows whose momentum has started (rows of a shard
+    never stepped: zeros and False, which is what a fresh buffer means), on the CPU. A resume
+    splits them over its own shards (--devices, --dp and --pipeline may change)."""
+    order = sorted(range(len(head.weight_shards)), key=lambda k: head.class_offsets[k])
+    bufs, seen = [], []
+    for k in order:
+        p = head.weight_shards[k]
+        st = opt.state.get(p, {})
+        buf = st.get("momentum_buffer")
+        bufs.append(buf.detach().cpu() if buf is not None else torch.zeros(p.shape, dtype=p.dtype))
+        flags = st.get("seen")
+        seen.append(flags.cpu() if flags is not None else torch.zeros(p.shape[0], dtype=torch.bool))
+    group = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+    return {"class_ordered": True, "momentum_buffer": torch.cat(bufs), "seen": torch.cat(seen), "group": group}
+
+
+def load_head_optimizer_state(opt, head, saved: dict) -> None:
+    """Restore :func:`head_optimizer_state`'s output (or a torchrun rank's own optimizer state
+    dict, whose shard is fixed by the world size) into ``opt`` over ``head``'s shards."""
+    if not saved.get("class_ordered"):
+        opt.load_state_dict(saved)
+        return
+    buf, seen, group = saved.get("momentum_buffer"), saved.get("seen"), saved.get("group")
+    C, D = sum(head.shard_sizes), head.weight_shards[0].shape[1]
+    if not (isinstance(buf, torch.Tensor) and tuple(buf.shape) == (C, D)):
+        raise ValueError(f"the head's momentum is not a [{C}, {D}] tensor")
+    if not (isinstance(seen, torch.Tensor) and tuple(seen.shape) == (C,)) or not isinstance(group, dict):
+        raise ValueError("the head optimizer's state is incomplete")
+    state = {}
+    for k, (p, off) in enumerate(zip(head.weight_shards, head.class_offsets)):
+        n = p.shape[0]
+        state[k] = {"momentum_buffer": buf[off : off + n].clone(), "seen": seen[off : off + n].clone()}
+    opt.load_state_dict({"state": state, "param_groups": [dict(group, params=list(range(len(state))))]})

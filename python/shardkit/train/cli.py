@@ -20,33 +20,25 @@ Ctrl-C saves a resumable checkpoint and exits 130.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 
 import torch
 import torch.distributed as dist
 
-from shardkit.train import checkpoint, loop
+from shardkit.train import checkpoint, checks, loop
 from shardkit.train.argtypes import (
     FLOAT32_MAX,
     MAX_LR,
-    MAX_SEED,
-    MIN_IMAGE_SIZE,
-    _activations_misfit,
     _device_list,
     _finite,
-    _head_misfit,
-    _held_out_bytes,
-    _max_workers,
     _non_negative,
     _positive,
-    _ram_bytes,
     _rate,
-    _train_index_bytes,
 )
 from shardkit.train.errors import UsageError
 from shardkit.train.models import PRESETS
+from shardkit.train.setup import decode_error_line
 
 __all__ = ["main", "build_parser"]
 
@@ -64,12 +56,13 @@ at the last step (SGD, momentum 0.9, for the backbone and the head's rows).
 
 --resume DIR continues the run in DIR (output too, unless --out is given) with the settings
 saved in its checkpoint. Flags that may change on resume: --steps, --epochs, --lr, --amp,
---checkpointing, and the ones about this machine and the output (--devices, --dp, --workers,
---cache-ram, --out, --eval-every, --no-progress). Any other flag given with a value other
-than the checkpoint's is an error.
+--checkpointing, and the ones about this machine and the output (--devices, --dp, --pipeline,
+--chunks, --workers, --cache-ram, --out, --eval-every, --no-progress; the head may be sharded
+differently). Any other flag given with a value other than the checkpoint's is an error.
 
 exit status: 0 done, 2 a user error (one line on stderr saying what to do), 1 an internal
-error (with its traceback), 130 interrupted by Ctrl-C (checkpoint saved).
+error (with its traceback), 130 interrupted by Ctrl-C (checkpoint saved; a second Ctrl-C
+stops at once and keeps the last checkpoint).
 """
 
 
@@ -247,76 +240,11 @@ def _explicit(argv) -> set:
     return set(vars(p.parse_args(argv)))
 
 
-def _check_args(a: argparse.Namespace) -> None:
-    if a.data is not None and not os.path.isdir(a.data):
-        raise UsageError(f"--data {a.data!r} is not a directory; give a folder of class subfolders of images")
-    if a.devices is None:
-        a.devices = [torch.device("cuda", 0)] if torch.cuda.is_available() else [torch.device("cpu")]
-    for dev in a.devices:
-        if dev.type not in ("cpu", "cuda"):
-            raise UsageError(f"--devices: only cpu and cuda devices are supported, got {dev}")
-        if dev.type == "cuda" and (not torch.cuda.is_available() or dev.index >= torch.cuda.device_count()):
-            raise UsageError(f"--devices: {dev} is not available on this machine; use cpu or a visible GPU")
-    if a.m is None:
-        a.m = {"arcface": 0.3, "cosface": 0.25, "none": 0.0}[a.margin]
-    if a.margin != "none" and not 0 <= a.m < math.pi:
-        raise UsageError(f"--m must be in [0, pi), got {a.m}")
-    if a.amp == "none":
-        a.amp = None
-    if a.amp == "fp16" and all(d.type == "cpu" for d in a.devices):
-        raise UsageError("--amp fp16 needs a CUDA device; use --amp bf16 on the CPU")
-    if not 0 <= a.ema < 1:
-        raise UsageError(f"--ema must be in [0, 1), got {a.ema}")
-    if a.profile < 0:
-        raise UsageError(f"--profile must be >= 0, got {a.profile}")
-    if a.profile and a.resume:
-        raise UsageError("--profile measures a fresh run; drop --resume (or --profile)")
-    if a.eval_every is not None and a.eval_every < 0:
-        raise UsageError(f"--eval-every must be >= 0, got {a.eval_every}")
-    if a.pipeline and a.dp:
-        raise UsageError("--pipeline and --dp are two ways to use --devices; pick one")
-    if a.pipeline and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise UsageError("--pipeline runs in one process; launch it without torchrun")
-    if a.chunks < 1:
-        raise UsageError(f"--chunks must be >= 1, got {a.chunks}")
-    if not 0 <= a.workers <= _max_workers():
-        raise UsageError(f"--workers must be in [0, {_max_workers()}], got {a.workers}")
-    if not 0 <= a.seed <= MAX_SEED:
-        raise UsageError(f"--seed must be in [0, 2**63 - 1], got {a.seed}")
-    if a.image_size < MIN_IMAGE_SIZE:
-        raise UsageError(f"--image-size must be >= {MIN_IMAGE_SIZE}, got {a.image_size}")
-    if os.path.exists(a.out) and not os.path.isdir(a.out):
-        raise UsageError(f"--out {a.out!r} is a file; give a directory (a new one or an earlier run's)")
-    parent = os.path.dirname(os.path.abspath(a.out))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise UsageError(f"--out {a.out!r}: {parent!r} is a file, not a directory; give another --out")
-    if a.val_per_class < 2 or a.val_classes < 2:
-        raise UsageError("--val-classes and --val-per-class must be >= 2 (verification needs pairs)")
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    misfit = None if a.data is not None else _head_misfit(a, world_size)
-    misfit = misfit or _activations_misfit(a, world_size)
-    if misfit is not None:
-        raise UsageError(misfit)
-    ram = _ram_bytes()
-    if a.data is None and ram is not None and _train_index_bytes(a) > ram // 2:
-        raise UsageError(
-            f"--classes {a.classes} x --per-class {a.per_class} training images: an epoch's shuffled order alone "
-            f"needs {_train_index_bytes(a) / 2**30:.3g} GiB of RAM, this machine has {ram / 2**30:.3g} GiB; "
-            "lower --per-class"
-        )
-    if a.data is None and ram is not None and _held_out_bytes(a) > ram:
-        raise UsageError(
-            f"--val-classes {a.val_classes} x --val-per-class {a.val_per_class}: the held-out images and their "
-            f"genuine pairs need over {_held_out_bytes(a) / 2**30:.3g} GiB of RAM, this machine has "
-            f"{ram / 2**30:.3g} GiB; lower --val-per-class"
-        )
-
-
 def parse(argv=None) -> argparse.Namespace:
     """The run's settings: the flags, and on --resume the checkpoint's saved settings."""
     args = build_parser().parse_args(argv)
+    if args.data is not None:  # saved absolute: a resume from another directory finds it
+        args.data = os.path.abspath(args.data)
     if args.resume is not None:
         found = checkpoint.find(args.resume)
         if found is None:
@@ -326,12 +254,13 @@ def parse(argv=None) -> argparse.Namespace:
             )
         ranks = sorted(f for f in os.listdir(found) if f.startswith(checkpoint.CKPT_FILE))
         saved = checkpoint.read(os.path.join(found, ranks[0]))
+        checks.check_saved_settings(build_parser(), saved["args"], os.path.join(found, ranks[0]))
         checkpoint.restore_settings(args, _explicit(argv), saved["args"], found)
         if args.out is None:
             args.out = checkpoint.run_dir(found)
     if args.out is None:
         args.out = "runs/train"
-    _check_args(args)
+    checks.check_args(args)
     return args
 
 
@@ -363,6 +292,21 @@ def main(argv=None) -> int:
     except UsageError as e:
         if world.rank == 0:
             print(f"python -m shardkit.train: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # a second Ctrl-C: stop now (the first one saves at the end of its step)
+        if world.rank == 0:
+            print(
+                "\npython -m shardkit.train: stopped by a second Ctrl-C without saving; the last checkpoint in "
+                f"{os.path.join(args.out, 'checkpoint')} (if any) is intact",
+                file=sys.stderr,
+            )
+        return 130
+    except ValueError as e:  # an image of --data that fails outside a training step (the evaluation's)
+        line = decode_error_line(e)
+        if line is None:
+            raise
+        if world.rank == 0:
+            print(f"python -m shardkit.train: error: {line}; remove or replace that file in --data", file=sys.stderr)
         return 2
     except (RuntimeError, MemoryError) as e:
         if not _out_of_memory(e):

@@ -26,6 +26,40 @@ def _pil():
     return Image
 
 
+def _image_files(folder: str, exts: Tuple[str, ...]) -> List[str]:
+    """The image files under ``folder`` (recursively, symlinked folders not followed): folder
+    by folder in sorted path order, each folder's files sorted (``sorted(os.walk(folder))``'s
+    order). A name with an image suffix that is not a regular file (a broken or looping link,
+    a pipe, a device) is a ValueError naming it: reading it would fail or block forever."""
+    found = {}
+    todo = [folder]
+    while todo:
+        here = todo.pop()
+        names = found.setdefault(here, [])
+        with os.scandir(here) as it:
+            for e in it:
+                if e.is_dir(follow_symlinks=False):
+                    todo.append(e.path)
+                elif e.name.lower().endswith(exts):
+                    try:
+                        regular = e.is_file()
+                    except OSError:  # a link looping onto itself
+                        regular = False
+                    if not regular:
+                        raise ValueError(f"cannot decode image {e.path!r}: not a regular file (a broken link, a pipe?)")
+                    names.append(e.name)
+    return [os.path.join(d, f) for d in sorted(found) for f in sorted(found[d])]
+
+
+def _read(path: str) -> bytes:
+    """A file's bytes; a ValueError naming it when it cannot be read."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read()
+    except OSError as e:
+        raise ValueError(f"cannot decode image {path!r}: cannot read it ({e.strerror or e})") from None
+
+
 class ImageFolderDataset(Dataset):
     """``root/<class>/<image file>``: one subfolder per class (sorted names -> labels 0..K-1).
 
@@ -67,11 +101,7 @@ class ImageFolderDataset(Dataset):
         exts = tuple(e.lower() for e in extensions)
         self.samples: List[Tuple[str, int]] = []
         for label, name in enumerate(self.classes):
-            folder = os.path.join(root, name)
-            for dirpath, _, files in sorted(os.walk(folder)):
-                for f in sorted(files):
-                    if f.lower().endswith(exts):
-                        self.samples.append((os.path.join(dirpath, f), label))
+            self.samples += [(path, label) for path in _image_files(os.path.join(root, name), exts)]
         if not self.samples:
             raise ValueError(
                 f"--data {root!r}: {len(self.classes)} class folders but no image files ({', '.join(exts)})"
@@ -80,14 +110,11 @@ class ImageFolderDataset(Dataset):
         self._encoded: List[bytes] = []
         self._decoded = None
         if cache_ram == "encoded":
-            for path, _ in self.samples:
-                with open(path, "rb") as fh:
-                    self._encoded.append(fh.read())
+            self._encoded = [_read(path) for path, _ in self.samples]
         elif cache_ram == "decoded":
             self._decoded = torch.empty(len(self.samples), image_size, image_size, channels, dtype=torch.uint8)
             for i, (path, _) in enumerate(self.samples):
-                with open(path, "rb") as fh:
-                    self._decoded[i] = self._decode(fh.read(), path)
+                self._decoded[i] = self._decode(_read(path), path)
 
     @property
     def num_classes(self) -> int:
@@ -117,8 +144,7 @@ class ImageFolderDataset(Dataset):
         elif self._encoded:
             image = self._decode(self._encoded[index], path)
         else:
-            with open(path, "rb") as fh:
-                image = self._decode(fh.read(), path)
+            image = self._decode(_read(path), path)
         return image, self.labels[index]
 
     def __getitems__(self, indices: Sequence[int]):

@@ -8,6 +8,12 @@ import sys
 import time
 
 
+def _printable(text: str) -> str:
+    """``text`` with what UTF-8 cannot encode (a path's undecodable bytes, which Python keeps
+    as lone surrogates) written as backslash escapes."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class RunLog:
     """Print and log lines (on rank 0; other ranks neither print nor write)."""
 
@@ -21,6 +27,7 @@ class RunLog:
 
     def write(self, text: str) -> None:
         """To the log file only."""
+        text = _printable(text)
         if self.file is not None:
             self.file.write(text.rstrip("\n") + "\n")
             self.file.flush()
@@ -28,14 +35,14 @@ class RunLog:
     def line(self, text: str = "") -> None:
         """Printed on stdout and written to the log."""
         if self.enabled:
-            print(text, flush=True)
+            print(_printable(text), flush=True)
             self.write(text)
 
     def warn(self, text: str) -> None:
         """``warning: ...`` on stderr and in the log, once per distinct text."""
         if self.enabled and text not in self._warned:
             self._warned.add(text)
-            print(f"warning: {text}", file=sys.stderr, flush=True)
+            print(f"warning: {_printable(text)}", file=sys.stderr, flush=True)
             self.write(f"warning: {text}")
 
     def close(self) -> None:

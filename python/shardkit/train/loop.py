@@ -112,11 +112,24 @@ def set_deterministic() -> None:
 
 
 def run(args, world: World) -> int:
-    log = RunLog(args.out, enabled=world.rank == 0, append=bool(args.resume))
+    try:
+        log = RunLog(args.out, enabled=world.rank == 0, append=bool(args.resume))
+        if not args.profile:  # a profile trains nothing to keep
+            os.makedirs(os.path.join(args.out, "checkpoint"), exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out {args.out!r}: cannot write there ({e.strerror or e}); give another --out") from None
     try:
         return _run(args, world, log)
     finally:
         log.close()
+
+
+def _diverged(where: str, args) -> UsageError:
+    """The one-line error of a run whose embeddings became NaN or infinite."""
+    return UsageError(
+        f"training diverged {where} (the embeddings became NaN or infinite); lower --lr (now {args.lr:g}), "
+        f"--weight-decay (now {args.weight_decay:g}) or --scale"
+    )
 
 
 def _run(args, world: World, log: RunLog) -> int:
@@ -156,7 +169,6 @@ def _run(args, world: World, log: RunLog) -> int:
             )
             return 0
     ckpt_dir = os.path.join(args.out, "checkpoint")
-    os.makedirs(ckpt_dir, exist_ok=True)
 
     # Ctrl-C: finish the current step, then save a resumable checkpoint.
     stop = {"flag": False}
@@ -179,17 +191,17 @@ def _run(args, world: World, log: RunLog) -> int:
             try:
                 loss, top1 = train_step(parts, args, step, steps_per_epoch, total, world)
             except NonFiniteEmbeddingsError as err:  # the head's input check: the backbone went NaN/inf
-                raise UsageError(
-                    f"training diverged at step {step + 1} (the embeddings became NaN or infinite); "
-                    f"lower --lr (now {args.lr:g}), --weight-decay (now {args.weight_decay:g}) or --scale"
-                ) from err
+                raise _diverged(f"at step {step + 1}", args) from err
             history["step"].append(step + 1)
             history["loss"].append(loss)
             history["top1"].append(top1)
             history["img_s"].append(per_step / max(time.perf_counter() - t0, 1e-9))
             history["mem_gib"].append(_peak_gib(parts.devices))
             if lead and eval_every and (step + 1) % eval_every == 0 and step + 1 < total:
-                _record_eval(history, step + 1, report_mod.verify_now(parts, args))
+                try:
+                    _record_eval(history, step + 1, report_mod.verify_now(parts, args))
+                except NonFiniteEmbeddingsError as err:
+                    raise _diverged(f"by step {step + 1}", args) from err
             if lead:
                 # Training throughput of the last steps (evaluation and checkpoint time excluded).
                 recent = history["img_s"][-10:]
@@ -210,7 +222,10 @@ def _run(args, world: World, log: RunLog) -> int:
     finally:
         signal.signal(signal.SIGINT, old_handler)
     bar.close()
-    report = report_mod.evaluate(parts, args, world)
+    try:
+        report = report_mod.evaluate(parts, args, world)
+    except NonFiniteEmbeddingsError as err:  # found by the final evaluation (a step's check did not run)
+        raise _diverged(f"by step {total}", args) from err
     if lead:
         for line in report_mod.report_lines(report, history, args):
             log.line(line)

@@ -82,9 +82,20 @@ class Batches:
         try:
             return next(self._it)
         except ValueError as e:
-            if "cannot decode image" not in str(e):
+            line = decode_error_line(e)
+            if line is None:
                 raise
-            raise UsageError(f"{str(e).splitlines()[0]}; remove or replace that file in --data") from None
+            raise UsageError(f"{line}; remove or replace that file in --data") from None
+
+
+def decode_error_line(e: BaseException):
+    """The "cannot decode image <path>: ..." line of ``e`` (also from inside a DataLoader
+    worker's re-raised error, whose first line only names the worker), else None."""
+    for line in reversed(str(e).splitlines()):  # last: a worker's message quotes the raising source line first
+        at = line.find("cannot decode image ")
+        if at >= 0:
+            return line[at:]
+    return None
 
 
 @dataclass
@@ -127,7 +138,13 @@ def _folder_data(args):
     labels = [lb for _, lb in full.samples]
     train_idx = [i for i, lb in enumerate(labels) if lb < train_k]
     val_idx = [i for i, lb in enumerate(labels) if lb >= train_k]
-    images = torch.stack([full[i][0] for i in val_idx])
+    if not train_idx or not val_idx:
+        which = "training" if not train_idx else "held-out (the last --val-classes)"
+        raise UsageError(f"--data {args.data!r}: the {which} class folders hold no images")
+    try:
+        images = torch.stack([full[i][0] for i in val_idx])
+    except ValueError as e:  # a held-out image that cannot be read or decoded
+        raise UsageError(f"{e}; remove or replace that file in --data") from None
     ids = torch.tensor([labels[i] for i in val_idx])
     return Subset(full, train_idx), train_k, _pairs_from(images, ids, args.seed)
 
@@ -286,7 +303,13 @@ def save_checkpoint(ckpt_dir: str, parts: Parts, step: int, history, world) -> N
         "world_size": world.size,
         "history": history,
         "backbone": parts.backbone.state_dict(),
-        "optimizers": [o.state_dict() for o in parts.optimizers],
+        "optimizers": [
+            parts.optimizers[0].state_dict(),
+            # one process: in class order, so a resume may shard the head differently
+            checkpoint.head_optimizer_state(parts.optimizers[1], parts.head)
+            if world.size == 1
+            else parts.optimizers[1].state_dict(),
+        ],
         "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
         "ema": parts.ema.state_dict() if parts.ema is not None else None,
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
@@ -310,8 +333,8 @@ def load_checkpoint(ckpt_dir: str, parts: Parts, world):
             shardkit.load_sharded(parts.head, os.path.join(ckpt_dir, "head"))
         else:
             parts.head.load_state_dict(state["head"])
-        for opt, sd in zip(parts.optimizers, state["optimizers"]):
-            opt.load_state_dict(sd)
+        parts.optimizers[0].load_state_dict(state["optimizers"][0])
+        checkpoint.load_head_optimizer_state(parts.optimizers[1], parts.head, state["optimizers"][1])
         if parts.scaler is not None and state["scaler"] is not None:
             parts.scaler.load_state_dict(state["scaler"])
         if parts.ema is not None and state["ema"] is not None:
@@ -319,7 +342,7 @@ def load_checkpoint(ckpt_dir: str, parts: Parts, world):
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         return state["step"], state["history"]
-    except (RuntimeError, KeyError, ValueError, TypeError) as e:
+    except (RuntimeError, KeyError, ValueError, TypeError, AttributeError, IndexError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(
             f"checkpoint {path} does not fit this run ({first}); resume it with the version of "

@@ -1,0 +1,226 @@
+"""python -m shardkit.train under faults found by probing: a resume onto another shard layout,
+checkpoints edited by hand, unreadable files in --data, an --out it cannot write, batches
+BatchNorm cannot take, a run that diverges before its final evaluation. Each user error is
+one line on stderr and exit status 2; what the README lets change on resume works."""
+
+import os
+import shutil
+
+import pytest
+import torch
+from PIL import Image
+
+import shardkit
+from shardkit import train
+from shardkit.train import checkpoint
+from shardkit.train import loop as train_loop
+
+TINY = "--classes 16 --per-class 8 --image-size 16 --batch 8 --val-classes 4 --val-per-class 3 --dim 16".split()
+TINY += ["--no-progress", "--devices", "cpu", "--ema", "0.9", "--ema-tau", "2"]
+
+
+def _one_line(capsys, *needles):
+    err = capsys.readouterr().err
+    assert err.startswith("python -m shardkit.train: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err and all(n in err for n in needles), err
+    return err
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    """A 2-step run on one CPU shard (its head optimizer has momentum on the sampled rows)."""
+    out = str(tmp_path_factory.mktemp("runs") / "r")
+    assert train.main(TINY + ["--steps", "2", "--out", out]) == 0
+    return out
+
+
+def _copy(run, dst):
+    shutil.copytree(run, dst)
+    return str(dst)
+
+
+def _ckpt(run):
+    return os.path.join(run, "checkpoint", checkpoint.CKPT_FILE)
+
+
+@pytest.mark.parametrize("flags", [["--devices", "cpu,cpu"], ["--devices", "cpu,cpu,cpu", "--dp"]])
+def test_resume_on_another_shard_layout_keeps_the_head_momentum(two_steps, tmp_path, flags):
+    # --devices and --dp may change on resume: the head optimizer's state is saved in class
+    # order and split over the new shards; the momentum read back is the one saved.
+    saved = checkpoint.read(_ckpt(two_steps))["optimizers"][1]
+    assert saved["class_ordered"] and saved["momentum_buffer"].abs().sum() > 0
+    run = _copy(two_steps, tmp_path / "run")
+    assert train.main(["--resume", run, "--steps", "3", "--no-progress"] + flags) == 0
+    after = checkpoint.read(_ckpt(run))["optimizers"][1]
+    assert after["momentum_buffer"].shape == saved["momentum_buffer"].shape
+
+
+def test_head_optimizer_state_round_trips_over_any_shard_count():
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
+    src = shardkit.ShardedSoftmaxLoss(5, 23, devices=["cpu"], sample_rate=0.5)
+    opt = shardkit.SparseRowSGD(src.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        src(torch.randn(6, 5), torch.randint(0, 23, (6,))).backward()
+        opt.step()
+        opt.zero_grad()
+    state = checkpoint.head_optimizer_state(opt, src)
+    for sizes in ([23], [10, 13], [7, 0, 9, 7]):
+        dst = shardkit.ShardedSoftmaxLoss(5, 23, devices=["cpu"] * len(sizes), shard_sizes=sizes)
+        opt2 = shardkit.SparseRowSGD(dst.parameters(), lr=0.5, momentum=0.9)
+        checkpoint.load_head_optimizer_state(opt2, dst, state)
+        back = checkpoint.head_optimizer_state(opt2, dst)
+        assert torch.equal(back["momentum_buffer"], state["momentum_buffer"])
+        assert torch.equal(back["seen"], state["seen"]) and back["seen"].dtype == torch.bool
+        assert opt2.param_groups[0]["lr"] == 0.1  # the saved hyper-parameters
+    wrong = shardkit.ShardedSoftmaxLoss(5, 24, devices=["cpu"])
+    with pytest.raises(ValueError, match=r"\[24, 5\]"):
+        checkpoint.load_head_optimizer_state(shardkit.SparseRowSGD(wrong.parameters(), lr=0.1), wrong, state)
+
+
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        (lambda s: s.pop("args"), "no settings"),
+        (lambda s: s.__setitem__("args", [1, 2]), "no settings"),
+        (lambda s: s["args"].__setitem__("batch", 0), "--batch is 0"),
+        (lambda s: s["args"].__setitem__("classes", "16"), "--classes is '16'"),
+        (lambda s: s["args"].__setitem__("classes", 16.0), "--classes is 16.0"),
+        (lambda s: s["args"].__setitem__("classes", -3), "--classes is -3"),
+        (lambda s: s["args"].pop("classes"), "no classes setting"),
+        (lambda s: s["args"].__setitem__("lr", float("nan")), "--lr is nan"),
+        (lambda s: s["args"].__setitem__("margin", "foo"), "--margin is 'foo'"),
+        (lambda s: s["args"].__setitem__("checkpointing", "yes"), "--checkpointing"),
+        (lambda s: s.__setitem__("step", "5"), "step '5'"),
+        (lambda s: s.__setitem__("step", 2.0), "step 2.0"),
+        (lambda s: s.__setitem__("step", -5), "step -5"),
+        (lambda s: s.__setitem__("history", [1]), "history"),
+        (lambda s: s.__setitem__("history", {"step": 5}), "history"),
+        (lambda s: s.__setitem__("optimizers", s["optimizers"][:1]), "optimizers"),
+        (lambda s: s.__setitem__("ema", None), "EMA"),
+        (lambda s: s["optimizers"][1].__setitem__("momentum_buffer", torch.zeros(3)), "does not fit this run"),
+    ],
+)
+def test_checkpoint_edited_by_hand_is_one_line(two_steps, tmp_path, capsys, edit, needle):
+    run = _copy(two_steps, tmp_path / "run")
+    state = checkpoint.read(_ckpt(run))
+    edit(state)
+    torch.save(state, _ckpt(run))
+    capsys.readouterr()
+    assert train.main(["--resume", run, "--steps", "3", "--no-progress"]) == 2
+    _one_line(capsys, needle)
+
+
+def _faces(root, classes=6, per=3, size=8):
+    for k in range(classes):
+        (root / f"id{k}").mkdir(parents=True)
+        for i in range(per):
+            Image.new("RGB", (size, size), (k * 40, i * 60, 7)).save(root / f"id{k}" / f"{i}.png")
+    return root
+
+
+DATA = ["--val-classes", "2", "--val-per-class", "2", "--image-size", "8", "--batch", "4", "--steps", "2"]
+DATA += ["--dim", "8", "--devices", "cpu", "--no-progress", "--ema", "0"]
+
+
+@pytest.mark.parametrize("fault", ["dangling", "loop", "fifo", "dir", "held_out_empty_file", "held_out_empty"])
+def test_unreadable_files_in_data_are_one_line(tmp_path, capsys, fault):
+    root = _faces(tmp_path / "faces")
+    if fault == "dangling":
+        os.symlink(tmp_path / "nowhere.png", root / "id0" / "zz.png")
+    elif fault == "loop":
+        os.symlink(root / "id0" / "loop.png", root / "id0" / "loop.png")
+    elif fault == "fifo":
+        os.mkfifo(root / "id0" / "pipe.png")  # reading it would block forever
+    elif fault == "dir":
+        (root / "id0" / "sub.png").mkdir()
+        (root / "id0" / "sub.png" / "x.png").write_bytes(b"")  # a folder named like an image: walked into
+    elif fault == "held_out_empty_file":
+        (root / "id5" / "zz.png").write_bytes(b"")
+    else:
+        for f in (root / "id4").iterdir():
+            f.unlink()
+        for f in (root / "id5").iterdir():
+            f.unlink()
+    assert train.main(["--data", str(root), "--out", str(tmp_path / "o")] + DATA) == 2
+    _one_line(capsys, str(root))
+
+
+def test_a_broken_image_read_only_by_the_evaluation_is_one_line(tmp_path, capsys, monkeypatch):
+    # The steps never read it (the data order is patched to skip it); the final train top-1 does.
+    root = _faces(tmp_path / "faces")
+    (root / "id0" / "0.png").write_bytes(b"truncated")
+    bad = str(root / "id0" / "0.png")
+    monkeypatch.setattr(train_loop.setup.Batches, "get", lambda self, i, n: _good_batch(self.dataset, bad))
+    assert train.main(["--data", str(root), "--out", str(tmp_path / "o")] + DATA) == 2
+    _one_line(capsys, bad, "cannot decode image")
+
+
+def _good_batch(dataset, bad):
+    idx = [i for i in range(len(dataset)) if dataset.dataset.samples[dataset.indices[i]][0] != bad][:4]
+    items = [dataset[i] for i in idx]
+    return torch.stack([im for im, _ in items]), torch.stack([lb for _, lb in items])
+
+
+def test_decode_errors_from_loader_workers_name_the_file(tmp_path, capsys):
+    root = _faces(tmp_path / "faces")
+    for k in range(4):
+        for i in range(3):
+            (root / f"id{k}" / f"{i}.png").write_bytes(b"garbage")
+    assert train.main(["--data", str(root), "--workers", "2", "--out", str(tmp_path / "o")] + DATA) == 2
+    err = _one_line(capsys, "cannot decode image", ".png")
+    assert "worker process" not in err
+
+
+def test_data_path_that_is_not_utf8_is_logged_escaped(tmp_path, capsys):
+    root = _faces(tmp_path / os.fsdecode(b"bad\xffname"))
+    assert train.main(["--data", str(root), "--out", str(tmp_path / "o")] + DATA) == 0
+    assert "bad\\udcffname" in open(tmp_path / "o" / "log.txt", encoding="utf-8").read()
+
+
+@pytest.mark.parametrize("fault", ["checkpoint_file", "log_dir", "curves_dir", "too_long", "proc"])
+def test_out_that_cannot_be_written_is_one_line(tmp_path, capsys, fault):
+    out = tmp_path / "o"
+    out.mkdir()
+    if fault == "checkpoint_file":
+        (out / "checkpoint").write_bytes(b"")
+    elif fault == "log_dir":
+        (out / "log.txt").mkdir()
+    elif fault == "curves_dir":
+        (out / "curves.png").mkdir()
+    elif fault == "too_long":
+        out = out / ("x" * 300)
+    else:
+        out = "/proc/shardkit_out"
+    assert train.main(TINY + ["--steps", "1", "--out", str(out)]) == 2
+    _one_line(capsys, "--out")
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--batch", "1"],
+        ["--batch", "1", "--checkpointing"],
+        ["--dp", "--devices", "cpu,cpu", "--batch", "3"],
+        ["--dp", "--devices", "cpu,cpu,cpu,cpu", "--batch", "7"],
+        ["--pipeline", "--devices", "cpu,cpu", "--chunks", "64"],
+    ],
+)
+def test_batches_batch_norm_cannot_take_are_refused(tmp_path, capsys, flags):
+    assert train.main(TINY + ["--steps", "1", "--out", str(tmp_path / "o")] + flags) == 2
+    _one_line(capsys, "--batch", "BatchNorm")
+
+
+def test_divergence_found_by_the_final_evaluation_is_one_line(tmp_path, capsys, monkeypatch):
+    # The step's own check did not fire (patched out); the evaluation's head call finds NaN.
+    real = train_loop.train_step
+
+    def step_then_break(parts, *a, **k):
+        out = real(parts, *a, **k)
+        with torch.no_grad():
+            for p in parts.backbone.parameters():
+                p.fill_(float("nan"))
+        return out
+
+    monkeypatch.setattr(train_loop, "train_step", step_then_break)
+    assert train.main(TINY + ["--steps", "1", "--ema", "0", "--out", str(tmp_path / "o")]) == 2
+    _one_line(capsys, "diverged", "--lr")
