@@ -78,6 +78,29 @@ def test_partition_minimizes_the_largest_stage():
         assert abs(got - best) < 1e-12
 
 
+class _Pause(nn.Module):
+    """Identity that holds its stage's thread (GIL released) long enough for the other stage
+    of the same clock to draw random numbers."""
+
+    def forward(self, x):
+        time.sleep(0.01)
+        return x
+
+
+@pytest.mark.parametrize("ckpt", ["always", "except_last"])
+def test_checkpointed_dropout_replays_the_forward_masks(ckpt):
+    # Two CPU stages share the CPU generator; the recomputation must draw the same masks as
+    # the forward (another stage's draws in between would change them): d(sum y)/dx = y / x.
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
+    model = nn.Sequential(_Pause(), nn.Dropout(0.5), nn.Dropout(0.5), nn.Dropout(0.5))
+    pipe = PipelineModel(model, ["cpu", "cpu"], chunks=6, balance=[2, 2], checkpoint=ckpt)
+    for _ in range(3):
+        x = (torch.rand(60, 2000) + 0.5).requires_grad_()
+        y = pipe(x)
+        y.sum().backward()
+        assert torch.equal(x.grad, y.detach() / x.detach())
+
+
 def test_memory_plan_puts_the_heavy_layer_alone():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 512), nn.Linear(512, 4))
     plan = PipelineModel.balance_by(model, torch.randn(2, 4), 2, by="memory")

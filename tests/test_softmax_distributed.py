@@ -124,11 +124,14 @@ def _mismatched_modes(rank, group):
     out = {}
     head = shardkit.ShardedSoftmaxLoss(D, 11, process_group=group, sample_rate=0.5)
     x, y = torch.randn(3, D), torch.randint(0, 11, (3,))
-    for case in ("details", "train_eval"):
+    for case in ("details", "train_eval", "grad"):
         head.train(not (case == "train_eval" and rank == 1))
         t0 = time.time()
         try:
-            head(x, y, return_details=case == "details" and rank == 0)
+            xc = x.clone().requires_grad_(case == "grad" and rank == 0)  # rank 1 would skip a reduce-scatter
+            out_c = head(xc, y, return_details=case == "details" and rank == 0)
+            if case == "grad":
+                (out_c if isinstance(out_c, torch.Tensor) else out_c[0]).backward()
             out[case] = None
         except DistributedInputError as err:
             out[case] = str(err)
@@ -343,7 +346,8 @@ def test_ranks_in_different_modes_raise_at_once(runs):
         assert "return_details [True, False]" in res["details"]
         assert "with_rank (topk details) [True, False]" in res["details"]
         assert "sample_rate (train vs eval) [0.5, 1.0]" in res["train_eval"]
-        assert res["details_seconds"] < TIMEOUT_S and res["train_eval_seconds"] < TIMEOUT_S
+        assert "embeddings need a gradient (grad mode and requires_grad) [True, False]" in res["grad"]
+        assert max(res[f"{c}_seconds"] for c in ("details", "train_eval", "grad")) < TIMEOUT_S
         assert math.isfinite(res["after"])
         assert "shardkit.ce_shard_stats does not support double backward" in res["double"]
 

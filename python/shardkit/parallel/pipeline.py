@@ -13,7 +13,10 @@ device on that device's stream.
 Checkpointing (activation recomputation) per micro-batch: ``"never"``, ``"except_last"``
 (GPipe's default: the last micro-batch's backward starts at once, so keeping its
 activations costs nothing in time) or ``"always"``. A recomputation never updates
-BatchNorm statistics a second time.
+BatchNorm statistics a second time, and replays the stage's random draws (dropout) exactly:
+while the model checkpoints, tasks that share a random generator (the CPU's, or one GPU's
+when it holds several stages) run one at a time, so no other stage draws between a forward
+and the generator state it saved; stages on distinct GPUs stay concurrent.
 
 BatchNorm: in training each micro-batch is normalized with its own statistics (as in
 GPipe: the whole batch never exists on one device). ``batchnorm="deferred"`` (the default)
@@ -25,6 +28,7 @@ update them (momentum applied ``chunks`` times per step), as plain BatchNorm wou
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from typing import Any, Sequence
 
@@ -38,6 +42,15 @@ from shardkit.parallel.scatter import as_device
 from shardkit.parallel.threads import run_parallel
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
+_RNG_LOCKS: dict = {}  # device -> RLock: one task at a time per random generator (checkpointing)
+_RNG_LOCKS_GUARD = threading.Lock()
+
+
+def _rng_lock(dev: torch.device):
+    with _RNG_LOCKS_GUARD:
+        return _RNG_LOCKS.setdefault(str(dev), threading.RLock())
+
+
 BATCHNORM_MODES = ("deferred", "micro")
 
 
@@ -307,10 +320,15 @@ class PipelineModel(nn.Module):
         return out
 
     def _run_task(self, s: int, i: int, x: torch.Tensor, ready, streams) -> tuple:
-        dev, stream = self.stage_devices[s], streams[s]
-        part = self.partitions[s]
         last = i == self._micro_count - 1
         use_ckpt = self.checkpoint == "always" or (self.checkpoint == "except_last" and not last)
+        if self.checkpoint != "never" and torch.is_grad_enabled():
+            with _rng_lock(self.stage_devices[s]):  # see the module docstring: recomputations replay the draws
+                return self._launch(s, x, ready, streams, use_ckpt)
+        return self._launch(s, x, ready, streams, use_ckpt)
+
+    def _launch(self, s: int, x: torch.Tensor, ready, streams, use_ckpt: bool) -> tuple:
+        dev, stream, part = self.stage_devices[s], streams[s], self.partitions[s]
         if stream is None:
             y = self._apply(part, x.to(dev) if x.device != dev else x, use_ckpt, s)
             return y, None

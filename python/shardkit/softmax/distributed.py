@@ -216,7 +216,8 @@ def distributed_statistics(
             embeddings = embeddings.to(dtype)  # cast before the gather: fewer bytes on the wire
     except (ValueError, TypeError) as err:
         error = str(err)
-    sizes = exchange_batch_info(dctx, embeddings, error, (return_details, with_rank, sample_rate))
+    needs_grad = torch.is_grad_enabled() and isinstance(embeddings, torch.Tensor) and embeddings.requires_grad
+    sizes = exchange_batch_info(dctx, embeddings, error, (return_details, with_rank, sample_rate, needs_grad))
     if sum(sizes) == 0:
         raise DistributedInputError(
             f"ShardedSoftmaxLoss rank {dctx.rank}: argument `embeddings` is empty on every rank; the loss "

@@ -84,7 +84,12 @@ def check_same_config(ctx: DistContext, config: dict) -> None:
 
 
 # Per-step mode fields carried by the batch-info exchange (after b, d, dtype code, error).
-_MODE_FIELDS = ("return_details", "with_rank (topk details)", "sample_rate (train vs eval)")
+_MODE_FIELDS = (
+    "return_details",
+    "with_rank (topk details)",
+    "sample_rate (train vs eval)",
+    "embeddings need a gradient (grad mode and requires_grad)",
+)
 
 
 def _float_bits(x: float) -> int:
@@ -95,9 +100,12 @@ def _bits_float(b: int) -> float:
     return struct.unpack("<d", struct.pack("<q", int(b)))[0]
 
 
-def exchange_batch_info(ctx: DistContext, x, error: Optional[str], mode: Sequence = (False, False, 1.0)) -> List[int]:
+def exchange_batch_info(
+    ctx: DistContext, x, error: Optional[str], mode: Sequence = (False, False, 1.0, False)
+) -> List[int]:
     """Host-side exchange of (batch size, width, dtype, error flag) and of this step's mode
-    (``(return_details, with_rank, effective sample_rate)``) on the CPU group.
+    (``(return_details, with_rank, effective sample_rate, embeddings need a gradient)``: a
+    rank whose embeddings need none skips the backward's reduce-scatter) on the CPU group.
 
     Returns every rank's batch size. Raises :class:`DistributedInputError` on every rank
     when any rank reports an error, when ranks disagree on the width or dtype (or, in the
@@ -107,8 +115,8 @@ def exchange_batch_info(ctx: DistContext, x, error: Optional[str], mode: Sequenc
     ok = isinstance(x, torch.Tensor) and x.dim() == 2
     b, d = (x.shape[0], x.shape[1]) if ok else (-1, -1)
     code = _DTYPE_CODES.get(x.dtype, 0) if ok else 0
-    details, with_rank, rate = mode
-    row = [b, d, code, 1 if error else 0, int(bool(details)), int(bool(with_rank)), _float_bits(rate)]
+    details, with_rank, rate, grad = mode
+    row = [b, d, code, 1 if error else 0, int(bool(details)), int(bool(with_rank)), _float_bits(rate), int(bool(grad))]
     mine = torch.tensor(row, dtype=torch.int64)
     out = torch.empty(ctx.world_size * len(row), dtype=torch.int64)
     try:
@@ -128,8 +136,9 @@ def exchange_batch_info(ctx: DistContext, x, error: Optional[str], mode: Sequenc
         raise DistributedInputError(
             f"ShardedSoftmaxLoss rank {ctx.rank}: the ranks called the loss in different modes this step "
             f"(values per rank): {'; '.join(diffs)}. Every rank must call it alike: the same "
-            "return_details and topk, and all in train() or all in eval() mode (sample_rate applies in "
-            "training only); compute details on every rank and log them on one"
+            "return_details and topk, all in train() or all in eval() mode (sample_rate applies in "
+            "training only), and embeddings that require grad on all ranks or on none (the same grad "
+            "mode); compute details on every rank and log them on one"
         )
     bad = [r for r, row in enumerate(info) if row[3]]
     if bad:
