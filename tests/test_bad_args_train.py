@@ -205,6 +205,11 @@ def test_activations_that_cannot_fit_are_refused_up_front(monkeypatch, tmp_path,
     assert cli.parse(args + ["--image-size", "64"]).image_size == 64
     assert train.main(args + ["--image-size", "4000"]) == 2
     _assert_one_line_error(capsys, "--image-size")
+    # Weights the layers save do not grow with the batch: a CIFAR-sized r18 run of ~5 GiB of
+    # activations fits 24 GiB even at --batch 2048.
+    monkeypatch.setattr(argtypes, "_ram_bytes", lambda: 24 * 2**30)
+    big = cli.parse(args + ["--backbone", "r18", "--image-size", "32", "--batch", "2048"])
+    assert big.batch == 2048
     plain = argtypes._saved_bytes_per_image(cli.parse(args + ["--image-size", "64"]))
     assert argtypes._saved_bytes_per_image(cli.parse(args + ["--image-size", "64", "--checkpointing"])) < plain
 

@@ -95,6 +95,8 @@ def test_head_optimizer_state_round_trips_over_any_shard_count():
         (lambda s: s.__setitem__("step", -5), "step -5"),
         (lambda s: s.__setitem__("history", [1]), "history"),
         (lambda s: s.__setitem__("history", {"step": 5}), "history"),
+        (lambda s: s["history"].pop("loss"), "history keys"),
+        (lambda s: s["history"]["eval"].pop("raw_acc"), "history keys"),
         (lambda s: s.__setitem__("optimizers", s["optimizers"][:1]), "optimizers"),
         (lambda s: s.__setitem__("ema", None), "EMA"),
         (lambda s: s["optimizers"][1].__setitem__("momentum_buffer", torch.zeros(3)), "does not fit this run"),
@@ -224,3 +226,22 @@ def test_divergence_found_by_the_final_evaluation_is_one_line(tmp_path, capsys, 
     monkeypatch.setattr(train_loop, "train_step", step_then_break)
     assert train.main(TINY + ["--steps", "1", "--ema", "0", "--out", str(tmp_path / "o")]) == 2
     _one_line(capsys, "diverged", "--lr")
+
+
+def test_a_subfolder_it_may_not_read_is_skipped_as_os_walk_did(tmp_path, monkeypatch):
+    # e.g. lost+found on a data disk, for a user who is not root (simulated: tests run as root)
+    from shardkit.train import imagefolder
+
+    root = _faces(tmp_path / "faces")
+    (root / "id0" / "noperm").mkdir()
+    (root / "id0" / "noperm" / "x.png").write_bytes(b"")
+    real = os.scandir
+
+    def scandir(path):
+        if os.path.basename(path) == "noperm":
+            raise PermissionError(13, "Permission denied", path)
+        return real(path)
+
+    monkeypatch.setattr(imagefolder.os, "scandir", scandir)
+    ds = imagefolder.ImageFolderDataset(str(root), 8)
+    assert len(ds) == 18 and not any("noperm" in p for p, _ in ds.samples)

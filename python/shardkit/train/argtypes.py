@@ -131,21 +131,26 @@ def _head_misfit(a: argparse.Namespace, world_size: int):
 
 def _saved_bytes_per_image(a: argparse.Namespace) -> int:
     """Bytes the backbone's training forward keeps for its backward, per image of
-    --image-size (fp32, --checkpointing honoured): a forward on the meta device, which
-    allocates nothing, with every saved tensor counted."""
+    --image-size (fp32, --checkpointing honoured): forwards on the meta device, which
+    allocate nothing, with every saved tensor counted, at two batch sizes; their difference
+    leaves out what does not grow with the batch (the weights the layers save)."""
     with torch.device("meta"):
         backbone = build_backbone(a.backbone, a.dim, checkpointing=a.checkpointing)
     backbone.train()
-    total = 0
 
-    def pack(t):
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
+    def saved(batch: int) -> int:
+        total = 0
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        backbone(torch.empty(2, 3, a.image_size, a.image_size, device="meta"))
-    return total // 2
+        def pack(t):
+            nonlocal total
+            total += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            backbone(torch.empty(batch, 3, a.image_size, a.image_size, device="meta"))
+        return total
+
+    return max(0, saved(4) - saved(2)) // 2
 
 
 def _activations_misfit(a: argparse.Namespace, world_size: int):

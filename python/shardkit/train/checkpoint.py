@@ -61,6 +61,11 @@ LOCAL = (
 )
 
 
+# The run's history (python -m shardkit.train's per-step records and its evaluations).
+HISTORY_KEYS = ("step", "loss", "top1", "img_s", "mem_gib")
+EVAL_KEYS = ("step", "raw_acc", "raw_tar", "ema_acc", "ema_tar")
+
+
 def find(path: str) -> Optional[str]:
     """The checkpoint directory at ``path`` or ``path/checkpoint`` (a one-process checkpoint,
     or the rank-0 file of a torchrun one), else None."""
@@ -161,9 +166,11 @@ def _malformed(state: dict) -> Optional[str]:
     if not isinstance(state.get("args"), dict):
         return "no settings (args)"
     history = state.get("history")
-    if not isinstance(history, dict) or not isinstance(history.get("eval", {}), dict):
+    if not isinstance(history, dict) or not isinstance(history.get("eval"), dict):
         return "history is not a dict of lists"
-    lists = [v for k, v in history.items() if k != "eval"] + list(history.get("eval", {}).values())
+    if set(history) != set(HISTORY_KEYS) | {"eval"} or set(history["eval"]) != set(EVAL_KEYS):
+        return f"history keys {sorted(history)} are not {sorted(HISTORY_KEYS + ('eval',))}"
+    lists = [v for k, v in history.items() if k != "eval"] + list(history["eval"].values())
     if not all(isinstance(v, list) for v in lists):
         return "history is not a dict of lists"
     opts = state.get("optimizers")

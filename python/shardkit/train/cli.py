@@ -243,8 +243,8 @@ def _explicit(argv) -> set:
 def parse(argv=None) -> argparse.Namespace:
     """The run's settings: the flags, and on --resume the checkpoint's saved settings."""
     args = build_parser().parse_args(argv)
-    if args.data is not None:  # saved absolute: a resume from another directory finds it
-        args.data = os.path.abspath(args.data)
+    if args.data is not None and not os.path.isabs(args.data):  # saved absolute: a resume elsewhere finds it
+        args.data = os.path.join(os.getcwd(), args.data)  # (not normpath: "link/.." must keep its meaning)
     if args.resume is not None:
         found = checkpoint.find(args.resume)
         if found is None:
@@ -282,6 +282,9 @@ def main(argv=None) -> int:
     except UsageError as e:
         print(f"python -m shardkit.train: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before the run started: nothing to save
+        print("\npython -m shardkit.train: interrupted before training started", file=sys.stderr)
+        return 130
     try:
         code = loop.run(args, world)
         if world.size > 1 and dist.is_initialized():

@@ -36,7 +36,11 @@ def _image_files(folder: str, exts: Tuple[str, ...]) -> List[str]:
     while todo:
         here = todo.pop()
         names = found.setdefault(here, [])
-        with os.scandir(here) as it:
+        try:
+            it = os.scandir(here)
+        except OSError:  # a folder it may not read (lost+found): skipped, as os.walk does
+            continue
+        with it:
             for e in it:
                 if e.is_dir(follow_symlinks=False):
                     todo.append(e.path)

@@ -75,8 +75,7 @@ def _peak_memory(devices: List[torch.device]) -> str:
 def new_history() -> dict:
     """Per step: loss, batch top-1, images/s, peak GiB per device; every --eval-every steps and
     at the end: held-out verification of the raw and EMA backbones."""
-    ev = {k: [] for k in ("step", "raw_acc", "raw_tar", "ema_acc", "ema_tar")}
-    return {"step": [], "loss": [], "top1": [], "img_s": [], "mem_gib": [], "eval": ev}
+    return dict({k: [] for k in checkpoint.HISTORY_KEYS}, eval={k: [] for k in checkpoint.EVAL_KEYS})
 
 
 def _record_eval(history: dict, step: int, results: dict) -> None:
