@@ -109,6 +109,18 @@ inline double model_weight(double decay) {
   return 1.0 - decay;
 }
 
+// Decay 1 and 0 before any arithmetic: 1 leaves the EMA as it is and 0 copies the model,
+// whatever the values (the formulas' 0 * (m - e) is NaN when m - e is infinite: a diverged
+// EMA would never be reset by a copy phase). Returns true when the update is done.
+inline bool update_at_the_ends(at::TensorList ema, at::TensorList model, double decay) {
+  if (decay == 1.0) return true;
+  if (decay != 0.0) return false;
+  for (size_t i = 0; i < ema.size(); ++i) {
+    if (ema[i].numel() != 0) ema[i].copy_(model[i]);
+  }
+  return true;
+}
+
 // The update in the kernels' form: e + w (m - e) for w < 0.5, else m - (1 - w)(m - e)
 // (the two forms of torch.lerp: decay 1 keeps e and decay 0 copies m exactly).
 // This function: the update for a pair that is not flat-compatible (arbitrary strides). Uses the

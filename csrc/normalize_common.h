@@ -62,7 +62,7 @@ inline Plan make_plan(const at::Tensor& images, at::ArrayRef<double> mean, at::A
     TORCH_CHECK(std[c] != 0.0 && std::isfinite(std[c]), "normalize_images: `std[", c,
                 "]` must be non-zero and finite, got ", std[c]);
     TORCH_CHECK(std::isfinite(mean[c]), "normalize_images: `mean[", c, "]` must be finite, got ", mean[c]);
-    // (x / 255 - m) / s == x * (1 / (255 s)) + (-m / s): one fused multiply-add per element.
+    // (x / 255 - m) / s == x * (1 / (255 s)) + (-m / s): one multiply and one add per element.
     p.scale[c] = 1.0 / (255.0 * std[c]);
     p.shift[c] = -mean[c] / std[c];
     // The outputs of channel c lie between shift and 255 * scale + shift: both must fit the
@@ -75,6 +75,13 @@ inline Plan make_plan(const at::Tensor& images, at::ArrayRef<double> mean, at::A
     TORCH_CHECK(std::isfinite(reach) && reach <= top, "normalize_images: with `mean[", c, "]` = ", mean[c],
                 " and `std[", c, "]` = ", std[c], " the outputs reach ", reach, ", beyond the range of ",
                 out_dtype, " (", top, ")");
+    // The product x * scale comes first, in float (double for a double output): it must not
+    // overflow there either, even where adding the shift would bring it back into range.
+    const double compute_top = out_dtype == at::kDouble
+                                   ? std::numeric_limits<double>::max()
+                                   : static_cast<double>(std::numeric_limits<float>::max());
+    TORCH_CHECK(255.0 * std::fabs(p.scale[c]) <= compute_top, "normalize_images: `std[", c, "]` = ", std[c],
+                " is too close to zero: 255 / (255 std) overflows the op's arithmetic (", compute_top, ")");
   }
   // Use the input in place when it is dense in either layout (a permuted HWC numpy array
   // passed as NCHW is dense NHWC memory); copy only genuinely strided inputs.

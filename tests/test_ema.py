@@ -598,3 +598,19 @@ def test_model_ema_pickles_with_its_weights_schedule_and_counters(tmp_path):
         back.attach(opt)
         model(torch.randn(3, 5)).sum().backward()
         opt.step()
+
+
+@pytest.mark.parametrize("ema_dtype, model_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16)])
+def test_decays_0_and_1_are_exact_whatever_the_values(ema_dtype, model_dtype, device="cpu"):
+    # The lerp formulas give NaN where m - e is infinite (0 * inf): decay 0 must still copy
+    # the model (resetting a diverged EMA) and decay 1 keep the EMA, strided pairs included.
+    special = torch.tensor([float("inf"), -float("inf"), float("nan"), 3e38, -3e38, 1.0, 0.0, -2.5])
+    e = special.repeat(9000)[: 2 * 65536 + 5].to(device, ema_dtype)
+    m = special.flip(0).repeat(9000)[: 2 * 65536 + 5].to(device, model_dtype)
+    for ema_t, model_t in ((e, m), (e.view(-1, 5)[:, ::2], m.view(-1, 5)[:, ::2])):  # flat, strided
+        keep = ema_t.clone()
+        ema_update_([ema_t], [model_t], 1.0)
+        assert torch.equal(ema_t.nan_to_num(), keep.nan_to_num()) and torch.equal(ema_t.isnan(), keep.isnan())
+        ema_update_([ema_t], [model_t], 0.0)
+        want = model_t.to(ema_dtype)
+        assert torch.equal(ema_t.nan_to_num(), want.nan_to_num()) and torch.equal(ema_t.isnan(), want.isnan())

@@ -304,3 +304,9 @@ def test_cuda_tensors_on_non_current_device():
         ema_swap_(ema, model)
         ema_unswap_(ema, model)
         assert all(torch.equal(bits(a), bits(b)) for a, b in zip(ema + model, e0 + m0))
+
+
+def test_cuda_decays_0_and_1_are_exact_whatever_the_values():
+    needs_cuda_build()
+    for ema_dtype, model_dtype in [(torch.float32, torch.float32), (torch.float32, torch.bfloat16)]:
+        cpu_tests.test_decays_0_and_1_are_exact_whatever_the_values(ema_dtype, model_dtype, device="cuda")

@@ -33,7 +33,7 @@ def test_fp16_master_weights_sgd_momentum_two_devices():
         assert dev.weights == rows * d * 2  # fp16 storage
         assert dev.gradients == rows * d * 2
         assert dev.master_weights == rows * d * 4  # fp32 master copy
-        assert dev.optimizer_state == rows * d * 4  # one fp32 momentum buffer
+        assert dev.optimizer_state == rows * d * 4 + rows  # one fp32 momentum buffer + SparseRowSGD's row flags
     assert p.global_batch == n * b
     # Naive: the whole head on one device, logits [B, C] fp16 + fp32 log-softmax + fp32 grad.
     B = n * b
@@ -44,8 +44,20 @@ def test_fp16_master_weights_sgd_momentum_two_devices():
 @pytest.mark.parametrize("optimizer,states", [("sgd", 0), ("sgd-momentum", 1), ("adam", 2), ("adamw", 2)])
 def test_optimizer_states_fp32(optimizer, states):
     p = plan_memory(1000, 64, 1, 8, optimizer=optimizer)
-    assert p.devices[0].optimizer_state == states * 1000 * 64 * 4
+    flags = 1000 if optimizer == "sgd-momentum" else 0  # SparseRowSGD's bool per row
+    assert p.devices[0].optimizer_state == states * 1000 * 64 * 4 + flags
     assert p.devices[0].master_weights == 0
+
+
+def test_sgd_momentum_state_equals_what_sparse_row_sgd_allocates():
+    import shardkit
+
+    head = shardkit.ShardedSoftmaxLoss(16, 203, devices=["cpu"], sample_rate=0.5)
+    opt = shardkit.SparseRowSGD(head.parameters(), lr=0.1, momentum=0.9)
+    head(torch.randn(8, 16), torch.randint(0, 203, (8,))).backward()
+    opt.step()
+    held = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values())
+    assert held == plan_memory(203, 16, 1, 8, sample_rate=0.5).devices[0].optimizer_state
 
 
 def test_no_master_weights_keeps_state_in_dtype():

@@ -193,11 +193,22 @@ def test_error_zero_std_raw_op():
 def test_error_denormal_std(std):
     # 1e-45 is non-zero, but 1 / (255 std) overflows float32; with 1e-40 the reciprocal fits
     # but the normalized values (up to 0.5 / std) do not: the output would be NaN/inf.
-    bad = r"`std\[1\]` = .*(is too close to zero: 1 / \(255 std\)|the normalized values reach .* beyond the range)"
+    bad = r"`std\[1\]` = .*(is too close to zero: 255 / \(255 std\)|the normalized values reach .* beyond the range)"
     with pytest.raises(ValueError, match=bad):
         normalize_images(random_images((1, 4, 4, 3)), [0.5] * 3, [0.5, std, 0.5])
     with pytest.raises(ValueError, match=bad):
         shardkit.Normalize([0.5] * 3, [0.5, std, 0.5])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_std_whose_product_overflows_float32_is_refused(dtype):
+    # Outputs up to 255 * scale + shift ~ 2e38 fit float32, but the product x * scale, formed
+    # first, overflows: refused by the wrapper and by the op itself, not inf.
+    x = torch.arange(256, dtype=torch.uint8).view(1, 1, 16, 16)
+    with pytest.raises(ValueError, match=r"`std\[0\]` = 2.5e-39 is too close to zero"):
+        normalize_images(x, [0.5], [2.5e-39], input_layout="NCHW", dtype=dtype)
+    with pytest.raises(RuntimeError, match=r"`std\[0\]` = .* is too close to zero"):
+        torch.ops.shardkit.normalize_images(x, [0.5], [2.5e-39], False, dtype, False)
 
 
 def test_small_std_that_fits_is_accepted():

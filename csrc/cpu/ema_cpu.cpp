@@ -235,6 +235,7 @@ void check_cpu(const char* op, at::TensorList ema) {
 void ema_update_cpu(at::TensorList ema, at::TensorList model, double decay) {
   check_update_args(ema, model, decay);
   check_cpu("ema_update_", ema);
+  if (update_at_the_ends(ema, model, decay)) return;
   std::vector<Job> jobs;
   jobs.reserve(ema.size());
   for (size_t i = 0; i < ema.size(); ++i) {

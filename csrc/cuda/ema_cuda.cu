@@ -134,6 +134,7 @@ void ema_update_cuda(at::TensorList ema, at::TensorList model, double decay) {
   if (ema.empty()) return;
   TORCH_CHECK(ema[0].is_cuda(), "ema_update_: the CUDA kernel got `ema` on ", ema[0].device());
   const c10::cuda::CUDAGuard guard(ema[0].device());
+  if (update_at_the_ends(ema, model, decay)) return;
   std::map<std::pair<int, int>, Lists> groups;
   for (size_t i = 0; i < ema.size(); ++i) {
     if (ema[i].numel() == 0) continue;

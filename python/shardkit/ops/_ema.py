@@ -53,8 +53,9 @@ def ema_update_(ema_tensors: Sequence[torch.Tensor], model_tensors: Sequence[tor
 
     Arithmetic is float32 (float64 when either side of a pair is float64), with one
     rounding to the EMA dtype at the store, in torch.lerp's two forms (``e + w (m - e)``
-    for ``w = 1 - decay < 0.5``, else ``m - decay (m - e)``), so decay 1 keeps the EMA
-    and decay 0 copies the model exactly. Contiguous pairs, and dense pairs with equal
+    for ``w = 1 - decay < 0.5``, else ``m - decay (m - e)``). Decay 1 keeps the EMA and decay
+    0 copies the model exactly, before any arithmetic: also where ``m - e`` is infinite or
+    NaN (a diverged EMA is reset by a copy). Contiguous pairs, and dense pairs with equal
     strides (e.g. both channels_last), are fused; other strided pairs are still updated
     correctly, through ATen temporaries (slower). Any number of tensors; empty lists are
     a no-op.

@@ -71,7 +71,8 @@ def _check_options(input_layout, dtype, memory_format) -> None:
 
 def _check_mean_std(mean: list[float], std: list[float], dtype: torch.dtype = torch.float32) -> None:
     """The kernels compute ``x * (1 / (255 std)) - mean / std`` in float32 (float64 for a
-    float64 output): both factors must be finite there (a denormal std such as 1e-45 passes
+    float64 output): the product (up to 255 / (255 std)) and the shift must be finite there
+    (a denormal std such as 1e-45 passes
     ``std != 0`` but gives NaN), and the outputs, which lie between ``-mean / std`` and
     ``(1 - mean) / std``, must fit ``dtype`` (65504 for float16)."""
     if len(mean) != len(std):
@@ -86,10 +87,10 @@ def _check_mean_std(mean: list[float], std: list[float], dtype: torch.dtype = to
         if not math.isfinite(s) or s == 0.0:
             raise ValueError(f"argument `std[{c}]` must be non-zero and finite, got {s}")
         scale = 1.0 / (255.0 * s)
-        if not abs(scale) <= compute_max:
+        if not 255.0 * abs(scale) <= compute_max:  # the product x * scale, before the shift is added
             raise ValueError(
-                f"argument `std[{c}]` = {s} is too close to zero: 1 / (255 std) is not finite in the "
-                f"op's arithmetic; use |std| >= {1.0 / (255.0 * compute_max):.3g}"
+                f"argument `std[{c}]` = {s} is too close to zero: 255 / (255 std) is not finite in the "
+                f"op's arithmetic; use |std| >= {1.0 / compute_max:.3g}"
             )
         shift = -m / s
         reach = max(abs(shift), abs(255.0 * scale + shift))
@@ -111,8 +112,9 @@ def normalize_images(
 ) -> torch.Tensor:
     """Converts uint8 images to normalized floating-point NCHW images in one pass.
 
-    ``out[n, c, h, w] = (images[n, h, w, c] / 255 - mean[c]) / std[c]``, computed as one
-    fused multiply-add in fp32 (fp64 for ``dtype=torch.float64``) and rounded once to ``dtype``.
+    ``out[n, c, h, w] = (images[n, h, w, c] / 255 - mean[c]) / std[c]``, computed in fp32 (fp64
+    for ``dtype=torch.float64``) as ``x * scale[c] + shift[c]`` (``scale = 1 / (255 std)``,
+    ``shift = -mean / std``: a multiply, then an add), then converted to ``dtype``.
 
     Args:
         images: uint8 tensor on CPU or CUDA. ``input_layout="NHWC"``: ``[N, H, W, C]`` or a

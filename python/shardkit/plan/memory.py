@@ -17,7 +17,8 @@ Conventions (all figures are lower bounds of what the allocator will hold):
   optimizer keeps fp32 master weights (``master_weights=True``, mixed-precision training
   as apex O2 does); its state is then fp32. Without master weights the state is in ``dtype``.
 * Optimizer state per weight element: sgd 0, sgd-momentum 1, adam/adamw 2 (exp_avg,
-  exp_avg_sq).
+  exp_avg_sq); shardkit's sgd-momentum (:class:`shardkit.SparseRowSGD`) adds one byte per
+  class (the flag of rows whose momentum has started).
 * Logits and softmax statistics are fp32 whatever ``dtype`` is (s = 64 logits overflow fp16).
 * Sampling (``sample_rate < 1``): shardkit keeps the whole weight and its optimizer state
   but computes only the sampled rows (``S = ceil(rate * C_k)``, at least the batch's
@@ -237,6 +238,8 @@ def plan_memory(
     per_device = []
     for rows in shard_rows:
         w, mw, opt = _head_parts(rows, dim, elem, states, master)
+        if optimizer == "sgd-momentum":
+            opt += rows  # SparseRowSGD's per-row "seen" flags (bool)
         used = n_sampled(rows)
         c = min(chunk, max(used, 1))
         parts = {
