@@ -245,3 +245,19 @@ def test_a_subfolder_it_may_not_read_is_skipped_as_os_walk_did(tmp_path, monkeyp
     monkeypatch.setattr(imagefolder.os, "scandir", scandir)
     ds = imagefolder.ImageFolderDataset(str(root), 8)
     assert len(ds) == 18 and not any("noperm" in p for p, _ in ds.samples)
+
+
+def test_header_gives_each_shard_the_planner_figure_of_its_own_size(tmp_path, capsys):
+    # --pipeline sizes the head shards unevenly (possibly 0 classes on a device): each line must
+    # give the planner's figure for that shard's own class count.
+    import re
+
+    from shardkit.plan import format_size, plan_memory
+
+    assert train.main(TINY + ["--steps", "1", "--devices", "cpu,cpu", "--pipeline", "--out", str(tmp_path / "o")]) == 0
+    lines = re.findall(r"cpu: classes \[(\d+), (\d+)\), head memory (.+?) \(weights", capsys.readouterr().out)
+    assert len(lines) == 2 and int(lines[0][0]) == 0 and int(lines[-1][1]) == 16
+    for lo, hi, text in lines:
+        size = int(hi) - int(lo)
+        want = format_size(plan_memory(size, 16, 1, 8).devices[0].total) if size else "none (no classes)"
+        assert text == want, (lo, hi, text, want)

@@ -65,8 +65,10 @@ def lines(parts, args, world, total: int, steps_per_epoch: int) -> list:
         each = format_size(plan.shardkit_max.total)
         out.append(f"  {world.size} ranks, ~{math.ceil(parts.num_classes / n)} classes and {each} of head memory each")
     else:
-        for d, off, size, mem in zip(head.devices, head.class_offsets, head.shard_sizes, plan.devices):
-            size_text = format_size(mem.total)
+        for d, off, size in zip(head.devices, head.class_offsets, head.shard_sizes):
+            # the planner's figure for this shard's own size (--pipeline's shards are uneven)
+            mem = plan_memory(size, args.dim, 1, per_device_batch * n, sample_rate=args.sample_rate) if size else None
+            size_text = format_size(mem.devices[0].total) if mem else "none (no classes)"
             out.append(f"  {d}: classes [{off}, {off + size}), head memory {size_text} (weights, momentum, grad, loss)")
     amp = args.amp or "off"
     ema = f"decay {args.ema:g}, warm-up tau {args.ema_tau:g}" if args.ema > 0 else "off"
