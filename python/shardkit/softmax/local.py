@@ -210,6 +210,8 @@ def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict
 
 
 def checkpoint_weight(module) -> torch.Tensor:
+    if len(module.weight_shards) == 1:  # the shard itself, detached (as nn.Module.state_dict gives): no copy
+        return module.weight_shards[0].detach()
     devices = {p.device for p in module.weight_shards}
     # Gathering a million-class weight onto one GPU could exhaust it: the CPU holds it.
     return module.full_weight(devices.pop() if len(devices) == 1 else "cpu")

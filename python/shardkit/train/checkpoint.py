@@ -216,21 +216,33 @@ def restore_settings(args, explicit: set, saved: dict, where: str) -> None:
 
 
 def head_optimizer_state(opt, head) -> dict:
-    """The head optimizer's (SparseRowSGD) state in class order, whatever the shard count:
-    one [C, D] momentum and one [C] flag of rows whose momentum has started (rows of a shard
-    never stepped: zeros and False, which is what a fresh buffer means), on the CPU. A resume
-    splits them over its own shards (--devices, --dp and --pipeline may change)."""
+    """The head optimizer's (SparseRowSGD) state in class order, whatever the shard count: the
+    shards' [rows, D] momentum buffers and [rows] flags of rows whose momentum has started,
+    listed in class order (the tensors themselves, no copy; a shard never stepped: zeros and
+    False, which is what a fresh buffer means). A resume cuts them along its own shards
+    (--devices, --dp and --pipeline may change)."""
     order = sorted(range(len(head.weight_shards)), key=lambda k: head.class_offsets[k])
     bufs, seen = [], []
     for k in order:
         p = head.weight_shards[k]
         st = opt.state.get(p, {})
         buf = st.get("momentum_buffer")
-        bufs.append(buf.detach().cpu() if buf is not None else torch.zeros(p.shape, dtype=p.dtype))
+        bufs.append(buf.detach() if buf is not None else torch.zeros(p.shape, dtype=p.dtype))
         flags = st.get("seen")
-        seen.append(flags.cpu() if flags is not None else torch.zeros(p.shape[0], dtype=torch.bool))
+        seen.append(flags if flags is not None else torch.zeros(p.shape[0], dtype=torch.bool))
     group = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
-    return {"class_ordered": True, "momentum_buffer": torch.cat(bufs), "seen": torch.cat(seen), "group": group}
+    return {"class_ordered": True, "momentum_buffer": bufs, "seen": seen, "group": group}
+
+
+def _rows(parts: list, start: int, n: int) -> torch.Tensor:
+    """Rows [start, start + n) of the class-ordered concatenation of ``parts`` (one copy)."""
+    out, at = [], 0
+    for t in parts:
+        lo, hi = max(start, at), min(start + n, at + t.shape[0])
+        if lo < hi:
+            out.append(t[lo - at : hi - at].cpu())
+        at += t.shape[0]
+    return torch.cat(out) if out else parts[0][:0].cpu()
 
 
 def load_head_optimizer_state(opt, head, saved: dict) -> None:
@@ -239,14 +251,17 @@ def load_head_optimizer_state(opt, head, saved: dict) -> None:
     if not saved.get("class_ordered"):
         opt.load_state_dict(saved)
         return
-    buf, seen, group = saved.get("momentum_buffer"), saved.get("seen"), saved.get("group")
+    bufs, seen, group = saved.get("momentum_buffer"), saved.get("seen"), saved.get("group")
     C, D = sum(head.shard_sizes), head.weight_shards[0].shape[1]
-    if not (isinstance(buf, torch.Tensor) and tuple(buf.shape) == (C, D)):
-        raise ValueError(f"the head's momentum is not a [{C}, {D}] tensor")
-    if not (isinstance(seen, torch.Tensor) and tuple(seen.shape) == (C,)) or not isinstance(group, dict):
-        raise ValueError("the head optimizer's state is incomplete")
+    tensors = (
+        isinstance(bufs, list) and isinstance(seen, list) and all(isinstance(t, torch.Tensor) for t in bufs + seen)
+    )
+    if not (tensors and bufs and all(t.dim() == 2 and t.shape[1] == D for t in bufs)):
+        raise ValueError(f"the head's momentum is not a list of [rows, {D}] tensors")
+    if sum(t.shape[0] for t in bufs) != C or sum(t.numel() for t in seen) != C or not isinstance(group, dict):
+        raise ValueError(f"the head optimizer's state does not hold {C} classes")
     state = {}
     for k, (p, off) in enumerate(zip(head.weight_shards, head.class_offsets)):
         n = p.shape[0]
-        state[k] = {"momentum_buffer": buf[off : off + n].clone(), "seen": seen[off : off + n].clone()}
+        state[k] = {"momentum_buffer": _rows(bufs, off, n), "seen": _rows(seen, off, n)}
     opt.load_state_dict({"state": state, "param_groups": [dict(group, params=list(range(len(state))))]})
