@@ -242,7 +242,8 @@ def _explicit(argv) -> set:
 
 def parse(argv=None) -> argparse.Namespace:
     """The run's settings: the flags, and on --resume the checkpoint's saved settings."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.data is not None and not os.path.isabs(args.data):  # saved absolute: a resume elsewhere finds it
         args.data = os.path.join(os.getcwd(), args.data)  # (not normpath: "link/.." must keep its meaning)
     if args.resume is not None:
@@ -253,8 +254,9 @@ def parse(argv=None) -> argparse.Namespace:
                 "or in its checkpoint/); give the --out of an earlier run"
             )
         ranks = sorted(f for f in os.listdir(found) if f.startswith(checkpoint.CKPT_FILE))
-        saved = checkpoint.read(os.path.join(found, ranks[0]))
-        checks.check_saved_settings(build_parser(), saved["args"], os.path.join(found, ranks[0]))
+        path = os.path.join(found, ranks[0])
+        saved = checkpoint.read(path)
+        checks.check_saved_settings(parser, saved["args"], path)
         checkpoint.restore_settings(args, _explicit(argv), saved["args"], found)
         if args.out is None:
             args.out = checkpoint.run_dir(found)

@@ -56,12 +56,12 @@ def lines(parts, args, world, total: int, steps_per_epoch: int) -> list:
     )
     n = world.size if world.size > 1 else len(head.shard_sizes)
     per_device_batch = args.batch if world.size > 1 else max(1, args.batch // n)
-    plan = plan_memory(parts.num_classes, args.dim, n, per_device_batch, sample_rate=args.sample_rate)
     sampling = "off" if args.sample_rate >= 1 else f"rate {args.sample_rate:g}"
     out.append(
         f"head: {parts.num_classes} classes x {args.dim}-d, {_margin(args)}, sampling {sampling}, init {args.init}"
     )
     if world.size > 1:
+        plan = plan_memory(parts.num_classes, args.dim, n, per_device_batch, sample_rate=args.sample_rate)
         each = format_size(plan.shardkit_max.total)
         out.append(f"  {world.size} ranks, ~{math.ceil(parts.num_classes / n)} classes and {each} of head memory each")
     else:
