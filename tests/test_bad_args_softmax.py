@@ -73,8 +73,10 @@ def test_functional_form_bad_containers():
         shardkit.sharded_cross_entropy(e, w, y, class_offsets=[0.5, 5])
     with pytest.raises(TypeError, match="class_offsets"):
         shardkit.sharded_cross_entropy(e, w, y, class_offsets="05")
-    with pytest.raises(ValueError, match="embeddings"):
+    with pytest.raises(ValueError, match=r"`weight_shards\[0\]` is on meta; shardkit's kernels run on cpu and cuda"):
         shardkit.sharded_cross_entropy(e.to("meta"), [t.to("meta") for t in w], y.to("meta"))
+    with pytest.raises(ValueError, match=r"`embeddings` is on meta; shardkit's kernels run on cpu and cuda"):
+        shardkit.sharded_cross_entropy(e.to("meta"), w, y.to("meta"))
 
 
 def test_scale_beyond_float32():
@@ -119,3 +121,80 @@ def test_normalize_ranges_and_construction_checks():
         shardkit.Normalize(mean=(0.5,) * 3, std=(0.5,) * 3, dtype=torch.int32)
     with pytest.raises(ValueError, match="`memory_format`"):
         shardkit.Normalize(mean=(0.5,) * 3, std=(0.5,) * 3, memory_format=torch.preserve_format)
+
+
+# ---- layouts, kernel dtypes, meta tensors and sizes past int64 (second API probe) --------
+
+
+def _sparse_and_nested(x):
+    nested = torch.nested.nested_tensor([x[0], x[1]]) if x.dim() == 2 else None
+    return [("sparse_coo", x.to_sparse()), ("nested", nested)]
+
+
+def test_sparse_nested_and_fp8_inputs_are_named():
+    head = _head(devices=["cpu", "cpu"])
+    x, y = torch.randn(2, 8), torch.tensor([1, 7])
+    for layout, bad in _sparse_and_nested(x):
+        msg = f"argument `embeddings` must be a dense \\(strided\\) tensor, got a .*{layout}"
+        with pytest.raises(TypeError, match=msg):
+            head(bad, y)
+    with pytest.raises(TypeError, match="argument `labels` must be a dense"):
+        head(x, y.to_sparse())
+    with pytest.raises(TypeError, match="argument `embeddings` must be float32, bfloat16, float16 or float64"):
+        head(x.to(torch.float8_e4m3fn), y)
+    with pytest.raises(TypeError, match="argument `dtype` must be float32, bfloat16, float16 or float64"):
+        _head(dtype=torch.float8_e5m2)
+    with pytest.raises(TypeError, match=r"argument `weight_shards\[0\]` must be a dense"):
+        shardkit.sharded_cross_entropy(x, [torch.randn(10, 8).to_sparse()], y)
+    with pytest.raises(ValueError, match=r"argument `weight_shards\[1\]` is on meta"):
+        shardkit.sharded_cross_entropy(x, [torch.randn(5, 8), torch.randn(5, 8, device="meta")], y)
+    with pytest.raises(ValueError, match=r"argument `weight_shards\[0\]` is on meta"):
+        _head().to("meta")(x, y)
+
+
+def test_sizes_past_int64_are_named():
+    with pytest.raises(ValueError, match="arguments `num_classes` x `embedding_dim`"):
+        shardkit.ShardedSoftmaxLoss(4, 2**63)
+    with pytest.raises(ValueError, match="argument `ignore_index` must fit in int64"):
+        _head(ignore_index=2**70)
+    # finite proportions whose sum overflows to inf: still proportions
+    assert _head(devices=["cpu"] * 2, shard_sizes=[1e308, 1e308]).shard_sizes == (5, 5)
+    assert _head(devices=["cpu"] * 3, shard_sizes=[1.7e308, 0.0, 1.7e308]).shard_sizes == (5, 0, 5)
+
+
+def test_ce_shard_stats_with_a_meta_tensor_among_real_ones_is_named():
+    # the meta kernel would otherwise answer with uninitialized memory on x's device
+    x, w, y = torch.randn(6, 8), torch.randn(10, 8), torch.randint(0, 10, (6,))
+    for name, args, kw in (
+        ("labels", (x, w, y.to("meta")), {}),
+        ("w", (x, w.to("meta"), y), {}),
+        ("target_ref", (x, w, y), {"target_ref": torch.zeros(6, device="meta")}),
+    ):
+        with pytest.raises(RuntimeError, match=f"argument `{name}` must be on the device of `x` \\(cpu\\), got meta"):
+            ops.ce_shard_stats(*args, **kw)
+    lse = ops.ce_shard_stats(*(t.to("meta") for t in (x, w, y)))[0]  # all on meta: shapes only
+    assert lse.device.type == "meta" and lse.shape == (6,)
+
+
+def test_import_full_weight_refuses_meta_and_sparse():
+    head = _head(devices=["cpu", "cpu"])
+    for bad in (torch.zeros(10, 8, device="meta"), torch.zeros(10, 8).to_sparse()):
+        with pytest.raises(TypeError, match="argument `weight` must be a dense tensor with data"):
+            shardkit.import_full_weight(head, bad)
+
+
+def test_normalize_sparse_images_and_ema_decay_tensor_are_named():
+    images = torch.zeros(2, 4, 4, 3, dtype=torch.uint8)
+    with pytest.raises(TypeError, match="argument `images` must be a dense"):
+        ops.normalize_images(images.to_sparse(), (0.5,) * 3, (0.5,) * 3)
+    e, m = [torch.zeros(3)], [torch.ones(3)]
+    with pytest.raises(TypeError, match="argument `decay` must be a float in"):
+        ops.ema_update_(e, m, torch.tensor([0.9, 0.9]))
+    ops.ema_update_(e, m, torch.tensor(0.75))  # a one-element tensor is a decay
+    assert torch.allclose(e[0], torch.full((3,), 0.25))
+
+
+def test_sparse_row_sgd_nesterov_must_be_a_bool():
+    p = torch.nn.Parameter(torch.zeros(3, 2))
+    with pytest.raises(TypeError, match="argument `nesterov` must be True or False, got 'no'"):
+        shardkit.SparseRowSGD([p], lr=0.1, momentum=0.9, nesterov="no")

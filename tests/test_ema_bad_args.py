@@ -228,4 +228,24 @@ def test_device_must_be_visible(monkeypatch):
         shardkit.ModelEMA(model, device="cuda")
     with pytest.raises(ValueError, match="`device` must name a device"):
         shardkit.ModelEMA(model, device="nonsense")
+    for other in ("meta", "xpu"):  # accepted by torch.device, not by the EMA's update
+        with pytest.raises(ValueError, match=f"argument `device` must be a cpu or cuda device, got {other}"):
+            shardkit.ModelEMA(model, device=other)
     assert shardkit.ModelEMA(model, device="cpu").module.weight.device.type == "cpu"
+
+
+def test_complex_tensors_are_refused_and_dtype_changes_named():
+    m = torch.nn.Module()
+    m.p = torch.nn.Parameter(torch.ones(3, dtype=torch.complex64))
+    with pytest.raises(TypeError, match="argument `model` has p of dtype torch.complex64; ModelEMA averages real"):
+        shardkit.ModelEMA(m)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
+    ema = shardkit.ModelEMA(model)
+    model[1].running_mean = torch.zeros(3, dtype=torch.long)  # a float buffer replaced by an int one
+    with pytest.raises(ValueError, match="has 1.running_mean of dtype torch.int64, the EMA has torch.float32"):
+        ema.update(model)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3))
+    ema = shardkit.ModelEMA(model)
+    model.to("meta")
+    with pytest.raises(ValueError, match="has 0.weight on the meta device"):
+        ema.update(model)

@@ -207,3 +207,9 @@ def test_data_parallel_cuda_ids_without_a_gpu_call_the_module(monkeypatch, devic
 def test_legacy_mean_must_be_a_bool():
     with pytest.raises(TypeError, match="legacy_mean"):
         DataParallelCriterion(torch.nn.CrossEntropyLoss(), device_ids=["cpu"], legacy_mean="no")
+
+
+def test_pipeline_balance_string_is_named():
+    layers = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="argument `balance` must be a list of ints, 'time' or 'memory', got 'speed'"):
+        PipelineModel(layers, devices=["cpu", "cpu"], balance="speed", sample=torch.randn(2, 4))

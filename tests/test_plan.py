@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from shardkit.plan import format_size, main, parse_size, plan_memory
+from shardkit.plan import balance_shards, format_size, main, parse_size, plan_memory
 
 MiB, GiB = 2**20, 2**30
 
@@ -286,3 +286,12 @@ def test_balance_shards_examples_and_errors():
         balance_shards(10, 4, [])
     with pytest.raises(ValueError, match="argument `dtype`"):
         balance_shards(10, 4, [0], dtype="fp8")
+
+
+def test_negative_sizes_name_their_argument():
+    for name, value in (("gpu_memory", -1), ("reserve", -5), ("chunk_budget", "x")):
+        kw = {name: value}
+        with pytest.raises(ValueError, match=f"argument `{name}`: "):
+            plan_memory(1000, 64, 1, 8, **kw)
+    with pytest.raises(ValueError, match=r"argument `used\[0\]`: size must be a finite non-negative number"):
+        balance_shards(100, 8, used=[-1, 0])

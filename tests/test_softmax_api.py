@@ -148,3 +148,28 @@ def test_margin_objects():
 def test_unknown_device_names_the_argument():
     with pytest.raises(ValueError, match="argument `devices` must list devices"):
         shardkit.ShardedSoftmaxLoss(8, 11, devices=["gpu"])
+
+
+def test_public_names_reachable_from_import_shardkit():
+    # the README's `shardkit.plan.plan_memory(...)` after a plain `import shardkit`
+    assert shardkit.plan.plan_memory(10, 4, 1, 2).devices[0].weights == 10 * 4 * 4
+    with pytest.raises(shardkit.NonFiniteEmbeddingsError, match="argument `embeddings`"):
+        shardkit.ShardedSoftmaxLoss(4, 10)(torch.full((2, 4), float("nan")), torch.tensor([1, 2]))
+    assert isinstance(shardkit.ArcFace(), shardkit.Margin)
+    for name in shardkit.__all__:
+        assert getattr(shardkit, name) is not None, name
+
+
+def test_public_forwards_have_their_own_docstrings():
+    # help(X.forward) must not show nn.Module's generic "Define the computation ..." text
+    classes = [
+        shardkit.ShardedSoftmaxLoss,
+        shardkit.Normalize,
+        shardkit.parallel.DataParallelModel,
+        shardkit.parallel.DataParallelCriterion,
+        shardkit.parallel.PipelineModel,
+    ]
+    for cls in classes:
+        assert cls.forward is not torch.nn.Module.forward, cls
+        doc = cls.forward.__doc__ or ""
+        assert doc.strip() and doc != torch.nn.Module.forward.__doc__, cls

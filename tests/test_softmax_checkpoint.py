@@ -218,6 +218,8 @@ def test_type_errors_name_the_argument(tmp_path):
     head = _rank_head(10, 4, 1, 0)
     with pytest.raises(TypeError, match=r"argument `weight` must be a \[C, D\] torch.Tensor, got list"):
         shardkit.import_full_weight(head, [[0.0] * 4] * 10)
+    with pytest.raises(TypeError, match="argument `weight` must be floating point, got torch.int64"):
+        shardkit.import_full_weight(head, torch.ones(10, 4, dtype=torch.int64))
     for fn in (
         lambda m: shardkit.save_sharded(m, str(tmp_path / "x")),
         lambda m: shardkit.load_sharded(m, str(tmp_path / "x")),

@@ -90,6 +90,18 @@ def test_sample_errors():
         partial_fc_sample(labels, class_offset=0, num_local=-1, num_sample=0)
     with pytest.raises(RuntimeError, match="argument `class_offset` must be >= 0"):
         partial_fc_sample(labels, class_offset=-3, num_local=10, num_sample=5)
+    # fewer slots than the batch can have positives: a positive could lose its target
+    with pytest.raises(RuntimeError, match=r"argument `num_sample` must be >= min\(B=4, num_local=10\) = 4"):
+        partial_fc_sample(labels, class_offset=0, num_local=10, num_sample=3)
+    with pytest.raises(RuntimeError, match=r"argument `num_sample` must be >= min\(B=4, num_local=2\) = 2"):
+        partial_fc_sample(labels, class_offset=0, num_local=2, num_sample=1)
+    for rate in (0, -1, 2, float("nan")):
+        with pytest.raises(ValueError, match="argument `sample_rate` must be in"):
+            sampled_class_counts([10, 10], rate, 4)
+    with pytest.raises(ValueError, match="argument `sizes` must hold ints >= 0"):
+        sampled_class_counts([10, -1], 0.5, 4)
+    with pytest.raises(ValueError, match="argument `global_batch` must hold ints >= 0"):
+        sampled_class_counts([10], 0.5, 2.5)
     with pytest.raises(ValueError, match="argument `sample_rate` must be in"):
         check_sample_rate(0.0)
     with pytest.raises(ValueError, match="argument `sample_rate` must be in"):
@@ -104,7 +116,7 @@ def test_sample_errors():
             torch.empty(9, dtype=torch.int64, device="cuda"),
             class_offset=0,
             num_local=10,
-            num_sample=5,
+            num_sample=9,
             generator=torch.Generator(),
         )
 
@@ -113,7 +125,7 @@ def test_opcheck_partial_fc_sample():
     samples = [
         (torch.randint(0, 50, (9,)), 10, 30, 12),
         (torch.randint(0, 7, (1,)), 0, 7, 1),
-        (torch.full((4,), -100, dtype=torch.int64), 0, 8, 0),
+        (torch.full((4,), -100, dtype=torch.int64), 0, 8, 4),
         (torch.randint(0, 200, (31,))[::2], 100, 100, 40),  # non-contiguous labels
     ]
     for labels, offset, num_local, num_sample in samples:

@@ -12,6 +12,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
 #include <tuple>
 
@@ -27,6 +28,12 @@ std::tuple<at::Tensor, at::Tensor> partial_fc_sample(const at::Tensor& labels, i
   TORCH_CHECK(num_sample >= 0 && num_sample <= num_local,
               "argument `num_sample` must be in [0, num_local=", num_local, "], got ", num_sample);
   TORCH_CHECK(class_offset >= 0, "argument `class_offset` must be >= 0, got ", class_offset);
+  // Every positive must fit, or its row would silently lose its target: the batch can have
+  // up to min(B, num_local) distinct positives in this shard (a host-known bound, no sync).
+  const int64_t most_positives = std::min<int64_t>(labels.size(0), num_local);
+  TORCH_CHECK(num_sample >= most_positives, "argument `num_sample` must be >= min(B=", labels.size(0),
+              ", num_local=", num_local, ") = ", most_positives,
+              " so that every positive class of the batch fits, got ", num_sample);
   // at::rand would reject a generator of another device type with a message that names
   // no argument (a CPU generator for CUDA labels is the easy mistake); one of another
   // CUDA device would silently draw from that device's stream.

@@ -14,12 +14,14 @@ from shardkit.build import build_info, check_torch_version
 check_torch_version()  # before loading _C: a mismatch is a clear ImportError, not an undefined symbol
 
 from shardkit import _C  # noqa: E402, F401  (loads the library: registers torch.ops.shardkit.*)
-from shardkit import distributed, ops, parallel  # noqa: E402, F401  (public submodules)
+from shardkit import distributed, ops, parallel, plan  # noqa: E402, F401  (public submodules)
 from shardkit.ema import ModelEMA  # noqa: E402
 from shardkit.softmax import (  # noqa: E402
     ArcFace,
     CombinedMargin,
     CosFace,
+    Margin,
+    NonFiniteEmbeddingsError,
     ShardedLossOutput,
     ShardedSoftmaxLoss,
     SparseRowSGD,
@@ -56,6 +58,8 @@ __all__ = [
     "CosFace",
     "ArcFace",
     "CombinedMargin",
+    "Margin",
+    "NonFiniteEmbeddingsError",
     "SparseRowSGD",
     "save_sharded",
     "load_sharded",
@@ -64,6 +68,7 @@ __all__ = [
     # parallel and distributed
     "parallel",
     "distributed",
+    "plan",
     # transforms
     "Normalize",
 ]

@@ -53,6 +53,9 @@ class Normalize(nn.Module):
         self.memory_format = memory_format
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 ``images`` ([N, H, W, C] or as ``input_layout`` says; 3-D for one image) ->
+        ``[N, C, H, W]`` (or ``[C, H, W]``) of ``dtype`` on the same device. Errors (naming
+        ``images``): not uint8, wrong rank, C not len(mean); see :func:`shardkit.ops.normalize_images`."""
         return normalize_images(
             images,
             self.mean,

@@ -115,5 +115,7 @@ def check_device(device):
         dev = torch.device(device)
     except (RuntimeError, TypeError) as err:
         raise ValueError(f"argument `device` must name a device such as 'cpu' or 'cuda:0', got {device!r}") from err
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"argument `device` must be a cpu or cuda device, got {dev}")
     check_visible([dev], "device")
     return dev

@@ -26,7 +26,7 @@ from shardkit.ema.checks import (
     check_schedule,
 )
 from shardkit.ema.stage import HostStage
-from shardkit.ema.structure import ModelTracker, _slots, _unwrap, check_structure
+from shardkit.ema.structure import ModelTracker, _slots, _unwrap, check_no_complex, check_structure
 from shardkit.ops._ema import ema_swap_, ema_unswap_
 
 __all__ = ["ModelEMA"]
@@ -133,6 +133,7 @@ class ModelEMA:
         # Copy with the tensors converted on the way (a memo entry per tensor), so a CPU
         # EMA of a GPU model never holds a second copy on the GPU, even transiently.
         memo = {}
+        check_no_complex(_slots(src), "ModelEMA")
         for _, table, key, is_param in _slots(src):
             t = table[key].detach()
             t = t.to(device=device or t.device, dtype=dtype if dtype and t.is_floating_point() else t.dtype, copy=True)
@@ -208,9 +209,6 @@ class ModelEMA:
         if self._stage is not None:
             self._stage.drain(self._apply)
 
-    def _check_structure(self, src, where):
-        return check_structure(src, self._names, self._ema, where)
-
     def _model_tensors(self, model, where):
         if self._tracker is None or not self._tracker.follows(model):
             self._tracker = ModelTracker(model, self._names, self._ema, where)
@@ -227,7 +225,8 @@ class ModelEMA:
 
         ``step``: the schedule step (timm's ``step``), an int (or numpy integer) in
         [0, 2**63 - 1]; ``None`` uses ``self.updates``. Anything else raises (TypeError or
-        ValueError naming ``step``) before the EMA or its counters change.
+        ValueError naming ``step``) before the EMA or its counters change. A model whose
+        tensors changed (added, removed, renamed, reshaped) raises ValueError: build a new EMA.
         """
         if self._swapped:
             raise RuntimeError("ModelEMA.update: called inside `with ema.swap(model)`; update after the block")
@@ -263,7 +262,7 @@ class ModelEMA:
             # e.g. a tensor reshaped in place: name it rather than an index of the op's lists
             model = self._tracker.model() if self._tracker is not None else None
             if model is not None:
-                self._check_structure(model, "ModelEMA.update")
+                check_structure(model, self._names, self._ema, "ModelEMA.update")
             raise
 
     # ---- swap --------------------------------------------------------------------------
@@ -402,7 +401,8 @@ class ModelEMA:
         return optimizer.register_step_post_hook(hook)
 
     def update_attr(self, model, include=(), exclude=("process_group", "reducer")):
-        """Copies public non-module attributes of ``model`` to the EMA module (ultralytics)."""
+        """Copies ``model``'s public non-module attributes to the EMA module (ultralytics):
+        only the names in ``include`` when given, never those in ``exclude``."""
         for k, v in _unwrap(model).__dict__.items():
             if (include and k not in include) or k.startswith("_") or k in exclude or k == "training":
                 continue

@@ -6,7 +6,7 @@ import weakref
 
 from torch import nn
 
-__all__ = ["ModelTracker", "check_structure"]
+__all__ = ["ModelTracker", "check_structure", "check_no_complex"]
 
 
 def _unwrap(model):
@@ -51,13 +51,32 @@ def check_structure(src: nn.Module, names, ema, where: str):
             "(or load its state into one made from the changed model)"
         )
     for (name, table, key, _), e in zip(slots, ema):
-        if table[key].shape != e.shape:
+        t = table[key]
+        if t.shape != e.shape:
             raise ValueError(
-                f"{where}: argument `model` has {name} of shape {tuple(table[key].shape)}, "
+                f"{where}: argument `model` has {name} of shape {tuple(t.shape)}, "
                 f"the EMA has {tuple(e.shape)}; the model changed after the EMA was made: "
                 "build a new ModelEMA"
             )
+        if t.is_floating_point() != e.is_floating_point() or t.is_complex() != e.is_complex():
+            raise ValueError(
+                f"{where}: argument `model` has {name} of dtype {t.dtype}, the EMA has {e.dtype}; "
+                "the model changed after the EMA was made: build a new ModelEMA"
+            )
+        if t.device.type == "meta":
+            raise ValueError(f"{where}: argument `model` has {name} on the meta device (no data to average)")
     return slots
+
+
+def check_no_complex(slots, where: str) -> None:
+    """TypeError naming the first complex parameter or buffer: the EMA averages real ones."""
+    for name, table, key, _ in slots:
+        if table[key].is_complex():
+            raise TypeError(
+                f"{where}: argument `model` has {name} of dtype {table[key].dtype}; ModelEMA averages "
+                "real floating tensors (and copies integer ones): keep a complex value as a real "
+                "parameter of torch.view_as_real's shape [..., 2]"
+            )
 
 
 class ModelTracker:

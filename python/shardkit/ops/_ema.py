@@ -64,8 +64,10 @@ def ema_update_(ema_tensors: Sequence[torch.Tensor], model_tensors: Sequence[tor
     every written tensor is bumped, so autograd detects a saved tensor modified by the op.
 
     Raises:
+        TypeError / ValueError naming ``decay``: not a real number, or outside [0, 1] (NaN
+        included).
         RuntimeError naming the argument: lengths, shapes or devices that do not match, a
-        non-floating tensor, ``decay`` outside [0, 1], tensors on a device type other than
+        non-floating tensor, tensors on a device type other than
         CPU/CUDA (e.g. meta), a written tensor that requires grad while grad mode is on
         (torch's "a leaf Variable that requires grad is being used in an in-place
         operation"), memory shared by an EMA tensor and any other tensor of the call.
@@ -73,6 +75,8 @@ def ema_update_(ema_tensors: Sequence[torch.Tensor], model_tensors: Sequence[tor
     ema_tensors, model_tensors = _paired_lists(ema_tensors, model_tensors)
     if isinstance(decay, (bool, str)) or not isinstance(decay, (numbers.Real, torch.Tensor)):
         raise TypeError(f"argument `decay` must be a float in [0, 1], got {type(decay).__name__} {decay!r}")
+    if isinstance(decay, torch.Tensor) and (decay.numel() != 1 or decay.is_complex()):
+        raise TypeError(f"argument `decay` must be a float in [0, 1] (or a one-element real tensor), got {decay!r}")
     decay = float(decay)
     if not 0.0 <= decay <= 1.0:  # also rejects NaN
         raise ValueError(f"argument `decay` must lie in [0, 1], got {decay}")

@@ -145,6 +145,8 @@ def normalize_images(
     _check_options(input_layout, dtype, memory_format)
     if not isinstance(images, torch.Tensor):
         raise TypeError(f"argument `images` must be a torch.Tensor, got {type(images).__name__}")
+    if images.is_nested or images.layout != torch.strided:
+        raise TypeError(f"argument `images` must be a dense (strided) tensor, got layout {images.layout}")
     mean_l, std_l = _as_floats("mean", mean), _as_floats("std", std)
     _check_mean_std(mean_l, std_l, dtype)
     return torch.ops.shardkit.normalize_images(

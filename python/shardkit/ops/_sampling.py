@@ -17,6 +17,13 @@ def _partial_fc_sample_fake(labels, class_offset, num_local, num_sample, generat
         lambda: f"argument `num_sample` must be in [0, num_local={num_local}], got {num_sample}",
     )
     torch._check(
+        num_sample >= min(labels.shape[0], num_local),
+        lambda: (
+            f"argument `num_sample` must be >= min(B={labels.shape[0]}, num_local={num_local}) so that every "
+            f"positive class of the batch fits, got {num_sample}"
+        ),
+    )
+    torch._check(
         generator is None or generator.device.type == labels.device.type,
         lambda: f"argument `generator` must be a generator of the labels' device {labels.device}",
     )
@@ -38,14 +45,19 @@ def partial_fc_sample(
         labels: [B] int64 global class ids (other shards' classes and ignore_index allowed).
         class_offset: first global class id of the shard.
         num_local: classes in the shard.
-        num_sample: classes to keep, in [0, num_local]; must be at least the number of
-            distinct positives (e.g. ``min(B, num_local)``) for all positives to fit.
+        num_sample: classes to keep, in [min(B, num_local), num_local]: at least as many as
+            the batch can have distinct positives in the shard, so every positive fits.
         generator: torch.Generator on the labels' device (default: the device's global one).
 
     Returns:
         ``(index, remapped)``: index [num_sample] int64, the kept local class ids in
         increasing order; remapped [B] int64, each row's position in ``index`` or -1 when
         its class is not in this shard. Runs on the labels' device without host syncs.
+
+    Raises:
+        RuntimeError: naming the argument, for labels not 1-D int64, ``num_local`` < 0,
+        ``class_offset`` < 0, ``num_sample`` outside the range above, or a ``generator``
+        of another device.
     """
     return torch.ops.shardkit.partial_fc_sample(
         labels, int(class_offset), int(num_local), int(num_sample), generator=generator

@@ -157,6 +157,13 @@ def _stats_dtype(x: Tensor) -> torch.dtype:
 _C10_NAMES = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16"}
 
 
+def _check_devices_fake(x: Tensor, **others: Optional[Tensor]) -> None:
+    # The kernels' device rule, also where a meta tensor among real ones sends the call here.
+    for name, t in others.items():
+        if t is not None and t.device != x.device:
+            raise RuntimeError(f"argument `{name}` must be on the device of `x` ({x.device}), got {t.device}")
+
+
 def _check_dtypes_fake(x: Tensor, w: Tensor) -> None:
     # The kernels' dtype rule (equal dtypes, or fp32 w with 16-bit x), also under tracing.
     mixed = x.dtype in (torch.bfloat16, torch.float16) and w.dtype == torch.float32
@@ -176,6 +183,7 @@ def _ce_shard_stats_fake(x, w, labels, target_ref, class_offset, scale, m1, m2, 
     torch._check(
         w.shape[1] == x.shape[1], lambda: f"argument `w` has embedding dim {w.shape[1]} but `x` has {x.shape[1]}"
     )
+    _check_devices_fake(x, w=w, labels=labels, target_ref=target_ref)
     _check_dtypes_fake(x, w)
     batch = x.shape[0]
     dt = _stats_dtype(x)
@@ -192,6 +200,7 @@ def _ce_shard_stats_backward_fake(
     grad_lse, grad_target, grad_sum, x, w, labels, lse, class_offset, scale, m1, m2, m3, normalize, chunk_classes
 ):
     torch._check(x.dim() == 2 and w.dim() == 2, lambda: "arguments `x` and `w` must be 2-D")
+    _check_devices_fake(x, w=w, labels=labels, lse=lse, grad_lse=grad_lse)
     _check_dtypes_fake(x, w)
     # grad_x in x's dtype, grad_w in w's (fp32 in the mixed mode).
     return x.new_empty(x.shape), w.new_empty(w.shape)

@@ -4,11 +4,11 @@
 and ``DataParallelCriterion`` computes the loss on every device and reduces it exactly, so
 ``from encoding.parallel import ...`` becomes ``from shardkit.parallel import ...``.
 
-Modules of the wing: :mod:`~shardkit.parallel.data_parallel` (the two classes, ``gather``),
+Modules of the wing: :mod:`~shardkit.parallel.data_parallel` (the two classes),
 :mod:`~shardkit.parallel.pipeline` (PipelineModel: a backbone split over devices with
 micro-batches pipelined, BatchNorm in :mod:`~shardkit.parallel.pipeline_bn`),
 :mod:`~shardkit.parallel.replicate` (per-step replicas),
-:mod:`~shardkit.parallel.scatter` (device lists, chunk sizes, splitting arguments),
+:mod:`~shardkit.parallel.scatter` (device lists, chunk sizes, splitting arguments, ``gather``),
 :mod:`~shardkit.parallel.threads` (per-device calls in threads),
 :mod:`~shardkit.parallel.sync` (SyncBN callbacks, ``allreduce``).
 """
@@ -17,10 +17,10 @@ from shardkit.parallel.data_parallel import (
     DataParallelCriterion,
     DataParallelModel,
     WeightedLoss,
-    gather,
 )
 from shardkit.parallel.pipeline import PipelineModel
-from shardkit.parallel.replicate import replication_order
+from shardkit.parallel.replicate import replication_order  # noqa: F401  (tests; not public)
+from shardkit.parallel.scatter import gather
 from shardkit.parallel.sync import CallbackContext, allreduce, execute_replication_callbacks, patch_replication_callback
 
 __all__ = [
@@ -32,6 +32,5 @@ __all__ = [
     "CallbackContext",
     "WeightedLoss",
     "gather",
-    "replication_order",
     "PipelineModel",
 ]

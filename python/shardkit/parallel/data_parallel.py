@@ -113,7 +113,12 @@ class DataParallelModel(nn.DataParallel):
     nested in tuples/lists/dicts) along ``dim`` and returns a list with one output per
     device that got samples (fewer than ``len(device_ids)`` when the batch is smaller);
     each output is whatever the module returns (tensor, tuple, dict) on its device.
-    With no device (no GPU, ``device_ids=None``) or one device: the module's output as is.
+    With no device (no GPU, ``device_ids=None``) or one device: the module's output as is;
+    CUDA ``device_ids`` on a machine without a GPU are dropped, as nn.DataParallel does.
+
+    Raises ValueError (naming the argument) for bad ``device_ids`` (unknown, mixed CPU and
+    CUDA), ``chunk_sizes`` or ``gpu0_bsz``; at forward, for an empty batch or inputs with
+    no tensor to split; RuntimeError when the module is not on ``device_ids[0]``.
     """
 
     # Its replicate() runs the __data_parallel_replicate__ callbacks already, so
@@ -134,6 +139,7 @@ class DataParallelModel(nn.DataParallel):
         self.chunk_sizes, self.gpu0_bsz = U.check_split_options(max(len(self._devices), 1), chunk_sizes, gpu0_bsz)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """The per-device outputs (a list), or the module's output (see the class notes)."""
         with profiler_range("shardkit.DataParallelModel.forward"):
             if not self.device_ids:
                 return self.module(*inputs, **kwargs)
@@ -181,6 +187,7 @@ class DataParallelModel(nn.DataParallel):
         return modules
 
     def parallel_apply(self, replicas, inputs, kwargs, devices=None) -> list[Any]:
+        """Calls replica k on (inputs[k], kwargs[k]) in its device's thread; the outputs."""
         devices = devices if devices is not None else self._devices[: len(replicas)]
         calls = [functools.partial(m, *a, **k) for m, a, k in zip(replicas, inputs, kwargs)]
         return run_parallel(calls, devices, "DataParallelModel")
@@ -214,6 +221,9 @@ class DataParallelCriterion(nn.DataParallel):
     criteria are summed; ``reduction='none'`` results are concatenated along ``dim``.
     A dict or tuple of losses is reduced entry by entry (non-tensor entries come back as
     the list of per-device values).
+
+    Raises ValueError for bad device arguments (as DataParallelModel), outputs of 0 samples,
+    or targets whose batch does not match the outputs' sizes (naming the argument).
     """
 
     def __init__(
@@ -225,6 +235,7 @@ class DataParallelCriterion(nn.DataParallel):
         self.legacy_mean = legacy_mean
 
     def forward(self, inputs: Any, *targets: Any, **kwargs: Any) -> Any:
+        """The reduced loss on ``output_device`` (see the class notes)."""
         with profiler_range("shardkit.DataParallelCriterion.forward"):
             if not self.device_ids:
                 return _strip_weight(_call(self.module, inputs, targets, kwargs))
@@ -390,26 +401,3 @@ def _auto_weight(criterion: nn.Module, targets: tuple, samples: int) -> Any:
     ):
         return (targets[0] != criterion.ignore_index).sum()  # e.g. ShardedSoftmaxLoss: mean over valid rows
     return samples
-
-
-def gather(outputs: Sequence[Any], target_device: Any, dim: int = 0) -> Any:
-    """Concatenates per-device outputs (tensors, or tuples/lists/dicts of them, as
-    DataParallelModel returns) along ``dim`` on ``target_device``; differentiable.
-    E.g. embeddings ``[b_k, D]`` from K devices -> ``[B, D]`` on one device."""
-    if isinstance(outputs, torch.Tensor):
-        raise TypeError("argument `outputs` must be the list of per-device outputs, got a Tensor")
-    if not isinstance(outputs, (list, tuple)) or len(outputs) == 0:
-        raise ValueError(
-            "argument `outputs` must be a non-empty list of per-device outputs (what DataParallelModel returns), "
-            f"got {outputs!r}"
-        )
-    dev = U.as_device(target_device)
-    first = outputs[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat([o.to(dev, non_blocking=dev.type == "cuda") for o in outputs], dim)
-    if isinstance(first, dict):
-        return type(first)((k, gather([o[k] for o in outputs], dev, dim)) for k in first)
-    if isinstance(first, (tuple, list)):
-        parts = [gather([o[i] for o in outputs], dev, dim) for i in range(len(first))]
-        return type(first)(*parts) if hasattr(first, "_fields") else type(first)(parts)
-    return list(outputs)

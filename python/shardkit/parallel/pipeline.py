@@ -205,6 +205,8 @@ class PipelineModel(nn.Module):
         if batchnorm not in BATCHNORM_MODES:
             raise ValueError(f"argument `batchnorm` must be one of {BATCHNORM_MODES}, got {batchnorm!r}")
         if isinstance(balance, str):
+            if balance not in ("time", "memory"):
+                raise ValueError(f"argument `balance` must be a list of ints, 'time' or 'memory', got {balance!r}")
             if sample is None:
                 raise ValueError(f"argument `balance`={balance!r} profiles the layers: pass `sample`, a sample batch")
             balance = self.balance_by(layers, sample, len(devs), by=balance)
@@ -268,6 +270,8 @@ class PipelineModel(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [B, ...] (any device; moved to the first stage) -> the model's output [B, ...]
+        on ``output_device``, computed in ``min(chunks, B)`` pipelined micro-batches."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"argument `x` must be a Tensor with the batch along dim 0, got {type(x).__name__}")
         if x.dim() == 0 or x.shape[0] == 0:

@@ -1,6 +1,6 @@
 """Device lists, balanced chunk sizes and splitting nested arguments over devices with one
 operator call (the scatter half of ``shardkit.parallel``; the threads are in
-:mod:`shardkit.parallel.threads`).
+:mod:`shardkit.parallel.threads`), and :func:`gather`, its inverse for the per-device outputs.
 """
 
 from __future__ import annotations
@@ -195,3 +195,29 @@ def to_device(obj: Any, device: torch.device) -> Any:
     spec = flatten(obj, leaves)
     nb = device.type == "cuda"
     return unflatten(spec, iter([t.to(device, non_blocking=nb) for t in leaves]))
+
+
+# ---- gather -------------------------------------------------------------------------
+
+
+def gather(outputs: Sequence[Any], target_device: Any, dim: int = 0) -> Any:
+    """Concatenates per-device outputs (tensors, or tuples/lists/dicts of them, as
+    DataParallelModel returns) along ``dim`` on ``target_device``; differentiable.
+    E.g. embeddings ``[b_k, D]`` from K devices -> ``[B, D]`` on one device."""
+    if isinstance(outputs, torch.Tensor):
+        raise TypeError("argument `outputs` must be the list of per-device outputs, got a Tensor")
+    if not isinstance(outputs, (list, tuple)) or len(outputs) == 0:
+        raise ValueError(
+            "argument `outputs` must be a non-empty list of per-device outputs (what DataParallelModel returns), "
+            f"got {outputs!r}"
+        )
+    dev = as_device(target_device)
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat([o.to(dev, non_blocking=dev.type == "cuda") for o in outputs], dim)
+    if isinstance(first, dict):
+        return type(first)((k, gather([o[k] for o in outputs], dev, dim)) for k in first)
+    if isinstance(first, (tuple, list)):
+        parts = [gather([o[i] for o in outputs], dev, dim) for i in range(len(first))]
+        return type(first)(*parts) if hasattr(first, "_fields") else type(first)(parts)
+    return list(outputs)

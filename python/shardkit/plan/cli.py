@@ -83,12 +83,27 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--dim", type=int, required=True, help="embedding size D")
     ap.add_argument("--devices", type=int, default=1, help="devices the classes are sharded over (default 1)")
     ap.add_argument("--batch", type=int, required=True, help="images per device per step")
-    ap.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="fp32", help="head weight dtype")
-    ap.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="sgd-momentum")
-    ap.add_argument("--sample-rate", type=float, default=1.0, help="PartialFC sampling rate in (0, 1]")
-    ap.add_argument("--gpu-memory", type=_size_arg, default=None, help="memory per device, e.g. 80GiB, 80GB, 81920MiB")
+    ap.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="fp32", help="head weight dtype (default fp32)")
     ap.add_argument(
-        "--reserve", type=_size_arg, default=0, help="memory per device kept for the rest (backbone, context)"
+        "--optimizer",
+        choices=sorted(OPTIMIZER_STATES),
+        default="sgd-momentum",
+        help="optimizer of the head: its state per weight (default sgd-momentum)",
+    )
+    ap.add_argument(
+        "--sample-rate", type=float, default=1.0, help="PartialFC sampling rate in (0, 1] (default 1: no sampling)"
+    )
+    ap.add_argument(
+        "--gpu-memory",
+        type=_size_arg,
+        default=None,
+        help="memory per device, e.g. 80GiB, 80GB, 81920MiB (default: none, no fit check)",
+    )
+    ap.add_argument(
+        "--reserve",
+        type=_size_arg,
+        default=0,
+        help="memory per device kept for the rest (backbone, context; default 0)",
     )
     ap.add_argument(
         "--chunk-budget",

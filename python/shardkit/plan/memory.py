@@ -80,6 +80,14 @@ def parse_size(text: Union[str, int, float]) -> int:
     return int(round(value * _UNITS[unit]))
 
 
+def _named_size(name: str, value) -> int:
+    """:func:`parse_size` with the ValueError naming the argument."""
+    try:
+        return parse_size(value)
+    except ValueError as err:
+        raise ValueError(f"argument `{name}`: {err}") from None
+
+
 def format_size(nbytes: int) -> str:
     """``"1,953.1 MiB"`` below 1 TiB's worth of MiB columns, GiB for 100 GiB and more."""
     if nbytes >= 100 * GiB:
@@ -203,8 +211,8 @@ def plan_memory(
     if not (isinstance(sample_rate, (int, float)) and 0.0 < float(sample_rate) <= 1.0):
         raise ValueError(f"argument `sample_rate` must be in (0, 1], got {sample_rate!r}")
     sample_rate = float(sample_rate)
-    gpu = None if gpu_memory is None else parse_size(gpu_memory)
-    budget, reserve = parse_size(chunk_budget), parse_size(reserve)
+    gpu = None if gpu_memory is None else _named_size("gpu_memory", gpu_memory)
+    budget, reserve = _named_size("chunk_budget", chunk_budget), _named_size("reserve", reserve)
     if budget <= 0:
         raise ValueError(f"argument `chunk_budget` must be > 0, got {chunk_budget!r}")
     if gpu is not None and gpu <= 0:

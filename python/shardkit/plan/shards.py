@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Union
 
-from shardkit.plan.memory import DTYPE_BYTES, OPTIMIZER_STATES, _check_int, _head_parts, parse_size
+from shardkit.plan.memory import DTYPE_BYTES, OPTIMIZER_STATES, _check_int, _head_parts, _named_size
 
 
 def head_bytes_per_class(
@@ -48,7 +48,7 @@ def balance_shards(
     dim = _check_int("dim", dim, 1)
     if isinstance(used, (str, int)) or len(used) == 0:
         raise ValueError(f"argument `used` must list the bytes used on each device, got {used!r}")
-    base = [parse_size(u) for u in used]
+    base = [_named_size(f"used[{k}]", u) for k, u in enumerate(used)]
     per_class = head_bytes_per_class(dim, dtype, optimizer, master_weights)
     # The water level L with sum_k max(0, L - base_k) = classes * per_class, over the devices
     # below it: add devices in order of their use until the level stops rising past the next.

@@ -182,7 +182,13 @@ def save_sharded(module, directory: str, optimizer: Optional[torch.optim.Optimiz
     """Save this process's shards of ``module`` (a :class:`shardkit.ShardedSoftmaxLoss`, one-
     process or distributed) into ``directory``. In the distributed mode every rank calls
     it with the same (shared-filesystem) directory; no collective is needed. With
-    ``optimizer``, the shards' momentum buffers are saved too. Returns the written paths."""
+    ``optimizer``, the shards' momentum buffers are saved too. Returns the written paths
+    (one file per local shard; the rows keep their dtype and are written from any device).
+
+    Raises:
+        TypeError: ``module`` is not a :class:`shardkit.ShardedSoftmaxLoss`.
+        OSError: the directory cannot be created or written.
+    """
     shards, num_classes = _shards(module)
     paths = []
     for offset, p in shards:
@@ -196,8 +202,14 @@ def save_sharded(module, directory: str, optimizer: Optional[torch.optim.Optimiz
 def load_sharded(module, directory: str, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
     """Fill ``module``'s local shards from a checkpoint saved with any sharding (rows copied
     bit for bit, cast only if the dtypes differ). With ``optimizer``, momentum buffers saved
-    with the checkpoint are restored into its state. Raises ValueError when the class count
-    or embedding width differ."""
+    with the checkpoint are restored into its state, on each shard's device and dtype.
+
+    Raises:
+        TypeError: ``module`` is not a :class:`shardkit.ShardedSoftmaxLoss`.
+        FileNotFoundError: ``directory`` does not exist or holds no shard files.
+        ValueError: the class count or embedding width differ from the module's, or a shard
+            file is malformed or the files do not tile the classes (the file is named).
+    """
     shards, mine = _shards(module)
     num_classes, dim, _ = _index(directory)
     if num_classes != mine or dim != shards[0][1].shape[1]:
@@ -218,17 +230,30 @@ def load_sharded(module, directory: str, optimizer: Optional[torch.optim.Optimiz
 
 
 def export_full_weight(module) -> torch.Tensor:
-    """The class-ordered [C, D] weight (``module.full_weight()``; a collective in the
-    distributed mode: every rank must call it)."""
+    """The class-ordered [C, D] weight, detached, in the shards' dtype, on the first shard's
+    device (``module.full_weight()``; a collective in the distributed mode: every rank must
+    call it). ``TypeError`` when ``module`` is not a :class:`shardkit.ShardedSoftmaxLoss`."""
     _shards(module)  # TypeError naming `module` for anything but a head
     return module.full_weight()
 
 
 def import_full_weight(module, weight: torch.Tensor) -> None:
-    """Copy the rows of a class-ordered [C, D] ``weight`` into ``module``'s local shards
-    (every rank passes the same full weight; no collective)."""
+    """Copy the rows of a class-ordered [C, D] ``weight`` (any floating dtype, any device: each
+    shard's rows are cast and moved to it) into ``module``'s local shards (every rank passes
+    the same full weight; no collective).
+
+    Raises:
+        TypeError: ``weight`` is not a floating tensor, or ``module`` not a :class:`shardkit.ShardedSoftmaxLoss`.
+        ValueError: ``weight`` is not [C, D] with the module's C and D.
+    """
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"argument `weight` must be a [C, D] torch.Tensor, got {type(weight).__name__}")
+    if weight.is_nested or weight.layout != torch.strided or weight.device.type == "meta":
+        raise TypeError(
+            f"argument `weight` must be a dense tensor with data, got layout {weight.layout} on {weight.device}"
+        )
+    if not weight.is_floating_point():
+        raise TypeError(f"argument `weight` must be floating point, got {weight.dtype}")
     shards, num_classes = _shards(module)
     if weight.dim() != 2 or weight.shape[0] != num_classes or weight.shape[1] != shards[0][1].shape[1]:
         raise ValueError(

@@ -54,10 +54,25 @@ def check_options(margin, label_smoothing, ignore_index, reduction, check_inputs
         raise ValueError(f"argument `label_smoothing` must be in [0, 1], got {label_smoothing}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, Integral):
         raise TypeError(f"argument `ignore_index` must be an int, got {type(ignore_index).__name__}")
+    if not -(2**63) <= int(ignore_index) < 2**63:
+        raise ValueError(f"argument `ignore_index` must fit in int64 (a label value), got {ignore_index}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"argument `reduction` must be one of {REDUCTIONS}, got {reduction!r}")
     if check_inputs not in (True, False, "async"):
         raise ValueError(f"argument `check_inputs` must be True, False or 'async', got {check_inputs!r}")
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _check_dense(t: torch.Tensor, name: str, device: bool = True) -> None:
+    """A dense (strided, not nested) tensor (with ``device``: of a cpu or cuda device), or an
+    error naming it."""
+    if t.is_nested or t.layout != torch.strided:
+        layout = "nested" if t.is_nested else str(t.layout)
+        raise TypeError(f"argument `{name}` must be a dense (strided) tensor, got a {layout} one")
+    if device and t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"argument `{name}` is on {t.device}; shardkit's kernels run on cpu and cuda")
 
 
 def check_shards(weight_shards, class_offsets) -> Tuple[List[torch.Tensor], List[int], int]:
@@ -74,10 +89,13 @@ def check_shards(weight_shards, class_offsets) -> Tuple[List[torch.Tensor], List
     for k, w in enumerate(shards):
         if not isinstance(w, torch.Tensor):
             raise TypeError(f"argument `weight_shards[{k}]` must be a tensor, got {type(w).__name__}")
+        _check_dense(w, f"weight_shards[{k}]")
         if w.dim() != 2:
             raise ValueError(f"argument `weight_shards[{k}]` must be 2-D [C_k, D], got shape {tuple(w.shape)}")
-        if not w.is_floating_point():
-            raise TypeError(f"argument `weight_shards[{k}]` must be floating point, got {w.dtype}")
+        if w.dtype not in _KERNEL_DTYPES:
+            raise TypeError(
+                f"argument `weight_shards[{k}]` must be float32, bfloat16, float16 or float64, got {w.dtype}"
+            )
         if dim is None:
             dim = w.shape[1]
         elif w.shape[1] != dim:
@@ -118,12 +136,13 @@ def check_tensors(embeddings, labels, dim: int) -> torch.Tensor:
     """Free checks of embeddings [B, D] and labels [B]; returns labels as int64."""
     if not isinstance(embeddings, torch.Tensor):
         raise TypeError(f"argument `embeddings` must be a tensor, got {type(embeddings).__name__}")
+    _check_dense(embeddings, "embeddings")
     if embeddings.dim() != 2:
         raise ValueError(f"argument `embeddings` must be 2-D [batch, dim], got shape {tuple(embeddings.shape)}")
     if not embeddings.is_floating_point():
         raise TypeError(f"argument `embeddings` must be floating point, got {embeddings.dtype}")
-    if embeddings.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"argument `embeddings` is on {embeddings.device}; shardkit's kernels run on cpu and cuda")
+    if embeddings.dtype not in _KERNEL_DTYPES:
+        raise TypeError(f"argument `embeddings` must be float32, bfloat16, float16 or float64, got {embeddings.dtype}")
     if embeddings.shape[0] == 0:
         raise ValueError("argument `embeddings` is an empty batch (0 rows); the loss of no samples is undefined")
     if embeddings.shape[1] != dim:
@@ -132,6 +151,7 @@ def check_tensors(embeddings, labels, dim: int) -> torch.Tensor:
         )
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"argument `labels` must be a tensor, got {type(labels).__name__}")
+    _check_dense(labels, "labels", device=False)  # (its device is compared with the embeddings')
     if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex():
         raise TypeError(
             f"argument `labels` must be an integer tensor (int64 or int32) of class ids, got {labels.dtype}"

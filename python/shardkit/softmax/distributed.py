@@ -156,7 +156,12 @@ def check_local_input(
             f"argument `embeddings` is on {embeddings.device} but this rank's weight shard is on "
             f"{device}; move the embeddings (and labels) there"
         )
-    if isinstance(embeddings, torch.Tensor) and embeddings.dim() == 2 and embeddings.shape[0] == 0:
+    if (
+        isinstance(embeddings, torch.Tensor)
+        and not embeddings.is_nested
+        and embeddings.dim() == 2
+        and embeddings.shape[0] == 0
+    ):
         # check_tensors rejects empty batches; run it on a one-row stand-in for the rest.
         fake_labels = labels[:1] if isinstance(labels, torch.Tensor) and labels.dim() == 1 else labels
         if isinstance(fake_labels, torch.Tensor) and fake_labels.shape[0] == 0:

@@ -173,9 +173,11 @@ def split_sizes(num_classes: int, num_shards: int, shard_sizes) -> list:
         if sum(sizes) != num_classes:
             raise ValueError(f"argument `shard_sizes` {sizes} sums to {sum(sizes)}, not num_classes={num_classes}")
         return sizes
-    total = float(sum(sizes))
-    if total <= 0:
+    top = max(sizes)
+    if top <= 0:
         raise ValueError(f"argument `shard_sizes` proportions must have a positive sum, got {sizes}")
+    sizes = [s / top for s in sizes]  # in [0, 1]: the sum cannot overflow to inf
+    total = float(sum(sizes))
     exact = [num_classes * s / total for s in sizes]
     out = [int(e) for e in exact]
     by_remainder = sorted(range(num_shards), key=lambda k: exact[k] - out[k], reverse=True)
@@ -264,6 +266,7 @@ class LocalShards:
     def forward(self, module, embeddings, labels, return_details: bool, topk):
         if (
             isinstance(embeddings, torch.Tensor)
+            and not embeddings.is_nested
             and embeddings.dim() == 2
             and embeddings.shape[1] != module.embedding_dim
         ):

@@ -72,10 +72,20 @@ class ShardedSoftmaxLoss(nn.Module):
     order, so under the same seed ``full_weight()`` equals ``nn.Linear(D, C, bias=False)``'s
     weight (as built on the CPU) exactly.
 
-    Checkpoints: ``state_dict()`` holds ONE class-ordered ``weight`` [C, D] (on the shards'
-    device when they share one, else on the CPU) whatever the shard count, and
-    ``load_state_dict`` splits it over the current shards: save with 4 shards, load with
-    1 or 3. Plain tensors, so ``torch.load(..., weights_only=True)`` reads it.
+    Checkpoints: in one process, ``state_dict()`` holds ONE class-ordered ``weight`` [C, D]
+    (on the shards' device when they share one, else on the CPU) whatever the shard count,
+    and ``load_state_dict`` splits it over the current shards: save with 4 shards, load with
+    1 or 3. Plain tensors, so ``torch.load(..., weights_only=True)`` reads it. With a
+    ``process_group``, ``state_dict()`` holds this rank's shard only (``weight_shards.0``,
+    [C_r, D]); :func:`shardkit.save_sharded` / :func:`shardkit.load_sharded` write and read
+    every rank's, re-sharded to any world size.
+
+    Raises (at construction): ``TypeError`` for a ``dtype`` the kernels lack; ``ValueError``
+    naming the argument for a bad ``embedding_dim``, ``num_classes``, ``margin``,
+    ``label_smoothing``, ``reduction``, ``check_inputs``, ``topk``, ``chunk_memory``,
+    ``shard_sizes``, ``devices``, ``sample_rate`` or ``input_layout``;
+    :class:`shardkit.distributed.DistributedInputError` when the ranks of a ``process_group`` disagree on
+    the options. At ``forward``: see there.
     """
 
     _version = 1
@@ -101,11 +111,16 @@ class ShardedSoftmaxLoss(nn.Module):
     ):
         super().__init__()
         dtype = torch.get_default_dtype() if dtype is None else dtype
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(f"argument `dtype` must be a floating dtype, got {dtype}")
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            raise TypeError(f"argument `dtype` must be float32, bfloat16, float16 or float64, got {dtype}")
         for name, value in (("embedding_dim", embedding_dim), ("num_classes", num_classes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"argument `{name}` must be a positive int, got {value!r}")
+        if num_classes * embedding_dim >= 2**63:
+            raise ValueError(
+                f"arguments `num_classes` x `embedding_dim` = {num_classes * embedding_dim} weights, "
+                "more than int64 indexes"
+            )
         check_options(margin, label_smoothing, ignore_index, reduction, check_inputs)
         self.sample_rate = check_sample_rate(sample_rate)
         # Set to seed the sampling: a torch.Generator of the shard's device (a CPU generator
@@ -195,12 +210,23 @@ class ShardedSoftmaxLoss(nn.Module):
         return_details: bool = False,
         topk: Optional[Sequence[int]] = None,
     ):
-        """embeddings [B, D] floating, labels [B] int64 (int32 accepted) on the same device.
+        """embeddings [B, D] floating (B >= 1), labels [B] integer (int64; other integer
+        dtypes are converted) on the embeddings' device: class ids in [0, C) or ``ignore_index``.
 
-        Returns the loss on the embeddings' device (float32 scalar; [B] with
-        reduction="none"), or with ``return_details=True`` a :class:`ShardedLossOutput`
-        (loss, per-row lse [B], correct {k: count} for ``topk`` (default: the module's),
-        num_valid).
+        Returns the loss on the embeddings' device (a scalar; [B] with reduction="none"),
+        float32 (float64 when the weights are float64), or with ``return_details=True`` a
+        :class:`ShardedLossOutput` (loss, per-row lse [B], correct {k: count} for ``topk``
+        (default: the module's), num_valid).
+
+        Raises:
+            TypeError: floating or bool ``labels``, non-floating ``embeddings``.
+            ValueError: (naming the argument) ``embeddings`` not [B, D] with this D, an empty
+                batch, ``labels`` not [B] or on another device, a label outside [0, C) that
+                is not ``ignore_index`` (with ``check_inputs``).
+            shardkit.NonFiniteEmbeddingsError: NaN/inf embeddings (with ``check_inputs``; a
+                ``ValueError``).
+            shardkit.distributed.DistributedInputError: with a ``process_group``, when the ranks' inputs
+                disagree (raised on every rank at once; a ``ValueError``).
         """
         return self._mode.forward(self, embeddings, labels, return_details, topk)
 

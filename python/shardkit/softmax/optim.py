@@ -43,6 +43,8 @@ def _check_hyperparameters(group: dict, where: str = "") -> None:
     ):
         if not (ok and math.isfinite(value)):
             raise ValueError(f"{where}argument `{name}` must be {rule} and finite, got {value}")
+    if not isinstance(group["nesterov"], bool):
+        raise TypeError(f"{where}argument `nesterov` must be True or False, got {group['nesterov']!r}")
     if group["nesterov"] and (momentum <= 0 or dampening != 0):
         raise ValueError(f"{where}argument `nesterov` needs momentum > 0 and dampening = 0")
 

@@ -33,7 +33,17 @@ def sampled_class_counts(sizes: Sequence[int], sample_rate: float, global_batch:
 
     ``K_r = min(C_r, max(ceil(rate * C_r), min(B_g, C_r)))``: at least as many as the batch
     can have distinct positives, so every positive always fits.
+
+    Args:
+        sizes: classes per rank (ints >= 0).
+        sample_rate: in (0, 1] (``ValueError`` / ``TypeError`` otherwise).
+        global_batch: rows of the gathered batch (int >= 0).
     """
+    sample_rate = check_sample_rate(sample_rate)
+    sizes = list(sizes)
+    for name, values, shown in (("sizes", sizes, sizes), ("global_batch", [global_batch], global_batch)):
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
+            raise ValueError(f"argument `{name}` must hold ints >= 0, got {shown!r}")
     return [min(c, max(math.ceil(sample_rate * c), min(global_batch, c))) for c in sizes]
 
 
