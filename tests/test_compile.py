@@ -45,6 +45,26 @@ def test_sharded_head_compiles_whole_with_default_checks():
         step(x1, torch.full((8,), 99))
 
 
+def test_sampled_head_compiles_whole_and_draws_what_eager_draws():
+    # PartialFC sampling with the default generators: one graph, the same classes as eager
+    head = shardkit.ShardedSoftmaxLoss(8, 50, devices=["cpu", "cpu"], sample_rate=0.3)
+    x = torch.randn(8, 8)
+    y = torch.randint(0, 50, (8,))
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    step = torch.compile(lambda e, t: head(e, t), fullgraph=True)
+    seed = int(torch.randint(0, 2**31, ()).item())
+    torch.manual_seed(seed)
+    loss = step(x1, y)
+    loss.backward()
+    torch.manual_seed(seed)
+    ref = head(x2, y)
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-4, atol=1e-6)
+    # the shards are tagged at construction (the traced forward cannot set attributes)
+    assert all(getattr(p, "_shardkit_sampled", False) for p in head.weight_shards)
+
+
 def test_model_ema_update_compiles_whole():
     torch.manual_seed(int(torch.randint(0, 2**31, ()).item()))
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 2))

@@ -184,6 +184,23 @@ def test_sparse_row_sgd_equals_sgd_when_every_row_is_present(momentum, dampening
         torch.testing.assert_close(p_ours.detach(), p_ref.detach(), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("shape", [(), (1,), (6,), (2, 3, 2)])
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_sparse_row_sgd_equals_sgd_on_dense_parameters_of_any_rank(shape, nesterov):
+    # e.g. a learnable logit scale (0-dim) or a conv weight among the backbone's parameters
+    start = torch.randn(shape)
+    p_ours, p_ref = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    kw = dict(lr=0.1, momentum=0.9, weight_decay=1e-3, nesterov=nesterov)
+    ours, ref = shardkit.SparseRowSGD([p_ours], **kw), torch.optim.SGD([p_ref], **kw)
+    for _ in range(3):
+        grad = torch.randn(shape)
+        p_ours.grad, p_ref.grad = grad.clone(), grad.clone()
+        ours.step()
+        ref.step()
+        torch.testing.assert_close(p_ours.detach(), p_ref.detach(), rtol=1e-6, atol=1e-7)
+    assert ours.state[p_ours]["momentum_buffer"].shape == shape
+
+
 def test_sparse_row_sgd_leaves_unsampled_rows_untouched():
     weight = torch.nn.Parameter(torch.randn(30, 4))
     opt = shardkit.SparseRowSGD([weight], lr=0.5, momentum=0.9, weight_decay=1e-2, dampening=0.1)

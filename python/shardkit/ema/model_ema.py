@@ -94,7 +94,8 @@ class ModelEMA:
         updates: initial update count, int in [0, 2**63 - 1] (ultralytics' resume argument).
 
     ``t`` is ``step`` (an int >= 0) when ``update(model, step=...)`` gives one (timm), else the count of
-    applied updates including this one (``self.updates``, 1 on the first update).
+    applied updates including this one (``self.updates``, 1 on the first update; timm without
+    a step uses ``decay`` throughout instead).
 
     Attributes: ``module`` (the averaged module, eval mode, ``requires_grad=False``;
     ``ema`` is an alias), ``updates``, ``enabled`` (False makes ``update`` a no-op).

@@ -21,7 +21,7 @@ from shardkit.softmax.core import ShardedLossOutput, ShardStatistics
 from shardkit.softmax.distributed import ProcessGroupShards
 from shardkit.softmax.local import LocalShards, sharded_cross_entropy
 from shardkit.softmax.margins import Margin
-from shardkit.softmax.sampling import check_sample_rate
+from shardkit.softmax.sampling import check_sample_rate, mark_sampled
 
 __all__ = ["ShardedSoftmaxLoss", "sharded_cross_entropy", "ShardedLossOutput", "ShardStatistics"]
 
@@ -75,7 +75,10 @@ class ShardedSoftmaxLoss(nn.Module):
     Checkpoints: in one process, ``state_dict()`` holds ONE class-ordered ``weight`` [C, D]
     (on the shards' device when they share one, else on the CPU) whatever the shard count,
     and ``load_state_dict`` splits it over the current shards: save with 4 shards, load with
-    1 or 3. Plain tensors, so ``torch.load(..., weights_only=True)`` reads it. With a
+    1 or 3. Plain tensors, so ``torch.load(..., weights_only=True)`` reads it. With two or
+    more shards that ``weight`` is a fresh copy, not a view: writing into ``state_dict()``
+    values in place (as timm's ModelEmaV3 and ultralytics' ModelEMA average) changes
+    nothing; :class:`shardkit.ModelEMA` averages the shards themselves. With a
     ``process_group``, ``state_dict()`` holds this rank's shard only (``weight_shards.0``,
     [C_r, D]); :func:`shardkit.save_sharded` / :func:`shardkit.load_sharded` write and read
     every rank's, re-sharded to any world size.
@@ -159,6 +162,9 @@ class ShardedSoftmaxLoss(nn.Module):
         )
         self.reset_parameters()
         self._mode.attach(self)
+        if self.sample_rate < 1.0:
+            for p in self.weight_shards:
+                mark_sampled(p)
 
     @property
     def sample_generator(self):

@@ -162,11 +162,12 @@ class SparseRowSGD(torch.optim.Optimizer):
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["seen"] = torch.zeros(p.shape[0], dtype=torch.bool, device=p.device)
+                # one flag per row; a scalar parameter (e.g. a learnable scale) is one row
+                state["seen"] = torch.zeros(p.shape[0] if p.dim() else 1, dtype=torch.bool, device=p.device)
             buf_all, seen_all = state["momentum_buffer"], state["seen"]
             buf = buf_all if rows is None else buf_all.index_select(0, rows)
             seen = seen_all if rows is None else seen_all.index_select(0, rows)
-            seen = seen.view((-1,) + (1,) * (g.dim() - 1))
+            seen = seen.view((-1,) + (1,) * (g.dim() - 1)) if g.dim() else seen.view(())
             # torch.optim.SGD starts a buffer with the raw gradient (no dampening).
             new_buf = torch.where(seen, buf * momentum + g * (1.0 - group["dampening"]), g)
             if rows is None:

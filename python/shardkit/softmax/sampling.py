@@ -116,6 +116,8 @@ def mark_sampled(weight: torch.nn.Parameter) -> None:
     """Tag a shard trained with sampling so that a ``torch.optim.SGD`` step with momentum or
     weight decay over it warns (once per optimizer)."""
     global _hook
+    if torch.compiler.is_compiling():
+        return  # a traced setattr would break the graph; the module marks its shards at construction
     weight._shardkit_sampled = True
     if _hook is None:
         _hook = register_optimizer_step_pre_hook(_sgd_step_pre_hook)
