@@ -317,3 +317,17 @@ def test_init_backbone_and_whole_head(kind):
         assert abs(conv.std().item() - (2 / fan_in) ** 0.5) < 0.3 * (2 / fan_in) ** 0.5
     else:
         assert conv.abs().max() <= (6 / (fan_in + conv.shape[0] * conv[0, 0].numel())) ** 0.5
+
+
+def test_a_new_run_over_an_earlier_one_says_so(finished_run, tmp_path, capsys):
+    out = _copy(finished_run, tmp_path / "again")
+    capsys.readouterr()
+    assert train.main(TINY + ["--steps", "1", "--out", out]) == 0
+    err = capsys.readouterr().err
+    assert err.count(f"warning: {out} held an earlier run: its log.txt is replaced") == 1, err
+    assert f"--resume {out} continues one" in err
+    # a fresh folder, and a resume, say nothing of the kind
+    assert train.main(TINY + ["--steps", "1", "--out", str(tmp_path / "fresh")]) == 0
+    assert "held an earlier run" not in capsys.readouterr().err
+    assert train.main(["--resume", out, "--steps", "2", "--no-progress"]) == 0
+    assert "held an earlier run" not in capsys.readouterr().err

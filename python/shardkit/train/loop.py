@@ -111,14 +111,18 @@ def set_deterministic() -> None:
 
 
 def run(args, world: World) -> int:
+    ckpt = os.path.join(args.out, "checkpoint")
+    # A new run in the folder of an earlier one replaces its log now and its checkpoint at the
+    # first save: say so (on stderr), with the flags that keep or continue it.
+    earlier = not (args.resume or args.profile) and os.path.isdir(ckpt) and bool(os.listdir(ckpt))
     try:
         log = RunLog(args.out, enabled=world.rank == 0, append=bool(args.resume))
         if not args.profile:  # a profile trains nothing to keep
-            os.makedirs(os.path.join(args.out, "checkpoint"), exist_ok=True)
+            os.makedirs(ckpt, exist_ok=True)
     except OSError as e:
         raise UsageError(f"--out {args.out!r}: cannot write there ({e.strerror or e}); give another --out") from None
     try:
-        return _run(args, world, log)
+        return _run(args, world, log, earlier)
     finally:
         log.close()
 
@@ -131,7 +135,7 @@ def _diverged(where: str, args) -> UsageError:
     )
 
 
-def _run(args, world: World, log: RunLog) -> int:
+def _run(args, world: World, log: RunLog, earlier: bool = False) -> int:
     lead = world.rank == 0
     if args.deterministic:
         set_deterministic()
@@ -149,6 +153,11 @@ def _run(args, world: World, log: RunLog) -> int:
         log.line(line)
     for text in header.warnings(parts, args, world):
         log.warn(text)
+    if earlier:
+        log.warn(
+            f"{args.out} held an earlier run: its log.txt is replaced and its checkpoint will be at the first save "
+            f"(--out DIR keeps runs apart; --resume {args.out} continues one)"
+        )
     if args.profile:
         from shardkit.train import profile
 
