@@ -60,7 +60,9 @@ def make_data(seed):
             batch = sizes[0] if layout == "replicated" else sum(sizes)
             labels = torch.randint(0, classes, (batch,), generator=gen)
             labels[torch.rand(batch, generator=gen) < 0.15] = IGNORE.get(name, -100)
-            labels[0] = max(int(labels[0]), 0)  # at least one counted row
+            ignore = IGNORE.get(name, -100)
+            if int(labels[0]) == ignore or int(labels[0]) < 0:  # at least one counted row
+                labels[0] = (ignore + 1) % classes if ignore >= 0 else 0
             data[(world, name)] = dict(
                 x=torch.randn(batch, D, generator=gen, dtype=torch.float64),
                 w=torch.randn(classes, D, generator=gen, dtype=torch.float64) * 0.5,

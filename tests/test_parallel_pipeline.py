@@ -175,7 +175,7 @@ def test_one_chunk_equals_unsplit_model_with_batchnorm():
 
 
 class _Sleep(nn.Module):
-    def __init__(self, stage, log, lock, seconds=0.05):
+    def __init__(self, stage, log, lock, seconds=0.1):
         super().__init__()
         self.stage, self.log, self.lock, self.seconds = stage, log, lock, seconds
 
@@ -200,8 +200,8 @@ def test_schedule_overlaps_the_stages():
         a0, b0 = spans[(0, i + 1)]  # stage 0 on micro-batch i+1 ...
         a1, b1 = spans[(1, i)]  # ... while stage 1 works on micro-batch i
         assert a0 < b1 and a1 < b0, f"no overlap at micro-batch {i}: {spans}"
-    # 5 clocks of 0.05 s instead of 8 sequential sleeps
-    assert elapsed < 8 * 0.05
+    # 5 clocks of 0.1 s instead of 8 sequential sleeps (0.3 s of slack for a loaded machine)
+    assert elapsed < 8 * 0.1
     assert bubble_fraction(2, 4) == pytest.approx(1 / 5)
 
 
