@@ -12,6 +12,7 @@ import torch  # noqa: F401  (loads libtorch before our extension)
 from shardkit.build import build_info, check_torch_version
 
 check_torch_version()  # before loading _C: a mismatch is a clear ImportError, not an undefined symbol
+del check_torch_version  # not public (shardkit.build keeps it)
 
 from shardkit import _C  # noqa: E402, F401  (loads the library: registers torch.ops.shardkit.*)
 from shardkit import distributed, ops, parallel, plan  # noqa: E402, F401  (public submodules)
