@@ -28,6 +28,7 @@ reduce per rank of the fp32 embedding gradient, a .item() in backward, and the k
 """
 
 import argparse
+import glob
 import json
 import os
 import queue as queue_mod
@@ -41,7 +42,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "python"))
+_SRC = os.path.join(HERE, "..", "python")
+if glob.glob(os.path.join(_SRC, "shardkit", "_C*")):  # an in-place build; else the installed shardkit
+    sys.path.insert(0, _SRC)
 sys.path.insert(0, HERE)  # _timing, whatever the cwd (also under python -m)
 from _timing import out_dir, target_line, time_once  # noqa: E402
 

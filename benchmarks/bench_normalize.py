@@ -17,6 +17,7 @@ warm-up. Table on stdout; JSON + PNG in benchmarks/out/.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import sys
@@ -24,7 +25,9 @@ import sys
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "python"))
+_SRC = os.path.join(HERE, "..", "python")
+if glob.glob(os.path.join(_SRC, "shardkit", "_C*")):  # an in-place build; else the installed shardkit
+    sys.path.insert(0, _SRC)
 sys.path.insert(0, HERE)  # _timing, whatever the cwd (also under python -m)
 from _timing import copy_bandwidth, out_dir, time_median  # noqa: E402
 

@@ -21,6 +21,7 @@ Writes benchmarks/out/bench_parallel_<device>.json and .png.
 """
 
 import argparse
+import glob
 import json
 import os
 import statistics
@@ -30,7 +31,9 @@ import torch
 from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "python"))
+_SRC = os.path.join(HERE, "..", "python")
+if glob.glob(os.path.join(_SRC, "shardkit", "_C*")):  # an in-place build; else the installed shardkit
+    sys.path.insert(0, _SRC)
 sys.path.insert(0, HERE)  # _timing, whatever the cwd (also under python -m)
 from _timing import copy_bandwidth, out_dir, target_line, time_once  # noqa: E402
 

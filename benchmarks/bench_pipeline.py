@@ -20,6 +20,7 @@ Writes benchmarks/out/bench_pipeline_<devices>.json.
 """
 
 import argparse
+import glob
 import json
 import os
 import statistics
@@ -30,7 +31,9 @@ import torch
 from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "python"))
+_SRC = os.path.join(HERE, "..", "python")
+if glob.glob(os.path.join(_SRC, "shardkit", "_C*")):  # an in-place build; else the installed shardkit
+    sys.path.insert(0, _SRC)
 sys.path.insert(0, HERE)
 from _timing import out_dir  # noqa: E402
 

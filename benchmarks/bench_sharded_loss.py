@@ -40,6 +40,7 @@ Targets (issues 3 and 10) are printed as TARGET lines.
 """
 
 import argparse
+import glob
 import json
 import os
 import statistics
@@ -51,7 +52,9 @@ import torch
 import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "python"))
+_SRC = os.path.join(HERE, "..", "python")
+if glob.glob(os.path.join(_SRC, "shardkit", "_C*")):  # an in-place build; else the installed shardkit
+    sys.path.insert(0, _SRC)
 sys.path.insert(0, HERE)  # _timing, whatever the cwd (also under python -m)
 
 from _sharded_loss_report import PEERS, check_largest_target, check_shape_targets, save  # noqa: E402

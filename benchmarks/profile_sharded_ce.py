@@ -9,13 +9,16 @@ step spent outside cuBLAS's GEMMs (the baseline the fused kernels are measured a
 """
 
 import argparse
+import glob
 import os
 import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python")
+if glob.glob(os.path.join(_SRC, "shardkit", "_C*")):  # an in-place build; else the installed shardkit
+    sys.path.insert(0, _SRC)
 import shardkit  # noqa: E402
 from shardkit.softmax.margins import ArcFace  # noqa: E402
 

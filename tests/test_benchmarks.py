@@ -17,9 +17,35 @@ SCRIPTS = sorted(f[:-3] for f in os.listdir(BENCH) if f.endswith(".py"))
 
 @pytest.fixture(scope="module")
 def bench_path():
+    # The scripts put their own folder (and, with an in-place build, ../python) on sys.path:
+    # restore it, so later tests (and the processes they spawn) import what they imported before.
+    saved = list(sys.path)
     sys.path.insert(0, BENCH)
     yield
-    sys.path.remove(BENCH)
+    sys.path[:] = saved
+
+
+def test_scripts_use_the_installed_shardkit_without_an_in_place_build(tmp_path):
+    # a copy of the benchmarks next to a source tree with no built extension: the script must
+    # not put that tree first (it would shadow the installed package with one lacking _C)
+    import shutil
+    import subprocess
+
+    shutil.copytree(BENCH, tmp_path / "benchmarks", ignore=shutil.ignore_patterns("out", "__pycache__"))
+    (tmp_path / "python" / "shardkit").mkdir(parents=True)
+    (tmp_path / "python" / "shardkit" / "__init__.py").write_text("raise ImportError('the source tree, no _C')\n")
+    import shardkit
+
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(shardkit.__file__)))
+    for script in ("bench_sharded_loss.py", "bench_normalize.py", "bench_parallel.py"):
+        r = subprocess.run(
+            [sys.executable, str(tmp_path / "benchmarks" / script), "--help"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+        assert r.returncode == 0, (script, r.stderr[-800:])
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
