@@ -52,6 +52,7 @@ def _rng_lock(dev: torch.device):
 
 
 BATCHNORM_MODES = ("deferred", "micro")
+BALANCE_BY = ("time", "memory")  # what balance_by / layer_costs profile
 
 
 def _layers(stages) -> list[nn.Module]:
@@ -99,7 +100,7 @@ def layer_costs(layers: Sequence[nn.Module], sample: torch.Tensor, by: str, repe
     ``"time"``: the median of ``repeats`` forward + backward times in seconds;
     ``"memory"``: bytes of parameters, their gradients and buffers plus the output
     activation kept for the backward."""
-    if by not in ("time", "memory"):
+    if by not in BALANCE_BY:
         raise ValueError(f"argument `by` must be 'time' or 'memory', got {by!r}")
     costs, x = [], sample
     for layer in layers:
@@ -205,7 +206,7 @@ class PipelineModel(nn.Module):
         if batchnorm not in BATCHNORM_MODES:
             raise ValueError(f"argument `batchnorm` must be one of {BATCHNORM_MODES}, got {batchnorm!r}")
         if isinstance(balance, str):
-            if balance not in ("time", "memory"):
+            if balance not in BALANCE_BY:
                 raise ValueError(f"argument `balance` must be a list of ints, 'time' or 'memory', got {balance!r}")
             if sample is None:
                 raise ValueError(f"argument `balance`={balance!r} profiles the layers: pass `sample`, a sample batch")

@@ -62,7 +62,7 @@ def check_options(margin, label_smoothing, ignore_index, reduction, check_inputs
         raise ValueError(f"argument `check_inputs` must be True, False or 'async', got {check_inputs!r}")
 
 
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def _check_dense(t: torch.Tensor, name: str, device: bool = True) -> None:
@@ -92,7 +92,7 @@ def check_shards(weight_shards, class_offsets) -> Tuple[List[torch.Tensor], List
         _check_dense(w, f"weight_shards[{k}]")
         if w.dim() != 2:
             raise ValueError(f"argument `weight_shards[{k}]` must be 2-D [C_k, D], got shape {tuple(w.shape)}")
-        if w.dtype not in _KERNEL_DTYPES:
+        if w.dtype not in KERNEL_DTYPES:
             raise TypeError(
                 f"argument `weight_shards[{k}]` must be float32, bfloat16, float16 or float64, got {w.dtype}"
             )
@@ -141,7 +141,7 @@ def check_tensors(embeddings, labels, dim: int) -> torch.Tensor:
         raise ValueError(f"argument `embeddings` must be 2-D [batch, dim], got shape {tuple(embeddings.shape)}")
     if not embeddings.is_floating_point():
         raise TypeError(f"argument `embeddings` must be floating point, got {embeddings.dtype}")
-    if embeddings.dtype not in _KERNEL_DTYPES:
+    if embeddings.dtype not in KERNEL_DTYPES:
         raise TypeError(f"argument `embeddings` must be float32, bfloat16, float16 or float64, got {embeddings.dtype}")
     if embeddings.shape[0] == 0:
         raise ValueError("argument `embeddings` is an empty batch (0 rows); the loss of no samples is undefined")

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from shardkit.softmax.checks import check_options, check_topk, parse_memory
+from shardkit.softmax.checks import KERNEL_DTYPES, check_options, check_topk, parse_memory
 from shardkit.softmax.collectives import DATA_PARALLEL
 from shardkit.softmax.core import ShardedLossOutput, ShardStatistics
 from shardkit.softmax.distributed import ProcessGroupShards
@@ -114,7 +114,7 @@ class ShardedSoftmaxLoss(nn.Module):
     ):
         super().__init__()
         dtype = torch.get_default_dtype() if dtype is None else dtype
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        if dtype not in KERNEL_DTYPES:
             raise TypeError(f"argument `dtype` must be float32, bfloat16, float16 or float64, got {dtype}")
         for name, value in (("embedding_dim", embedding_dim), ("num_classes", num_classes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

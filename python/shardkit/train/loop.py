@@ -112,10 +112,10 @@ def set_deterministic() -> None:
 
 def run(args, world: World) -> int:
     ckpt = os.path.join(args.out, "checkpoint")
-    # A new run in the folder of an earlier one replaces its log now and its checkpoint at the
-    # first save: say so (on stderr), with the flags that keep or continue it.
-    earlier = not (args.resume or args.profile) and os.path.isdir(ckpt) and bool(os.listdir(ckpt))
     try:
+        # A new run in the folder of an earlier one replaces its log now and its checkpoint at
+        # the first save: say so (on stderr), with the flags that keep or continue it.
+        earlier = not (args.resume or args.profile) and os.path.isdir(ckpt) and bool(os.listdir(ckpt))
         log = RunLog(args.out, enabled=world.rank == 0, append=bool(args.resume))
         if not args.profile:  # a profile trains nothing to keep
             os.makedirs(ckpt, exist_ok=True)
@@ -135,7 +135,7 @@ def _diverged(where: str, args) -> UsageError:
     )
 
 
-def _run(args, world: World, log: RunLog, earlier: bool = False) -> int:
+def _run(args, world: World, log: RunLog, earlier: bool) -> int:
     lead = world.rank == 0
     if args.deterministic:
         set_deterministic()
