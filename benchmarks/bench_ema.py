@@ -2,6 +2,8 @@
 
 Compared, in the same run, on the same model and EMA dtype:
   shardkit     shardkit.ModelEMA (one fused ema_update_ for all floating tensors)
+  shardkit_v1  the same with SHARDKIT_EMA_V1=1 (CUDA: the first, chunked launcher instead of
+               the device table; the CPU runs one kernel for both)
   loop         the per-tensor Python loop of yolov3/ultralytics' ModelEMA
                (v *= d; v += (1 - d) * model_v for every state_dict entry)
   foreach      timm ModelEmaV3's foreach path: torch._foreach_lerp_ over the floating
@@ -271,8 +273,22 @@ class OursEMA:
         self.ema.update(model)
 
 
+class OursFirstLauncherEMA(OursEMA):
+    """shardkit.ModelEMA with SHARDKIT_EMA_V1=1: the CUDA update through the first, chunked
+    launcher (a launch per 96 tensors) instead of the device table (the before/after of that
+    change in one run). On the CPU it is the same kernel as ``shardkit``."""
+
+    def update(self, model):
+        os.environ["SHARDKIT_EMA_V1"] = "1"
+        try:
+            self.ema.update(model)
+        finally:
+            os.environ.pop("SHARDKIT_EMA_V1", None)
+
+
 METHODS = {
     "shardkit": OursEMA,
+    "shardkit_v1": OursFirstLauncherEMA,
     "loop": LoopEMA,
     "foreach": ForeachEMA,
     "foreach_bare": BareForeachEMA,
@@ -283,7 +299,7 @@ METHODS = {
 PEERS = ("foreach", "swa", "ema_pytorch", "torch_ema")  # issue 16: shardkit >= 1.0x each on the CPU
 
 
-def run_case(which, dtype_name, device, methods, reps, loop_max_params):
+def run_case(which, dtype_name, device, methods, reps, loop_max_params, burst=1):
     model_dtype = torch.float32 if dtype_name == "fp32" else torch.bfloat16
     model, source = build_model(which, model_dtype, device)
     n_params = sum(p.numel() for p in model.parameters())
@@ -318,14 +334,18 @@ def run_case(which, dtype_name, device, methods, reps, loop_max_params):
     copy_times = {k: [] for k in copies}
     times = {name: [] for name in impls}
     names = list(impls)
+
+    def timed(fn):  # seconds per call, over `burst` back-to-back calls between two events
+        return time_once(lambda: [fn() for _ in range(burst)], device) / burst
+
     for r in range(reps):
         for k, fn in copies.items():
-            copy_times[k].append(time_once(fn, device))
+            copy_times[k].append(timed(fn))
         # The order rotates every round: a method that runs right after another one has read
         # the model finds the last-read part of it in cache (a few % on the CPU's 32 MB L3),
         # so no method may always come first or always follow a given one.
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            times[name].append(time_once(lambda impl=impls[name]: impl.update(model), device))  # noqa: F821
+            times[name].append(timed(lambda impl=impls[name]: impl.update(model)))  # noqa: F821
     bw = 2 * copy_src.numel() * 4 / min(statistics.median(v) for v in copy_times.values())
     floor = nbytes / bw
     copy_src = copy_dst = None
@@ -353,6 +373,7 @@ def run_case(which, dtype_name, device, methods, reps, loop_max_params):
         "params": n_params,
         "tensors": n_tensors,
         "bytes": nbytes,
+        "burst": burst,
         "copy_GBps": bw / 1e9,
         "floor_ms": floor * 1e3,
         "rows": rows,
@@ -362,7 +383,8 @@ def run_case(which, dtype_name, device, methods, reps, loop_max_params):
 def print_case(c):
     print(
         f"\n{c['model']} ({c['source']}): {c['params'] / 1e6:.1f}M params, {c['tensors']} tensors, "
-        f"{c['dtype']} model / fp32 EMA, {c['bytes'] / 1e9:.3f} GB per update"
+        f"{c['dtype']} model / fp32 EMA, {c['bytes'] / 1e9:.3f} GB per update, "
+        f"{c['burst']} update(s) timed back to back"
     )
     print(f"  copy bandwidth {c['copy_GBps']:.1f} GB/s -> floor {c['floor_ms']:.2f} ms")
     ours = next((r["ms"] for r in c["rows"] if r["method"] == "shardkit" and "ms" in r), None)
@@ -469,6 +491,13 @@ def main():
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--reps", type=int, default=0, help="timed repetitions (default: 15 on CPU, 50 on CUDA)")
     ap.add_argument(
+        "--burst",
+        type=int,
+        default=0,
+        help="updates timed back to back between two events, the figure per update (default: 1 on CPU, "
+        "5 on CUDA, where one update's host time would otherwise be timed as well)",
+    )
+    ap.add_argument(
         "--loop-max-params",
         type=float,
         default=1e8,
@@ -477,6 +506,9 @@ def main():
     args = ap.parse_args()
     device = torch.device(args.device)
     reps = args.reps or (15 if device.type == "cpu" else 50)
+    if args.burst < 0 or args.reps < 0:
+        ap.error("--burst and --reps take a count >= 0 (0: the default)")
+    burst = args.burst or (1 if device.type == "cpu" else 5)
     args.models = args.models or ("resnet50,100m" if device.type == "cpu" else "resnet50,350m")
     print(
         f"torch {torch.__version__}, device {device}"
@@ -488,7 +520,7 @@ def main():
     cases = []
     for which in args.models.split(","):
         for dt in args.dtypes.split(","):
-            cases.append(run_case(which, dt, device, args.methods.split(","), reps, args.loop_max_params))
+            cases.append(run_case(which, dt, device, args.methods.split(","), reps, args.loop_max_params, burst))
             print_case(cases[-1])
     print()
     targets = check_targets(cases, device)

@@ -132,24 +132,73 @@ def test_cuda_ops_capture_in_a_cuda_graph():
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(ema[:-1] + model[:-1], e0 + m0))
 
 
-def test_cuda_update_on_current_stream_and_launch_count():
+def cuda_kernel_names(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.parametrize("first_launcher", [False, True])
+def test_cuda_update_on_current_stream_and_launch_count(first_launcher, monkeypatch):
+    # The table path: one launch per dtype pair, whatever the tensor count (plus the table's
+    # copy the first time these tensors are seen). SHARDKIT_EMA_V1=1: the chunked launcher,
+    # one launch per MAX_TENSORS_PER_LAUNCH tensors.
     needs_cuda_build()
+    monkeypatch.setenv("SHARDKIT_EMA_V1", "1" if first_launcher else "0")
     n = 3 * MAX_TENSORS_PER_LAUNCH + 5
     ema = [torch.randn(1000, device="cuda") for _ in range(n)]
     model = [torch.randn(1000, device="cuda") for _ in range(n)]
-    ref = [e.double() + 0.25 * (m.double() - e.double()) for e, m in zip(ema, model)]
+    ref = [e.double() for e in ema]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+
+    def update():
         with torch.cuda.stream(stream):
             ema_update_(ema, model, 0.75)
-        torch.cuda.synchronize()
-    launches = [
-        e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "multi_tensor_kernel" in e.name
-    ]
-    assert len(launches) == math.ceil(n / MAX_TENSORS_PER_LAUNCH)
+
+    for _ in range(2):  # the second call finds the table in the cache
+        names = cuda_kernel_names(update)
+        ref = [r + 0.25 * (m.double() - r) for r, m in zip(ref, model)]
+        chunked = [k for k in names if "multi_tensor_kernel" in k]
+        table = [k for k in names if "ema_table_kernel" in k]
+        if first_launcher:
+            assert len(chunked) == math.ceil(n / MAX_TENSORS_PER_LAUNCH) and not table
+        else:
+            assert len(table) == 1 and not chunked
     for e, r in zip(ema, ref):
         assert rel_err(e, r) <= 1e-5
+
+
+def test_cuda_update_table_cache_follows_the_tensors():
+    # The device table is cached by (device, stream, dtypes, every address and size): lists
+    # that change between calls (a tensor replaced, reordered, resized, another dtype pair,
+    # another stream), and tensors freed and reallocated at the same addresses, must each
+    # be updated exactly as a fresh call would.
+    needs_cuda_build()
+    sizes = [int(s) for s in torch.randint(1, 3 * CUDA_CHUNK, (40,))]
+    ema = [torch.randn(n, device="cuda") for n in sizes]
+    model = [torch.randn(n, device="cuda").bfloat16() for n in sizes]
+    side = torch.cuda.Stream()
+    for step in range(12):
+        if step == 3:  # replace one tensor (a new address)
+            ema[5], model[5] = torch.randn(sizes[5], device="cuda"), torch.randn(sizes[5], device="cuda").bfloat16()
+        if step == 5:  # reorder
+            ema, model = ema[::-1], model[::-1]
+        if step == 6:  # free and reallocate everything: the same addresses may come back
+            n_all = [e.numel() for e in ema]
+            ema = model = None
+            ema = [torch.randn(n, device="cuda") for n in n_all]
+            model = [torch.randn(n, device="cuda").bfloat16() for n in n_all]
+        if step == 8:  # resize one tensor in place of another's size
+            ema[0], model[0] = torch.randn(CUDA_CHUNK + 5, device="cuda"), torch.randn(CUDA_CHUNK + 5, device="cuda")
+        if step == 10:  # another stream
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                check_cuda_update(ema, model, 0.6)
+            torch.cuda.current_stream().wait_stream(side)
+            continue
+        check_cuda_update(ema, model, 0.9 if step % 2 else 0.3)
 
 
 def test_cuda_opcheck_and_device_errors():

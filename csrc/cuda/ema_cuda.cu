@@ -1,20 +1,38 @@
-// CUDA kernels of the ema op family: ema_update_, ema_swap_, ema_unswap_, all through
-// the chunked multi-tensor launcher of multi_tensor.cuh (a few launches for hundreds of
-// tensors, on the current stream, no host synchronization).
+// CUDA kernels of the ema op family: ema_update_, ema_swap_, ema_unswap_.
 //
-// ema_update_ groups the pairs by (ema dtype, model dtype) and runs one launcher pass per
-// group. Inside a chunk, a block uses 16-byte vector loads when both chunk pointers are
-// aligned to the vector width (a property of the tensor's base address: chunks start at
-// multiples of kChunkSize elements), else element-wise loads; arithmetic is float32
-// (float64 when either side is float64).
+// ema_update_ groups the pairs by (ema dtype, model dtype) and launches ONE persistent kernel
+// per group over a device-side table of the group's tensors ({ema pointer, model pointer,
+// numel, first work unit} per tensor). The table is built on the host and copied to the
+// device the first time a given list of tensors is seen, and kept in a small cache keyed by
+// (device, stream, dtypes, every pointer and numel): the training loop's repeated updates
+// of the same tensors find it there and cost one launch, whatever the tensor count. The
+// blocks stride over work units of kUnit elements across all tensors, so a model of many
+// small tensors ends in one tail, not one per launch. A cached table is valid whenever its
+// key matches (it holds nothing but that key), so tensors freed and reallocated at the same
+// addresses are safe. Inside a CUDA-graph capture (where a cached table could be evicted
+// while the graph still reads it), and with SHARDKIT_EMA_V1=1 (for bisecting and for the
+// benchmark's before/after), the update takes the first launcher instead: the chunked
+// multi-tensor launcher of multi_tensor.cuh (a few launches, tensor addresses by value in
+// the kernel parameters). Swaps always take that launcher: they run once per evaluation.
+//
+// Inside a work unit, a block uses 16-byte vector loads when both pointers are aligned to
+// the vector width (a property of the tensor's base address: units and chunks start at
+// multiples of kUnit / kChunkSize elements), else element-wise loads; the table path keeps
+// several vectors in flight per thread (loads first, then the stores). Arithmetic is
+// float32 (float64 when either side is float64).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGraphsUtils.cuh>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <cstdlib>
+#include <cstring>
+#include <list>
 #include <map>
+#include <mutex>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -32,7 +50,9 @@ struct alignas(sizeof(T) * N) Vec {
   T v[N];
 };
 
-template <typename E, typename M>
+// kUnroll: vectors per thread in flight (loads of all of them first, then the stores); the
+// first launcher runs 1, the table path more.
+template <typename E, typename M, int kUnroll = 1>
 struct UpdateOp {
   using Acc = std::conditional_t<std::is_same_v<E, double> || std::is_same_v<M, double>, double, float>;
   // Elements per vector: 16 bytes of the narrower type (8 for bf16/fp16, 4 for fp32).
@@ -55,14 +75,29 @@ struct UpdateOp {
       using EV = Vec<E, kVec>;
       using MV = Vec<M, kVec>;
       const int64_t nv = n / kVec;
-      for (int64_t i = threadIdx.x; i < nv; i += blockDim.x) {
-        EV ev = reinterpret_cast<const EV*>(e)[i];
-        const MV mv = reinterpret_cast<const MV*>(m)[i];
+      const int64_t step = static_cast<int64_t>(blockDim.x);
+      for (int64_t i0 = threadIdx.x; i0 < nv; i0 += step * kUnroll) {
+        EV ev[kUnroll];
+        MV mv[kUnroll];
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) {
-          ev.v[k] = blend(static_cast<Acc>(ev.v[k]), static_cast<Acc>(mv.v[k]));
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t i = i0 + u * step;
+          if (i < nv) {
+            ev[u] = reinterpret_cast<const EV*>(e)[i];
+            mv[u] = reinterpret_cast<const MV*>(m)[i];
+          }
         }
-        reinterpret_cast<EV*>(e)[i] = ev;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t i = i0 + u * step;
+          if (i < nv) {
+#pragma unroll
+            for (int k = 0; k < kVec; ++k) {
+              ev[u].v[k] = blend(static_cast<Acc>(ev[u].v[k]), static_cast<Acc>(mv[u].v[k]));
+            }
+            reinterpret_cast<EV*>(e)[i] = ev[u];
+          }
+        }
       }
       start = nv * kVec;
     }
@@ -107,13 +142,152 @@ struct Bf16Op {
 
 using Lists = std::vector<std::vector<at::Tensor>>;
 
+// ---- the persistent launch over a device-side table ------------------------------------
+constexpr int64_t kUnit = 16384;  // elements per work unit (divides mt::kChunkSize)
+constexpr int kTableThreads = 512;
+
+// One row of the device table (four int64 words; the table tensor is int64 [n, 4]).
+struct Entry {
+  int64_t ema;    // address
+  int64_t model;  // address
+  int64_t numel;
+  int64_t first_unit;  // prefix sum of the tensors' units
+};
+static_assert(sizeof(Entry) == 4 * sizeof(int64_t), "Entry is four int64 words");
+
+template <typename Op>
+__global__ void __launch_bounds__(kTableThreads)
+    ema_table_kernel(const Entry* __restrict__ table, int n, int64_t units, Op op) {
+  for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
+    // Largest t with first_unit[t] <= u (every thread of the block reads the same rows).
+    int lo = 0;
+    int hi = n - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (__ldg(&table[mid].first_unit) <= u) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    const int64_t offset = (u - __ldg(&table[lo].first_unit)) * kUnit;
+    const int64_t left = __ldg(&table[lo].numel) - offset;
+    void* ptrs[2] = {reinterpret_cast<void*>(__ldg(&table[lo].ema)),
+                     reinterpret_cast<void*>(__ldg(&table[lo].model))};
+    op(ptrs, offset, left < kUnit ? left : kUnit);
+  }
+}
+
+// The cache of device tables. A table is looked up by its whole key (no hashing shortcuts),
+// the most recently used first; at most kCacheSize tables are kept (a few hundred bytes of
+// device memory each). Never destroyed: freeing CUDA memory from a static destructor at
+// exit can run after the CUDA runtime is gone.
+struct Table {
+  at::Tensor rows;  // int64 [n, 4] on the device, written on the stream of its key
+  int n = 0;
+  int64_t units = 0;
+};
+
+struct TableCache {
+  struct Item {
+    std::vector<int64_t> key;
+    Table table;
+  };
+  static constexpr size_t kCacheSize = 8;
+  std::mutex mu;
+  std::list<Item> items;
+};
+
+TableCache& table_cache() {
+  static auto* cache = new TableCache();
+  return *cache;
+}
+
+// The device table of one group (tensors on the current device, current stream), from the
+// cache or built now: a pinned host copy, sent with a non-blocking copy on the current
+// stream (the kernel that reads it is queued after it on that stream).
+Table group_table(const Lists& lists) {
+  const auto& e = lists[0];
+  const auto& m = lists[1];
+  const int n = static_cast<int>(e.size());
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  std::vector<int64_t> key;
+  key.reserve(4 + 3 * static_cast<size_t>(n));
+  key.push_back(static_cast<int64_t>(stream.device_index()));
+  key.push_back(static_cast<int64_t>(stream.id()));
+  key.push_back(static_cast<int64_t>(e[0].scalar_type()));
+  key.push_back(static_cast<int64_t>(m[0].scalar_type()));
+  for (int i = 0; i < n; ++i) {
+    key.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(e[i].data_ptr())));
+    key.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(m[i].data_ptr())));
+    key.push_back(e[i].numel());
+  }
+  TableCache& cache = table_cache();
+  {
+    const std::lock_guard<std::mutex> lock(cache.mu);
+    for (auto it = cache.items.begin(); it != cache.items.end(); ++it) {
+      if (it->key == key) {
+        cache.items.splice(cache.items.begin(), cache.items, it);
+        return it->table;  // a copy: the tensor stays alive while this call uses it
+      }
+    }
+  }
+  at::Tensor host = at::empty({n, 4}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  auto* rows = reinterpret_cast<Entry*>(host.data_ptr<int64_t>());
+  int64_t units = 0;
+  for (int i = 0; i < n; ++i) {
+    rows[i] = Entry{key[4 + 3 * i], key[5 + 3 * i], key[6 + 3 * i], units};
+    units += (key[6 + 3 * i] + kUnit - 1) / kUnit;
+  }
+  Table out{at::empty({n, 4}, at::TensorOptions().dtype(at::kLong).device(e[0].device())), n, units};
+  out.rows.copy_(host, /*non_blocking=*/true);
+  {
+    const std::lock_guard<std::mutex> lock(cache.mu);
+    cache.items.push_front(TableCache::Item{std::move(key), out});
+    if (cache.items.size() > TableCache::kCacheSize) cache.items.pop_back();
+  }
+  return out;
+}
+
+template <typename Op>
+void launch_table(const Lists& lists, const Op& op) {
+  const Table t = group_table(lists);
+  if (t.units == 0) return;
+  static int per_sm = [] {
+    int b = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, ema_table_kernel<Op>, kTableThreads, 0));
+    return b > 0 ? b : 1;
+  }();
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const auto blocks = static_cast<unsigned>(std::min<int64_t>(t.units, sms * per_sm));
+  ema_table_kernel<Op><<<blocks, kTableThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      reinterpret_cast<const Entry*>(t.rows.data_ptr<int64_t>()), t.n, t.units, op);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// SHARDKIT_EMA_V1=1: the first launcher for every update (read on every call, so one process
+// can time both); unset or 0: the table path.
+bool ema_v1_forced() {
+  const char* v = std::getenv("SHARDKIT_EMA_V1");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "0") == 0) return false;
+  if (std::strcmp(v, "1") == 0) return true;
+  TORCH_WARN_ONCE("SHARDKIT_EMA_V1=", v, " is neither 0 nor 1: the table path runs");
+  return false;
+}
+
 template <typename E>
-void launch_update(at::ScalarType m, const Lists& lists, double w) {
+void launch_update(at::ScalarType m, const Lists& lists, double w, bool table) {
   auto run = [&](auto model_tag) {
     using M = decltype(model_tag);
-    using Op = UpdateOp<E, M>;
-    using Acc = typename Op::Acc;
-    mt::multi_tensor_apply<2>(lists, Op{static_cast<Acc>(w), static_cast<Acc>(1.0 - w), w < 0.5});
+    using Acc = typename UpdateOp<E, M>::Acc;
+    const Acc wa = static_cast<Acc>(w), da = static_cast<Acc>(1.0 - w);
+    if (table) {
+      // Two vectors in flight for the 32-byte fp32 vectors of a 16-bit model, else four.
+      constexpr int kUnroll = UpdateOp<E, M>::kVec >= 8 && sizeof(E) >= 4 ? 2 : 4;
+      launch_table(lists, UpdateOp<E, M, kUnroll>{wa, da, w < 0.5});
+    } else {
+      mt::multi_tensor_apply<2>(lists, UpdateOp<E, M>{wa, da, w < 0.5});
+    }
   };
   switch (m) {
     case at::kFloat:
@@ -148,21 +322,23 @@ void ema_update_cuda(at::TensorList ema, at::TensorList model, double decay) {
     g[1].push_back(model[i]);
   }
   const double w = model_weight(decay);
+  const bool table =
+      !ema_v1_forced() && at::cuda::currentStreamCaptureStatusMayInitCtx() == at::cuda::CaptureStatus::None;
   for (const auto& [key, lists] : groups) {
     const auto e = static_cast<at::ScalarType>(key.first);
     const auto m = static_cast<at::ScalarType>(key.second);
     switch (e) {
       case at::kFloat:
-        launch_update<float>(m, lists, w);
+        launch_update<float>(m, lists, w, table);
         break;
       case at::kDouble:
-        launch_update<double>(m, lists, w);
+        launch_update<double>(m, lists, w, table);
         break;
       case at::kHalf:
-        launch_update<c10::Half>(m, lists, w);
+        launch_update<c10::Half>(m, lists, w, table);
         break;
       case at::kBFloat16:
-        launch_update<c10::BFloat16>(m, lists, w);
+        launch_update<c10::BFloat16>(m, lists, w, table);
         break;
       default:
         TORCH_INTERNAL_ASSERT(false, "dtype was checked before");

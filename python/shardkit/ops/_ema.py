@@ -37,8 +37,13 @@ def _paired_lists(ema_tensors, model_tensors):
 def ema_update_(ema_tensors: Sequence[torch.Tensor], model_tensors: Sequence[torch.Tensor], decay: float) -> None:
     """In place, for every i: ``ema[i] <- ema[i] + (1 - decay) * (model[i] - ema[i])``.
 
-    One pass over memory (read ema, read model, write ema) for all tensors together: one
-    multi-tensor kernel family on CUDA, one multi-threaded vectorized loop on the CPU.
+    One pass over memory (read ema, read model, write ema) for all tensors together. On
+    CUDA: one launch per (ema dtype, model dtype) pair over a device-side table of the
+    tensors, built the first time a list of tensors is seen and cached (keyed by device,
+    stream, dtypes and every address and size, so reallocated tensors are never
+    mistaken); inside a CUDA-graph capture, or with the environment variable
+    ``SHARDKIT_EMA_V1=1``, the first launcher (addresses in the kernel arguments, a launch
+    per 96 tensors). On the CPU: one multi-threaded vectorized loop.
 
     Args:
         ema_tensors: list of N floating tensors (float32, float64, float16 or bfloat16),
