@@ -104,12 +104,20 @@ def time_median(fn, device, reps, warmup=2, sync="event", sync_after_warmup=Fals
     return statistics.median(time_all(fn, device, reps, warmup, sync, sync_after_warmup))
 
 
-def copy_bandwidth(nbytes, device, reps, warmup=2, sync="event", sync_after_warmup=False):
+def copy_bandwidth(nbytes, device, reps, warmup=2, sync="event", sync_after_warmup=False, burst=1):
     """Bytes/s of a device-local copy of a float32 tensor of ``nbytes`` bytes, read + write
-    counted (2 * nbytes per copy), from the median of ``reps`` timed ``copy_`` calls.
-    Timing arguments as :func:`time_all`. The benchmarks' memory-bound floor is their bytes
-    over this rate."""
+    counted (2 * nbytes per copy), from the median of ``reps`` timed ``copy_`` calls (each
+    timing ``burst`` calls back to back). Timing arguments as :func:`time_all`. The
+    benchmarks' memory-bound floor is their bytes over this rate."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
-    seconds = time_median(lambda: dst.copy_(src), device, reps, warmup, sync, sync_after_warmup)
-    return 2 * nbytes / seconds
+    seconds = time_median(burst_of(lambda: dst.copy_(src), burst), device, reps, warmup, sync, sync_after_warmup)
+    return 2 * nbytes * burst / seconds
+
+
+def burst_of(fn, burst):
+    """``fn`` called ``burst`` times back to back (one timing then covers them all: on a GPU
+    the host cost of one call then overlaps the device time of the previous one)."""
+    if burst == 1:
+        return fn
+    return lambda: [fn() for _ in range(burst)]

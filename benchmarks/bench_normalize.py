@@ -8,7 +8,8 @@ Peers (same run, same inputs):
 
 Floor: the op's bytes (1 read + out_bytes written per element) over the measured copy
 bandwidth (a same-size float copy). Medians over repeats; CUDA timing with events after a
-warm-up. Table on stdout; JSON + PNG in benchmarks/out/.
+warm-up, over --burst calls back to back (5 by default on CUDA: a single call's host cost,
+~20-30 us, would otherwise be timed too). Table on stdout; JSON + PNG in benchmarks/out/.
 
     python benchmarks/bench_normalize.py --device cpu
     python benchmarks/bench_normalize.py --device cuda
@@ -29,7 +30,7 @@ _SRC = os.path.join(HERE, "..", "python")
 if glob.glob(os.path.join(_SRC, "shardkit", "_C*")):  # an in-place build; else the installed shardkit
     sys.path.insert(0, _SRC)
 sys.path.insert(0, HERE)  # _timing, whatever the cwd (also under python -m)
-from _timing import copy_bandwidth, out_dir, time_median  # noqa: E402
+from _timing import burst_of, copy_bandwidth, out_dir, time_median  # noqa: E402
 
 from shardkit.ops import normalize_images  # noqa: E402
 
@@ -47,11 +48,21 @@ def main(argv=None):
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument(
+        "--burst",
+        type=int,
+        default=0,
+        help="calls timed back to back between two events, the figure per call (default: 1 on CPU, 5 on CUDA, "
+        "where one call's host time would otherwise be timed as well)",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--out", default=None, help="output folder (default: $SHARDKIT_BENCH_OUT or benchmarks/out)")
     args = ap.parse_args(argv)
     args.out = args.out or out_dir()
     device = torch.device(args.device)
+    if args.burst < 0:
+        ap.error("--burst takes a count >= 0 (0: the default)")
+    burst = args.burst or (1 if device.type == "cpu" else 5)
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA GPU is visible")
     if args.threads:
@@ -78,14 +89,18 @@ def main(argv=None):
         out_elem = torch.empty((), dtype=dtype).element_size()
         n = x.numel()
         # bytes/s of a same-size float copy (read + write), timed like the peers below
-        bandwidth = copy_bandwidth(n * 4, device, args.repeats, **TIMING)
+        bandwidth = copy_bandwidth(n * 4, device, args.repeats, burst=burst, **TIMING)
         floor = n * (1 + out_elem) / bandwidth
         ref = peers["chain"](x).double()
         got = peers["shardkit"](x).double()
         rel = float((got - ref).norm() / ref.norm())
-        times = {k: time_median(lambda f=f: f(x), device, args.repeats, **TIMING) for k, f in peers.items()}
+        times = {
+            k: time_median(burst_of(lambda f=f: f(x), burst), device, args.repeats, **TIMING) / burst
+            for k, f in peers.items()
+        }
         row = dict(
             shape=list(shape),
+            burst=burst,
             floor_s=floor,
             copy_bandwidth_GBps=bandwidth / 1e9,
             rel_err_vs_chain=rel,

@@ -256,8 +256,19 @@ def test_error_bad_arguments():
 
 # ---- GPU ------------------------------------------------------------------------------
 
-# Plane sizes divisible by 4 (vectorized path for C = 1, 3, 4) and not (generic path).
-GPU_SHAPES = [(1, 1, 1, 3), (2, 4, 4, 3), (3, 8, 12, 1), (2, 6, 6, 4), (4, 7, 9, 3), (2, 5, 8, 2), (64, 112, 112, 3)]
+# Plane sizes divisible by 4 (vectorized path for C = 1, 3, 4) and not (generic path); the
+# vectorized kernel's threads take 4 groups of 4 pixels each, and 37 x 64 x 52 leaves a last
+# turn with only some of them valid.
+GPU_SHAPES = [
+    (1, 1, 1, 3),
+    (2, 4, 4, 3),
+    (3, 8, 12, 1),
+    (2, 6, 6, 4),
+    (4, 7, 9, 3),
+    (2, 5, 8, 2),
+    (37, 64, 52, 3),
+    (64, 112, 112, 3),
+]
 
 
 @GPU

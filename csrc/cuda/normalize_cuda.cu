@@ -3,9 +3,10 @@
 //
 // The hot case is NHWC uint8 (what decoders and DataLoaders produce) to NCHW float. Flatten
 // each image's H x W plane to P pixels: out[n][c][p] = in[n][p][c] * scale[c] + shift[c].
-// A thread owns 4 consecutive pixels: it reads their 4*C bytes with C aligned 32-bit loads
+// A group of 4 consecutive pixels: a thread reads their 4*C bytes with C aligned 32-bit loads
 // (a warp reads one contiguous 128*C-byte span) and writes, per channel, 4 consecutive
-// outputs with one vector store (a warp writes one contiguous span per channel). Both sides
+// outputs with one vector store (a warp writes one contiguous span per channel); each
+// thread handles several groups at once, their loads issued together. Both sides
 // are coalesced without a shared-memory transpose. Other layout pairs use a simple
 // element-per-thread kernel (output-coalesced).
 
@@ -43,28 +44,47 @@ struct alignas(4 * sizeof(T)) Vec4 {
   T v[4];
 };
 
-// NHWC -> NCHW, CT channels known at compile time, P % 4 == 0, input 4-byte aligned.
+// NHWC -> NCHW, CT channels known at compile time, P % 4 == 0, input 4-byte aligned. A
+// thread takes kGroups groups of 4 pixels per loop turn, blockDim.x groups apart (each of
+// its loads is still one coalesced span per warp), and issues all their loads before any
+// store: kGroups * CT loads in flight per thread instead of CT.
+constexpr int kGroups = 4;
+
 template <typename T, typename acc_t, int CT>
 __global__ void nhwc_to_nchw_vec4(const uint8_t* __restrict__ in, T* __restrict__ out,
                                   int64_t groups_per_image, int64_t total_groups, int64_t P,
                                   Affine<acc_t> aff) {
-  for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < total_groups;
-       g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t n = g / groups_per_image;
-    const int64_t p = (g - n * groups_per_image) * kPix;
-    // 4 pixels x CT channels = CT 32-bit words, contiguous and aligned.
-    const uint32_t* src = reinterpret_cast<const uint32_t*>(in + (n * P + p) * CT);
-    uint32_t words[CT];
+  const int64_t step = blockDim.x;
+  for (int64_t g0 = blockIdx.x * step * kGroups + threadIdx.x; g0 < total_groups;
+       g0 += static_cast<int64_t>(gridDim.x) * step * kGroups) {
+    uint32_t words[kGroups][CT];
+    int64_t dst[kGroups];  // n * CT * P + p: the first channel's first output of the group
 #pragma unroll
-    for (int k = 0; k < CT; ++k) words[k] = __ldg(src + k);
-    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(words);
+    for (int u = 0; u < kGroups; ++u) {
+      const int64_t g = g0 + u * step;
+      if (g < total_groups) {
+        const int64_t n = g / groups_per_image;
+        const int64_t p = (g - n * groups_per_image) * kPix;
+        // 4 pixels x CT channels = CT 32-bit words, contiguous and aligned.
+        const uint32_t* src = reinterpret_cast<const uint32_t*>(in + (n * P + p) * CT);
 #pragma unroll
-    for (int c = 0; c < CT; ++c) {
-      Vec4<T> o;
+        for (int k = 0; k < CT; ++k) words[u][k] = __ldg(src + k);
+        dst[u] = n * CT * P + p;
+      }
+    }
 #pragma unroll
-      for (int j = 0; j < kPix; ++j)
-        o.v[j] = static_cast<T>(static_cast<acc_t>(bytes[j * CT + c]) * aff.scale[c] + aff.shift[c]);
-      *reinterpret_cast<Vec4<T>*>(out + (n * CT + c) * P + p) = o;
+    for (int u = 0; u < kGroups; ++u) {
+      if (g0 + u * step < total_groups) {
+        const uint8_t* bytes = reinterpret_cast<const uint8_t*>(words[u]);
+#pragma unroll
+        for (int c = 0; c < CT; ++c) {
+          Vec4<T> o;
+#pragma unroll
+          for (int j = 0; j < kPix; ++j)
+            o.v[j] = static_cast<T>(static_cast<acc_t>(bytes[j * CT + c]) * aff.scale[c] + aff.shift[c]);
+          *reinterpret_cast<Vec4<T>*>(out + dst[u] + c * P) = o;
+        }
+      }
     }
   }
 }
@@ -108,7 +128,8 @@ bool try_vec4(const Plan& p, const Affine<acc_t>& aff, cudaStream_t stream) {
       reinterpret_cast<uintptr_t>(out) % (kPix * sizeof(T)) != 0)
     return false;
   const int64_t gpi = P / kPix, total = p.N * gpi;
-  nhwc_to_nchw_vec4<T, acc_t, CT><<<blocks_for(total), kThreads, 0, stream>>>(in, out, gpi, total, P, aff);
+  nhwc_to_nchw_vec4<T, acc_t, CT>
+      <<<blocks_for((total + kGroups - 1) / kGroups), kThreads, 0, stream>>>(in, out, gpi, total, P, aff);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return true;
 }
