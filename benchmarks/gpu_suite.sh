@@ -6,7 +6,8 @@
 # is needed: the peer libraries come from wheels/ (benchmarks/fetch_wheels.sh fetches them).
 #
 #   bash benchmarks/gpu_suite.sh quick     # the most informative 10 minutes (tests, memcheck, CE)
-#   bash benchmarks/gpu_suite.sh quick-b   # its follow-up: EMA and normalize bandwidth
+#   bash benchmarks/gpu_suite.sh quick-b   # its follow-up: EMA and normalize bandwidth, CE profiles
+#   bash benchmarks/gpu_suite.sh rest      # the CPU tests (-m 'not gpu') on the CUDA machine
 #   bash benchmarks/gpu_suite.sh test      # GPU tests, compute-sanitizer, then the rest of the tests
 #   bash benchmarks/gpu_suite.sh bench-a   # ce-kernels, ema, normalize, parallel, distributed, pipeline
 #   bash benchmarks/gpu_suite.sh bench-b   # the sharded-loss benchmark, then the largest C per method
@@ -58,7 +59,7 @@
 #     bench-maxc ~3-4 min [240, or what is left]: the searches share $STEP_CAP - 30 s (shardkit
 #       2 shares, the 4 others 1 each); a search cut short reports its lower bound.
 set -u
-STAGE=${1:?usage: gpu_suite.sh quick|quick-b|test|bench-a|bench-b [budget_s]}
+STAGE=${1:?usage: gpu_suite.sh quick|quick-b|rest|test|bench-a|bench-b [budget_s]}
 BUDGET=${2:-540}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -220,11 +221,11 @@ case "$STAGE" in
     info; wheels; build
     step tests-gpu 180 "$PY -m pytest -m gpu tests $PYTEST_OPTS --timeout=60 -q --junitxml=$WORK/out/junit_gpu.xml"
     step sanitize-memcheck 90 "$SAN --tool memcheck $PY benchmarks/sanitize_smoke.py"
-    # The second kernel set of the sharded loss (SHARDKIT_CE_V2=1): its tests and sanitizers,
+    # The first kernel set of the sharded loss (SHARDKIT_CE_V2=0): its tests and sanitizers,
     # then both sets timed side by side (and compared) in one process.
-    step tests-gpu-v2 120 "SHARDKIT_CE_V2=1 $PY -m pytest -m gpu tests/test_softmax_*.py $PYTEST_OPTS --timeout=60 -q"
-    step sanitize-v2 90 "SHARDKIT_CE_V2=1 $SAN --tool memcheck $PY benchmarks/sanitize_smoke.py && \
-      SHARDKIT_CE_V2=1 $SAN --tool racecheck $PY benchmarks/sanitize_smoke.py"
+    step tests-gpu-v1 120 "SHARDKIT_CE_V2=0 $PY -m pytest -m gpu tests/test_softmax_*.py $PYTEST_OPTS --timeout=60 -q"
+    step sanitize-racecheck 90 "$SAN --tool racecheck $PY benchmarks/sanitize_smoke.py && \
+      SHARDKIT_CE_V2=0 $SAN --tool memcheck $PY benchmarks/sanitize_smoke.py"
     step bench-ce-kernels 120 "$B/bench_sharded_ce_kernels.py --device cuda --batch 1024 --dim 512 \
       --classes 1000000 --dtype bfloat16 --reps 10 --chunks 16384,65536 --kernels v1,v2 && \
       $B/bench_sharded_ce_kernels.py --device cuda --batch 256 --dim 512 --classes 1000000 \
@@ -232,10 +233,39 @@ case "$STAGE" in
     step bench-sharded-loss 400 "$B/bench_sharded_loss.py --device cuda --batch 1024 --method-budget 3"
     ;;
   quick-b)
-    # A short follow-up to quick: the EMA and normalize bandwidth figures.
-    info; build
+    # A short follow-up to quick: the EMA and normalize bandwidth figures (the EMA's device
+    # table against its first launcher, shardkit_v1, in the same rounds), the per-kernel
+    # profile of a 1M-class step under both kernel sets, the EMA's host and device time,
+    # Nsight Compute on normalize, the sharded loss at B=256 and two larger chunk sizes.
+    info; wheels; build
     step bench-ema 120 "$B/bench_ema.py --device cuda --reps 20"
     step bench-normalize 60 "$B/bench_normalize.py --device cuda && $B/bench_normalize.py --device cuda --dtype bfloat16"
+    step profile-ce 90 "$B/profile_sharded_ce.py && SHARDKIT_CE_V2=0 $B/profile_sharded_ce.py"
+    # Host against device time of an EMA update (ResNet-50: many small tensors).
+    step profile-ema 60 "$B/profile_ema.py"
+    # Nsight Compute on the normalize kernel at [256, 224, 224, 3] (fp32, then bf16 output).
+    cat > "$WORK/ncu_normalize.py" <<'PYEOF'
+import torch
+import shardkit
+x = torch.randint(0, 256, (256, 224, 224, 3), dtype=torch.uint8, device="cuda")
+for dt in (torch.float32, torch.bfloat16):
+    shardkit.ops.normalize_images(x, [0.5, 0.4, 0.3], [0.25, 0.2, 0.3], dtype=dt)
+torch.cuda.synchronize()
+PYEOF
+    step ncu-normalize 60 "\$(command -v ncu || echo /usr/local/cuda/bin/ncu) -k regex:nhwc_to_nchw -c 2 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+      --section WarpStateStats $PY $WORK/ncu_normalize.py"
+    # The sharded loss at B=256 against its peers, and the chunk size the default kernels would
+    # need to reach the B=1024 figures of a larger budget.
+    step bench-sharded-loss-256 150 "$B/bench_sharded_loss.py --device cuda --batch 256 --method-budget 3"
+    step bench-ce-chunks 60 "$B/bench_sharded_ce_kernels.py --device cuda --batch 1024 --dim 512 \
+      --classes 1000000 --dtype bfloat16 --reps 10 --chunks 26176,32768"
+    ;;
+  rest)
+    # The CPU suite on the CUDA machine (as the test stage's last step, without the rest).
+    info; build
+    XDIST=""; $PY -c "import xdist" 2>/dev/null && XDIST="-n 8"
+    step tests-rest 400 "$PY -m pytest -m 'not gpu' tests $PYTEST_OPTS -q $XDIST --junitxml=$WORK/out/junit_rest.xml"
     ;;
   bench-a)
     info; wheels; build
@@ -255,6 +285,6 @@ case "$STAGE" in
     # The largest-C searches share what the step's cap leaves after start-up and saving.
     step bench-maxc 240 "$B/bench_sharded_loss.py --device cuda --max-classes-only --search-total \$((STEP_CAP - 30))"
     ;;
-  *) echo "unknown stage $STAGE (quick, quick-b, test, bench-a, bench-b)"; exit 2 ;;
+  *) echo "unknown stage $STAGE (quick, quick-b, rest, test, bench-a, bench-b)"; exit 2 ;;
 esac
 finish

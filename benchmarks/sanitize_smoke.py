@@ -3,7 +3,7 @@
 One sharded-loss forward+backward per mode (plain bf16 and ArcFace-normalized fp32, each
 over several chunks, a batch that is no multiple of a warp or a vector width, a target
 in the last, partial chunk; and plain bf16 in one chunk of 4103 classes, which the second
-kernel set, SHARDKIT_CE_V2=1, splits into column ranges per row), one ModelEMA update per
+kernel set, the default, splits into column ranges per row), one ModelEMA update per
 model dtype (fp32 and bf16 models, fp32 EMA) and one normalize call per output dtype
 (fp32, bf16; the vectorized path and the generic one). Sizes are tiny: under racecheck
 every shared-memory access is tracked, which slows kernels by orders of magnitude. Each

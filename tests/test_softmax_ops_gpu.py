@@ -30,9 +30,10 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(autouse=True, params=["v1", "v2"])
 def kernel_set(request, monkeypatch):
-    # Every test here runs on both CUDA kernel sets of the op: the first kernels and the
-    # second (SHARDKIT_CE_V2=1: column-range statistics, vectorized dlogits, direct 16-bit dW,
-    # fp32-accumulated dX), which must give the same results within the same tolerances.
+    # Every test here runs on both CUDA kernel sets of the op: the first kernels
+    # (SHARDKIT_CE_V2=0) and the second, the default (column-range statistics, vectorized
+    # dlogits, direct 16-bit dW, fp32-accumulated dX), which must give the same results
+    # within the same tolerances.
     monkeypatch.setenv("SHARDKIT_CE_V2", "1" if request.param == "v2" else "0")
     return request.param
 

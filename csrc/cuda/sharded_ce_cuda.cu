@@ -265,16 +265,17 @@ namespace shardkit {
 namespace sce {
 namespace {
 
-// SHARDKIT_CE_V2=1 selects the wider statistics / dlogit kernels (sharded_ce_v2.cuh), the
-// dW GEMM written straight in a 16-bit gradient's dtype and dX accumulated by the GEMM
-// (beta = 1) in fp32; unset or 0: the first kernels. Read on every call, so a process can
-// compare both.
+// The wider statistics / dlogit kernels (sharded_ce_v2.cuh), the dW GEMM written straight in
+// a 16-bit gradient's dtype and dX accumulated by the GEMM (beta = 1) in fp32 are the default
+// (validated and timed on an H100, benchmarks/RESULTS.md); SHARDKIT_CE_V2=0 selects the first
+// kernels (for bisecting and for the benchmark's before/after). Read on every call, so a
+// process can compare both.
 bool ce_v2_enabled() {
   const char* e = std::getenv("SHARDKIT_CE_V2");
-  if (e == nullptr || *e == '\0' || std::strcmp(e, "0") == 0) return false;
-  if (std::strcmp(e, "1") == 0) return true;
-  TORCH_WARN_ONCE("SHARDKIT_CE_V2=", e, " is neither 0 nor 1: the first kernels run");
-  return false;
+  if (e == nullptr || *e == '\0' || std::strcmp(e, "1") == 0) return true;
+  if (std::strcmp(e, "0") == 0) return false;
+  TORCH_WARN_ONCE("SHARDKIT_CE_V2=", e, " is neither 0 nor 1: the default (second) kernels run");
+  return true;
 }
 
 bool is_aligned(const void* ptr, size_t bytes) {
@@ -462,8 +463,9 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
   // Mixed mode (fp32 w, 16-bit x): w's chunks converted into wbuf (x's dtype); dW is the fp32
   // GEMM output written straight into grad_w (fp32), so no fp32 temporary tbuf.
   const bool mixed = w.scalar_type() != dt;
-  // SHARDKIT_CE_V2=1: the wider dlogit kernel; 16-bit plain dW straight from the GEMM in the
-  // gradient's dtype (no fp32 temporary, no fix-up); dX accumulated by the GEMM in fp32.
+  // The second kernels (the default; SHARDKIT_CE_V2=0: the first): the wider dlogit kernel; 16-bit plain dW
+  // straight from the GEMM in the gradient's dtype (no fp32 temporary, no fix-up); dX accumulated by the GEMM
+  // in fp32.
   const bool v2 = ce_v2_enabled() && acc == at::kFloat;
   const bool dw_direct = v2 && low && !mixed && !normalize;
   Tensor lbuf = at::empty({B * chunk}, opts);
