@@ -256,7 +256,7 @@ class ModelEMA:
             src = [m if m.device == e.device else m.to(e.device, non_blocking=True) for e, m in zip(self._ema, src)]
         try:
             for ema_k, idx_k in self._avg_groups:
-                torch.ops.shardkit.ema_update_(ema_k, [src[i] for i in idx_k], d)
+                torch.ops.shardkit.ema_update_.default(ema_k, [src[i] for i in idx_k], d)
             if self._cp_e:
                 torch._foreach_copy_(self._cp_e, [src[i] for i in self._cp_idx])
         except RuntimeError:
