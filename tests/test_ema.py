@@ -614,3 +614,44 @@ def test_decays_0_and_1_are_exact_whatever_the_values(ema_dtype, model_dtype, de
         ema_update_([ema_t], [model_t], 0.0)
         want = model_t.to(ema_dtype)
         assert torch.equal(ema_t.nan_to_num(), want.nan_to_num()) and torch.equal(ema_t.isnan(), want.isnan())
+
+
+def test_updates_through_the_cpp_updaters_equal_the_op_and_follow_the_model():
+    # ModelEMA passes its tensor lists to C++ EmaUpdater objects once and then only the decay;
+    # the result must equal the op called on fresh lists, after parameters are replaced (new
+    # objects: the updaters are rebuilt) and after a tensor's storage is swapped under the same
+    # object (the updaters hold the tensor itself, so they read the new storage).
+    net = Net()
+    ema = shardkit.ModelEMA(net, decay=0.7, tau=None)
+    names = list(ema.module.state_dict())
+    ref = [t.detach().clone() for t in ema.module.state_dict().values()]
+    for i in range(7):
+        train_step(net)
+        if i == 2:
+            net.fc.weight = nn.Parameter(torch.randn(5, 8))
+        if i == 4:
+            with torch.no_grad():
+                net.conv.weight.data = torch.randn_like(net.conv.weight)
+        d = ema.get_decay(ema.updates + 1)
+        ema.update(net)
+        built = ema._tracker._updaters[0][1]
+        sd = net.state_dict()
+        for r, k in zip(ref, names):
+            if r.is_floating_point():
+                shardkit.ops.ema_update_([r], [sd[k]], d)
+            else:
+                r.copy_(sd[k])
+        out = ema.module.state_dict()
+        for r, k in zip(ref, names):
+            assert torch.equal(out[k], r), (i, k)
+        ema.update(net)  # the same tensors: the same updaters
+        assert ema._tracker._updaters[0][1] is built
+        for r, k in zip(ref, names):
+            if r.is_floating_point():
+                shardkit.ops.ema_update_([r], [sd[k]], ema.get_decay(ema.updates))
+            else:
+                r.copy_(sd[k])
+    with pytest.raises(RuntimeError, match="`ema` and `model` must have the same length"):
+        torch.classes.shardkit.EmaUpdater([torch.zeros(2)], [], [], [])
+    with pytest.raises(RuntimeError, match="`copy_to` and `copy_from` must have the same length"):
+        torch.classes.shardkit.EmaUpdater([], [], [torch.zeros(2)], [])

@@ -26,7 +26,7 @@ from shardkit.ema.checks import (
     check_schedule,
 )
 from shardkit.ema.stage import HostStage
-from shardkit.ema.structure import ModelTracker, _slots, _unwrap, check_no_complex, check_structure
+from shardkit.ema.structure import ModelTracker, _slots, _unwrap, apply_update, check_no_complex, check_structure
 from shardkit.ops._ema import ema_swap_, ema_unswap_
 
 __all__ = ["ModelEMA"]
@@ -250,15 +250,13 @@ class ModelEMA:
             self._apply(src, d)
 
     def _apply(self, src, d):
-        # The hot path: list comprehensions and one fused op call per device (plus one foreach
-        # copy for integer buffers); devices are compared on the first and last tensors.
-        if src and (src[0].device != self._ema[0].device or src[-1].device != self._ema[-1].device):
+        # The hot path (structure.apply_update: the tracker's C++ updaters, or one fused op call
+        # per device); devices are compared on the first and last tensors.
+        moved = src and (src[0].device != self._ema[0].device or src[-1].device != self._ema[-1].device)
+        if moved:
             src = [m if m.device == e.device else m.to(e.device, non_blocking=True) for e, m in zip(self._ema, src)]
         try:
-            for ema_k, idx_k in self._avg_groups:
-                torch.ops.shardkit.ema_update_.default(ema_k, [src[i] for i in idx_k], d)
-            if self._cp_e:
-                torch._foreach_copy_(self._cp_e, [src[i] for i in self._cp_idx])
+            apply_update(None if moved else self._tracker, self._avg_groups, self._cp_e, self._cp_idx, src, d)
         except RuntimeError:
             # e.g. a tensor reshaped in place: name it rather than an index of the op's lists
             model = self._tracker.model() if self._tracker is not None else None

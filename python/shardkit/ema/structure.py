@@ -4,6 +4,7 @@ against the EMA's, and noticing cheaply, on every update, that the model has cha
 import operator
 import weakref
 
+import torch
 from torch import nn
 
 __all__ = ["ModelTracker", "check_structure", "check_no_complex"]
@@ -115,6 +116,24 @@ class ModelTracker:
         self._child_keys = [k for _, k, _ in children]
         self._child_mods = [c for _, _, c in children]
         self._tensors = list(map(dict.get, self._owner, self._key))
+        self._updaters = []  # [(the src tensors, their EmaUpdater objects)], the newest first
+
+    def run_updaters(self, groups, copy_to, copy_idx, src, d):
+        """One update through C++ ``EmaUpdater`` objects (one per device group), built for the
+        tensors of ``src`` and reused while the same tensor objects come again: then only ``d``
+        crosses into C++ (each call still runs the op's checks and version bumps). Two sets
+        are kept: a CPU EMA of a GPU model alternates between two sets of staging buffers."""
+        ups = next(
+            (u for seen, u in self._updaters if len(src) == len(seen) and all(map(operator.is_, src, seen))), None
+        )
+        if ups is None:
+            make = torch.classes.shardkit.EmaUpdater
+            ups = [make(e, [src[i] for i in idx], [], []) for e, idx in groups]
+            if copy_to:
+                ups.append(make([], [], copy_to, [src[i] for i in copy_idx]))
+            self._updaters = [(list(src), ups)] + self._updaters[:1]
+        for u in ups:
+            u.update(d)
 
     def tensors(self, where: str) -> list:
         tensors = list(map(dict.get, self._owner, self._key))  # a removed entry reads None
@@ -126,3 +145,17 @@ class ModelTracker:
             return tensors
         self._snapshot(self.model(), where)
         return list(self._tensors)
+
+
+def apply_update(tracker, groups, copy_to, copy_idx, src, d):
+    """``ModelEMA``'s update of its EMA tensors from ``src`` (the model's, in the EMA's order,
+    on the EMA's devices) with decay ``d``: ``groups`` are (EMA tensors, indices into ``src``)
+    per device, ``copy_to`` the integer buffers copied from ``src[copy_idx]``. Through the
+    tracker's C++ updaters when there is a tracker (not while torch.compile traces: it calls
+    the ops), else one fused op call per group and one foreach copy."""
+    if tracker is not None and not torch.compiler.is_compiling():
+        return tracker.run_updaters(groups, copy_to, copy_idx, src, d)
+    for ema_k, idx_k in groups:
+        torch.ops.shardkit.ema_update_.default(ema_k, [src[i] for i in idx_k], d)
+    if copy_to:
+        torch._foreach_copy_(copy_to, [src[i] for i in copy_idx])
