@@ -28,8 +28,6 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <list>
 #include <map>
 #include <mutex>
@@ -38,6 +36,7 @@
 #include <vector>
 
 #include "ema_common.h"
+#include "env_flag.h"
 #include "multi_tensor.cuh"
 
 namespace {
@@ -268,11 +267,7 @@ void launch_table(const Lists& lists, const Op& op) {
 // SHARDKIT_EMA_V1=1: the first launcher for every update (read on every call, so one process
 // can time both); unset or 0: the table path.
 bool ema_v1_forced() {
-  const char* v = std::getenv("SHARDKIT_EMA_V1");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "0") == 0) return false;
-  if (std::strcmp(v, "1") == 0) return true;
-  TORCH_WARN_ONCE("SHARDKIT_EMA_V1=", v, " is neither 0 nor 1: the table path runs");
-  return false;
+  return shardkit::env_flag("SHARDKIT_EMA_V1", false, "the table path runs");
 }
 
 template <typename E>

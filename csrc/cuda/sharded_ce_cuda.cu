@@ -22,11 +22,10 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <limits>
 
 #include "sharded_ce_common.h"
+#include "env_flag.h"
 
 namespace shardkit {
 namespace sce {
@@ -271,11 +270,7 @@ namespace {
 // kernels (for bisecting and for the benchmark's before/after). Read on every call, so a
 // process can compare both.
 bool ce_v2_enabled() {
-  const char* e = std::getenv("SHARDKIT_CE_V2");
-  if (e == nullptr || *e == '\0' || std::strcmp(e, "1") == 0) return true;
-  if (std::strcmp(e, "0") == 0) return false;
-  TORCH_WARN_ONCE("SHARDKIT_CE_V2=", e, " is neither 0 nor 1: the default (second) kernels run");
-  return true;
+  return env_flag("SHARDKIT_CE_V2", true, "the default (second) kernels run");
 }
 
 bool is_aligned(const void* ptr, size_t bytes) {
