@@ -9,8 +9,10 @@ The scripts import this module as ``_timing`` after putting their own folder on
 ``sys.path``, so they run from any working directory and with ``python -m``.
 """
 
+import glob
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -19,6 +21,16 @@ import torch
 # folder named by SHARDKIT_BENCH_OUT (benchmarks/gpu_suite.sh points it into its own
 # output folder, so one run's files are collected in one place).
 OUT_ENV = "SHARDKIT_BENCH_OUT"
+
+
+def prefer_in_place_build():
+    """Put the source tree's ``python/`` first on ``sys.path`` when it holds an in-place build
+    of the extension (``python setup.py build_ext --inplace``); else the installed shardkit is
+    the one imported (a source tree without ``_C`` would shadow it). Call before importing
+    shardkit."""
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")
+    if glob.glob(os.path.join(src, "shardkit", "_C*")):
+        sys.path.insert(0, src)
 
 
 def out_dir():

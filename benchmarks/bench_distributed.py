@@ -28,7 +28,6 @@ reduce per rank of the fp32 embedding gradient, a .item() in backward, and the k
 """
 
 import argparse
-import glob
 import json
 import os
 import queue as queue_mod
@@ -42,10 +41,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-_SRC = os.path.join(HERE, "..", "python")
-if glob.glob(os.path.join(_SRC, "shardkit", "_C*")):  # an in-place build; else the installed shardkit
-    sys.path.insert(0, _SRC)
 sys.path.insert(0, HERE)  # _timing, whatever the cwd (also under python -m)
+import _timing  # noqa: E402
+
+_timing.prefer_in_place_build()  # before the first import of shardkit
 from _timing import out_dir, target_line, time_once  # noqa: E402
 
 import shardkit  # noqa: E402

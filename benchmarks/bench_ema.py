@@ -42,7 +42,7 @@ from torch import nn
 import shardkit
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _timing, whatever the cwd
-from _timing import cpu_description, out_dir, target_line, time_once  # noqa: E402
+from _timing import burst_of, cpu_description, out_dir, target_line, time_once  # noqa: E402
 
 
 # ---- models ---------------------------------------------------------------------------
@@ -336,7 +336,7 @@ def run_case(which, dtype_name, device, methods, reps, loop_max_params, burst=1)
     names = list(impls)
 
     def timed(fn):  # seconds per call, over `burst` back-to-back calls between two events
-        return time_once(lambda: [fn() for _ in range(burst)], device) / burst
+        return time_once(burst_of(fn, burst), device) / burst
 
     for r in range(reps):
         for k, fn in copies.items():

@@ -18,7 +18,6 @@ warm-up, over --burst calls back to back (5 by default on CUDA: a single call's 
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import sys
@@ -26,10 +25,10 @@ import sys
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-_SRC = os.path.join(HERE, "..", "python")
-if glob.glob(os.path.join(_SRC, "shardkit", "_C*")):  # an in-place build; else the installed shardkit
-    sys.path.insert(0, _SRC)
 sys.path.insert(0, HERE)  # _timing, whatever the cwd (also under python -m)
+import _timing  # noqa: E402
+
+_timing.prefer_in_place_build()  # before the first import of shardkit
 from _timing import burst_of, copy_bandwidth, out_dir, time_median  # noqa: E402
 
 from shardkit.ops import normalize_images  # noqa: E402

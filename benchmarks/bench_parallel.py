@@ -21,7 +21,6 @@ Writes benchmarks/out/bench_parallel_<device>.json and .png.
 """
 
 import argparse
-import glob
 import json
 import os
 import statistics
@@ -31,10 +30,10 @@ import torch
 from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-_SRC = os.path.join(HERE, "..", "python")
-if glob.glob(os.path.join(_SRC, "shardkit", "_C*")):  # an in-place build; else the installed shardkit
-    sys.path.insert(0, _SRC)
 sys.path.insert(0, HERE)  # _timing, whatever the cwd (also under python -m)
+import _timing  # noqa: E402
+
+_timing.prefer_in_place_build()  # before the first import of shardkit
 from _timing import copy_bandwidth, out_dir, target_line, time_once  # noqa: E402
 
 from shardkit.parallel import DataParallelCriterion  # noqa: E402

@@ -40,7 +40,6 @@ Targets (issues 3 and 10) are printed as TARGET lines.
 """
 
 import argparse
-import glob
 import json
 import os
 import statistics
@@ -52,10 +51,10 @@ import torch
 import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-_SRC = os.path.join(HERE, "..", "python")
-if glob.glob(os.path.join(_SRC, "shardkit", "_C*")):  # an in-place build; else the installed shardkit
-    sys.path.insert(0, _SRC)
 sys.path.insert(0, HERE)  # _timing, whatever the cwd (also under python -m)
+import _timing  # noqa: E402
+
+_timing.prefer_in_place_build()  # before the first import of shardkit
 
 from _sharded_loss_report import PEERS, check_largest_target, check_shape_targets, save  # noqa: E402
 from _timing import cpu_description, time_all, time_once  # noqa: E402

@@ -17,16 +17,17 @@ sanitizer report.
 """
 
 import argparse
-import glob
 import os
 import sys
 
 import torch
 from torch import nn
 
-_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python")
-if glob.glob(os.path.join(_SRC, "shardkit", "_C*")):  # an in-place build; else the installed shardkit
-    sys.path.insert(0, _SRC)
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # _timing, whatever the cwd (also under python -m)
+import _timing  # noqa: E402
+
+_timing.prefer_in_place_build()  # before the first import of shardkit
 import shardkit  # noqa: E402
 from shardkit.softmax.margins import ArcFace  # noqa: E402
 
