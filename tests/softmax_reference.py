@@ -122,6 +122,26 @@ def reference_loss_and_grads(
     return ReferenceGrads(loss.detach(), gx, gw)
 
 
+def reference_grad_x_terms(
+    x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, grad_out: Optional[torch.Tensor] = None, **kwargs
+) -> float:
+    """The size of the terms whose sum is d loss / d x, for unnormalized logits: the norm of
+    ``|dL/dz| @ |scale * w|`` (float64), i.e. the gradient with every term taken positive.
+    Any float32 computation of grad_x rounds at ~2^-24 times this, however small cancellation
+    makes grad_x itself (with D = 1 and one row, grad_x is one sum of C signed terms). For
+    normalized logits it returns 0.0 (no such bound is computed; callers compare plainly).
+    """
+    if kwargs.get("normalize", False):
+        return 0.0
+    loss_kwargs = {k: v for k, v in kwargs.items() if k in ("label_smoothing", "ignore_index", "reduction")}
+    logit_kwargs = {k: v for k, v in kwargs.items() if k not in loss_kwargs}
+    z = full_logits(x.detach().double(), w.detach().double(), labels, **logit_kwargs).requires_grad_(True)
+    loss = F.cross_entropy(z, labels.long(), **loss_kwargs)
+    grad_out = torch.ones_like(loss) if grad_out is None else grad_out.double()
+    (dz,) = torch.autograd.grad(loss, z, grad_out)
+    return float((dz.abs() @ (kwargs.get("scale", 1.0) * w.detach().double()).abs()).norm())
+
+
 def reference_lse(x, w, labels, **kwargs) -> torch.Tensor:
     """Per-row log-sum-exp [B] float64 over all C classes of the logits the loss uses
     (margin applied at the target column)."""
