@@ -58,10 +58,10 @@ def make_data(seed):
         for name, (_, _, _, _, layout, _, classes, sizes_fn) in SCENARIOS.items():
             sizes = sizes_fn(world)
             batch = sizes[0] if layout == "replicated" else sum(sizes)
-            labels = torch.randint(0, classes, (batch,), generator=gen)
-            labels[torch.rand(batch, generator=gen) < 0.15] = IGNORE.get(name, -100)
             ignore = IGNORE.get(name, -100)
-            if int(labels[0]) == ignore or int(labels[0]) < 0:  # at least one counted row
+            labels = torch.randint(0, classes, (batch,), generator=gen)
+            labels[torch.rand(batch, generator=gen) < 0.15] = ignore
+            if int(labels[0]) == ignore:  # at least one counted row
                 labels[0] = (ignore + 1) % classes if ignore >= 0 else 0
             data[(world, name)] = dict(
                 x=torch.randn(batch, D, generator=gen, dtype=torch.float64),
