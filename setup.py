@@ -12,13 +12,20 @@ Switches (environment variables):
   default is ``9.0`` (Hopper).
 * ``FORCE_CPU=1``   build the CPU kernels only, even where CUDA is available.
 * ``SHARDKIT_DEBUG=1`` compile with ``-O0 -g``.
+* ``CUTLASS_PATH=/path/to/cutlass`` CUTLASS's checkout for the fused Hopper kernels (its
+  ``include/``); without it the headers of the ``nvidia-cutlass`` package are used where it
+  is installed (``pip install nvidia-cutlass==4.2.0.0``).  Without either, or without 9.0 in
+  the architectures, the build leaves the fused kernels out (the unfused ones run everywhere).
+  With them, architecture 9.0 is built as ``9.0a`` (the warpgroup-MMA instructions need it).
 
 Without either switch, CUDA kernels are built when torch has CUDA, ``nvcc`` is
 found and a GPU is visible.
 """
 
 import glob
+import importlib.util
 import os
+import re
 import sys
 
 import torch
@@ -75,6 +82,45 @@ def _write_build_info(with_cuda, reason):
 
 _BUILD_INFO = {}
 
+# The CUTLASS release the fused kernels are written and tested against.
+CUTLASS_VERSION = (4, 2)
+
+
+def _cutlass_include():
+    """(include dir, reason): CUTLASS's headers from $CUTLASS_PATH/include or the nvidia-cutlass
+    package, at the pinned version; (None, why not) when there are none."""
+    candidates = []
+    if os.environ.get("CUTLASS_PATH"):
+        candidates.append(os.path.join(os.environ["CUTLASS_PATH"], "include"))
+    spec = importlib.util.find_spec("cutlass_library")  # located, not imported
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        candidates.append(os.path.join(loc, "source", "include"))
+    for inc in candidates:
+        version_h = os.path.join(inc, "cutlass", "version.h")
+        if not (os.path.isfile(version_h) and os.path.isdir(os.path.join(inc, "cute"))):
+            continue
+        with open(version_h) as f:
+            text = f.read()
+        got = tuple(int(re.search(rf"#define CUTLASS_{k} (\d+)", text).group(1)) for k in ("MAJOR", "MINOR"))
+        if got != CUTLASS_VERSION:
+            return None, f"CUTLASS {got[0]}.{got[1]} at {inc}, not the pinned {CUTLASS_VERSION[0]}.{CUTLASS_VERSION[1]}"
+        return inc, f"CUTLASS {got[0]}.{got[1]} at {inc}"
+    return None, "no CUTLASS headers (pip install nvidia-cutlass==4.2.0.0, or set CUTLASS_PATH)"
+
+
+def _hopper_arch_list(arch):
+    """The architecture list with 9.0 as 9.0a (None if it has no 9.0: no fused kernels)."""
+    out, hopper = [], False
+    for a in arch.replace(" ", ";").split(";"):
+        if a in ("9.0", "9.0a"):
+            a, hopper = "9.0a", True
+        elif a == "9.0+PTX":  # keep the portable PTX, add the sm_90a code
+            out.append(a)
+            a, hopper = "9.0a", True
+        if a and a not in out:
+            out.append(a)
+    return ";".join(out) if hopper else None
+
 
 def _write_record(path):
     with open(path, "w") as f:
@@ -114,8 +160,24 @@ def _extension():
     define_macros = []
     extra_link = ["-fopenmp"]
     if with_cuda:
-        if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
-            os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
+        if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+            if torch.cuda.is_available():  # the visible GPUs, as torch would choose
+                caps = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
+                os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(f"{a}.{b}" for a, b in sorted(caps))
+            else:
+                os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
+        cutlass_inc, cutlass_why = _cutlass_include()
+        hopper = _hopper_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
+        include_dirs = [os.path.join(ROOT, "csrc")]
+        if cutlass_inc and hopper:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = hopper
+            include_dirs.append(cutlass_inc)
+            define_macros.append(("SHARDKIT_WITH_CUTLASS", None))
+            print(f"shardkit setup: fused sm90 kernels with {cutlass_why}", flush=True)
+        else:
+            why = cutlass_why if not cutlass_inc else "no 9.0 in TORCH_CUDA_ARCH_LIST"
+            print(f"shardkit setup: fused sm90 kernels left out ({why})", flush=True)
+        _BUILD_INFO["fused_kernels"] = bool(cutlass_inc and hopper)
         sources += sorted(
             glob.glob(os.path.join("csrc", "cuda", "*.cu")) + glob.glob(os.path.join("csrc", "cuda", "*.cpp"))
         )
@@ -134,7 +196,7 @@ def _extension():
         return CUDAExtension(
             "shardkit._C",
             sources,
-            include_dirs=[os.path.join(ROOT, "csrc")],
+            include_dirs=include_dirs,
             define_macros=define_macros,
             extra_compile_args={"cxx": cxx, "nvcc": nvcc},
             extra_link_args=extra_link + ["-lcublas"],
