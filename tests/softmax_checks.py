@@ -159,13 +159,14 @@ def torch_low_precision_stats(x, w, labels, scale, m1, m2, m3, normalize, *, fp3
     return torch.logsumexp(z, 1), z.gather(1, labels[:, None])[:, 0], z.sum(1)
 
 
-def check_low_precision(device, dtype, name, *, margin=None, noncontiguous=False, chunk=60):
+def check_low_precision(device, dtype, name, *, margin=None, noncontiguous=False, chunk=60, shape=(33, 64, 257)):
     """Ours vs the float64 reference within 2x the error of torch's own computation at
     ``dtype``, for the three outputs and both gradients. ``margin``: explicit
     (scale, m1, m2, m3, normalize) instead of ``MARGINS[name]``; ``noncontiguous``: a
-    column-major ``x`` and a transposed ``w`` (strided weight reads in every kernel)."""
+    column-major ``x`` and a transposed ``w`` (strided weight reads in every kernel); ``shape``:
+    (B, D, C)."""
     k = kw(name) if margin is None else dict(zip(("scale", "m1", "m2", "m3", "normalize"), margin))
-    B, D, C = 33, 64, 257
+    B, D, C = shape
     x32, w32, labels = make_case(B, D, C, 0)
     labels = torch.randint(0, C, (B,))
     if noncontiguous:

@@ -28,13 +28,16 @@ from shardkit.ops import ce_shard_stats, chunk_classes_for_budget
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(autouse=True, params=["v1", "v2"])
+@pytest.fixture(autouse=True, params=["v1", "v2", "fused"])
 def kernel_set(request, monkeypatch):
     # Every test here runs on both CUDA kernel sets of the op: the first kernels
     # (SHARDKIT_CE_V2=0) and the second, the default (column-range statistics, vectorized
     # dlogits, direct 16-bit dW, fp32-accumulated dX), which must give the same results
-    # within the same tolerances.
-    monkeypatch.setenv("SHARDKIT_CE_V2", "1" if request.param == "v2" else "0")
+    # within the same tolerances; and "fused" (SHARDKIT_FUSED=1: the fused sm90 kernels where
+    # they apply, 16-bit inputs with D % 64 == 0 on a compute-capability 9.0 GPU; the second
+    # kernels elsewhere).
+    monkeypatch.setenv("SHARDKIT_CE_V2", "0" if request.param == "v1" else "1")
+    monkeypatch.setenv("SHARDKIT_FUSED", "1" if request.param == "fused" else "0")
     return request.param
 
 

@@ -15,6 +15,10 @@
 // buffer in x's dtype, and the computation is the 16-bit one on that chunk, except that
 // dW_chunk is written in fp32 straight into the fp32 grad_w (the GEMM's fp32 output).
 // Extra memory: O(B * chunk + chunk * D).
+// On compute-capability 9.0 GPUs, builds with CUTLASS run 16-bit chunks (D % 64 == 0, up to
+// 1024) through the fused kernels of sharded_ce_fused.cu instead (SHARDKIT_FUSED=0: not): the
+// forward's GEMM epilogue folds each logits tile into row statistics, the backward's writes the
+// dlogits, so no fp32 logits buffer exists; the dX / dW GEMMs and fix-ups below are shared.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/Exceptions.h>
@@ -26,6 +30,7 @@
 
 #include "sharded_ce_common.h"
 #include "env_flag.h"
+#include "sharded_ce_fused.h"
 
 namespace shardkit {
 namespace sce {
@@ -303,6 +308,32 @@ void addmm_f32_out(Tensor& dx, const Tensor& G, const Tensor& v) {
                                     CUBLAS_GEMM_DEFAULT));
 }
 
+// The fused sm90 kernels for this call (sharded_ce_fused.h): built, SHARDKIT_FUSED not 0, and
+// usable for x and every chunk (w contiguous: its chunks are then aligned as its first is; in
+// mixed mode the chunks are converted into wbuf).
+bool use_fused(const Tensor& xin, const Tensor& w, const Tensor& wbuf, int64_t chunk) {
+  if (!fused::compiled() || !fused::enabled() || !w.is_contiguous()) return false;
+  const Tensor wc =
+      wbuf.defined() ? wbuf.narrow(0, 0, chunk * w.size(1)).view({chunk, w.size(1)}) : w.narrow(0, 0, chunk);
+  return fused::usable(xin, wc);
+}
+
+fused::EpiParams epi_params(const Margin& mg, const Tensor& lab, int64_t class_offset, int64_t j0,
+                            const Tensor& rw) {
+  fused::EpiParams e;
+  e.rw = rw.defined() ? rw.const_data_ptr<float>() : nullptr;
+  e.labels = lab.const_data_ptr<int64_t>();
+  e.label_shift = class_offset + j0;
+  e.scale = static_cast<float>(mg.scale);
+  e.m1 = mg.m1;
+  e.m2 = mg.m2;
+  e.m3 = mg.m3;
+  e.c_max = mg.c_max;
+  e.plain = mg.plain_target;
+  e.normalize = mg.normalize;
+  return e;
+}
+
 struct Prepared {
   Tensor xin;   // GEMM input [B, D]: x, or x normalized (input dtype), contiguous
   Tensor xf;    // fp32/fp64 normalized x (normalize only)
@@ -333,13 +364,10 @@ Tensor weight_chunk(const Tensor& w, const Tensor& wbuf, int64_t j0, int64_t n) 
   return out;
 }
 
-// Logits of the chunk wc ([n, D], x's dtype) into L (acc dtype, [B, n] contiguous) and, when
-// normalizing, the chunk's inverse row norms into rw and, if what is defined, its normalized
-// rows into what (x's dtype, [n, D] contiguous).
-void chunk_logits(const Prepared& p, const Tensor& wc, int64_t n, bool normalize, Tensor& L, Tensor& rw,
-                  const Tensor& what, cudaStream_t stream) {
-  const auto acc = L.scalar_type();
-  if (normalize) {
+// The chunk's inverse row norms into rw and, if what is defined, its normalized rows into what
+// (x's dtype, [n, D] contiguous).
+void chunk_norms(const Tensor& wc, int64_t n, Tensor& rw, const Tensor& what, cudaStream_t stream) {
+  {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, wc.scalar_type(), "sce_inv_norm", [&] {
       using T = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
       const int rows_per_block = kBlock / 32;
@@ -349,6 +377,14 @@ void chunk_logits(const Prepared& p, const Tensor& wc, int64_t n, bool normalize
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
+}
+
+// Logits of the chunk wc ([n, D], x's dtype) into L (acc dtype, [B, n] contiguous), and
+// chunk_norms when normalizing.
+void chunk_logits(const Prepared& p, const Tensor& wc, int64_t n, bool normalize, Tensor& L, Tensor& rw,
+                  const Tensor& what, cudaStream_t stream) {
+  const auto acc = L.scalar_type();
+  if (normalize) chunk_norms(wc, n, rw, what, stream);
   if (wc.scalar_type() == acc)
     at::mm_out(L, p.xin, wc.t());
   else
@@ -380,12 +416,27 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> ce_shard_stats_cuda(const Tensor& x, 
   const Tensor lab = labels.contiguous();
   const Prepared p = prepare_x(x, normalize);
   const int64_t chunk = std::min(chunk_classes, C);
-  Tensor lbuf = at::empty({B * chunk}, opts);
   Tensor rw = normalize ? at::empty({chunk}, opts) : Tensor();
   // Mixed mode: the chunk's rows converted to x's dtype, [chunk, D].
   const Tensor wbuf =
       w.scalar_type() != x.scalar_type() ? at::empty({chunk * w.size(1)}, x.options()) : Tensor();
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (acc == at::kFloat && use_fused(p.xin, w, wbuf, chunk)) {  // no logits in memory
+    const fused::Running run{M.mutable_data_ptr<float>(), S.mutable_data_ptr<float>(),
+                             LS.mutable_data_ptr<float>(), TG.mutable_data_ptr<float>(),
+                             CN.mutable_data_ptr<int64_t>()};
+    for (int64_t j0 = 0; j0 < C; j0 += chunk) {
+      const int64_t n = std::min(chunk, C - j0);
+      const Tensor wc = weight_chunk(w, wbuf, j0, n);
+      if (normalize) chunk_norms(wc, n, rw, Tensor(), stream);
+      fused::EpiParams e = epi_params(mg, lab, class_offset, j0, rw);
+      e.tref = count ? tref.const_data_ptr<float>() : nullptr;
+      fused::forward(p.xin, wc, e, run, stream);
+    }
+    Tensor lse = M.add_(S.log_());
+    return {lse, TG, LS, CN};
+  }
+  Tensor lbuf = at::empty({B * chunk}, opts);
   // The wider kernels (float statistics only): per-range partials, [parts, B] each.
   const bool v2 = ce_v2_enabled() && acc == at::kFloat && is_aligned(lbuf.const_data_ptr(), 16);
   const int max_parts = v2 ? row_parts(B, chunk) : 1;
@@ -463,10 +514,12 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
   // in fp32.
   const bool v2 = ce_v2_enabled() && acc == at::kFloat;
   const bool dw_direct = v2 && low && !mixed && !normalize;
-  Tensor lbuf = at::empty({B * chunk}, opts);
+  const Tensor wbuf = mixed ? at::empty({chunk * D}, x.options()) : Tensor();
+  // The fused kernels write the dlogits straight from the GEMM (no fp32 logits).
+  const bool fz = acc == at::kFloat && low && use_fused(p.xin, w, wbuf, chunk);
+  Tensor lbuf = fz ? Tensor() : at::empty({B * chunk}, opts);
   Tensor gbuf = low ? at::empty({B * chunk}, x.options()) : Tensor();
   Tensor tbuf = low && !mixed && !dw_direct ? at::empty({chunk * D}, opts) : Tensor();
-  const Tensor wbuf = mixed ? at::empty({chunk * D}, x.options()) : Tensor();
   Tensor dxc;  // [B, D] fp32 chunk product, made on first use (the fp32-accumulating GEMM needs none)
   Tensor rw = normalize ? at::empty({chunk}, opts) : Tensor();
   // 16-bit with normalize: G stays d loss / d cos (bounded like torch's own 16-bit dlogits)
@@ -477,37 +530,51 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   for (int64_t j0 = 0; j0 < C; j0 += chunk) {
     const int64_t n = std::min(chunk, C - j0);
-    Tensor L = lbuf.narrow(0, 0, B * n).view({B, n});
     const Tensor what = hat ? whatbuf.narrow(0, 0, n * D).view({n, D}) : Tensor();
     const Tensor wc = weight_chunk(w, wbuf, j0, n);  // x's dtype
-    chunk_logits(p, wc, n, normalize, L, rw, what, stream);
+    Tensor L = fz ? Tensor() : lbuf.narrow(0, 0, B * n).view({B, n});
     Tensor G = low ? gbuf.narrow(0, 0, B * n).view({B, n}) : L;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dt, "sce_dlogit", [&] {
-      using T = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-      if constexpr (std::is_same_v<T, float>) {
-        if (v2 && is_aligned(L.const_data_ptr(), 16) &&
-            is_aligned(G.const_data_ptr(), 4 * sizeof(scalar_t))) {
-          // Vectors of a row across x (at most 8 per thread), rows across y: ~4 waves in all.
-          const int64_t gx = std::max<int64_t>(1, (n / 4 + 8 * kBlock - 1) / (8 * kBlock));
-          const int64_t gy = std::min<int64_t>({B, 65535, std::max<int64_t>(1, 32 * sm_count() / gx)});
-          dlogit_v2_kernel<scalar_t><<<dim3(gx, gy), kBlock, 0, stream>>>(
-              L.const_data_ptr<float>(), G.mutable_data_ptr<scalar_t>(), B, n, j0,
-              normalize ? rw.const_data_ptr<float>() : nullptr, /*g_times_r=*/!hat,
-              lab.const_data_ptr<int64_t>(), class_offset, lse.const_data_ptr<float>(),
-              gl.const_data_ptr<float>(), gt.const_data_ptr<float>(), gs.const_data_ptr<float>(),
-              to_device_margin<float>(mg));
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-          return;
+    if (fz) {
+      if (normalize) chunk_norms(wc, n, rw, what, stream);
+      fused::EpiParams e = epi_params(mg, lab, class_offset, j0, rw);
+      e.lse = lse.const_data_ptr<float>();
+      e.gl = gl.const_data_ptr<float>();
+      e.gt = gt.const_data_ptr<float>();
+      e.gs = gs.const_data_ptr<float>();
+      e.g_times_r = !hat;
+      e.g = G.mutable_data_ptr();
+      e.ldg = n;
+      fused::backward(p.xin, wc, e, stream);
+    } else {
+      chunk_logits(p, wc, n, normalize, L, rw, what, stream);
+    }
+    if (!fz)
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dt, "sce_dlogit", [&] {
+        using T = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+        if constexpr (std::is_same_v<T, float>) {
+          if (v2 && is_aligned(L.const_data_ptr(), 16) &&
+              is_aligned(G.const_data_ptr(), 4 * sizeof(scalar_t))) {
+            // Vectors of a row across x (at most 8 per thread), rows across y: ~4 waves in all.
+            const int64_t gx = std::max<int64_t>(1, (n / 4 + 8 * kBlock - 1) / (8 * kBlock));
+            const int64_t gy = std::min<int64_t>({B, 65535, std::max<int64_t>(1, 32 * sm_count() / gx)});
+            dlogit_v2_kernel<scalar_t><<<dim3(gx, gy), kBlock, 0, stream>>>(
+                L.const_data_ptr<float>(), G.mutable_data_ptr<scalar_t>(), B, n, j0,
+                normalize ? rw.const_data_ptr<float>() : nullptr, /*g_times_r=*/!hat,
+                lab.const_data_ptr<int64_t>(), class_offset, lse.const_data_ptr<float>(),
+                gl.const_data_ptr<float>(), gt.const_data_ptr<float>(), gs.const_data_ptr<float>(),
+                to_device_margin<float>(mg));
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+            return;
+          }
         }
-      }
-      const dim3 grid((n + kBlock - 1) / kBlock, std::min<int64_t>(B, 65535));
-      dlogit_kernel<T, scalar_t><<<grid, kBlock, 0, stream>>>(
-          L.const_data_ptr<T>(), G.mutable_data_ptr<scalar_t>(), B, n, j0,
-          normalize ? rw.const_data_ptr<T>() : nullptr, /*g_times_r=*/!hat, lab.const_data_ptr<int64_t>(),
-          class_offset, lse.const_data_ptr<T>(), gl.const_data_ptr<T>(), gt.const_data_ptr<T>(),
-          gs.const_data_ptr<T>(), to_device_margin<T>(mg));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
+        const dim3 grid((n + kBlock - 1) / kBlock, std::min<int64_t>(B, 65535));
+        dlogit_kernel<T, scalar_t><<<grid, kBlock, 0, stream>>>(
+            L.const_data_ptr<T>(), G.mutable_data_ptr<scalar_t>(), B, n, j0,
+            normalize ? rw.const_data_ptr<T>() : nullptr, /*g_times_r=*/!hat, lab.const_data_ptr<int64_t>(),
+            class_offset, lse.const_data_ptr<T>(), gl.const_data_ptr<T>(), gt.const_data_ptr<T>(),
+            gs.const_data_ptr<T>(), to_device_margin<T>(mg));
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
     Tensor gw = grad_w.narrow(0, j0, n);
     if (low) {
       // (addmm with out_dtype wants `self` in the input dtype in some torch versions: GEMM into

@@ -1,0 +1,537 @@
+// Device asserts are calls, and a call in the GEMM kernel serializes its warpgroup MMAs: this
+// file is built as a release build whatever the flags (before any header brings <cassert>).
+#ifndef NDEBUG
+#define NDEBUG
+#endif
+// The fused sm90 kernels of the sharded cross-entropy (see sharded_ce_fused.h): a CUTLASS 3
+// persistent cooperative GEMM (TMA loads, two consumer warpgroups of warpgroup MMA on a
+// [128, 256, 64] tile) whose epilogue is ours. The epilogue receives the fp32 accumulators of
+// the tile in registers; each thread holds R row slots x J columns of them (checked on the host
+// by tests/test_fused_layout), and the four threads of a quad (lanes 4k..4k+3) hold the same
+// rows, so a row's statistics over the tile need two shuffles.
+#include "sharded_ce_fused.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+
+#include <mutex>
+#include <vector>
+
+#include "env_flag.h"
+#include "sharded_ce_common.h"
+
+#ifdef SHARDKIT_WITH_CUTLASS
+#include <cutlass/arch/barrier.h>
+#include <cutlass/epilogue/collective/detail.hpp>
+#include <cutlass/epilogue/dispatch_policy.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+
+#include "sharded_ce_fused_tile.cuh"
+#endif
+
+namespace shardkit {
+namespace sce {
+namespace fused {
+
+bool enabled() {
+  return env_flag("SHARDKIT_FUSED", true, "the fused kernels run where they apply");
+}
+
+#ifdef SHARDKIT_WITH_CUTLASS
+namespace {
+
+using namespace cute;
+
+// The target logit from the cosine c (margin applied; the plain logit without normalization),
+// as the unfused kernels compute it (scaled_logit: the product rounded on its own).
+__device__ __forceinline__ float target_logit(const EpiParams& p, float c, float* dpsi) {
+  if (!p.normalize) {
+    *dpsi = 1.f;
+    return __fmul_rn(p.scale, c);
+  }
+  float psi;
+  margin_psi<float>(c, p.plain, p.m1, p.m2, p.m3, p.c_max, &psi, dpsi);
+  return __fmul_rn(p.scale, psi);
+}
+
+__device__ __forceinline__ void store_one(cutlass::bfloat16_t* g, float v) {
+  *reinterpret_cast<__nv_bfloat16*>(g) = __float2bfloat16_rn(v);
+}
+__device__ __forceinline__ void store_one(cutlass::half_t* g, float v) {
+  *reinterpret_cast<__half*>(g) = __float2half_rn(v);
+}
+__device__ __forceinline__ void store_two(cutlass::bfloat16_t* g, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(g) = __floats2bfloat162_rn(a, b);
+}
+__device__ __forceinline__ void store_two(cutlass::half_t* g, float a, float b) {
+  *reinterpret_cast<__half2*>(g) = __floats2half2_rn(a, b);
+}
+
+// The epilogue (an operator-style CUTLASS epilogue, run by the consumer warpgroups through
+// Sm90TmaWarpSpecializedAdapter): kBackward false writes the tile's row partials, true its
+// dlogits.
+template <bool kBackward, class Elem>
+class SceEpilogue {
+ public:
+  using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
+  using DispatchPolicy = EpilogueSchedule;
+  using ElementC = float;
+  using ElementD = float;
+  using StrideC = cute::Stride<int64_t, cute::Int<1>, int64_t>;
+  using StrideD = StrideC;
+  using GmemTiledCopyC = void;
+  using GmemTiledCopyD = void;
+  struct ThreadEpilogueOp {};
+  struct SharedStorage {
+    float rw[kTileN];  // the tile's column scales (normalize)
+  };
+  using TensorStorage = SharedStorage;
+  struct Arguments {
+    EpiParams p;
+  };
+  using Params = Arguments;
+
+  template <class PS>
+  static constexpr Params to_underlying_arguments(PS const&, Arguments const& a, void*) {
+    return a;
+  }
+  template <class PS>
+  static size_t get_workspace_size(PS const&, Arguments const&) {
+    return 0;
+  }
+  template <class PS>
+  static cutlass::Status initialize_workspace(PS const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  template <class PS>
+  static bool can_implement(PS const&, Arguments const&) {
+    return true;
+  }
+
+  CUTLASS_HOST_DEVICE SceEpilogue(Params const& params, SharedStorage const& = SharedStorage())
+      : a_(params) {}
+
+  CUTLASS_DEVICE bool is_source_needed() { return false; }
+
+  template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine,
+            class FrgLayout, class TiledMma, class ResidueMNK>
+  CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem, BlockShapeMNK, BlockCoordMNKL blk,
+                                 cute::Tensor<FrgEngine, FrgLayout> const& accumulators, TiledMma tiled_mma,
+                                 ResidueMNK, int thread_idx, char* smem) {
+    constexpr int kBM = decltype(size<0>(BlockShapeMNK{}))::value;
+    constexpr int kBN = decltype(size<1>(BlockShapeMNK{}))::value;
+    static_assert(kBN == kTileN && decltype(size(TiledMma{}))::value == kBN,
+                  "one column per consumer thread");
+    const EpiParams& p = a_.p;
+    const int M = static_cast<int>(get<0>(problem)), N = static_cast<int>(get<1>(problem));
+    const int row0 = static_cast<int>(get<0>(blk)) * kBM, col0 = static_cast<int>(get<1>(blk)) * kBN;
+    const int left = N - col0;  // columns of this tile inside the chunk
+    auto thr = tiled_mma.get_thread_slice(thread_idx);
+    Tensor crd = thr.partition_C(make_identity_tensor(make_shape(Int<kBM>{}, Int<kBN>{})));
+    // Writable: the adapter hands this epilogue its own copy of the accumulators, which the passes
+    // below overwrite with the cosines.
+    Tensor acc = make_tensor(const_cast<float*>(&accumulators(0)), rowcol(accumulators.layout()));
+    Tensor pos = make_tensor(crd.data(), rowcol(crd.layout()));
+    // The tile's column scales 1 / |w_j| through shared memory (normalize only): one load per
+    // thread instead of one per column and thread. The first barrier waits for the previous
+    // tile's readers.
+    float* srw = reinterpret_cast<SharedStorage*>(smem)->rw;
+    if (p.rw) {
+      cutlass::arch::NamedBarrier::sync(kBN, 0);
+      srw[thread_idx] = thread_idx < left ? p.rw[col0 + thread_idx] : 0.f;
+      cutlass::arch::NamedBarrier::sync(kBN, 0);
+    }
+    Rows<decltype(size<0>(acc))::value> rows;
+#pragma unroll
+    for (int ri = 0; ri < rows.kR; ++ri) {
+      rows.row[ri] = row0 + get<0>(pos(ri, 0));
+      rows.live[ri] = rows.row[ri] < M;
+      const int64_t t = rows.live[ri] ? p.labels[rows.row[ri]] - p.label_shift - col0 : -1;
+      rows.tcol[ri] = t >= 0 && t < kBN ? static_cast<int>(t) : -1;
+    }
+    // Full tiles (all but a chunk's last column tile and the last row tile) check no column or row.
+    const int tile_n = static_cast<int>(get<1>(blk));
+    if (left >= kBN && row0 + kBM <= M) {
+      tile<true>(p, acc, pos, srw, rows, left, col0, tile_n, N);
+    } else {
+      tile<false>(p, acc, pos, srw, rows, left, col0, tile_n, N);
+    }
+  }
+
+ private:
+  template <int R>
+  struct Rows {
+    static constexpr int kR = R;
+    int row[R], tcol[R];  // tcol: the target's column in the tile, -1 if elsewhere
+    bool live[R];
+  };
+
+  static constexpr float kLog2e = 1.4426950408889634f;
+
+  // 2^v (flushing subnormals: the terms below 2^-126 of a softmax sum are lost in its rounding).
+  CUTLASS_DEVICE static float ex2(float v) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
+    return r;
+  }
+
+  // One tile, without branches per element: columns past the chunk and rows past the batch (kFull
+  // false) and the target column are masked by selects; the target's cosine is kept in a register
+  // and stored once.
+  template <bool kFull, class Acc, class Pos, class RowsT>
+  CUTLASS_DEVICE void tile(const EpiParams& p, Acc& acc, Pos const& pos, const float* srw, RowsT const& rows,
+                           int left, int col0, int tile_n, int N) {
+    constexpr int R = RowsT::kR;
+    constexpr int J = decltype(size<1>(acc))::value;
+    static_assert(J % 2 == 0, "columns come in adjacent pairs");
+    const bool scaled = p.rw != nullptr;
+    float cts[R];
+    bool has_t[R];
+#pragma unroll
+    for (int ri = 0; ri < R; ++ri) {
+      cts[ri] = 0.f;
+      has_t[ri] = false;
+    }
+    if constexpr (kBackward) {
+      Elem* G = static_cast<Elem*>(p.g);
+      const bool pairs = p.ldg % 2 == 0 && (reinterpret_cast<uintptr_t>(G) & 3) == 0;
+      float lsel[R], gl[R], gs[R];
+#pragma unroll
+      for (int ri = 0; ri < R; ++ri) {
+        const int r = rows.live[ri] ? rows.row[ri] : 0;
+        lsel[ri] = p.lse[r] * kLog2e;
+        gl[ri] = p.gl[r];
+        gs[ri] = p.gs[r];
+      }
+#pragma unroll
+      for (int j = 0; j < J; j += 2) {
+        const int lc = get<1>(pos(0, j));  // columns lc and lc + 1
+        const bool ok0 = kFull || lc < left, ok1 = kFull || lc + 1 < left;
+        const float r0 = scaled ? srw[lc] : 1.f, r1 = scaled ? srw[lc + 1] : 1.f;
+        const float q0 = p.g_times_r ? r0 : 1.f, q1 = p.g_times_r ? r1 : 1.f;
+#pragma unroll
+        for (int ri = 0; ri < R; ++ri) {
+          // Every column as a plain one; fix_target_kernel rewrites the target's entry from its
+          // cosine (the margin needs double-precision cos / acos, whose slow path is a call,
+          // which would serialize the warpgroup MMAs of this kernel).
+          const float c0 = acc(ri, j) * r0, c1 = acc(ri, j + 1) * r1;
+          cts[ri] = lc == rows.tcol[ri] ? c0 : (lc + 1 == rows.tcol[ri] ? c1 : cts[ri]);
+          has_t[ri] |= lc == rows.tcol[ri] || lc + 1 == rows.tcol[ri];
+          const float z0 = __fmul_rn(p.scale, c0), z1 = __fmul_rn(p.scale, c1);
+          const float g0 = p.scale * (gl[ri] * ex2(fmaf(z0, kLog2e, -lsel[ri])) + gs[ri]) * q0;
+          const float g1 = p.scale * (gl[ri] * ex2(fmaf(z1, kLog2e, -lsel[ri])) + gs[ri]) * q1;
+          if (!kFull && !rows.live[ri]) continue;
+          Elem* out = G + static_cast<int64_t>(rows.row[ri]) * p.ldg + col0 + lc;
+          if (kFull && pairs) {
+            store_two(out, g0, g1);
+          } else {
+            if (ok0) store_one(out, g0);
+            if (ok1) store_one(out + 1, g1);
+          }
+        }
+      }
+    } else {
+      // The reference logits of the count, loaded before pass 1, used after it.
+      float ref[R];
+#pragma unroll
+      for (int ri = 0; ri < R; ++ri) ref[ri] = p.tref && rows.live[ri] ? p.tref[rows.row[ri]] : INFINITY;
+      // Pass 1: the logits into the accumulators, the target's cosine kept, and the row maxima
+      // over the tile's columns but the target (fmaxf skips NaN, as the unfused max does).
+      float mx[R];
+#pragma unroll
+      for (int ri = 0; ri < R; ++ri) mx[ri] = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+        const int lc = get<1>(pos(0, j));
+        const bool ok = kFull || lc < left;
+        const float r = scaled ? srw[lc] : 1.f;
+#pragma unroll
+        for (int ri = 0; ri < R; ++ri) {
+          const float c = acc(ri, j) * r, z = __fmul_rn(p.scale, c);
+          const bool is_t = lc == rows.tcol[ri];
+          cts[ri] = is_t ? c : cts[ri];
+          has_t[ri] |= is_t;
+          acc(ri, j) = z;
+          mx[ri] = fmaxf(mx[ri], ok && !is_t ? z : -INFINITY);
+        }
+      }
+      float mxl[R];
+#pragma unroll
+      for (int ri = 0; ri < R; ++ri) {
+        mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], 1));
+        mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], 2));
+        mxl[ri] = mx[ri] * kLog2e;
+      }
+      // Pass 2: sum of exp(z - max) (-inf adds nothing; z == max adds exactly 1, also for a +inf
+      // maximum) and logit sum over the same columns; count of the plain logits above the
+      // reference over all of them (the target's too).
+      float s[R], zs[R];
+      int cnt[R];
+#pragma unroll
+      for (int ri = 0; ri < R; ++ri) {
+        s[ri] = 0.f;
+        zs[ri] = 0.f;
+        cnt[ri] = 0;
+      }
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+        const int lc = get<1>(pos(0, j));
+        const bool ok = kFull || lc < left;
+#pragma unroll
+        for (int ri = 0; ri < R; ++ri) {
+          const float z = acc(ri, j);
+          cnt[ri] += ok && z > ref[ri] ? 1 : 0;
+          const bool use = ok && lc != rows.tcol[ri];
+          const float e = z == mx[ri] ? 1.f : ex2(fmaf(z, kLog2e, -mxl[ri]));
+          zs[ri] += use ? z : 0.f;
+          s[ri] += use && z != -INFINITY ? e : 0.f;
+        }
+      }
+      const int64_t tiles = (N + kTileN - 1) / kTileN;
+      const bool lead = (threadIdx.x & 3) == 0;
+#pragma unroll
+      for (int ri = 0; ri < R; ++ri) {
+#pragma unroll
+        for (int o = 1; o <= 2; o *= 2) {
+          s[ri] += __shfl_xor_sync(0xffffffffu, s[ri], o);
+          zs[ri] += __shfl_xor_sync(0xffffffffu, zs[ri], o);
+          cnt[ri] += __shfl_xor_sync(0xffffffffu, cnt[ri], o);
+        }
+        if (lead && rows.live[ri]) {
+          const int64_t k = rows.row[ri] * tiles + tile_n;
+          p.part_m[k] = mx[ri];
+          p.part_s[k] = s[ri];
+          p.part_z[k] = zs[ri];
+          p.part_c[k] = cnt[ri];
+        }
+      }
+    }
+#pragma unroll
+    for (int ri = 0; ri < R; ++ri)
+      if (has_t[ri] && rows.live[ri]) p.ct[rows.row[ri]] = cts[ri];  // one thread of one tile
+  }
+
+  Params a_;
+};
+
+template <class Elem, bool kBackward>
+struct FusedGemm {
+  using Mainloop = FusedMainloop<Elem>;
+  using Epilogue =
+      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<SceEpilogue<kBackward, Elem>>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
+
+template <class Elem, bool kBackward>
+void launch(const at::Tensor& x, const at::Tensor& wc, const EpiParams& p, cudaStream_t stream) {
+  using G = FusedGemm<Elem, kBackward>;
+  using Dev = typename G::Device;
+  const int M = static_cast<int>(x.size(0)), N = static_cast<int>(wc.size(0)),
+            K = static_cast<int>(x.size(1));
+  typename G::Mainloop::StrideA sa = make_stride(static_cast<int64_t>(K), Int<1>{}, static_cast<int64_t>(0));
+  typename G::Mainloop::StrideB sb = make_stride(static_cast<int64_t>(K), Int<1>{}, static_cast<int64_t>(0));
+  cutlass::KernelHardwareInfo hw;
+  hw.device_id = x.get_device();
+  hw.sm_count = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  typename Dev::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
+                               {M, N, K, 1},
+                               {reinterpret_cast<const Elem*>(x.const_data_ptr()), sa,
+                                reinterpret_cast<const Elem*>(wc.const_data_ptr()), sb},
+                               {p},
+                               hw};
+  Dev gemm;
+  TORCH_CHECK(gemm.can_implement(args) == cutlass::Status::kSuccess,
+              "shardkit: the fused sharded cross-entropy kernel cannot run on x ", x.sizes(), " and w chunk ",
+              wc.sizes(), " (set SHARDKIT_FUSED=0)");
+  const size_t ws = Dev::get_workspace_size(args);
+  at::Tensor workspace =
+      ws ? at::empty({static_cast<int64_t>(ws)}, x.options().dtype(at::kByte)) : at::Tensor();
+  const cutlass::Status st = gemm.run(args, ws ? workspace.mutable_data_ptr() : nullptr, stream);
+  TORCH_CHECK(
+      st == cutlass::Status::kSuccess,
+      "shardkit: the fused sharded cross-entropy kernel failed to launch: ", cutlassGetStatusString(st));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// (m, s) += (m2, s2), s counting exp(z - m), as the unfused kernels merge (NaN survives from
+// either side; two -inf maxima add the sums).
+__device__ __forceinline__ void merge_ms(float& m, float& s, float m2, float s2) {
+  const float mn = m > m2 ? m : m2;
+  if (mn == -INFINITY) {
+    s += s2;
+    return;
+  }
+  s = s * __expf(m - mn) + s2 * __expf(m2 - mn);
+  m = mn;
+}
+
+// One warp per row: the chunk's tile partials in a fixed order, then the target logit (its
+// margin from the recorded cosine), folded into the running statistics.
+__global__ void merge_tiles_kernel(EpiParams p, int64_t B, int64_t n, int64_t tiles, Running run) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (i >= B) return;
+  float m = -INFINITY, s = 0.f, z = 0.f;
+  int64_t c = 0;
+  for (int64_t k = lane; k < tiles; k += 32) {
+    const int64_t q = i * tiles + k;
+    merge_ms(m, s, p.part_m[q], p.part_s[q]);
+    z += p.part_z[q];
+    c += p.part_c[q];
+  }
+  for (int o = 16; o > 0; o /= 2) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+    merge_ms(m, s, m2, s2);
+    z += __shfl_xor_sync(0xffffffffu, z, o);
+    c += __shfl_xor_sync(0xffffffffu, c, o);
+  }
+  if (lane != 0) return;
+  const int64_t t = p.labels[i] - p.label_shift;
+  if (t >= 0 && t < n) {
+    float dpsi;
+    const float zt = target_logit(p, p.ct[i], &dpsi);
+    run.TG[i] = zt;
+    merge_ms(m, s, zt, 1.f);
+    z += zt;
+  }
+  float Mi = run.M[i], Si = run.S[i];
+  merge_ms(Mi, Si, m, s);
+  run.M[i] = Mi;
+  run.S[i] = Si;
+  run.LS[i] += z;
+  run.CN[i] += c;
+}
+
+// The target column's dlogit of each row whose target lies in the chunk (the GEMM wrote a
+// plain one there), from the cosine the GEMM recorded.
+template <class Elem>
+__global__ void fix_target_kernel(EpiParams p, int64_t B, int64_t n) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= B) return;
+  const int64_t t = p.labels[i] - p.label_shift;
+  if (t < 0 || t >= n) return;
+  float dpsi;
+  const float z = target_logit(p, p.ct[i], &dpsi);
+  const float dz = p.gl[i] * __expf(z - p.lse[i]) + p.gs[i] + p.gt[i];
+  store_one(static_cast<Elem*>(p.g) + i * p.ldg + t,
+            p.scale * dpsi * dz * (p.g_times_r && p.rw ? p.rw[t] : 1.f));
+}
+
+// 1 where this kernel was compiled for sm_90a (the code the driver picked for this GPU holds
+// the warpgroup-MMA kernels), 0 otherwise.
+__global__ void arch_probe_kernel(int* out) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  *out = 1;
+#else
+  *out = 0;
+#endif
+}
+
+bool device_runs_sm90a(int device) {
+  static std::mutex mu;
+  static std::vector<int> known;  // -1 unknown, 0 no, 1 yes
+  const std::lock_guard<std::mutex> lock(mu);
+  if (known.size() <= static_cast<size_t>(device)) known.resize(device + 1, -1);
+  if (known[device] < 0) {
+    const auto* prop = at::cuda::getDeviceProperties(device);
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device);
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    // The probe waits for the GPU, which a stream being captured into a CUDA graph must not:
+    // this call takes the unfused kernels, and the first call outside a capture probes.
+    if (capture != cudaStreamCaptureStatusNone) return false;
+    int ok = 0;
+    if (prop->major == 9 && prop->minor == 0) {
+      at::Tensor flag = at::zeros({1}, at::TensorOptions().device(at::kCUDA, device).dtype(at::kInt));
+      arch_probe_kernel<<<1, 1, 0, stream>>>(flag.mutable_data_ptr<int>());
+      // A build without sm_90a code for this GPU fails the launch: then no fused kernels.
+      ok = cudaGetLastError() == cudaSuccess ? flag.item<int>() : 0;
+    }
+    known[device] = ok;
+  }
+  return known[device] == 1;
+}
+
+}  // namespace
+
+bool compiled() {
+  return true;
+}
+
+int64_t tile_n() {
+  return kTileN;
+}
+
+bool usable(const at::Tensor& x, const at::Tensor& wc) {
+  const auto dt = x.scalar_type();
+  if ((dt != at::kBFloat16 && dt != at::kHalf) || wc.scalar_type() != dt || !x.is_cuda()) return false;
+  const int64_t D = x.size(1);
+  if (D % 64 != 0 || D > 1024 || wc.size(1) != D || x.size(0) > INT32_MAX || wc.size(0) > INT32_MAX)
+    return false;
+  if (!x.is_contiguous() || !wc.is_contiguous()) return false;
+  if (reinterpret_cast<uintptr_t>(x.const_data_ptr()) % 16 ||
+      reinterpret_cast<uintptr_t>(wc.const_data_ptr()) % 16)
+    return false;
+  return device_runs_sm90a(x.get_device());
+}
+
+void forward(const at::Tensor& x, const at::Tensor& wc, EpiParams p, const Running& run,
+             cudaStream_t stream) {
+  const int64_t B = x.size(0), n = wc.size(0), tiles = (n + kTileN - 1) / kTileN;
+  at::Tensor parts = at::empty({3 * B * tiles}, x.options().dtype(at::kFloat));
+  at::Tensor counts = at::empty({B * tiles}, x.options().dtype(at::kLong));
+  at::Tensor ct = at::empty({B}, x.options().dtype(at::kFloat));
+  p.part_m = parts.mutable_data_ptr<float>();
+  p.part_s = p.part_m + B * tiles;
+  p.part_z = p.part_s + B * tiles;
+  p.part_c = counts.mutable_data_ptr<int64_t>();
+  p.ct = ct.mutable_data_ptr<float>();
+  if (x.scalar_type() == at::kBFloat16)
+    launch<cutlass::bfloat16_t, false>(x, wc, p, stream);
+  else
+    launch<cutlass::half_t, false>(x, wc, p, stream);
+  constexpr int kWarps = 8;
+  merge_tiles_kernel<<<(B + kWarps - 1) / kWarps, 32 * kWarps, 0, stream>>>(p, B, n, tiles, run);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void backward(const at::Tensor& x, const at::Tensor& wc, EpiParams p, cudaStream_t stream) {
+  const int64_t B = x.size(0), n = wc.size(0);
+  at::Tensor ct = at::empty({B}, x.options().dtype(at::kFloat));
+  p.ct = ct.mutable_data_ptr<float>();
+  if (x.scalar_type() == at::kBFloat16) {
+    launch<cutlass::bfloat16_t, true>(x, wc, p, stream);
+    fix_target_kernel<cutlass::bfloat16_t><<<(B + 255) / 256, 256, 0, stream>>>(p, B, n);
+  } else {
+    launch<cutlass::half_t, true>(x, wc, p, stream);
+    fix_target_kernel<cutlass::half_t><<<(B + 255) / 256, 256, 0, stream>>>(p, B, n);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+#else  // no CUTLASS at build time: never usable
+
+bool compiled() {
+  return false;
+}
+int64_t tile_n() {
+  return 1;
+}
+bool usable(const at::Tensor&, const at::Tensor&) {
+  return false;
+}
+void forward(const at::Tensor&, const at::Tensor&, EpiParams, const Running&, cudaStream_t) {
+  TORCH_CHECK(false, "shardkit was built without the fused kernels (no CUTLASS headers at build time)");
+}
+void backward(const at::Tensor&, const at::Tensor&, EpiParams, cudaStream_t) {
+  TORCH_CHECK(false, "shardkit was built without the fused kernels (no CUTLASS headers at build time)");
+}
+
+#endif
+
+}  // namespace fused
+}  // namespace sce
+}  // namespace shardkit

@@ -1,0 +1,70 @@
+// The fused Hopper (sm90) kernels of the sharded cross-entropy: one GEMM per class chunk whose
+// epilogue works on the logits tile in registers (CUTLASS 3 / CuTe: TMA loads, warpgroup MMA,
+// a persistent cooperative kernel). No fp32 logits tile reaches global memory:
+//   forward:  each [128, 256] tile of logits becomes per-row partial statistics (max, sum of
+//             exp(z - max), logit sum, count above the reference) in `parts` [B, tiles], the
+//             target logit (margin applied) straight into TG; a merge kernel folds the tiles;
+//   backward: the recomputed tile becomes dlogits in x's dtype, written into the chunk buffer G
+//             that the dX / dW GEMMs read.
+// Built where CUTLASS's headers are found at build time (setup.py: CUTLASS_PATH, or the
+// nvidia-cutlass package) and run only on a compute-capability 9.0 GPU whose code was built for
+// sm_90a, bf16 / fp16 x and chunk, D a multiple of 64 up to 1024. Anything else, and
+// SHARDKIT_FUSED=0, takes the unfused kernels of sharded_ce_cuda.cu.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace shardkit {
+namespace sce {
+namespace fused {
+
+// What the epilogue needs beside the two GEMM operands (device pointers; nullptr where unused).
+struct EpiParams {
+  const float* rw = nullptr;        // [n] 1 / max(|w_j|, eps) of the chunk's rows (normalize only)
+  const int64_t* labels = nullptr;  // [B]
+  int64_t label_shift = 0;          // class_offset + j0: row i's target column is labels[i] - label_shift
+  float scale = 1.f;
+  double m1 = 1, m2 = 0, m3 = 0, c_max = -2;  // the margin (sharded_ce_common.h's margin_psi)
+  bool plain = true, normalize = false;
+  // Forward (fused::forward fills these: the partials [B, tiles] and the target cosines [B]).
+  const float* tref = nullptr;  // [B] reference logits of the count (nullptr: no count)
+  float* part_m = nullptr;      // max of the tile's logits but the target
+  float* part_s = nullptr;      // sum of exp(z - max) over them
+  float* part_z = nullptr;      // sum of z over them
+  int64_t* part_c = nullptr;    // plain logits (the target's too) above tref
+  float* ct = nullptr;          // [B] the target column's cosine (raw dot without normalization)
+  // Backward: G = scale * dpsi * (gl exp(z - lse) + gs + [target] gt) * (g_times_r ? rw : 1)
+  // (the target column's entry rewritten after the GEMM, from ct).
+  const float *lse = nullptr, *gl = nullptr, *gt = nullptr, *gs = nullptr;
+  bool g_times_r = false;
+  void* g = nullptr;  // [B, n] in x's dtype, row stride ldg
+  int64_t ldg = 0;
+};
+
+// True when this build has the fused kernels (CUTLASS found at build time).
+bool compiled();
+// Columns of a tile: a chunk of n classes gives ceil(n / tile_n()) partials per row.
+int64_t tile_n();
+// True where the fused kernels can run: x [B, D] and the chunk wc [n, D] (same dtype, bf16 or
+// fp16, contiguous, 16-byte aligned), D % 64 == 0 and D <= 1024, on a compute-capability 9.0
+// GPU that runs the sm_90a code (checked once per device).
+bool usable(const at::Tensor& x, const at::Tensor& wc);
+// SHARDKIT_FUSED: 1 (the default: the fused kernels where usable) or 0 (the unfused kernels, for
+// bisecting). Read on every call, so a process can compare both.
+bool enabled();
+// The running statistics of the rows, [B] each (sharded_ce_cuda.cu's M, S, LS, CN, TG).
+struct Running {
+  float *M, *S, *LS, *TG;
+  int64_t* CN;
+};
+// Folds the chunk wc (x's dtype, [n, D]) into the running statistics.
+void forward(const at::Tensor& x, const at::Tensor& wc, EpiParams p, const Running& run, cudaStream_t stream);
+// Writes the chunk's dlogits into p.g.
+void backward(const at::Tensor& x, const at::Tensor& wc, EpiParams p, cudaStream_t stream);
+
+}  // namespace fused
+}  // namespace sce
+}  // namespace shardkit

@@ -1,0 +1,55 @@
+"""The fused sm90 kernels' view of the GEMM accumulators, checked without a GPU: compiles
+tests/native/fused_layout_check.cu (host code over CUTLASS's own layouts) with nvcc and runs
+it. Its epilogue reduces a row's statistics over the columns a thread holds and the four
+threads of a quad; a CUTLASS release that laid the accumulators out otherwise would make
+those statistics silently wrong, and this test fails first. Skipped, with the reason, where
+nvcc or CUTLASS's headers (the ones setup.py would build with) are not found."""
+
+import importlib.util
+import os
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cutlass_include():
+    candidates = []
+    if os.environ.get("CUTLASS_PATH"):
+        candidates.append(os.path.join(os.environ["CUTLASS_PATH"], "include"))
+    spec = importlib.util.find_spec("cutlass_library")
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        candidates.append(os.path.join(loc, "source", "include"))
+    for inc in candidates:
+        if os.path.isfile(os.path.join(inc, "cute", "tensor.hpp")):
+            return inc
+    return None
+
+
+def _nvcc():
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    if CUDA_HOME and os.path.isfile(os.path.join(CUDA_HOME, "bin", "nvcc")):
+        return os.path.join(CUDA_HOME, "bin", "nvcc")
+    return None
+
+
+def test_fused_accumulator_layout(tmp_path):
+    nvcc, inc = _nvcc(), _cutlass_include()
+    if nvcc is None:
+        pytest.skip("nvcc not found (the fused kernels are not built without it either)")
+    if inc is None:
+        pytest.skip("CUTLASS headers not found (pip install nvidia-cutlass==4.2.0.0, or set CUTLASS_PATH)")
+    exe = str(tmp_path / "fused_layout_check")
+    src = os.path.join(ROOT, "tests", "native", "fused_layout_check.cu")
+    cmd = [nvcc, "-std=c++17", "--expt-relaxed-constexpr", "-I", os.path.join(ROOT, "csrc"), "-I", inc, src, "-o", exe]
+    build = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stdout + build.stderr
+    run = subprocess.run([exe], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("fused layout OK") == 2, run.stdout

@@ -1,0 +1,139 @@
+"""GPU tests of the fused sm90 kernels of the sharded cross-entropy (``SHARDKIT_FUSED=1``):
+the GEMM whose epilogue folds each logits tile into row statistics, and the one that writes
+the dlogits. They must run where they apply (checked in the profiler's kernel list), fall
+back where they do not, and give torch's accuracy: every output and gradient within 2x the
+error of torch's own bf16 / fp16 computation from the float64 reference. Skipped, with the
+reason, where the build has no fused kernels or the GPU is not of compute capability 9.0."""
+
+import math
+
+import pytest
+import torch
+from softmax_checks import MARGINS, check_low_precision, count_bracket, kw, make_case, ref_stats, rel
+
+import shardkit
+from shardkit.ops import ce_shard_stats
+
+pytestmark = pytest.mark.gpu
+
+
+def _why_not():
+    if not torch.cuda.is_available():
+        return "no CUDA GPU visible"
+    if not shardkit.build_info()["fused_kernels"]:
+        return "this build has no fused kernels (no CUTLASS headers at build time)"
+    cap = torch.cuda.get_device_capability()
+    if cap != (9, 0):
+        return f"the fused kernels need a compute-capability 9.0 GPU (H100 / H200), this one is {cap}"
+    return None
+
+
+@pytest.fixture(autouse=True)
+def fused_on(monkeypatch):
+    why = _why_not()
+    if why:
+        pytest.skip(why)
+    monkeypatch.setenv("SHARDKIT_FUSED", "1")
+    monkeypatch.setenv("SHARDKIT_CE_V2", "1")
+
+
+def _kernels(fn):
+    """Names of the CUDA kernels ``fn`` launches."""
+    acts = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return " ".join(e.name for e in prof.events())
+
+
+def _fwd_bwd(x, w, labels, **k):
+    xx, ww = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    lse, t, s, _ = ce_shard_stats(xx, ww, labels, chunk_classes=1000, **k)
+    (lse.sum() - t.sum() + 0.1 * s.sum()).backward()
+
+
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
+def test_fused_kernels_run_where_they_apply(monkeypatch, wdtype):
+    x = torch.randn(100, 128, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(3000, 128, device="cuda", dtype=wdtype)
+    labels = torch.randint(0, 3000, (100,), device="cuda")
+    names = _kernels(lambda: _fwd_bwd(x, w, labels, **kw("arcface")))
+    assert "merge_tiles_kernel" in names and "fix_target_kernel" in names
+    assert "row_stats" not in names and "dlogit" not in names
+    # D not a multiple of 64, fp32 inputs, and SHARDKIT_FUSED=0 take the unfused kernels.
+    for xx, ww, flag in ((x[:, :96], w[:, :96], "1"), (x.float(), w.float(), "1"), (x, w, "0")):
+        monkeypatch.setenv("SHARDKIT_FUSED", flag)
+        names = _kernels(lambda: _fwd_bwd(xx.contiguous(), ww.contiguous(), labels, **kw("arcface")))
+        assert "merge_tiles_kernel" not in names and "row_stats" in names
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", list(MARGINS))
+@pytest.mark.parametrize(
+    "shape,chunk",
+    [
+        ((33, 64, 257), 60),  # tiles of a few columns, several chunks
+        ((300, 128, 5000), 1000),  # rows across three row tiles, the last partial
+        ((129, 512, 3001), None),  # one chunk, a partial column tile
+    ],
+)
+def test_fused_within_twice_torch(dtype, name, shape, chunk):
+    check_low_precision("cuda", dtype, name, chunk=chunk, shape=shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_cosface_scale_64(dtype):
+    check_low_precision("cuda", dtype, "cosface64", margin=(64.0, 1.0, 0.0, 0.35, True), shape=(260, 256, 4100))
+
+
+@pytest.mark.parametrize("name", ["plain", "arcface", "combined"])
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
+def test_fused_matches_unfused_outside_targets_and_count(monkeypatch, name, wdtype):
+    # A shard at class offset 500: a third of the rows have their target elsewhere (no target
+    # logit here), the count against a reference logit, mixed mode (fp32 w) too. The fused
+    # results must match the unfused kernels' (the same bf16 inputs, fp32 accumulation in both)
+    # and the count must lie in the float64 bracket of the logits of the GEMM's own inputs: x
+    # (normalized in fp32 and rounded to bf16 when normalizing, as both kernels do) and w's bf16
+    # rows (times 1 / |w_j| when normalizing).
+    B, D, C, off = 257, 192, 2345, 500
+    x32, w32, labels = make_case(B, D, C, off)
+    x, w = x32.to("cuda", torch.bfloat16), w32.to("cuda", wdtype)
+    k = kw(name)
+    xr, wr = x.double().cpu(), w.to(torch.bfloat16).double().cpu()
+    r_t = ref_stats(xr, wr, labels, off, **k)[1]
+    if k["normalize"]:
+        xf = x.float()
+        xin = (xf / xf.norm(dim=1, keepdim=True).clamp_min(1e-12)).to(torch.bfloat16).double().cpu()
+        plain = k["scale"] * (xin @ wr.t()) / wr.norm(dim=1).clamp_min(1e-12)
+    else:
+        plain = k["scale"] * (xr @ wr.t())
+    tref = (r_t + 0.3 * torch.randn(B, dtype=torch.float64)).float()
+    g = [torch.randn(B, device="cuda") for _ in range(3)]
+    got = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("SHARDKIT_FUSED", flag)
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = ce_shard_stats(xx, ww, labels.cuda(), class_offset=off, chunk_classes=700, target_ref=tref.cuda(), **k)
+        grads = torch.autograd.grad(sum((o * gg).sum() for o, gg in zip(out[:3], g)), (xx, ww))
+        got[flag] = [o.detach().float().cpu() for o in out] + [t.float().cpu() for t in grads]
+    fused, unfused = got["1"], got["0"]
+    for a, b in zip(fused[:3], unfused[:3]):
+        assert rel(a, b, 1.0) <= 2e-5, rel(a, b, 1.0)
+    lo, hi = count_bracket(plain, tref)
+    assert ((fused[3] >= lo) & (fused[3] <= hi)).all()
+    floor = k["scale"] * math.sqrt(B)
+    for a, b in zip(fused[4:], unfused[4:]):
+        assert torch.isfinite(a).all()
+        assert rel(a, b, floor) <= 2e-2, rel(a, b, floor)
+
+
+def test_fused_nan_row_stays_in_its_row(monkeypatch):
+    # A NaN embedding makes its own row's statistics NaN, no other row's (as unfused).
+    x = torch.randn(140, 64, device="cuda", dtype=torch.bfloat16)
+    x[7, 3] = float("nan")
+    w = torch.randn(700, 64, device="cuda", dtype=torch.bfloat16)
+    labels = torch.randint(0, 700, (140,), device="cuda")
+    lse, t, s, _ = ce_shard_stats(x, w, labels, chunk_classes=300, **kw("cosface"))
+    bad = torch.zeros(140, dtype=torch.bool, device="cuda")
+    bad[7] = True
+    assert torch.isnan(lse[bad]).all() and torch.isfinite(lse[~bad]).all() and torch.isfinite(t[~bad]).all()
