@@ -27,6 +27,13 @@ import shardkit
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _timing, whatever the cwd
 from _timing import out_dir, time_median  # noqa: E402
 
+# The environment of each kernel set (read by the op on every call).
+KERNEL_ENV = {
+    "v1": {"SHARDKIT_CE_V2": "0", "SHARDKIT_FUSED": "0"},
+    "v2": {"SHARDKIT_CE_V2": "1", "SHARDKIT_FUSED": "0"},
+    "fused": {"SHARDKIT_CE_V2": "1", "SHARDKIT_FUSED": "1"},
+}
+
 
 def _timeit(fn, device, reps):
     """Median seconds of fn() (2 warm-up calls; CUDA: events, device sync)."""
@@ -52,13 +59,14 @@ def main():
         "--kernels",
         default="v2",
         help="CUDA kernel sets to time, comma-separated: v2 (the default kernels: the wider statistics/dlogit "
-        "kernels, direct 16-bit dW, fp32 dX accumulation) and/or v1 (SHARDKIT_CE_V2=0: the first kernels); "
-        "with both, their loss and gradients are also compared",
+        "kernels, direct 16-bit dW, fp32 dX accumulation), v1 (SHARDKIT_CE_V2=0: the first kernels), fused "
+        "(SHARDKIT_FUSED=1: the fused sm90 GEMM epilogues); with several, the first one's loss and gradients "
+        "are compared with each other's",
     )
     args = ap.parse_args()
     kernels = [k for k in args.kernels.split(",") if k]
-    if not kernels or any(k not in ("v1", "v2") for k in kernels):
-        ap.error(f"--kernels takes v1 and/or v2, got {args.kernels!r}")
+    if not kernels or any(k not in KERNEL_ENV for k in kernels):
+        ap.error(f"--kernels takes v1, v2 and/or fused, got {args.kernels!r}")
 
     dev = torch.device(args.device)
     args.out = args.out or os.path.join(out_dir(), f"sharded_ce_kernels_{dev.type}.json")
@@ -86,11 +94,13 @@ def main():
 
     xd, wd = x.detach(), w.detach()
     gl = torch.randn(B, C, device=dev, dtype=dt)
-    t_gemm = (
-        _timeit(lambda: xd @ wd.t(), dev, args.reps) * 2
+    t_logits = _timeit(lambda: xd @ wd.t(), dev, args.reps)
+    t_gemm3 = (
+        t_logits
         + _timeit(lambda: gl @ wd, dev, args.reps)  # noqa: F821 (deleted after timing)
         + _timeit(lambda: gl.t() @ xd, dev, args.reps)  # noqa: F821
     )
+    t_gemm = t_gemm3 + t_logits
     del gl
 
     # The op's own default first (always measured), then the sweep, without repeating it.
@@ -99,13 +109,14 @@ def main():
     print(
         f"device={dev} dtype={args.dtype} B={B} D={D} C={C} torch {torch.__version__} threads={torch.get_num_threads()}"
     )
-    print(f"GEMM floor (4 GEMMs: logits x2, dX, dW): {t_gemm * 1e3:.1f} ms")
-    print(f"{'variant':<40}{'fwd ms':>10}{'fwd+bwd ms':>12}{'fwd ratio':>11}{'f+b ratio':>11}{'floor %':>9}")
+    print(f"GEMM floor (4 GEMMs: logits x2, dX, dW): {t_gemm * 1e3:.2f} ms; the 3 GEMMs: {t_gemm3 * 1e3:.2f} ms")
+    head = f"{'fwd ms':>10}{'fwd+bwd ms':>12}{'fwd ratio':>11}{'f+b ratio':>11}{'floor %':>9}{'x 3 GEMMs':>11}"
+    print(f"{'variant':<40}{head}")
 
     def report(name, tf, tfb):
         print(
-            f"{name:<40}{tf * 1e3:>10.1f}{tfb * 1e3:>12.1f}{tf / t_bf:>11.2f}{tfb / t_bfb:>11.2f}"
-            f"{100 * t_gemm / tfb:>9.0f}",
+            f"{name:<40}{tf * 1e3:>10.2f}{tfb * 1e3:>12.2f}{tf / t_bf:>11.2f}{tfb / t_bfb:>11.2f}"
+            f"{100 * t_gemm / tfb:>9.0f}{tfb / t_gemm3:>11.2f}",
             flush=True,
         )
 
@@ -118,6 +129,7 @@ def main():
                     "torch": torch.__version__,
                     "default_chunk": default_chunk,
                     "gemm_floor_s": t_gemm,
+                    "three_gemms_s": t_gemm3,
                     "rows": [{"name": n, "chunk": c, "fwd_s": a, "fwd_bwd_s": b} for n, c, a, b in rows],
                 },
                 f,
@@ -128,19 +140,20 @@ def main():
     if len(kernels) > 1:  # the two kernel sets on the same data: loss and gradients
         got = {}
         for kv in kernels:
-            os.environ["SHARDKIT_CE_V2"] = "1" if kv == "v2" else "0"
+            os.environ.update(KERNEL_ENV[kv])
             x.grad = None
             w.grad = None
             lse, t, _, _ = shardkit.ops.ce_shard_stats(x, w, labels, **margin)
             loss = (lse - t).mean()
             loss.backward()
             got[kv] = [loss.detach().double(), x.grad.double(), w.grad.double()]
-        for name, a, b in zip(("loss", "dX", "dW"), got[kernels[0]], got[kernels[1]]):
-            rel = float((a - b).norm() / b.norm().clamp_min(1e-30))
-            print(f"{kernels[0]} vs {kernels[1]} {name}: relative difference {rel:.2e}", flush=True)
+        for other in kernels[1:]:
+            for name, a, b in zip(("loss", "dX", "dW"), got[kernels[0]], got[other]):
+                rel = float((a - b).norm() / b.norm().clamp_min(1e-30))
+                print(f"{kernels[0]} vs {other} {name}: relative difference {rel:.2e}", flush=True)
         del got
     for ch, kv in [(c, k) for c in chunks for k in kernels]:
-        os.environ["SHARDKIT_CE_V2"] = "1" if kv == "v2" else "0"
+        os.environ.update(KERNEL_ENV[kv])
 
         def ours_fwd(ch=ch):
             with torch.no_grad():
@@ -158,7 +171,8 @@ def main():
         rows.append((name, ch or default_chunk, _timeit(ours_fwd, dev, args.reps), _timeit(ours_fb, dev, args.reps)))
         report(*(rows[-1][i] for i in (0, 2, 3)))
         save()
-    os.environ.pop("SHARDKIT_CE_V2", None)
+    for key in KERNEL_ENV["v1"]:
+        os.environ.pop(key, None)
     print(f"wrote {args.out}")
 
 

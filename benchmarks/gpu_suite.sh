@@ -11,6 +11,8 @@
 #   bash benchmarks/gpu_suite.sh test      # GPU tests, compute-sanitizer, then the rest of the tests
 #   bash benchmarks/gpu_suite.sh bench-a   # ce-kernels, ema, normalize, parallel, distributed, pipeline
 #   bash benchmarks/gpu_suite.sh bench-b   # the sharded-loss benchmark, then the largest C per method
+#   bash benchmarks/gpu_suite.sh fused     # the fused sm90 kernels: tests, timings against v2, profile, sanitizers
+#   bash benchmarks/gpu_suite.sh fused-b   # their follow-up: Nsight Compute, the sharded loss against its peers
 #   bash benchmarks/gpu_suite.sh STAGE BUDGET_S   # another time budget (default 540 s)
 #
 # Each stage first prints versions and nvidia-smi, installs the wheels and builds (or reuses)
@@ -285,6 +287,80 @@ PYEOF
     # The largest-C searches share what the step's cap leaves after start-up and saving.
     step bench-maxc 240 "$B/bench_sharded_loss.py --device cuda --max-classes-only --search-total \$((STEP_CAP - 30))"
     ;;
-  *) echo "unknown stage $STAGE (quick, quick-b, rest, test, bench-a, bench-b)"; exit 2 ;;
+  fused)
+    # The fused sm90 kernels (SHARDKIT_FUSED=1, sharded_ce_fused.cu). A tiny forward+backward
+    # first: a kernel that hangs or faults stops the stage there. Then their tests, the kernel
+    # benchmark against the second kernels at the target shapes, the per-kernel profile, the
+    # sanitizers on the smoke run (its D = 64 bf16 case takes the fused kernels), and the
+    # op-level GPU tests on all three kernel sets.
+    info; build
+    cat > "$WORK/fused_smoke.py" <<'PYEOF'
+import torch
+import shardkit
+print("fused kernels in this build:", shardkit.build_info()["fused_kernels"])
+x = torch.randn(300, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+w = torch.randn(5000, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+y = torch.randint(0, 5000, (300,), device="cuda")
+lse, t, s, _ = shardkit.ops.ce_shard_stats(x, w, y, chunk_classes=1000, scale=30.0, m2=0.5, normalize=True)
+(lse - t).mean().backward()
+torch.cuda.synchronize()
+print("fused forward+backward ran; loss", float((lse - t).mean()), "finite grads",
+      bool(torch.isfinite(x.grad).all() and torch.isfinite(w.grad).all()))
+# Peak memory of one fwd+bwd at B=1024, C=1M, D=512 bf16 beyond x, w, labels and the two
+# gradients (MiB), at the op's default chunk, for both kernel sets.
+import os
+B, C, D = 1024, 1_000_000, 512
+x = torch.randn(B, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+w = torch.randn(C, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+y = torch.randint(0, C, (B,), device="cuda")
+for flag in ("0", "1"):
+    os.environ["SHARDKIT_FUSED"] = flag
+    x.grad = w.grad = None
+    torch.cuda.synchronize(); torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated() + (x.numel() + w.numel()) * 2  # + the two bf16 gradients
+    torch.cuda.reset_peak_memory_stats()
+    lse, t, s, _ = shardkit.ops.ce_shard_stats(x, w, y)
+    (lse - t).mean().backward()
+    torch.cuda.synchronize()
+    print(f"SHARDKIT_FUSED={flag}: extra memory {(torch.cuda.max_memory_allocated() - base) / 2**20:.0f} MiB")
+PYEOF
+    if ! step smoke-fused 75 "SHARDKIT_FUSED=1 $PY $WORK/fused_smoke.py"; then
+      echo "the fused kernels do not run: the stage stops here"; finish; exit 1
+    fi
+    step tests-fused 150 "$PY -m pytest tests/test_softmax_fused_gpu.py $PYTEST_OPTS --timeout=60 -q"
+    step bench-fused 150 "for c in 1000000 100000; do $B/bench_sharded_ce_kernels.py --device cuda --batch 1024 \
+      --dim 512 --classes \$c --dtype bfloat16 --reps 10 --chunks 16384,65536 --kernels v2,fused || exit 1; done && \
+      $B/bench_sharded_ce_kernels.py --device cuda --batch 256 --dim 512 --classes 1000000 --dtype bfloat16 \
+      --reps 10 --chunks 65536 --kernels v2,fused && \
+      $B/bench_sharded_ce_kernels.py --device cuda --batch 1024 --dim 512 --classes 1000000 --dtype bfloat16 \
+      --reps 10 --normalize --kernels v2,fused"
+    step profile-fused 60 "SHARDKIT_FUSED=1 $B/profile_sharded_ce.py && SHARDKIT_FUSED=1 $B/profile_sharded_ce.py --margin arcface"
+    step sanitize-fused 120 "SHARDKIT_FUSED=1 $SAN --tool memcheck $PY benchmarks/sanitize_smoke.py && \
+      SHARDKIT_FUSED=1 $SAN --tool racecheck $PY benchmarks/sanitize_smoke.py"
+    step tests-ops-gpu 150 "$PY -m pytest -m gpu tests/test_softmax_ops_gpu.py $PYTEST_OPTS --timeout=60 -q"
+    ;;
+  fused-b)
+    # The fused kernels' follow-up: Nsight Compute on the forward and the backward GEMM (one
+    # 65,536-class chunk at B=1024, D=512, bf16), then the sharded loss on them against its
+    # peers at B=1024, C=1M (speed and extra memory).
+    info; wheels; build
+    cat > "$WORK/ncu_fused.py" <<'PYEOF'
+import torch
+import shardkit
+x = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+w = torch.randn(65536, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+y = torch.randint(0, 65536, (1024,), device="cuda")
+lse, t, s, _ = shardkit.ops.ce_shard_stats(x, w, y, chunk_classes=65536)
+(lse - t).mean().backward()
+torch.cuda.synchronize()
+PYEOF
+    step ncu-fused 120 "SHARDKIT_FUSED=1 \$(command -v ncu || echo /usr/local/cuda/bin/ncu) -k regex:GemmUniversal -c 2 \
+      --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
+      $PY $WORK/ncu_fused.py"
+    step bench-sharded-loss-fused 240 "SHARDKIT_FUSED=1 $B/bench_sharded_loss.py --device cuda --batch 1024 \
+      --classes 1000000 --method-budget 3"
+    ;;
+  *) echo "unknown stage $STAGE (quick, quick-b, rest, test, bench-a, bench-b, fused, fused-b)"; exit 2 ;;
 esac
 finish

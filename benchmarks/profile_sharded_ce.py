@@ -24,8 +24,10 @@ import shardkit  # noqa: E402
 from shardkit.softmax.margins import ArcFace  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# cuBLAS's GEMM kernels on Hopper are named nvjet_* (cuBLASLt), sm90_xmma_* or *gemm*.
+# cuBLAS's GEMM kernels on Hopper are named nvjet_* (cuBLASLt), sm90_xmma_* or *gemm*; the fused
+# kernels (CUTLASS GEMMs with shardkit's epilogue, SHARDKIT_FUSED) are cutlass::device_kernel<...>.
 GEMM_MARKERS = ("nvjet", "gemm", "xmma", "splitkreduce")
+FUSED_MARKER = "cutlass::device_kernel"
 
 
 def main():
@@ -69,9 +71,17 @@ def main():
         return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
 
     total = sum(device_us(e) for e in events)
-    gemm = sum(device_us(e) for e in events if any(k in e.key.lower() for k in GEMM_MARKERS))
-    print(f"device time per step: {total / a.steps / 1e3:.2f} ms; cuBLAS GEMMs {gemm / a.steps / 1e3:.2f} ms; ")
-    print(f"outside the GEMMs: {(total - gemm) / a.steps / 1e3:.2f} ms = {100 * (1 - gemm / total):.0f}% of the step")
+    fused = sum(device_us(e) for e in events if FUSED_MARKER in e.key)
+    gemm = sum(
+        device_us(e) for e in events if FUSED_MARKER not in e.key and any(k in e.key.lower() for k in GEMM_MARKERS)
+    )
+    per = 1e3 * a.steps
+    print(
+        f"device time per step: {total / per:.2f} ms; cuBLAS GEMMs {gemm / per:.2f} ms; "
+        f"fused GEMM + epilogue kernels {fused / per:.2f} ms"
+    )
+    rest = total - gemm - fused
+    print(f"outside the GEMMs (fused or not): {rest / per:.2f} ms = {100 * rest / total:.0f}% of the step")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 One sharded-loss forward+backward per mode (plain bf16 and ArcFace-normalized fp32, each
 over several chunks, a batch that is no multiple of a warp or a vector width, a target
-in the last, partial chunk; and plain bf16 in one chunk of 4103 classes, which the second
-kernel set, the default, splits into column ranges per row), one ModelEMA update per
+in the last, partial chunk; plain bf16 in one chunk of 4103 classes, which the second
+kernel set, the default, splits into column ranges per row; ArcFace bf16 with D = 64 over
+two row tiles, the fused kernels' case under SHARDKIT_FUSED=1), one ModelEMA update per
 model dtype (fp32 and bf16 models, fp32 EMA) and one normalize call per output dtype
 (fp32, bf16; the vectorized path and the generic one). Sizes are tiny: under racecheck
 every shared-memory access is tracked, which slows kernels by orders of magnitude. Each
@@ -40,11 +41,11 @@ def check(name, got, ref, tol):
     return ok
 
 
-def sharded_loss(device, dtype, margin, batch=37, classes=1000, chunk_memory=1 << 16):
+def sharded_loss(device, dtype, margin, batch=37, classes=1000, chunk_memory=1 << 16, dim=40):
     # Default: an odd batch, D not a multiple of 8, and a 64 KiB working set: chunks of ~100-300
     # classes, so several chunks and a partial last one. With the default working set, one
     # chunk of a few thousand classes: rows split into column ranges by the second kernels.
-    dim = 40
+    # dim=64 with 16-bit inputs: the fused sm90 kernels where they run (SHARDKIT_FUSED=1).
     x = torch.randn(batch, dim, device=device, dtype=dtype, requires_grad=True)
     y = torch.randint(0, classes, (batch,), device=device)
     y[0] = classes - 1  # a target in the last (partial) chunk
@@ -111,6 +112,7 @@ def main():
     ok = sharded_loss(device, torch.bfloat16, None)
     ok &= sharded_loss(device, torch.float32, ArcFace(s=64.0, m=0.5))
     ok &= sharded_loss(device, torch.bfloat16, None, batch=9, classes=4103, chunk_memory=None)
+    ok &= sharded_loss(device, torch.bfloat16, ArcFace(s=30.0, m=0.5), batch=130, classes=700, dim=64)
     ok &= ema(device, torch.float32)
     ok &= ema(device, torch.bfloat16)
     ok &= normalize(device, torch.float32)
