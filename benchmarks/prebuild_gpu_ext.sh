@@ -3,7 +3,9 @@
 # default) and torch, and saves it as wheels/shardkit_C_<hash>_<pytag>.tar.gz, the file
 # benchmarks/gpu_suite.sh unpacks instead of building there (it rebuilds if the file does not
 # load). Needs that Python here (python3.12 on the PATH, or PY=/path/to/python3.12), the CUDA
-# toolkit (nvcc) and the network for pip; the build takes a few minutes on 2 cores.
+# toolkit (nvcc) and the network for pip; the build takes a few minutes on 2 cores. It installs
+# nvidia-cutlass (headers only) into that environment, so the build has the fused sm90 kernels;
+# the GPU machine has no network, and a build made there without it leaves them out.
 #
 #   bash benchmarks/prebuild_gpu_ext.sh                  # torch 2.11.0, Python 3.12, arch 9.0
 #   TORCH=2.11.0 PY=~/.pyenv/versions/3.12.1/bin/python bash benchmarks/prebuild_gpu_ext.sh
@@ -18,6 +20,8 @@ if [ -z "$PY" ] || ! "$PY" -c 'import sys' 2> /dev/null; then
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/pip" install -q "torch==$TORCH" numpy setuptools wheel ninja
+# CUTLASS's headers for the fused sm90 kernels (setup.py finds the package; CUTLASS_PATH wins).
+"$VENV/bin/pip" install -q --no-deps nvidia-cutlass==4.2.0.0
 # Build in a copy of the tracked sources, so the checkout's own build is left alone.
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
