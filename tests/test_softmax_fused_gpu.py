@@ -28,13 +28,17 @@ def _why_not():
     return None
 
 
-@pytest.fixture(autouse=True)
-def fused_on(monkeypatch):
+@pytest.fixture(autouse=True, params=["cooperative", "pingpong"])
+def fused_on(request, monkeypatch):
+    # Every test on both schedules of the fused GEMMs: cooperative (the default: two consumer
+    # warpgroups on a 128-row tile) and ping-pong (SHARDKIT_FUSED_SCHEDULE=pingpong: one
+    # warpgroup per 64-row tile, its epilogue under the other's MMAs).
     why = _why_not()
     if why:
         pytest.skip(why)
     monkeypatch.setenv("SHARDKIT_FUSED", "1")
     monkeypatch.setenv("SHARDKIT_CE_V2", "1")
+    monkeypatch.setenv("SHARDKIT_FUSED_SCHEDULE", request.param)
 
 
 def _kernels(fn):

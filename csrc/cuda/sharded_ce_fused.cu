@@ -14,6 +14,8 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <vector>
 
@@ -122,8 +124,9 @@ class SceEpilogue {
                                  ResidueMNK, int thread_idx, char* smem) {
     constexpr int kBM = decltype(size<0>(BlockShapeMNK{}))::value;
     constexpr int kBN = decltype(size<1>(BlockShapeMNK{}))::value;
-    static_assert(kBN == kTileN && decltype(size(TiledMma{}))::value == kBN,
-                  "one column per consumer thread");
+    constexpr int kThreads = decltype(size(TiledMma{}))::value;  // 256 cooperative, 128 ping-pong
+    static_assert(kBN == kTileN && kBN % kThreads == 0,
+                  "the tile's columns spread evenly over the consumer threads");
     const EpiParams& p = a_.p;
     const int M = static_cast<int>(get<0>(problem)), N = static_cast<int>(get<1>(problem));
     const int row0 = static_cast<int>(get<0>(blk)) * kBM, col0 = static_cast<int>(get<1>(blk)) * kBN;
@@ -139,9 +142,11 @@ class SceEpilogue {
     // tile's readers.
     float* srw = reinterpret_cast<SharedStorage*>(smem)->rw;
     if (p.rw) {
-      cutlass::arch::NamedBarrier::sync(kBN, 0);
-      srw[thread_idx] = thread_idx < left ? p.rw[col0 + thread_idx] : 0.f;
-      cutlass::arch::NamedBarrier::sync(kBN, 0);
+      // (Ping-pong: the kernel runs the two warpgroups' epilogues one after the other.)
+      cutlass::arch::NamedBarrier::sync(kThreads, 0);
+#pragma unroll
+      for (int c = thread_idx; c < kBN; c += kThreads) srw[c] = c < left ? p.rw[col0 + c] : 0.f;
+      cutlass::arch::NamedBarrier::sync(kThreads, 0);
     }
     Rows<decltype(size<0>(acc))::value> rows;
 #pragma unroll
@@ -316,18 +321,18 @@ class SceEpilogue {
   Params a_;
 };
 
-template <class Elem, bool kBackward>
+template <class Elem, bool kBackward, bool kPingpong>
 struct FusedGemm {
-  using Mainloop = FusedMainloop<Elem>;
+  using Mainloop = FusedMainloop<Elem, kPingpong>;
   using Epilogue =
       cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<SceEpilogue<kBackward, Elem>>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
-template <class Elem, bool kBackward>
-void launch(const at::Tensor& x, const at::Tensor& wc, const EpiParams& p, cudaStream_t stream) {
-  using G = FusedGemm<Elem, kBackward>;
+template <class Elem, bool kBackward, bool kPingpong>
+void launch_as(const at::Tensor& x, const at::Tensor& wc, const EpiParams& p, cudaStream_t stream) {
+  using G = FusedGemm<Elem, kBackward, kPingpong>;
   using Dev = typename G::Device;
   const int M = static_cast<int>(x.size(0)), N = static_cast<int>(wc.size(0)),
             K = static_cast<int>(x.size(1));
@@ -354,6 +359,25 @@ void launch(const at::Tensor& x, const at::Tensor& wc, const EpiParams& p, cudaS
       st == cutlass::Status::kSuccess,
       "shardkit: the fused sharded cross-entropy kernel failed to launch: ", cutlassGetStatusString(st));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// SHARDKIT_FUSED_SCHEDULE=pingpong: the ping-pong kernels (64-row tiles, one consumer
+// warpgroup's epilogue under the other's MMAs), for measuring against the default cooperative
+// ones (128-row tiles). Read on every call.
+bool pingpong() {
+  const char* v = std::getenv("SHARDKIT_FUSED_SCHEDULE");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "cooperative") == 0) return false;
+  if (std::strcmp(v, "pingpong") == 0) return true;
+  TORCH_WARN_ONCE("SHARDKIT_FUSED_SCHEDULE=", v, " is neither cooperative nor pingpong: cooperative runs");
+  return false;
+}
+
+template <class Elem, bool kBackward>
+void launch(const at::Tensor& x, const at::Tensor& wc, const EpiParams& p, cudaStream_t stream) {
+  if (pingpong())
+    launch_as<Elem, kBackward, true>(x, wc, p, stream);
+  else
+    launch_as<Elem, kBackward, false>(x, wc, p, stream);
 }
 
 // (m, s) += (m2, s2), s counting exp(z - m), as the unfused kernels merge (NaN survives from

@@ -12,17 +12,18 @@
 using namespace cute;
 using namespace shardkit::sce::fused;
 
-template <class Elem>
+template <class Elem, bool kPingpong>
 int check(const char* name) {
-  using TiledMma = typename FusedMainloop<Elem>::TiledMma;
+  using TiledMma = typename FusedMainloop<Elem, kPingpong>::TiledMma;
+  constexpr int kTileRows = kTileM<kPingpong>;
   TiledMma mma;
   const int threads = size(mma);
-  std::vector<int> seen(kTileM * kTileN, 0);
+  std::vector<int> seen(kTileRows * kTileN, 0);
   std::vector<std::vector<int>> rows_of(threads);
   for (int t = 0; t < threads; ++t) {
     auto thr = mma.get_thread_slice(t);
-    Tensor crd = thr.partition_C(make_identity_tensor(make_shape(Int<kTileM>{}, Int<kTileN>{})));
-    Tensor acc = partition_fragment_C(mma, make_shape(Int<kTileM>{}, Int<kTileN>{}));
+    Tensor crd = thr.partition_C(make_identity_tensor(make_shape(Int<kTileRows>{}, Int<kTileN>{})));
+    Tensor acc = partition_fragment_C(mma, make_shape(Int<kTileRows>{}, Int<kTileN>{}));
     if (size(acc) != size(crd)) {
       std::printf("%s: thread %d holds %d accumulators but %d coordinates\n", name, t, int(size(acc)),
                   int(size(crd)));
@@ -57,17 +58,19 @@ int check(const char* name) {
       return 1;
     }
   }
-  for (int k = 0; k < kTileM * kTileN; ++k) {
+  for (int k = 0; k < kTileRows * kTileN; ++k) {
     if (seen[k] != 1) {
       std::printf("%s: tile element (%d, %d) is held %d times\n", name, k / kTileN, k % kTileN, seen[k]);
       return 1;
     }
   }
   std::printf("%s: %d threads, each %d row slots x %d columns: fused layout OK\n", name, threads,
-              int(rows_of[0].size()), kTileM * kTileN / threads / int(rows_of[0].size()));
+              int(rows_of[0].size()), kTileRows * kTileN / threads / int(rows_of[0].size()));
   return 0;
 }
 
 int main() {
-  return check<cutlass::bfloat16_t>("bf16") | check<cutlass::half_t>("fp16");
+  return check<cutlass::bfloat16_t, false>("bf16 cooperative") |
+         check<cutlass::half_t, false>("fp16 cooperative") |
+         check<cutlass::bfloat16_t, true>("bf16 ping-pong") | check<cutlass::half_t, true>("fp16 ping-pong");
 }
