@@ -289,8 +289,9 @@ PYEOF
     ;;
   fused)
     # The fused sm90 kernels (SHARDKIT_FUSED=1, sharded_ce_fused.cu). A tiny forward+backward
-    # first: a kernel that hangs or faults stops the stage there. Then their tests, the kernel
-    # benchmark against the second kernels at the target shapes, the per-kernel profile, the
+    # first: a kernel that hangs or faults stops the stage there. Then their tests (both
+    # schedules), the kernel benchmark against the second kernels at the target shapes (the
+    # cooperative schedule, the default, and ping-pong), the per-kernel profile, the
     # sanitizers on the smoke run (its D = 64 bf16 case takes the fused kernels), and the
     # op-level GPU tests on all three kernel sets.
     info; build
@@ -329,11 +330,11 @@ PYEOF
     fi
     step tests-fused 150 "$PY -m pytest tests/test_softmax_fused_gpu.py $PYTEST_OPTS --timeout=60 -q"
     step bench-fused 150 "for c in 1000000 100000; do $B/bench_sharded_ce_kernels.py --device cuda --batch 1024 \
-      --dim 512 --classes \$c --dtype bfloat16 --reps 10 --chunks 16384,65536 --kernels v2,fused || exit 1; done && \
+      --dim 512 --classes \$c --dtype bfloat16 --reps 10 --chunks 16384,65536 --kernels v2,fused,fused-pp || exit 1; done && \
       $B/bench_sharded_ce_kernels.py --device cuda --batch 256 --dim 512 --classes 1000000 --dtype bfloat16 \
-      --reps 10 --chunks 65536 --kernels v2,fused && \
+      --reps 10 --chunks 65536 --kernels v2,fused,fused-pp && \
       $B/bench_sharded_ce_kernels.py --device cuda --batch 1024 --dim 512 --classes 1000000 --dtype bfloat16 \
-      --reps 10 --normalize --kernels v2,fused"
+      --reps 10 --normalize --kernels v2,fused,fused-pp"
     step profile-fused 60 "SHARDKIT_FUSED=1 $B/profile_sharded_ce.py && SHARDKIT_FUSED=1 $B/profile_sharded_ce.py --margin arcface"
     step sanitize-fused 120 "SHARDKIT_FUSED=1 $SAN --tool memcheck $PY benchmarks/sanitize_smoke.py && \
       SHARDKIT_FUSED=1 $SAN --tool racecheck $PY benchmarks/sanitize_smoke.py"
