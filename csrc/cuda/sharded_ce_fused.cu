@@ -3,12 +3,13 @@
 #ifndef NDEBUG
 #define NDEBUG
 #endif
-// The fused sm90 kernels of the sharded cross-entropy (see sharded_ce_fused.h): a CUTLASS 3
-// persistent cooperative GEMM (TMA loads, two consumer warpgroups of warpgroup MMA on a
-// [128, 256, 64] tile) whose epilogue is ours. The epilogue receives the fp32 accumulators of
-// the tile in registers; each thread holds R row slots x J columns of them (checked on the host
-// by tests/test_fused_layout), and the four threads of a quad (lanes 4k..4k+3) hold the same
-// rows, so a row's statistics over the tile need two shuffles.
+// The fused sm90 kernels of the sharded cross-entropy (see sharded_ce_fused.h): a persistent
+// CUTLASS GEMM (CUTLASS 4.2's 3.x API: TMA loads, warpgroup MMA; cooperative, two consumer
+// warpgroups on a [128, 256, 64] tile, the default; or ping-pong, one per [64, 256, 64] tile)
+// whose epilogue is ours. The epilogue receives the fp32 accumulators of the tile in registers;
+// each thread holds R row slots x J columns of them (checked on the host by
+// tests/native/fused_layout_check.cu), and the four threads of a quad (lanes 4k..4k+3) hold the
+// same rows, so a row's statistics over the tile need two shuffles.
 #include "sharded_ce_fused.h"
 
 #include <ATen/cuda/CUDAContext.h>

@@ -1,11 +1,13 @@
 // The fused Hopper (sm90) kernels of the sharded cross-entropy: one GEMM per class chunk whose
-// epilogue works on the logits tile in registers (CUTLASS 3 / CuTe: TMA loads, warpgroup MMA,
-// a persistent cooperative kernel). No fp32 logits tile reaches global memory:
-//   forward:  each [128, 256] tile of logits becomes per-row partial statistics (max, sum of
-//             exp(z - max), logit sum, count above the reference) in `parts` [B, tiles], the
-//             target logit (margin applied) straight into TG; a merge kernel folds the tiles;
+// epilogue works on the logits tile in registers (CUTLASS / CuTe: TMA loads, warpgroup MMA, a
+// persistent kernel, cooperative by default, ping-pong with SHARDKIT_FUSED_SCHEDULE=pingpong).
+// No fp32 logits tile reaches global memory:
+//   forward:  each tile of logits ([128, 256]; [64, 256] ping-pong) becomes per-row partial
+//             statistics (max, sum of exp(z - max), logit sum, count above the reference) over
+//             its columns but the target, in [B, tiles] partials, and the target's cosine is
+//             recorded; a merge kernel folds the tiles and the target logit (margin applied);
 //   backward: the recomputed tile becomes dlogits in x's dtype, written into the chunk buffer G
-//             that the dX / dW GEMMs read.
+//             that the dX / dW GEMMs read; a per-row kernel rewrites the target's entry.
 // Built where CUTLASS's headers are found at build time (setup.py: CUTLASS_PATH, or the
 // nvidia-cutlass package) and run only on a compute-capability 9.0 GPU whose code was built for
 // sm_90a, bf16 / fp16 x and chunk, D a multiple of 64 up to 1024. Anything else, and
