@@ -30,6 +30,7 @@
 
 #include "sharded_ce_common.h"
 #include "env_flag.h"
+#include "sharded_ce_device.cuh"
 #include "sharded_ce_fused.h"
 
 namespace shardkit {
@@ -61,29 +62,6 @@ struct MarginT {
 template <typename T>
 MarginT<T> to_device_margin(const Margin& mg) {
   return {T(mg.scale), mg.m1, mg.m2, mg.m3, mg.c_max, mg.plain_target, mg.normalize};
-}
-
-template <typename T>
-__device__ __forceinline__ T dev_exp(T v) {
-  return exp(v);
-}
-template <>
-__device__ __forceinline__ float dev_exp<float>(float v) {
-  return __expf(v);
-}
-
-// Merges the softmax partial (m2, s2) into (m, s): s counts exp(z - m).
-template <typename T>
-__device__ __forceinline__ void merge_ms(T& m, T& s, T m2, T s2) {
-  const T mn = m > m2 ? m : m2;
-  if (mn == -std::numeric_limits<T>::infinity()) {
-    // Both hold only -inf logits: s and s2 are 0, or NaN from a NaN logit (which the max
-    // skips), and that NaN must survive the merge from either side, as on the CPU.
-    s += s2;
-    return;
-  }
-  s = s * dev_exp(m - mn) + s2 * dev_exp(m2 - mn);
-  m = mn;
 }
 
 // 1 / max(|w_j|, eps) for the chunk's rows (one warp per row) and, if what is given, the
@@ -126,18 +104,6 @@ __device__ __forceinline__ T stat_logit(T c, bool at_target, bool count, T ref, 
   }
   zs += z;
   return z;
-}
-
-// Folds a row's partial statistics into the running ones of row i.
-template <typename T>
-__device__ __forceinline__ void fold_stats(int64_t i, T m, T s, T zs, int64_t cnt, T* M, T* S, T* LS,
-                                           int64_t* CN) {
-  T Mi = M[i], Si = S[i];
-  merge_ms(Mi, Si, m, s);
-  M[i] = Mi;
-  S[i] = Si;
-  LS[i] += zs;
-  CN[i] += cnt;
 }
 
 // Block reduction of every thread's (m, s, zs, cnt): warps by shuffles, then the warps'

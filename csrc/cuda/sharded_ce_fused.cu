@@ -22,6 +22,7 @@
 
 #include "env_flag.h"
 #include "sharded_ce_common.h"
+#include "sharded_ce_device.cuh"
 
 #ifdef SHARDKIT_WITH_CUTLASS
 #include <cutlass/arch/barrier.h>
@@ -381,18 +382,6 @@ void launch(const at::Tensor& x, const at::Tensor& wc, const EpiParams& p, cudaS
     launch_as<Elem, kBackward, false>(x, wc, p, stream);
 }
 
-// (m, s) += (m2, s2), s counting exp(z - m), as the unfused kernels merge (NaN survives from
-// either side; two -inf maxima add the sums).
-__device__ __forceinline__ void merge_ms(float& m, float& s, float m2, float s2) {
-  const float mn = m > m2 ? m : m2;
-  if (mn == -INFINITY) {
-    s += s2;
-    return;
-  }
-  s = s * __expf(m - mn) + s2 * __expf(m2 - mn);
-  m = mn;
-}
-
 // One warp per row: the chunk's tile partials in a fixed order, then the target logit (its
 // margin from the recorded cosine), folded into the running statistics.
 __global__ void merge_tiles_kernel(EpiParams p, int64_t B, int64_t n, int64_t tiles, Running run) {
@@ -422,12 +411,7 @@ __global__ void merge_tiles_kernel(EpiParams p, int64_t B, int64_t n, int64_t ti
     merge_ms(m, s, zt, 1.f);
     z += zt;
   }
-  float Mi = run.M[i], Si = run.S[i];
-  merge_ms(Mi, Si, m, s);
-  run.M[i] = Mi;
-  run.S[i] = Si;
-  run.LS[i] += z;
-  run.CN[i] += c;
+  fold_stats(i, m, s, z, c, run.M, run.S, run.LS, run.CN);
 }
 
 // The target column's dlogit of each row whose target lies in the chunk (the GEMM wrote a
