@@ -333,16 +333,14 @@ Tensor weight_chunk(const Tensor& w, const Tensor& wbuf, int64_t j0, int64_t n) 
 // The chunk's inverse row norms into rw and, if what is defined, its normalized rows into what
 // (x's dtype, [n, D] contiguous).
 void chunk_norms(const Tensor& wc, int64_t n, Tensor& rw, const Tensor& what, cudaStream_t stream) {
-  {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, wc.scalar_type(), "sce_inv_norm", [&] {
-      using T = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-      const int rows_per_block = kBlock / 32;
-      inv_row_norm_kernel<scalar_t, T><<<(n + rows_per_block - 1) / rows_per_block, kBlock, 0, stream>>>(
-          wc.const_data_ptr<scalar_t>(), wc.stride(0), wc.stride(1), n, wc.size(1), rw.mutable_data_ptr<T>(),
-          what.defined() ? what.mutable_data_ptr<scalar_t>() : nullptr);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
-  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, wc.scalar_type(), "sce_inv_norm", [&] {
+    using T = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    const int rows_per_block = kBlock / 32;
+    inv_row_norm_kernel<scalar_t, T><<<(n + rows_per_block - 1) / rows_per_block, kBlock, 0, stream>>>(
+        wc.const_data_ptr<scalar_t>(), wc.stride(0), wc.stride(1), n, wc.size(1), rw.mutable_data_ptr<T>(),
+        what.defined() ? what.mutable_data_ptr<scalar_t>() : nullptr);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
 }
 
 // Logits of the chunk wc ([n, D], x's dtype) into L (acc dtype, [B, n] contiguous), and
@@ -513,8 +511,6 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
       fused::backward(p.xin, wc, e, stream);
     } else {
       chunk_logits(p, wc, n, normalize, L, rw, what, stream);
-    }
-    if (!fz)
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dt, "sce_dlogit", [&] {
         using T = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
         if constexpr (std::is_same_v<T, float>) {
@@ -541,6 +537,7 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
             gs.const_data_ptr<T>(), to_device_margin<T>(mg));
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
+    }
     Tensor gw = grad_w.narrow(0, j0, n);
     if (low) {
       // (addmm with out_dtype wants `self` in the input dtype in some torch versions: GEMM into

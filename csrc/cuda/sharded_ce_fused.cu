@@ -470,10 +470,6 @@ bool compiled() {
   return true;
 }
 
-int64_t tile_n() {
-  return kTileN;
-}
-
 bool usable(const at::Tensor& x, const at::Tensor& wc) {
   const auto dt = x.scalar_type();
   if ((dt != at::kBFloat16 && dt != at::kHalf) || wc.scalar_type() != dt || !x.is_cuda()) return false;
@@ -525,9 +521,6 @@ void backward(const at::Tensor& x, const at::Tensor& wc, EpiParams p, cudaStream
 
 bool compiled() {
   return false;
-}
-int64_t tile_n() {
-  return 1;
 }
 bool usable(const at::Tensor&, const at::Tensor&) {
   return false;

@@ -48,8 +48,6 @@ struct EpiParams {
 
 // True when this build has the fused kernels (CUTLASS found at build time).
 bool compiled();
-// Columns of a tile: a chunk of n classes gives ceil(n / tile_n()) partials per row.
-int64_t tile_n();
 // True where the fused kernels can run: x [B, D] and the chunk wc [n, D] (same dtype, bf16 or
 // fp16, contiguous, 16-byte aligned), D % 64 == 0 and D <= 1024, on a compute-capability 9.0
 // GPU that runs the sm_90a code (checked once per device).
