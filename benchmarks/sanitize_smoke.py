@@ -1,16 +1,16 @@
 """A small run of every CUDA kernel family, for compute-sanitizer (memcheck, racecheck).
 
 One sharded-loss forward+backward per mode (plain bf16 and ArcFace-normalized fp32, each
-over several chunks, a batch that is no multiple of a warp or a vector width, a target
-in the last, partial chunk; plain bf16 in one chunk of 4103 classes, which the second
-kernel set, the default, splits into column ranges per row; ArcFace bf16 with D = 64 over
-two row tiles, the fused kernels' case under SHARDKIT_FUSED=1), one ModelEMA update per
-model dtype (fp32 and bf16 models, fp32 EMA) and one normalize call per output dtype
-(fp32, bf16; the vectorized path and the generic one). Sizes are tiny: under racecheck
-every shared-memory access is tracked, which slows kernels by orders of magnitude. Each
-result is compared with a float64 reference (the loss: the CPU kernels; EMA and normalize:
-plain torch), so the run also fails (exit code 1) on a wrong answer, not only on a
-sanitizer report.
+over several chunks, a batch that is no multiple of a warp or a vector width, a target in
+the last, partial chunk; plain bf16 in one chunk of 4103 classes, which the second kernel
+set, the default, splits into column ranges per row; ArcFace bf16 with D = 64 over two row
+tiles, and plain bf16 with D = 64 over full tiles, the fused kernels' cases under
+SHARDKIT_FUSED=1), one ModelEMA update per model dtype (fp32 and bf16 models, fp32 EMA) and
+one normalize call per output dtype (fp32, bf16; the vectorized path and the generic one).
+Sizes are tiny: under racecheck every shared-memory access is tracked, which slows kernels
+by orders of magnitude. Each result is compared with a float64 reference (the loss: the CPU
+kernels; EMA and normalize: plain torch), so the run also fails (exit code 1) on a wrong
+answer, not only on a sanitizer report.
 
     compute-sanitizer --tool memcheck --error-exitcode 2 python benchmarks/sanitize_smoke.py
     compute-sanitizer --tool racecheck --error-exitcode 2 python benchmarks/sanitize_smoke.py
@@ -113,6 +113,8 @@ def main():
     ok &= sharded_loss(device, torch.float32, ArcFace(s=64.0, m=0.5))
     ok &= sharded_loss(device, torch.bfloat16, None, batch=9, classes=4103, chunk_memory=None)
     ok &= sharded_loss(device, torch.bfloat16, ArcFace(s=30.0, m=0.5), batch=130, classes=700, dim=64)
+    # Fused: full tiles whose dlogits are stored 8 columns at a time (rows of 1096 = 8 x 137).
+    ok &= sharded_loss(device, torch.bfloat16, None, batch=256, classes=1096, chunk_memory=None, dim=64)
     ok &= ema(device, torch.float32)
     ok &= ema(device, torch.bfloat16)
     ok &= normalize(device, torch.float32)

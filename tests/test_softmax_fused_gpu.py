@@ -28,17 +28,20 @@ def _why_not():
     return None
 
 
-@pytest.fixture(autouse=True, params=["cooperative", "pingpong"])
+@pytest.fixture(autouse=True, params=["cooperative", "pingpong", "cooperative,pairs"])
 def fused_on(request, monkeypatch):
     # Every test on both schedules of the fused GEMMs: cooperative (the default: two consumer
     # warpgroups on a 128-row tile) and ping-pong (SHARDKIT_FUSED_SCHEDULE=pingpong: one
-    # warpgroup per 64-row tile, its epilogue under the other's MMAs).
+    # warpgroup per 64-row tile, its epilogue under the other's MMAs), and on the backward's
+    # two ways of storing the dlogits (SHARDKIT_FUSED_STORES: wide, the default, or pairs).
     why = _why_not()
     if why:
         pytest.skip(why)
+    schedule, _, stores = request.param.partition(",")
     monkeypatch.setenv("SHARDKIT_FUSED", "1")
     monkeypatch.setenv("SHARDKIT_CE_V2", "1")
-    monkeypatch.setenv("SHARDKIT_FUSED_SCHEDULE", request.param)
+    monkeypatch.setenv("SHARDKIT_FUSED_SCHEDULE", schedule)
+    monkeypatch.setenv("SHARDKIT_FUSED_STORES", stores or "wide")
 
 
 def _kernels(fn):
@@ -79,6 +82,7 @@ def test_fused_kernels_run_where_they_apply(monkeypatch, wdtype):
         ((33, 64, 257), 60),  # tiles of a few columns, several chunks
         ((300, 128, 5000), 1000),  # rows across three row tiles, the last partial
         ((129, 512, 3001), None),  # one chunk, a partial column tile
+        ((256, 64, 1096), None),  # full tiles of 16-byte dlogit stores (rows of 8k), a partial one
     ],
 )
 def test_fused_within_twice_torch(dtype, name, shape, chunk):
@@ -141,3 +145,43 @@ def test_fused_nan_row_stays_in_its_row(monkeypatch):
     bad = torch.zeros(140, dtype=torch.bool, device="cuda")
     bad[7] = True
     assert torch.isnan(lse[bad]).all() and torch.isfinite(lse[~bad]).all() and torch.isfinite(t[~bad]).all()
+
+
+@pytest.mark.parametrize("name", ["plain", "arcface"])
+def test_fused_forward_walks_larger_chunks(name):
+    # The fused forward holds only [B, tiles] partials, so it walks chunks larger than the
+    # caller's chunk_classes (which sizes the backward's [B, chunk] dlogits): here 64-class
+    # chunks in the backward, several larger ones in the forward, each merged into the running
+    # statistics. The results keep torch's accuracy, the forward launches fewer merges than the
+    # backward launches dlogit GEMMs.
+    check_low_precision("cuda", torch.bfloat16, name, chunk=64, shape=(100, 128, 5000))
+    x = torch.randn(100, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(5000, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 5000, (100,), device="cuda")
+    acts = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        lse, t, s, _ = ce_shard_stats(x, w, labels, chunk_classes=64, **kw(name))
+        (lse - t).sum().backward()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    merges = sum("merge_tiles_kernel" in n for n in names)
+    fixes = sum("fix_target_kernel" in n for n in names)
+    assert fixes == math.ceil(5000 / 64) and 1 < merges < fixes, (merges, fixes)
+
+
+def test_fused_forward_memory_within_the_backward_chunk():
+    # B=1024, 256-class chunks of D=64 over 200k classes (plain: no fp32 copies of x). The
+    # backward's dlogits chunk is 1024 x 256 bf16 (512 KiB); the forward's larger chunks must
+    # stay within it (its partials for the whole shard would take 16 MiB).
+    B, C, chunk = 1024, 200_000, 256
+    x = torch.randn(B, 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(C, 64, device="cuda", dtype=torch.bfloat16)
+    labels = torch.randint(0, C, (B,), device="cuda")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = ce_shard_stats(x, w, labels, chunk_classes=chunk, **kw("plain"))
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert torch.isfinite(out[0]).all()
+    assert extra <= B * chunk * 2 + (64 << 10), extra

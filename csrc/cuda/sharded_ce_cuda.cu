@@ -19,6 +19,8 @@
 // 1024) through the fused kernels of sharded_ce_fused.cu instead (SHARDKIT_FUSED=0: not): the
 // forward's GEMM epilogue folds each logits tile into row statistics, the backward's writes the
 // dlogits, so no fp32 logits buffer exists; the dX / dW GEMMs and fix-ups below are shared.
+// Holding no logits, the fused forward walks larger chunks (fused::forward_chunk) within the
+// memory the backward's chunk takes.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/Exceptions.h>
@@ -275,13 +277,12 @@ void addmm_f32_out(Tensor& dx, const Tensor& G, const Tensor& v) {
 }
 
 // The fused sm90 kernels for this call (sharded_ce_fused.h): built, SHARDKIT_FUSED not 0, and
-// usable for x and every chunk (w contiguous: its chunks are then aligned as its first is; in
-// mixed mode the chunks are converted into wbuf).
-bool use_fused(const Tensor& xin, const Tensor& w, const Tensor& wbuf, int64_t chunk) {
+// usable for x and every chunk (w contiguous: its chunks are then aligned as its first is). In
+// mixed mode the chunks are converted into a fresh buffer in x's dtype, contiguous and aligned as
+// x itself is, so x stands for them in the check.
+bool use_fused(const Tensor& xin, const Tensor& w, bool mixed) {
   if (!fused::compiled() || !fused::enabled() || !w.is_contiguous()) return false;
-  const Tensor wc =
-      wbuf.defined() ? wbuf.narrow(0, 0, chunk * w.size(1)).view({chunk, w.size(1)}) : w.narrow(0, 0, chunk);
-  return fused::usable(xin, wc);
+  return fused::usable(xin, mixed ? xin : w);
 }
 
 fused::EpiParams epi_params(const Margin& mg, const Tensor& lab, int64_t class_offset, int64_t j0,
@@ -379,23 +380,28 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> ce_shard_stats_cuda(const Tensor& x, 
   const Tensor tref = count ? target_ref->to(acc).contiguous() : Tensor();
   const Tensor lab = labels.contiguous();
   const Prepared p = prepare_x(x, normalize);
-  const int64_t chunk = std::min(chunk_classes, C);
+  const bool mixed = w.scalar_type() != x.scalar_type();
+  const bool fz = acc == at::kFloat && use_fused(p.xin, w, mixed);
+  // The fused forward holds no logits: its chunks are larger, within the backward's memory.
+  const int64_t chunk = fz ? fused::forward_chunk(B, w.size(1), C, std::min(chunk_classes, C),
+                                                  x.element_size(), mixed, normalize)
+                           : std::min(chunk_classes, C);
   Tensor rw = normalize ? at::empty({chunk}, opts) : Tensor();
   // Mixed mode: the chunk's rows converted to x's dtype, [chunk, D].
-  const Tensor wbuf =
-      w.scalar_type() != x.scalar_type() ? at::empty({chunk * w.size(1)}, x.options()) : Tensor();
+  const Tensor wbuf = mixed ? at::empty({chunk * w.size(1)}, x.options()) : Tensor();
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  if (acc == at::kFloat && use_fused(p.xin, w, wbuf, chunk)) {  // no logits in memory
+  if (fz) {  // no logits in memory
     const fused::Running run{M.mutable_data_ptr<float>(), S.mutable_data_ptr<float>(),
                              LS.mutable_data_ptr<float>(), TG.mutable_data_ptr<float>(),
                              CN.mutable_data_ptr<int64_t>()};
+    const fused::Scratch sc = fused::make_scratch(p.xin, chunk, /*forward=*/true);
     for (int64_t j0 = 0; j0 < C; j0 += chunk) {
       const int64_t n = std::min(chunk, C - j0);
       const Tensor wc = weight_chunk(w, wbuf, j0, n);
       if (normalize) chunk_norms(wc, n, rw, Tensor(), stream);
       fused::EpiParams e = epi_params(mg, lab, class_offset, j0, rw);
       e.tref = count ? tref.const_data_ptr<float>() : nullptr;
-      fused::forward(p.xin, wc, e, run, stream);
+      fused::forward(p.xin, wc, e, run, sc, stream);
     }
     Tensor lse = M.add_(S.log_());
     return {lse, TG, LS, CN};
@@ -480,7 +486,8 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
   const bool dw_direct = v2 && low && !mixed && !normalize;
   const Tensor wbuf = mixed ? at::empty({chunk * D}, x.options()) : Tensor();
   // The fused kernels write the dlogits straight from the GEMM (no fp32 logits).
-  const bool fz = acc == at::kFloat && low && use_fused(p.xin, w, wbuf, chunk);
+  const bool fz = acc == at::kFloat && low && use_fused(p.xin, w, mixed);
+  const fused::Scratch sc = fz ? fused::make_scratch(p.xin, chunk, /*forward=*/false) : fused::Scratch();
   Tensor lbuf = fz ? Tensor() : at::empty({B * chunk}, opts);
   Tensor gbuf = low ? at::empty({B * chunk}, x.options()) : Tensor();
   Tensor tbuf = low && !mixed && !dw_direct ? at::empty({chunk * D}, opts) : Tensor();
@@ -508,7 +515,7 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
       e.g_times_r = !hat;
       e.g = G.mutable_data_ptr();
       e.ldg = n;
-      fused::backward(p.xin, wc, e, stream);
+      fused::backward(p.xin, wc, e, sc, stream);
     } else {
       chunk_logits(p, wc, n, normalize, L, rw, what, stream);
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dt, "sce_dlogit", [&] {

@@ -15,6 +15,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -40,6 +41,16 @@ namespace fused {
 
 bool enabled() {
   return env_flag("SHARDKIT_FUSED", true, "the fused kernels run where they apply");
+}
+
+int64_t forward_chunk(int64_t B, int64_t D, int64_t C, int64_t chunk, int64_t elem, bool mixed,
+                      bool normalize) {
+  constexpr int64_t kMaxChunk = 131072, kTile = 256, kPartBytes = 20;  // 3 floats and a count
+  const int64_t bwd_bytes = chunk * (B * elem + (mixed ? D * elem : 0));
+  // Bytes per tile of kTile classes in the forward.
+  const int64_t per_tile = B * kPartBytes + kTile * ((mixed ? D * elem : 0) + (normalize ? 4 : 0));
+  int64_t n = std::min(bwd_bytes / std::max<int64_t>(per_tile, 1) * kTile, kMaxChunk);
+  return std::min(C, std::max(chunk, n));
 }
 
 #ifdef SHARDKIT_WITH_CUTLASS
@@ -70,6 +81,36 @@ __device__ __forceinline__ void store_two(cutlass::bfloat16_t* g, float a, float
 }
 __device__ __forceinline__ void store_two(cutlass::half_t* g, float a, float b) {
   *reinterpret_cast<__half2*>(g) = __floats2half2_rn(a, b);
+}
+// Two values rounded to the element type, packed as stored (a at the lower address).
+__device__ __forceinline__ uint32_t pack_two(cutlass::bfloat16_t*, float a, float b) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+__device__ __forceinline__ uint32_t pack_two(cutlass::half_t*, float a, float b) {
+  const __half2 v = __floats2half2_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+// A 4 x 4 transpose across the four lanes of a quad: on entry lane q holds w[k] = word q of
+// block k, on return w[k] = word k of block q (two butterfly rounds of shuffles).
+__device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int q) {
+  const bool odd = q & 1, high = q & 2;
+#pragma unroll
+  for (int a = 0; a < 4; a += 2) {
+    const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? w[a] : w[a + 1], 1);
+    if (odd)
+      w[a] = got;
+    else
+      w[a + 1] = got;
+  }
+#pragma unroll
+  for (int a = 0; a < 2; ++a) {
+    const uint32_t got = __shfl_xor_sync(0xffffffffu, high ? w[a] : w[a + 2], 2);
+    if (high)
+      w[a] = got;
+    else
+      w[a + 2] = got;
+  }
 }
 
 // The epilogue (an operator-style CUTLASS epilogue, run by the consumer warpgroups through
@@ -204,6 +245,11 @@ class SceEpilogue {
     if constexpr (kBackward) {
       Elem* G = static_cast<Elem*>(p.g);
       const bool pairs = p.ldg % 2 == 0 && (reinterpret_cast<uintptr_t>(G) & 3) == 0;
+      // Full tiles of a 16-byte aligned G whose rows hold a multiple of 8 elements: each quad
+      // exchanges its column pairs so that every thread stores 8 adjacent columns at once.
+      const bool wide =
+          kFull && p.wide_stores && p.ldg % 8 == 0 && (reinterpret_cast<uintptr_t>(G) & 15) == 0;
+      const int q = threadIdx.x & 3;
       float lsel[R], gl[R], gs[R];
 #pragma unroll
       for (int ri = 0; ri < R; ++ri) {
@@ -212,30 +258,51 @@ class SceEpilogue {
         gl[ri] = p.gl[r];
         gs[ri] = p.gs[r];
       }
+      static_assert(J % 8 == 0, "columns come in blocks of 8 per quad");
 #pragma unroll
-      for (int j = 0; j < J; j += 2) {
-        const int lc = get<1>(pos(0, j));  // columns lc and lc + 1
-        const bool ok0 = kFull || lc < left, ok1 = kFull || lc + 1 < left;
-        const float r0 = scaled ? srw[lc] : 1.f, r1 = scaled ? srw[lc + 1] : 1.f;
-        const float q0 = p.g_times_r ? r0 : 1.f, q1 = p.g_times_r ? r1 : 1.f;
+      for (int j8 = 0; j8 < J; j8 += 8) {
+        uint32_t words[R][4];  // this thread's pairs of 4 blocks of 8 columns, per row slot
 #pragma unroll
-        for (int ri = 0; ri < R; ++ri) {
-          // Every column as a plain one; fix_target_kernel rewrites the target's entry from its
-          // cosine (the margin needs double-precision cos / acos, whose slow path is a call,
-          // which would serialize the warpgroup MMAs of this kernel).
-          const float c0 = acc(ri, j) * r0, c1 = acc(ri, j + 1) * r1;
-          cts[ri] = lc == rows.tcol[ri] ? c0 : (lc + 1 == rows.tcol[ri] ? c1 : cts[ri]);
-          has_t[ri] |= lc == rows.tcol[ri] || lc + 1 == rows.tcol[ri];
-          const float z0 = __fmul_rn(p.scale, c0), z1 = __fmul_rn(p.scale, c1);
-          const float g0 = p.scale * (gl[ri] * ex2(fmaf(z0, kLog2e, -lsel[ri])) + gs[ri]) * q0;
-          const float g1 = p.scale * (gl[ri] * ex2(fmaf(z1, kLog2e, -lsel[ri])) + gs[ri]) * q1;
-          if (!kFull && !rows.live[ri]) continue;
-          Elem* out = G + static_cast<int64_t>(rows.row[ri]) * p.ldg + col0 + lc;
-          if (kFull && pairs) {
-            store_two(out, g0, g1);
-          } else {
-            if (ok0) store_one(out, g0);
-            if (ok1) store_one(out + 1, g1);
+        for (int h = 0; h < 4; ++h) {
+          const int j = j8 + 2 * h;
+          const int lc = get<1>(pos(0, j));  // columns lc and lc + 1
+          const bool ok0 = kFull || lc < left, ok1 = kFull || lc + 1 < left;
+          const float r0 = scaled ? srw[lc] : 1.f, r1 = scaled ? srw[lc + 1] : 1.f;
+          const float q0 = p.g_times_r ? r0 : 1.f, q1 = p.g_times_r ? r1 : 1.f;
+#pragma unroll
+          for (int ri = 0; ri < R; ++ri) {
+            // Every column as a plain one; fix_target_kernel rewrites the target's entry from its
+            // cosine (the margin needs double-precision cos / acos, whose slow path is a call,
+            // which would serialize the warpgroup MMAs of this kernel).
+            const float c0 = acc(ri, j) * r0, c1 = acc(ri, j + 1) * r1;
+            cts[ri] = lc == rows.tcol[ri] ? c0 : (lc + 1 == rows.tcol[ri] ? c1 : cts[ri]);
+            has_t[ri] |= lc == rows.tcol[ri] || lc + 1 == rows.tcol[ri];
+            const float z0 = __fmul_rn(p.scale, c0), z1 = __fmul_rn(p.scale, c1);
+            const float g0 = p.scale * (gl[ri] * ex2(fmaf(z0, kLog2e, -lsel[ri])) + gs[ri]) * q0;
+            const float g1 = p.scale * (gl[ri] * ex2(fmaf(z1, kLog2e, -lsel[ri])) + gs[ri]) * q1;
+            if (wide) {
+              words[ri][h] = pack_two(G, g0, g1);
+              continue;
+            }
+            if (!kFull && !rows.live[ri]) continue;
+            Elem* out = G + static_cast<int64_t>(rows.row[ri]) * p.ldg + col0 + lc;
+            if (kFull && pairs) {
+              store_two(out, g0, g1);
+            } else {
+              if (ok0) store_one(out, g0);
+              if (ok1) store_one(out + 1, g1);
+            }
+          }
+        }
+        if (wide) {
+          // This thread's own columns of block j8 / 2 start at 8 (j8 / 2) + 2q (checked by
+          // tests/native/fused_layout_check.cu); after the exchange it holds block j8 / 2 + q.
+          const int lc = get<1>(pos(0, j8)) + 6 * q;
+#pragma unroll
+          for (int ri = 0; ri < R; ++ri) {
+            quad_transpose(words[ri], q);
+            *reinterpret_cast<uint4*>(G + static_cast<int64_t>(rows.row[ri]) * p.ldg + col0 + lc) =
+                make_uint4(words[ri][0], words[ri][1], words[ri][2], words[ri][3]);
           }
         }
       }
@@ -365,13 +432,26 @@ void launch_as(const at::Tensor& x, const at::Tensor& wc, const EpiParams& p, cu
 
 // SHARDKIT_FUSED_SCHEDULE=pingpong: the ping-pong kernels (64-row tiles, one consumer
 // warpgroup's epilogue under the other's MMAs), for measuring against the default cooperative
-// ones (128-row tiles). Read on every call.
+// ones (128-row tiles). Slower on an H100 (benchmarks/RESULTS.md): the 64-row tiles read each
+// weight tile twice as often. Read on every call.
 bool pingpong() {
   const char* v = std::getenv("SHARDKIT_FUSED_SCHEDULE");
   if (v == nullptr || *v == '\0' || std::strcmp(v, "cooperative") == 0) return false;
   if (std::strcmp(v, "pingpong") == 0) return true;
   TORCH_WARN_ONCE("SHARDKIT_FUSED_SCHEDULE=", v, " is neither cooperative nor pingpong: cooperative runs");
   return false;
+}
+
+// SHARDKIT_FUSED_STORES=pairs: the backward epilogue stores two columns per thread and
+// instruction everywhere (as before the 16-byte stores), for measuring against the default
+// (wide: 8 columns per store in full tiles, 8% faster per step at B=1024, C=1M on an H100).
+// Read on every call.
+bool wide_stores() {
+  const char* v = std::getenv("SHARDKIT_FUSED_STORES");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "wide") == 0) return true;
+  if (std::strcmp(v, "pairs") == 0) return false;
+  TORCH_WARN_ONCE("SHARDKIT_FUSED_STORES=", v, " is neither wide nor pairs: wide stores run");
+  return true;
 }
 
 template <class Elem, bool kBackward>
@@ -483,17 +563,28 @@ bool usable(const at::Tensor& x, const at::Tensor& wc) {
   return device_runs_sm90a(x.get_device());
 }
 
-void forward(const at::Tensor& x, const at::Tensor& wc, EpiParams p, const Running& run,
+Scratch make_scratch(const at::Tensor& x, int64_t max_n, bool forward) {
+  const int64_t B = x.size(0), tiles = (max_n + kTileN - 1) / kTileN;
+  Scratch sc;
+  if (forward) {
+    sc.parts = at::empty({3 * B * tiles}, x.options().dtype(at::kFloat));
+    sc.counts = at::empty({B * tiles}, x.options().dtype(at::kLong));
+  }
+  sc.ct = at::empty({B}, x.options().dtype(at::kFloat));
+  return sc;
+}
+
+void forward(const at::Tensor& x, const at::Tensor& wc, EpiParams p, const Running& run, const Scratch& sc,
              cudaStream_t stream) {
   const int64_t B = x.size(0), n = wc.size(0), tiles = (n + kTileN - 1) / kTileN;
-  at::Tensor parts = at::empty({3 * B * tiles}, x.options().dtype(at::kFloat));
-  at::Tensor counts = at::empty({B * tiles}, x.options().dtype(at::kLong));
-  at::Tensor ct = at::empty({B}, x.options().dtype(at::kFloat));
-  p.part_m = parts.mutable_data_ptr<float>();
+  TORCH_CHECK(sc.parts.defined() && sc.parts.numel() >= 3 * B * tiles && sc.ct.numel() >= B,
+              "shardkit: internal error: the fused forward's scratch is smaller than its chunk");
+  // The partials of this chunk, [B, tiles] each, at the start of the scratch.
+  p.part_m = sc.parts.mutable_data_ptr<float>();
   p.part_s = p.part_m + B * tiles;
   p.part_z = p.part_s + B * tiles;
-  p.part_c = counts.mutable_data_ptr<int64_t>();
-  p.ct = ct.mutable_data_ptr<float>();
+  p.part_c = sc.counts.mutable_data_ptr<int64_t>();
+  p.ct = sc.ct.mutable_data_ptr<float>();
   if (x.scalar_type() == at::kBFloat16)
     launch<cutlass::bfloat16_t, false>(x, wc, p, stream);
   else
@@ -503,10 +594,12 @@ void forward(const at::Tensor& x, const at::Tensor& wc, EpiParams p, const Runni
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void backward(const at::Tensor& x, const at::Tensor& wc, EpiParams p, cudaStream_t stream) {
+void backward(const at::Tensor& x, const at::Tensor& wc, EpiParams p, const Scratch& sc,
+              cudaStream_t stream) {
   const int64_t B = x.size(0), n = wc.size(0);
-  at::Tensor ct = at::empty({B}, x.options().dtype(at::kFloat));
-  p.ct = ct.mutable_data_ptr<float>();
+  TORCH_CHECK(sc.ct.numel() >= B, "shardkit: internal error: the fused backward's scratch is too small");
+  p.ct = sc.ct.mutable_data_ptr<float>();
+  p.wide_stores = wide_stores();
   if (x.scalar_type() == at::kBFloat16) {
     launch<cutlass::bfloat16_t, true>(x, wc, p, stream);
     fix_target_kernel<cutlass::bfloat16_t><<<(B + 255) / 256, 256, 0, stream>>>(p, B, n);
@@ -525,10 +618,14 @@ bool compiled() {
 bool usable(const at::Tensor&, const at::Tensor&) {
   return false;
 }
-void forward(const at::Tensor&, const at::Tensor&, EpiParams, const Running&, cudaStream_t) {
+Scratch make_scratch(const at::Tensor&, int64_t, bool) {
+  TORCH_CHECK(false, "shardkit was built without the fused kernels (no CUTLASS headers at build time)");
+  return Scratch();
+}
+void forward(const at::Tensor&, const at::Tensor&, EpiParams, const Running&, const Scratch&, cudaStream_t) {
   TORCH_CHECK(false, "shardkit was built without the fused kernels (no CUTLASS headers at build time)");
 }
-void backward(const at::Tensor&, const at::Tensor&, EpiParams, cudaStream_t) {
+void backward(const at::Tensor&, const at::Tensor&, EpiParams, const Scratch&, cudaStream_t) {
   TORCH_CHECK(false, "shardkit was built without the fused kernels (no CUTLASS headers at build time)");
 }
 

@@ -7,7 +7,9 @@
 //             its columns but the target, in [B, tiles] partials, and the target's cosine is
 //             recorded; a merge kernel folds the tiles and the target logit (margin applied);
 //   backward: the recomputed tile becomes dlogits in x's dtype, written into the chunk buffer G
-//             that the dX / dW GEMMs read; a per-row kernel rewrites the target's entry.
+//             that the dX / dW GEMMs read (16-byte stores of 8 columns, the quad's pairs
+//             exchanged by shuffles; SHARDKIT_FUSED_STORES=pairs: 4-byte stores of 2, for
+//             measuring); a per-row kernel rewrites the target's entry.
 // Built where CUTLASS's headers are found at build time (setup.py: CUTLASS_PATH, or the
 // nvidia-cutlass package) and run only on a compute-capability 9.0 GPU whose code was built for
 // sm_90a, bf16 / fp16 x and chunk, D a multiple of 64 up to 1024. Anything else, and
@@ -42,7 +44,8 @@ struct EpiParams {
   // (the target column's entry rewritten after the GEMM, from ct).
   const float *lse = nullptr, *gl = nullptr, *gt = nullptr, *gs = nullptr;
   bool g_times_r = false;
-  void* g = nullptr;  // [B, n] in x's dtype, row stride ldg
+  bool wide_stores = true;  // 16-byte stores of 8 columns in full tiles (SHARDKIT_FUSED_STORES)
+  void* g = nullptr;        // [B, n] in x's dtype, row stride ldg
   int64_t ldg = 0;
 };
 
@@ -60,10 +63,25 @@ struct Running {
   float *M, *S, *LS, *TG;
   int64_t* CN;
 };
-// Folds the chunk wc (x's dtype, [n, D]) into the running statistics.
-void forward(const at::Tensor& x, const at::Tensor& wc, EpiParams p, const Running& run, cudaStream_t stream);
+// Classes per chunk of the fused forward. It holds no logits, only [B, tiles] partials (20 bytes
+// per row and 256 classes), plus, per class, the converted row (mixed: fp32 w, `elem`-byte x) and
+// 1 / |w_j| (normalize). So its chunk grows from `chunk` (the caller's, which sizes the backward's
+// [B, chunk] dlogits) until those bytes reach the backward's own dlogits and converted rows of
+// `chunk` classes, at most 131,072 classes (fewer, larger GEMMs: each launch's tail and the per-chunk
+// host work are paid less often) and at most C. Never below `chunk`.
+int64_t forward_chunk(int64_t B, int64_t D, int64_t C, int64_t chunk, int64_t elem, bool mixed,
+                      bool normalize);
+// Scratch memory of the fused kernels for chunks of up to max_n classes, allocated once per call:
+// the forward's partials and both directions' recorded target cosines.
+struct Scratch {
+  at::Tensor parts, counts, ct;
+};
+Scratch make_scratch(const at::Tensor& x, int64_t max_n, bool forward);
+// Folds the chunk wc (x's dtype, [n, D], n <= the scratch's max_n) into the running statistics.
+void forward(const at::Tensor& x, const at::Tensor& wc, EpiParams p, const Running& run, const Scratch& sc,
+             cudaStream_t stream);
 // Writes the chunk's dlogits into p.g.
-void backward(const at::Tensor& x, const at::Tensor& wc, EpiParams p, cudaStream_t stream);
+void backward(const at::Tensor& x, const at::Tensor& wc, EpiParams p, const Scratch& sc, cudaStream_t stream);
 
 }  // namespace fused
 }  // namespace sce

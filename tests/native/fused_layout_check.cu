@@ -2,7 +2,8 @@
 // builds the mainloop's TiledMma, and for every consumer thread checks what the epilogue of
 // csrc/cuda/sharded_ce_fused.cu assumes of rowcol(): a row slot holds one row over all its
 // columns, a column index one column over all row slots, columns 2k and 2k+1 are adjacent,
-// the four threads of a quad hold the same rows, and the threads cover the tile exactly once.
+// the four threads of a quad hold the same rows, pair k of quad lane q starts at column
+// 8k + 2q, and the threads cover the tile exactly once.
 // Prints "fused layout OK" and exits 0, or names the first broken assumption and exits 1.
 #include <cstdio>
 #include <vector>
@@ -46,6 +47,13 @@ int check(const char* name) {
         }
         if (j % 2 == 1 && c != get<1>(pos(ri, j - 1)) + 1) {
           std::printf("%s: thread %d, columns %d and %d are not adjacent\n", name, t, j - 1, j);
+          return 1;
+        }
+        // The backward's 16-byte stores: pair j / 2 of the thread with quad lane q starts at
+        // column 8 (j / 2) + 2q, so the quad's pairs of 4 consecutive pairs are 32 adjacent columns.
+        if (j % 2 == 0 && c != 4 * j + 2 * (t & 3)) {
+          std::printf("%s: thread %d, pair %d starts at column %d, not %d\n", name, t, j / 2, c,
+                      4 * j + 2 * (t & 3));
           return 1;
         }
         seen[r * kTileN + c] += 1;
