@@ -393,7 +393,7 @@ def run(args):
         floor_times, results = [], {}
         for _ in range(args.rounds):
             floor_times += gemm_floor(batch, classes, dim, dtype, device, args.repeat)
-            for method in METHODS:
+            for method in args.methods or METHODS:
                 if method == "shardkit+checks" and device.type != "cuda":
                     continue  # on the CPU the check's sync costs nothing extra: same row
                 reason = unavailable(method, device)
@@ -541,6 +541,7 @@ def main():
     )
     p.add_argument("--_maxc_child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--shards", type=int, default=1, help="shards of the shardkit head (all on --device)")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=None, help="time only these methods (default: all)")
     p.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     global SHARDS, METHOD_BUDGET_S

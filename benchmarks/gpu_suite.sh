@@ -11,7 +11,7 @@
 #   bash benchmarks/gpu_suite.sh test      # GPU tests, compute-sanitizer, then the rest of the tests
 #   bash benchmarks/gpu_suite.sh bench-a   # ce-kernels, ema, normalize, parallel, distributed, pipeline
 #   bash benchmarks/gpu_suite.sh bench-b   # the sharded-loss benchmark, then the largest C per method
-#   bash benchmarks/gpu_suite.sh fused     # the fused sm90 kernels: tests, timings against v2, profile, sanitizers
+#   bash benchmarks/gpu_suite.sh fused     # the fused sm90 kernels: tests, timings, sanitizers, peers, profiles
 #   bash benchmarks/gpu_suite.sh fused-b   # their follow-up: Nsight Compute, the sharded loss against its peers
 #   bash benchmarks/gpu_suite.sh STAGE BUDGET_S   # another time budget (default 540 s)
 #
@@ -34,7 +34,8 @@
 #
 # Measured on one H200 with 16 cores, the build unpacked (2026-11-26): quick 115 s, test 191 s
 # (tests-gpu 42 s, memcheck 8 s, racecheck 15 s, tests-rest 100 s), bench-a 88 s, bench-b
-# 305 s (bench-maxc 224 s of it). The estimates below (made before any run, from bytes and
+# 305 s (bench-maxc 224 s of it); on one H100, the build unpacked: fused 411 s (bench-maxc
+# 226 s of it, tests-fused 18 s, sanitize-fused 23 s). The estimates below (made before any run, from bytes and
 # FLOPs at ~3.0 TB/s and ~700 TFLOP/s bf16, plus start-up and Triton compilation; caps in
 # brackets) were generous: keep them as the caps. Common to every stage: info + wheels + import check ~30 s; the build ~2-3 min
 # [300] on a fresh machine (9 sources compile in parallel: 3 .cu files of 150-430 lines,
@@ -204,6 +205,28 @@ SANITIZER=$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/
 # Every tensor its own cudaMalloc, so memcheck sees an access past a tensor's end (torch's
 # caching allocator would hide it inside a pooled block).
 SAN="PYTORCH_NO_CUDA_MEMORY_CACHING=1 $SANITIZER --error-exitcode 2 --print-limit 50"
+# racecheck over the smoke run. Hazards inside cuBLAS's own kernels (nvjet_*) are listed but do
+# not fail the step: on an H100 (CUDA 13.0, compute-sanitizer 2025.3.1) racecheck reports one in
+# nvjet_sm90_tss_64x8_64x16_1x4_h_badd_NNT, the dX GEMM of the smoke run's 256 x 1096 x 64 case,
+# whose results are right; excluding those kernels (--kernel-name-exclude kns=nvjet) made the
+# tool itself fail ("failed to handle a hardware exception"). A hazard in any other kernel, a
+# wrong result or a run that does not finish fails it.
+racecheck_smoke() {
+  local log rc
+  log=$(mktemp)
+  eval "$SAN --tool racecheck $PY benchmarks/sanitize_smoke.py" > "$log" 2>&1
+  rc=$?
+  cat "$log"
+  grep -q "sanitize_smoke: all results match" "$log" && grep -q "RACECHECK SUMMARY" "$log" \
+    || { echo "racecheck: the smoke run did not finish with right results (exit code $rc)"; return 1; }
+  if grep "Race reported" "$log" | grep -qv "nvjet_"; then
+    echo "racecheck: a hazard outside cuBLAS's kernels"; return 1
+  fi
+  (( rc == 0 )) || echo "racecheck: exit code $rc, from hazards inside cuBLAS's nvjet kernels only (see above)"
+  return 0
+}
+export -f racecheck_smoke
+export SAN
 case "$STAGE" in
   test)
     info; wheels; build
@@ -212,7 +235,7 @@ case "$STAGE" in
     step tests-gpu 240 "$PY -m pytest -m gpu tests $PYTEST_OPTS -v --junitxml=$WORK/out/junit_gpu.xml"
     # compute-sanitizer over one small sharded-loss fwd+bwd, EMA update and normalize call.
     step sanitize-memcheck 120 "$SAN --tool memcheck $PY benchmarks/sanitize_smoke.py"
-    step sanitize-racecheck 150 "$SAN --tool racecheck $PY benchmarks/sanitize_smoke.py"
+    step sanitize-racecheck 150 "racecheck_smoke"
     # The rest of the suite, now on a machine where CUDA is visible (xdist if there).
     XDIST=""; $PY -c "import xdist" 2>/dev/null && XDIST="-n 8"
     step tests-rest 400 "$PY -m pytest -m 'not gpu' tests $PYTEST_OPTS -q $XDIST --junitxml=$WORK/out/junit_rest.xml"
@@ -226,7 +249,7 @@ case "$STAGE" in
     # The first kernel set of the sharded loss (SHARDKIT_CE_V2=0): its tests and sanitizers,
     # then both sets timed side by side (and compared) in one process.
     step tests-gpu-v1 120 "SHARDKIT_CE_V2=0 $PY -m pytest -m gpu tests/test_softmax_*.py $PYTEST_OPTS --timeout=60 -q"
-    step sanitize-racecheck 90 "$SAN --tool racecheck $PY benchmarks/sanitize_smoke.py && \
+    step sanitize-racecheck 90 "racecheck_smoke && \
       SHARDKIT_CE_V2=0 $SAN --tool memcheck $PY benchmarks/sanitize_smoke.py"
     step bench-ce-kernels 120 "$B/bench_sharded_ce_kernels.py --device cuda --batch 1024 --dim 512 \
       --classes 1000000 --dtype bfloat16 --reps 10 --chunks 16384,65536 --kernels v1,v2 && \
@@ -289,27 +312,32 @@ PYEOF
     ;;
   fused)
     # The fused sm90 kernels (SHARDKIT_FUSED=1, sharded_ce_fused.cu). A tiny forward+backward
-    # first: a kernel that hangs or faults stops the stage there. Then their tests (both
-    # schedules), the kernel benchmark against the second kernels at the target shapes (the
-    # cooperative schedule, the default, and ping-pong), the per-kernel profile, the
-    # sanitizers on the smoke run (its D = 64 bf16 case takes the fused kernels), and the
-    # op-level GPU tests on all three kernel sets.
-    info; build
+    # first, on both schedules: a kernel that hangs or faults stops the stage there. Then their
+    # tests (both schedules), the kernel benchmark against the second kernels at the target
+    # shapes (the default fused kernels, and the backward storing its dlogits two columns at a
+    # time), the op-level GPU tests on all three kernel sets, the sanitizers on the smoke run
+    # (its D = 64 bf16 case takes the fused kernels) on both schedules, the sharded loss against
+    # Cut Cross-Entropy at every target shape, the per-kernel profiles, and the largest C one
+    # GPU trains with each method.
+    info; wheels; build
     cat > "$WORK/fused_smoke.py" <<'PYEOF'
+import os
 import torch
 import shardkit
 print("fused kernels in this build:", shardkit.build_info()["fused_kernels"])
-x = torch.randn(300, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-w = torch.randn(5000, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-y = torch.randint(0, 5000, (300,), device="cuda")
-lse, t, s, _ = shardkit.ops.ce_shard_stats(x, w, y, chunk_classes=1000, scale=30.0, m2=0.5, normalize=True)
-(lse - t).mean().backward()
-torch.cuda.synchronize()
-print("fused forward+backward ran; loss", float((lse - t).mean()), "finite grads",
-      bool(torch.isfinite(x.grad).all() and torch.isfinite(w.grad).all()))
+for sched in ("cooperative", "pingpong"):
+    os.environ["SHARDKIT_FUSED_SCHEDULE"] = sched
+    x = torch.randn(300, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(5000, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randint(0, 5000, (300,), device="cuda")
+    lse, t, s, _ = shardkit.ops.ce_shard_stats(x, w, y, chunk_classes=1000, scale=30.0, m2=0.5, normalize=True)
+    (lse - t).mean().backward()
+    torch.cuda.synchronize()
+    print(sched, "fused forward+backward ran; loss", float((lse - t).mean()), "finite grads",
+          bool(torch.isfinite(x.grad).all() and torch.isfinite(w.grad).all()))
+os.environ["SHARDKIT_FUSED_SCHEDULE"] = "cooperative"
 # Peak memory of one fwd+bwd at B=1024, C=1M, D=512 bf16 beyond x, w, labels and the two
 # gradients (MiB), at the op's default chunk, for both kernel sets.
-import os
 B, C, D = 1024, 1_000_000, 512
 x = torch.randn(B, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 w = torch.randn(C, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -321,24 +349,37 @@ for flag in ("0", "1"):
     base = torch.cuda.memory_allocated() + (x.numel() + w.numel()) * 2  # + the two bf16 gradients
     torch.cuda.reset_peak_memory_stats()
     lse, t, s, _ = shardkit.ops.ce_shard_stats(x, w, y)
+    fwd = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
     (lse - t).mean().backward()
     torch.cuda.synchronize()
-    print(f"SHARDKIT_FUSED={flag}: extra memory {(torch.cuda.max_memory_allocated() - base) / 2**20:.0f} MiB")
+    print(f"SHARDKIT_FUSED={flag}: extra memory {(torch.cuda.max_memory_allocated() - base) / 2**20:.0f} MiB"
+          f" (forward's temporaries {fwd / 2**20:.1f} MiB)")
 PYEOF
     if ! step smoke-fused 75 "SHARDKIT_FUSED=1 $PY $WORK/fused_smoke.py"; then
       echo "the fused kernels do not run: the stage stops here"; finish; exit 1
     fi
+    # A failure here ends the stage after the kernel benchmark (the rest would measure kernels
+    # that are wrong somewhere).
     step tests-fused 150 "$PY -m pytest tests/test_softmax_fused_gpu.py $PYTEST_OPTS --timeout=60 -q"
+    fused_ok=$?
     step bench-fused 150 "for c in 1000000 100000; do $B/bench_sharded_ce_kernels.py --device cuda --batch 1024 \
-      --dim 512 --classes \$c --dtype bfloat16 --reps 10 --chunks 16384,65536 --kernels v2,fused,fused-pp || exit 1; done && \
+      --dim 512 --classes \$c --dtype bfloat16 --reps 10 --chunks 28672,65536 --kernels v2,fused,fused-pairs || exit 1; done && \
       $B/bench_sharded_ce_kernels.py --device cuda --batch 256 --dim 512 --classes 1000000 --dtype bfloat16 \
-      --reps 10 --chunks 65536 --kernels v2,fused,fused-pp && \
+      --reps 10 --chunks 65536 --kernels v2,fused,fused-pairs && \
       $B/bench_sharded_ce_kernels.py --device cuda --batch 1024 --dim 512 --classes 1000000 --dtype bfloat16 \
-      --reps 10 --normalize --kernels v2,fused,fused-pp"
-    step profile-fused 60 "SHARDKIT_FUSED=1 $B/profile_sharded_ce.py && SHARDKIT_FUSED=1 $B/profile_sharded_ce.py --margin arcface"
-    step sanitize-fused 120 "SHARDKIT_FUSED=1 $SAN --tool memcheck $PY benchmarks/sanitize_smoke.py && \
-      SHARDKIT_FUSED=1 $SAN --tool racecheck $PY benchmarks/sanitize_smoke.py"
+      --reps 10 --normalize --kernels v2,fused,fused-pairs"
+    if (( fused_ok != 0 )); then echo "the fused kernels' tests failed: the stage stops here"; finish; exit 1; fi
     step tests-ops-gpu 150 "$PY -m pytest -m gpu tests/test_softmax_ops_gpu.py $PYTEST_OPTS --timeout=60 -q"
+    step sanitize-fused 120 "for s in cooperative pingpong; do SHARDKIT_FUSED=1 SHARDKIT_FUSED_SCHEDULE=\$s \
+      $SAN --tool memcheck $PY benchmarks/sanitize_smoke.py && SHARDKIT_FUSED=1 SHARDKIT_FUSED_SCHEDULE=\$s \
+      racecheck_smoke || exit 1; done"
+    # The sharded loss (the default kernels) against Cut Cross-Entropy, exact and filtered, at
+    # B in {256, 1024} and C in {100k, 1M}.
+    step bench-peers 150 "$B/bench_sharded_loss.py --device cuda --methods shardkit cce_exact cce_filtered \
+      --method-budget 2"
+    step profile-fused 75 "SHARDKIT_FUSED=1 $B/profile_sharded_ce.py && SHARDKIT_FUSED=1 $B/profile_sharded_ce.py --margin arcface"
+    # The largest C one GPU trains, each method (its searches share what the step's cap leaves).
+    step bench-maxc 240 "$B/bench_sharded_loss.py --device cuda --max-classes-only --search-total \$((STEP_CAP - 30))"
     ;;
   fused-b)
     # The fused kernels' follow-up: Nsight Compute on the forward and the backward GEMM (one
