@@ -277,11 +277,12 @@ void addmm_f32_out(Tensor& dx, const Tensor& G, const Tensor& v) {
 }
 
 // The fused sm90 kernels for this call (sharded_ce_fused.h): built, SHARDKIT_FUSED not 0, and
-// usable for x and every chunk (w contiguous: its chunks are then aligned as its first is). In
-// mixed mode the chunks are converted into a fresh buffer in x's dtype, contiguous and aligned as
-// x itself is, so x stands for them in the check.
+// usable for x and every chunk (w contiguous: its chunks are then aligned as its first is; the
+// GEMM's N is an int, so at most INT32_MAX classes). In mixed mode the chunks are converted into
+// a fresh, contiguous buffer in x's dtype (the allocator aligns it), so x, of that dtype,
+// contiguous and aligned, stands for them in the check.
 bool use_fused(const Tensor& xin, const Tensor& w, bool mixed) {
-  if (!fused::compiled() || !fused::enabled() || !w.is_contiguous()) return false;
+  if (!fused::compiled() || !fused::enabled() || !w.is_contiguous() || w.size(0) > INT32_MAX) return false;
   return fused::usable(xin, mixed ? xin : w);
 }
 

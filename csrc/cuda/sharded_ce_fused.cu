@@ -46,10 +46,11 @@ bool enabled() {
 int64_t forward_chunk(int64_t B, int64_t D, int64_t C, int64_t chunk, int64_t elem, bool mixed,
                       bool normalize) {
   constexpr int64_t kMaxChunk = 131072, kTile = 256, kPartBytes = 20;  // 3 floats and a count
-  const int64_t bwd_bytes = chunk * (B * elem + (mixed ? D * elem : 0));
+  // The backward's chunk buffers, less the forward's recorded target cosines (4 bytes a row).
+  const int64_t budget = chunk * (B * elem + (mixed ? D * elem : 0)) - B * 4;
   // Bytes per tile of kTile classes in the forward.
   const int64_t per_tile = B * kPartBytes + kTile * ((mixed ? D * elem : 0) + (normalize ? 4 : 0));
-  int64_t n = std::min(bwd_bytes / std::max<int64_t>(per_tile, 1) * kTile, kMaxChunk);
+  int64_t n = std::min(std::max<int64_t>(budget, 0) / std::max<int64_t>(per_tile, 1) * kTile, kMaxChunk);
   return std::min(C, std::max(chunk, n));
 }
 

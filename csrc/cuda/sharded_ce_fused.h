@@ -66,9 +66,11 @@ struct Running {
 // Classes per chunk of the fused forward. It holds no logits, only [B, tiles] partials (20 bytes
 // per row and 256 classes), plus, per class, the converted row (mixed: fp32 w, `elem`-byte x) and
 // 1 / |w_j| (normalize). So its chunk grows from `chunk` (the caller's, which sizes the backward's
-// [B, chunk] dlogits) until those bytes reach the backward's own dlogits and converted rows of
-// `chunk` classes, at most 131,072 classes (fewer, larger GEMMs: each launch's tail and the per-chunk
-// host work are paid less often) and at most C. Never below `chunk`.
+// [B, chunk] dlogits) while those bytes and its [B] target cosines fit in the backward's own
+// dlogits and converted rows of `chunk` classes, in whole tiles of 256 classes, at most 131,072
+// classes (fewer, larger GEMMs: each launch's tail and the per-chunk host work are paid less
+// often) and at most C. Never below `chunk` (whose partials, for a chunk of under 10 classes,
+// take more than its dlogits: a tile is 256 classes wide).
 int64_t forward_chunk(int64_t B, int64_t D, int64_t C, int64_t chunk, int64_t elem, bool mixed,
                       bool normalize);
 // Scratch memory of the fused kernels for chunks of up to max_n classes, allocated once per call:
