@@ -29,13 +29,20 @@ from _timing import out_dir, time_median  # noqa: E402
 
 # The environment of each kernel set (read by the op on every call).
 KERNEL_ENV = {
-    name: {"SHARDKIT_CE_V2": v2, "SHARDKIT_FUSED": fused, "SHARDKIT_FUSED_SCHEDULE": sched, "SHARDKIT_FUSED_STORES": st}
-    for name, v2, fused, sched, st in [
-        ("v1", "0", "0", "cooperative", "wide"),
-        ("v2", "1", "0", "cooperative", "wide"),
-        ("fused", "1", "1", "cooperative", "wide"),
-        ("fused-pp", "1", "1", "pingpong", "wide"),
-        ("fused-pairs", "1", "1", "cooperative", "pairs"),
+    name: {
+        "SHARDKIT_CE_V2": v2,
+        "SHARDKIT_FUSED": fused,
+        "SHARDKIT_FUSED_SCHEDULE": sched,
+        "SHARDKIT_FUSED_STORES": st,
+        "SHARDKIT_FUSED_EPILOGUE": epi,
+    }
+    for name, v2, fused, sched, st, epi in [
+        ("v1", "0", "0", "cooperative", "wide", "short"),
+        ("v2", "1", "0", "cooperative", "wide", "short"),
+        ("fused", "1", "1", "cooperative", "wide", "short"),
+        ("fused-pp", "1", "1", "pingpong", "wide", "short"),
+        ("fused-pairs", "1", "1", "cooperative", "pairs", "short"),
+        ("fused-general", "1", "1", "cooperative", "wide", "general"),
     ]
 }
 
@@ -67,14 +74,14 @@ def main():
         "kernels, direct 16-bit dW, fp32 dX accumulation), v1 (SHARDKIT_CE_V2=0: the first kernels), fused "
         "(SHARDKIT_FUSED=1: the fused sm90 GEMM epilogues, cooperative schedule), fused-pp (the same with "
         "SHARDKIT_FUSED_SCHEDULE=pingpong), fused-pairs (cooperative, the backward's dlogits stored two "
-        "columns at a time: SHARDKIT_FUSED_STORES=pairs); with several, the first one's loss and gradients are "
-        "compared with "
-        "each other's",
+        "columns at a time: SHARDKIT_FUSED_STORES=pairs), fused-general (cooperative, every tile in the "
+        "epilogues' general form: SHARDKIT_FUSED_EPILOGUE=general); with several, the first one's loss and "
+        "gradients are compared with each other's",
     )
     args = ap.parse_args()
     kernels = [k for k in args.kernels.split(",") if k]
     if not kernels or any(k not in KERNEL_ENV for k in kernels):
-        ap.error(f"--kernels takes v1, v2, fused, fused-pp and/or fused-pairs, got {args.kernels!r}")
+        ap.error(f"--kernels takes v1, v2, fused, fused-pp, fused-pairs and/or fused-general, got {args.kernels!r}")
 
     dev = torch.device(args.device)
     args.out = args.out or os.path.join(out_dir(), f"sharded_ce_kernels_{dev.type}.json")

@@ -4,9 +4,10 @@ One sharded-loss forward+backward per mode (plain bf16 and ArcFace-normalized fp
 over several chunks, a batch that is no multiple of a warp or a vector width, a target in
 the last, partial chunk; plain bf16 in one chunk of 4103 classes, which the second kernel
 set, the default, splits into column ranges per row; ArcFace bf16 with D = 64 over two row
-tiles, and plain bf16 with D = 64 over full tiles, the fused kernels' cases under
-SHARDKIT_FUSED=1), one ModelEMA update per model dtype (fp32 and bf16 models, fp32 EMA) and
-one normalize call per output dtype (fp32, bf16; the vectorized path and the generic one).
+tiles, and plain bf16 and ArcFace bf16 with D = 64 over full tiles, with the targets anywhere
+and in the first tile only, the fused kernels' cases under SHARDKIT_FUSED=1), one ModelEMA
+update per model dtype (fp32 and bf16 models, fp32 EMA) and one normalize call per output
+dtype (fp32, bf16; the vectorized path and the generic one).
 Sizes are tiny: under racecheck every shared-memory access is tracked, which slows kernels
 by orders of magnitude. Each result is compared with a float64 reference (the loss: the CPU
 kernels; EMA and normalize: plain torch), so the run also fails (exit code 1) on a wrong
@@ -41,13 +42,14 @@ def check(name, got, ref, tol):
     return ok
 
 
-def sharded_loss(device, dtype, margin, batch=37, classes=1000, chunk_memory=1 << 16, dim=40):
+def sharded_loss(device, dtype, margin, batch=37, classes=1000, chunk_memory=1 << 16, dim=40, labels_below=None):
     # Default: an odd batch, D not a multiple of 8, and a 64 KiB working set: chunks of ~100-300
     # classes, so several chunks and a partial last one. With the default working set, one
     # chunk of a few thousand classes: rows split into column ranges by the second kernels.
-    # dim=64 with 16-bit inputs: the fused sm90 kernels where they run (SHARDKIT_FUSED=1).
+    # dim=64 with 16-bit inputs: the fused sm90 kernels where they run (SHARDKIT_FUSED=1);
+    # labels_below: the labels below it (the fused epilogues' short form in the other tiles).
     x = torch.randn(batch, dim, device=device, dtype=dtype, requires_grad=True)
-    y = torch.randint(0, classes, (batch,), device=device)
+    y = torch.randint(0, labels_below or classes, (batch,), device=device)
     y[0] = classes - 1  # a target in the last (partial) chunk
     head = shardkit.ShardedSoftmaxLoss(
         dim, classes, devices=[device], dtype=dtype, margin=margin, chunk_memory=chunk_memory
@@ -115,6 +117,10 @@ def main():
     ok &= sharded_loss(device, torch.bfloat16, ArcFace(s=30.0, m=0.5), batch=130, classes=700, dim=64)
     # Fused: full tiles whose dlogits are stored 8 columns at a time (rows of 1096 = 8 x 137).
     ok &= sharded_loss(device, torch.bfloat16, None, batch=256, classes=1096, chunk_memory=None, dim=64)
+    for margin in (None, ArcFace(s=64.0, m=0.5)):
+        ok &= sharded_loss(
+            device, torch.bfloat16, margin, batch=256, classes=1096, chunk_memory=None, dim=64, labels_below=200
+        )
     ok &= ema(device, torch.float32)
     ok &= ema(device, torch.bfloat16)
     ok &= normalize(device, torch.float32)

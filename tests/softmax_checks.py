@@ -159,16 +159,18 @@ def torch_low_precision_stats(x, w, labels, scale, m1, m2, m3, normalize, *, fp3
     return torch.logsumexp(z, 1), z.gather(1, labels[:, None])[:, 0], z.sum(1)
 
 
-def check_low_precision(device, dtype, name, *, margin=None, noncontiguous=False, chunk=60, shape=(33, 64, 257)):
+def check_low_precision(
+    device, dtype, name, *, margin=None, noncontiguous=False, chunk=60, shape=(33, 64, 257), labels_below=None
+):
     """Ours vs the float64 reference within 2x the error of torch's own computation at
     ``dtype``, for the three outputs and both gradients. ``margin``: explicit
     (scale, m1, m2, m3, normalize) instead of ``MARGINS[name]``; ``noncontiguous``: a
     column-major ``x`` and a transposed ``w`` (strided weight reads in every kernel); ``shape``:
-    (B, D, C)."""
+    (B, D, C); ``labels_below``: labels drawn from [0, labels_below) instead of [0, C)."""
     k = kw(name) if margin is None else dict(zip(("scale", "m1", "m2", "m3", "normalize"), margin))
     B, D, C = shape
     x32, w32, labels = make_case(B, D, C, 0)
-    labels = torch.randint(0, C, (B,))
+    labels = torch.randint(0, labels_below or C, (B,))
     if noncontiguous:
         x32, w32 = x32.t().contiguous().t(), w32.t().contiguous().t()
     x = x32.to(device, dtype).requires_grad_()

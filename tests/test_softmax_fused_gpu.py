@@ -12,7 +12,7 @@ import torch
 from softmax_checks import MARGINS, check_low_precision, count_bracket, kw, make_case, ref_stats, rel
 
 import shardkit
-from shardkit.ops import ce_shard_stats
+from shardkit.ops import ce_shard_stats, chunk_classes_for_budget
 
 pytestmark = pytest.mark.gpu
 
@@ -28,20 +28,23 @@ def _why_not():
     return None
 
 
-@pytest.fixture(autouse=True, params=["cooperative", "pingpong", "cooperative,pairs"])
+@pytest.fixture(autouse=True, params=["cooperative", "pingpong", "cooperative,pairs", "cooperative,wide,general"])
 def fused_on(request, monkeypatch):
     # Every test on both schedules of the fused GEMMs: cooperative (the default: two consumer
     # warpgroups on a 128-row tile) and ping-pong (SHARDKIT_FUSED_SCHEDULE=pingpong: one
-    # warpgroup per 64-row tile, its epilogue under the other's MMAs), and on the backward's
-    # two ways of storing the dlogits (SHARDKIT_FUSED_STORES: wide, the default, or pairs).
+    # warpgroup per 64-row tile, its epilogue under the other's MMAs), on the backward's two
+    # ways of storing the dlogits (SHARDKIT_FUSED_STORES: wide, the default, or pairs), and with
+    # every tile in the epilogues' general form (SHARDKIT_FUSED_EPILOGUE=general; by default
+    # full tiles without a target in a warp's rows take the short form).
     why = _why_not()
     if why:
         pytest.skip(why)
-    schedule, _, stores = request.param.partition(",")
+    schedule, stores, epilogue = (request.param.split(",") + ["", ""])[:3]
     monkeypatch.setenv("SHARDKIT_FUSED", "1")
     monkeypatch.setenv("SHARDKIT_CE_V2", "1")
     monkeypatch.setenv("SHARDKIT_FUSED_SCHEDULE", schedule)
     monkeypatch.setenv("SHARDKIT_FUSED_STORES", stores or "wide")
+    monkeypatch.setenv("SHARDKIT_FUSED_EPILOGUE", epilogue or "short")
 
 
 def _kernels(fn):
@@ -90,21 +93,34 @@ def test_fused_within_twice_torch(dtype, name, shape, chunk):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", list(MARGINS))
+def test_fused_tiles_without_targets(dtype, name):
+    # Every target among the first 256 classes: the other column tiles hold no row's target
+    # (the epilogues' short form, as nearly every tile at large C), the first holds many, the
+    # last is partial and so is the last row tile.
+    check_low_precision("cuda", dtype, name, chunk=None, shape=(300, 128, 5000), labels_below=256)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_cosface_scale_64(dtype):
     check_low_precision("cuda", dtype, "cosface64", margin=(64.0, 1.0, 0.0, 0.35, True), shape=(260, 256, 4100))
 
 
 @pytest.mark.parametrize("name", ["plain", "arcface", "combined"])
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
-def test_fused_matches_unfused_outside_targets_and_count(monkeypatch, name, wdtype):
+@pytest.mark.parametrize("spread", [None, 600])
+def test_fused_matches_unfused_outside_targets_and_count(monkeypatch, name, wdtype, spread):
     # A shard at class offset 500: a third of the rows have their target elsewhere (no target
-    # logit here), the count against a reference logit, mixed mode (fp32 w) too. The fused
+    # logit here; spread 600: labels below 600, so most rows and all column tiles but the first
+    # hold no target), the count against a reference logit, mixed mode (fp32 w) too. The fused
     # results must match the unfused kernels' (the same bf16 inputs, fp32 accumulation in both)
     # and the count must lie in the float64 bracket of the logits of the GEMM's own inputs: x
     # (normalized in fp32 and rounded to bf16 when normalizing, as both kernels do) and w's bf16
     # rows (times 1 / |w_j| when normalizing).
     B, D, C, off = 257, 192, 2345, 500
     x32, w32, labels = make_case(B, D, C, off)
+    if spread:
+        labels = torch.randint(0, spread, (B,))
     x, w = x32.to("cuda", torch.bfloat16), w32.to("cuda", wdtype)
     k = kw(name)
     xr, wr = x.double().cpu(), w.to(torch.bfloat16).double().cpu()
@@ -147,13 +163,39 @@ def test_fused_nan_row_stays_in_its_row(monkeypatch):
     assert torch.isnan(lse[bad]).all() and torch.isfinite(lse[~bad]).all() and torch.isfinite(t[~bad]).all()
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_fused_non_finite_rows_as_unfused(monkeypatch, value):
+    # Plain logits (no normalization) of rows with a NaN or infinite embedding value: NaN, or
+    # infinite maxima, which the epilogues' short form does not take. Every output and gradient
+    # is NaN, infinite or finite where the unfused kernels' are, and the finite ones agree.
+    B, D, C = 200, 128, 3000
+    x = torch.randn(B, D, device="cuda", dtype=torch.bfloat16)
+    x[[5, 77, 150], 3] = value
+    w = (torch.randn(C, D, device="cuda") / D**0.5).to(torch.bfloat16)
+    labels = torch.randint(0, 256, (B,), device="cuda")
+    got = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("SHARDKIT_FUSED", flag)
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = ce_shard_stats(xx, ww, labels, chunk_classes=1000, target_ref=torch.zeros(B, device="cuda"))
+        (out[0] - out[1] + 0.1 * torch.nan_to_num(out[2])).sum().backward()
+        got[flag] = [o.detach().float().cpu() for o in out] + [xx.grad.float().cpu()]
+    for a, b in zip(got["1"], got["0"]):
+        assert torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a.isposinf(), b.isposinf())
+        assert torch.equal(a.isneginf(), b.isneginf())
+        fin = torch.isfinite(a)
+        assert rel(a[fin], b[fin], 1.0) <= 2e-2, rel(a[fin], b[fin], 1.0)
+
+
 @pytest.mark.parametrize("name", ["plain", "arcface"])
 def test_fused_forward_walks_larger_chunks(name):
-    # The fused forward holds only [B, tiles] partials, so it walks chunks larger than the
-    # caller's chunk_classes (which sizes the backward's [B, chunk] dlogits): here 64-class
-    # chunks in the backward, several larger ones in the forward, each merged into the running
-    # statistics. The results keep torch's accuracy, the forward launches fewer merges than the
-    # backward launches dlogit GEMMs.
+    # The fused backward holds no fp32 logits, so it walks chunks larger than the caller's
+    # chunk_classes within the memory the unfused kernels take for them (at most 3x larger
+    # here: B fp32 logits and B bf16 dlogits per class there, the dlogits alone here, plus the
+    # normalized rows with ArcFace). The fused forward holds only [B, tiles] partials, so it
+    # walks larger chunks still, each merged into the running statistics. The results keep
+    # torch's accuracy, the forward launches fewer merges than the backward launches dlogit
+    # GEMMs, and those are fewer than the caller's 64-class chunks.
     check_low_precision("cuda", torch.bfloat16, name, chunk=64, shape=(100, 128, 5000))
     x = torch.randn(100, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(5000, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -166,13 +208,15 @@ def test_fused_forward_walks_larger_chunks(name):
     names = [e.name for e in prof.events()]
     merges = sum("merge_tiles_kernel" in n for n in names)
     fixes = sum("fix_target_kernel" in n for n in names)
-    assert fixes == math.ceil(5000 / 64) and 1 < merges < fixes, (merges, fixes)
+    assert math.ceil(5000 / (3 * 64)) <= fixes < math.ceil(5000 / 64), fixes
+    assert 1 < merges < fixes, (merges, fixes)
 
 
 def test_fused_forward_memory_within_the_backward_chunk():
     # B=1024, 256-class chunks of D=64 over 200k classes (plain: no fp32 copies of x). The
-    # backward's dlogits chunk is 1024 x 256 bf16 (512 KiB); the forward's larger chunks must
-    # stay within it (its partials for the whole shard would take 16 MiB).
+    # unfused kernels would hold 1024 x 256 fp32 logits and bf16 dlogits (1.5 MiB); the fused
+    # backward's larger dlogits chunk and the forward's larger chunks still must stay within
+    # that (the forward's partials for the whole shard would take 16 MiB).
     B, C, chunk = 1024, 200_000, 256
     x = torch.randn(B, 64, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(C, 64, device="cuda", dtype=torch.bfloat16)
@@ -184,4 +228,28 @@ def test_fused_forward_memory_within_the_backward_chunk():
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     assert torch.isfinite(out[0]).all()
-    assert extra <= B * chunk * 2 + (64 << 10), extra
+    assert extra <= B * chunk * 6 + (64 << 10), extra
+
+
+def test_fused_backward_chunk_within_64_mib():
+    # B=1024, D=512, bf16, 100k classes at the default chunk (19,648 classes, sized for the
+    # unfused kernels' fp32 logits): the fused backward takes fewer, larger chunks, and the
+    # forward and backward together hold at most 64 MiB beyond the weights and gradients.
+    B, D, C = 1024, 512, 100_000
+    x = torch.randn(B, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(C, D, device="cuda") / D**0.5).to(torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, C, (B,), device="cuda")
+    unfused_chunks = math.ceil(C / chunk_classes_for_budget(B, embedding_dim=D, dtype=torch.bfloat16))
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    acts = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        lse, t, s, _ = ce_shard_stats(x, w, labels)
+        (lse - t + 0.1 * s).sum().backward()
+        torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base - w.grad.numel() * 2 - x.grad.numel() * 2
+    fixes = sum("fix_target_kernel" in e.name for e in prof.events())
+    assert torch.isfinite(w.grad.float()).all() and torch.isfinite(x.grad.float()).all()
+    assert 1 < fixes < unfused_chunks, (fixes, unfused_chunks)
+    assert extra <= 64 << 20, extra / 2**20

@@ -1,11 +1,14 @@
-// The CUDA kernels' on/off switches in the environment (SHARDKIT_CE_V2, SHARDKIT_EMA_V1), read
-// on every call so that one process can time both settings.
+// The CUDA kernels' switches in the environment (SHARDKIT_CE_V2, SHARDKIT_EMA_V1, the fused
+// kernels' variants), read on every call so that one process can time both settings.
 #pragma once
 
 #include <c10/util/Exception.h>
 
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <set>
+#include <string>
 
 namespace shardkit {
 
@@ -18,6 +21,22 @@ inline bool env_flag(const char* name, bool fallback, const char* fallback_means
   if (std::strcmp(v, "0") == 0) return false;
   TORCH_WARN_ONCE(name, "=", v, " is neither 0 nor 1: ", fallback_means);
   return fallback;
+}
+
+// A variant chosen by name: unset, empty or `usual` -> false, `other` -> true; anything else
+// warns (once per variable) that `usual` runs and gives false.
+inline bool env_choice(const char* name, const char* usual, const char* other) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0' || std::strcmp(v, usual) == 0) return false;
+  if (std::strcmp(v, other) == 0) return true;
+  static std::mutex mu;
+  static std::set<std::string> warned;
+  {
+    const std::lock_guard<std::mutex> lock(mu);
+    if (!warned.insert(name).second) return false;
+  }
+  TORCH_WARN(name, "=", v, " is neither ", usual, " nor ", other, ": ", usual, " runs");
+  return false;
 }
 
 }  // namespace shardkit

@@ -19,8 +19,9 @@
 // 1024) through the fused kernels of sharded_ce_fused.cu instead (SHARDKIT_FUSED=0: not): the
 // forward's GEMM epilogue folds each logits tile into row statistics, the backward's writes the
 // dlogits, so no fp32 logits buffer exists; the dX / dW GEMMs and fix-ups below are shared.
-// Holding no logits, the fused forward walks larger chunks (fused::forward_chunk) within the
-// memory the backward's chunk takes.
+// Holding no fp32 logits, the fused backward walks larger chunks (fused::backward_chunk) within
+// the memory the unfused chunk takes (and 56 MiB), and the fused forward larger ones still
+// (fused::forward_chunk) within the memory the fused backward's chunk takes.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/Exceptions.h>
@@ -383,10 +384,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> ce_shard_stats_cuda(const Tensor& x, 
   const Prepared p = prepare_x(x, normalize);
   const bool mixed = w.scalar_type() != x.scalar_type();
   const bool fz = acc == at::kFloat && use_fused(p.xin, w, mixed);
-  // The fused forward holds no logits: its chunks are larger, within the backward's memory.
-  const int64_t chunk = fz ? fused::forward_chunk(B, w.size(1), C, std::min(chunk_classes, C),
-                                                  x.element_size(), mixed, normalize)
-                           : std::min(chunk_classes, C);
+  // The fused forward holds no logits: its chunks are larger, within the (fused) backward's
+  // memory.
+  const int64_t D = w.size(1);
+  const int64_t chunk =
+      fz ? fused::forward_chunk(B, D, C,
+                                fused::backward_chunk(B, D, C, std::min(chunk_classes, C), x.element_size(),
+                                                      mixed, normalize, ce_v2_enabled()),
+                                x.element_size(), mixed, normalize)
+         : std::min(chunk_classes, C);
   Tensor rw = normalize ? at::empty({chunk}, opts) : Tensor();
   // Mixed mode: the chunk's rows converted to x's dtype, [chunk, D].
   const Tensor wbuf = mixed ? at::empty({chunk * w.size(1)}, x.options()) : Tensor();
@@ -475,7 +481,6 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
                gs = grad_sum.to(acc).contiguous(), lse = lse_in.to(acc).contiguous(),
                lab = labels.contiguous();
   const Prepared p = prepare_x(x, normalize);
-  const int64_t chunk = std::min(chunk_classes, C);
   const bool low = dt != acc;  // bf16 / fp16: dlogits in the input dtype, fp32 temporaries
   // Mixed mode (fp32 w, 16-bit x): w's chunks converted into wbuf (x's dtype); dW is the fp32
   // GEMM output written straight into grad_w (fp32), so no fp32 temporary tbuf.
@@ -485,9 +490,13 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
   // in fp32.
   const bool v2 = ce_v2_enabled() && acc == at::kFloat;
   const bool dw_direct = v2 && low && !mixed && !normalize;
-  const Tensor wbuf = mixed ? at::empty({chunk * D}, x.options()) : Tensor();
-  // The fused kernels write the dlogits straight from the GEMM (no fp32 logits).
+  // The fused kernels write the dlogits straight from the GEMM (no fp32 logits), so their
+  // chunks are larger within the same memory.
   const bool fz = acc == at::kFloat && low && use_fused(p.xin, w, mixed);
+  const int64_t chunk =
+      fz ? fused::backward_chunk(B, D, C, std::min(chunk_classes, C), x.element_size(), mixed, normalize, v2)
+         : std::min(chunk_classes, C);
+  const Tensor wbuf = mixed ? at::empty({chunk * D}, x.options()) : Tensor();
   const fused::Scratch sc = fz ? fused::make_scratch(p.xin, chunk, /*forward=*/false) : fused::Scratch();
   Tensor lbuf = fz ? Tensor() : at::empty({B * chunk}, opts);
   Tensor gbuf = low ? at::empty({B * chunk}, x.options()) : Tensor();

@@ -16,8 +16,6 @@
 #include <c10/cuda/CUDAException.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <mutex>
 #include <vector>
 
@@ -51,6 +49,23 @@ int64_t forward_chunk(int64_t B, int64_t D, int64_t C, int64_t chunk, int64_t el
   // Bytes per tile of kTile classes in the forward.
   const int64_t per_tile = B * kPartBytes + kTile * ((mixed ? D * elem : 0) + (normalize ? 4 : 0));
   int64_t n = std::min(std::max<int64_t>(budget, 0) / std::max<int64_t>(per_tile, 1) * kTile, kMaxChunk);
+  return std::min(C, std::max(chunk, n));
+}
+
+int64_t backward_chunk(int64_t B, int64_t D, int64_t C, int64_t chunk, int64_t elem, bool mixed,
+                       bool normalize, bool v2) {
+  constexpr int64_t kMaxBytes = int64_t(56) << 20, kTile = 256;
+  // Bytes per class of the backward's chunk buffers (sharded_ce_cuda.cu): the dlogits G, the
+  // converted rows (mixed), the fp32 dW rows before their fix-up (16-bit w, unless v2 writes dW
+  // straight from the GEMM: plain, not mixed), the normalized rows and the inverse norms.
+  const bool tbuf = !mixed && (!v2 || normalize);
+  const int64_t per_class =
+      B * elem + (mixed ? D * elem : 0) + (tbuf ? D * 4 : 0) + (normalize ? D * elem + 4 : 0);
+  // The unfused kernels hold B fp32 logits per class beside those.
+  const int64_t unit = std::max<int64_t>(per_class + 4 * B, 1);
+  const int64_t budget = chunk >= kMaxBytes / unit ? kMaxBytes : chunk * unit;
+  int64_t n = budget / std::max<int64_t>(per_class, 1);
+  if (n >= kTile) n -= n % kTile;
   return std::min(C, std::max(chunk, n));
 }
 
@@ -219,6 +234,15 @@ class SceEpilogue {
 
   static constexpr float kLog2e = 1.4426950408889634f;
 
+  // True when a row of this warp has its target column in the tile (the same in every lane).
+  template <class RowsT>
+  CUTLASS_DEVICE static bool any_target(RowsT const& rows) {
+    bool t = false;
+#pragma unroll
+    for (int ri = 0; ri < RowsT::kR; ++ri) t |= rows.tcol[ri] >= 0;
+    return __any_sync(0xffffffffu, t);
+  }
+
   // 2^v (flushing subnormals: the terms below 2^-126 of a softmax sum are lost in its rounding).
   CUTLASS_DEVICE static float ex2(float v) {
     float r;
@@ -244,125 +268,50 @@ class SceEpilogue {
       has_t[ri] = false;
     }
     if constexpr (kBackward) {
-      Elem* G = static_cast<Elem*>(p.g);
-      const bool pairs = p.ldg % 2 == 0 && (reinterpret_cast<uintptr_t>(G) & 3) == 0;
-      // Full tiles of a 16-byte aligned G whose rows hold a multiple of 8 elements: each quad
-      // exchanges its column pairs so that every thread stores 8 adjacent columns at once.
-      const bool wide =
-          kFull && p.wide_stores && p.ldg % 8 == 0 && (reinterpret_cast<uintptr_t>(G) & 15) == 0;
-      const int q = threadIdx.x & 3;
-      float lsel[R], gl[R], gs[R];
-#pragma unroll
-      for (int ri = 0; ri < R; ++ri) {
-        const int r = rows.live[ri] ? rows.row[ri] : 0;
-        lsel[ri] = p.lse[r] * kLog2e;
-        gl[ri] = p.gl[r];
-        gs[ri] = p.gs[r];
-      }
-      static_assert(J % 8 == 0, "columns come in blocks of 8 per quad");
-#pragma unroll
-      for (int j8 = 0; j8 < J; j8 += 8) {
-        uint32_t words[R][4];  // this thread's pairs of 4 blocks of 8 columns, per row slot
-#pragma unroll
-        for (int h = 0; h < 4; ++h) {
-          const int j = j8 + 2 * h;
-          const int lc = get<1>(pos(0, j));  // columns lc and lc + 1
-          const bool ok0 = kFull || lc < left, ok1 = kFull || lc + 1 < left;
-          const float r0 = scaled ? srw[lc] : 1.f, r1 = scaled ? srw[lc + 1] : 1.f;
-          const float q0 = p.g_times_r ? r0 : 1.f, q1 = p.g_times_r ? r1 : 1.f;
-#pragma unroll
-          for (int ri = 0; ri < R; ++ri) {
-            // Every column as a plain one; fix_target_kernel rewrites the target's entry from its
-            // cosine (the margin needs double-precision cos / acos, whose slow path is a call,
-            // which would serialize the warpgroup MMAs of this kernel).
-            const float c0 = acc(ri, j) * r0, c1 = acc(ri, j + 1) * r1;
-            cts[ri] = lc == rows.tcol[ri] ? c0 : (lc + 1 == rows.tcol[ri] ? c1 : cts[ri]);
-            has_t[ri] |= lc == rows.tcol[ri] || lc + 1 == rows.tcol[ri];
-            const float z0 = __fmul_rn(p.scale, c0), z1 = __fmul_rn(p.scale, c1);
-            const float g0 = p.scale * (gl[ri] * ex2(fmaf(z0, kLog2e, -lsel[ri])) + gs[ri]) * q0;
-            const float g1 = p.scale * (gl[ri] * ex2(fmaf(z1, kLog2e, -lsel[ri])) + gs[ri]) * q1;
-            if (wide) {
-              words[ri][h] = pack_two(G, g0, g1);
-              continue;
-            }
-            if (!kFull && !rows.live[ri]) continue;
-            Elem* out = G + static_cast<int64_t>(rows.row[ri]) * p.ldg + col0 + lc;
-            if (kFull && pairs) {
-              store_two(out, g0, g1);
-            } else {
-              if (ok0) store_one(out, g0);
-              if (ok1) store_one(out + 1, g1);
-            }
-          }
+      // Full tiles whose warp has no target column (nearly all at large C) take the short form:
+      // per element one FMA, one exp2 and one FMA (no target bookkeeping, no masks), when no
+      // column scale multiplies G (g_times_r with normalize; the fused path never asks for it).
+      if constexpr (kFull) {
+        if (p.short_form && !any_target(rows) && !(p.g_times_r && scaled)) {
+          dlogits<true, true>(p, acc, pos, srw, rows, left, col0, cts, has_t);
+        } else {
+          dlogits<true, false>(p, acc, pos, srw, rows, left, col0, cts, has_t);
         }
-        if (wide) {
-          // This thread's own columns of block j8 / 2 start at 8 (j8 / 2) + 2q (checked by
-          // tests/native/fused_layout_check.cu); after the exchange it holds block j8 / 2 + q.
-          const int lc = get<1>(pos(0, j8)) + 6 * q;
-#pragma unroll
-          for (int ri = 0; ri < R; ++ri) {
-            quad_transpose(words[ri], q);
-            *reinterpret_cast<uint4*>(G + static_cast<int64_t>(rows.row[ri]) * p.ldg + col0 + lc) =
-                make_uint4(words[ri][0], words[ri][1], words[ri][2], words[ri][3]);
-          }
-        }
+      } else {
+        dlogits<false, false>(p, acc, pos, srw, rows, left, col0, cts, has_t);
       }
     } else {
       // The reference logits of the count, loaded before pass 1, used after it.
       float ref[R];
 #pragma unroll
       for (int ri = 0; ri < R; ++ri) ref[ri] = p.tref && rows.live[ri] ? p.tref[rows.row[ri]] : INFINITY;
-      // Pass 1: the logits into the accumulators, the target's cosine kept, and the row maxima
-      // over the tile's columns but the target (fmaxf skips NaN, as the unfused max does).
-      float mx[R];
-#pragma unroll
-      for (int ri = 0; ri < R; ++ri) mx[ri] = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < J; ++j) {
-        const int lc = get<1>(pos(0, j));
-        const bool ok = kFull || lc < left;
-        const float r = scaled ? srw[lc] : 1.f;
-#pragma unroll
-        for (int ri = 0; ri < R; ++ri) {
-          const float c = acc(ri, j) * r, z = __fmul_rn(p.scale, c);
-          const bool is_t = lc == rows.tcol[ri];
-          cts[ri] = is_t ? c : cts[ri];
-          has_t[ri] |= is_t;
-          acc(ri, j) = z;
-          mx[ri] = fmaxf(mx[ri], ok && !is_t ? z : -INFINITY);
-        }
-      }
-      float mxl[R];
-#pragma unroll
-      for (int ri = 0; ri < R; ++ri) {
-        mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], 1));
-        mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], 2));
-        mxl[ri] = mx[ri] * kLog2e;
-      }
-      // Pass 2: sum of exp(z - max) (-inf adds nothing; z == max adds exactly 1, also for a +inf
-      // maximum) and logit sum over the same columns; count of the plain logits above the
-      // reference over all of them (the target's too).
-      float s[R], zs[R];
+      // Full tiles whose warp holds no target column skip the target's bookkeeping (nearly all
+      // tiles at large C); where also every row maximum of the warp is finite, pass 2 needs no
+      // guard against infinities either.
+      float mx[R], s[R], zs[R];
       int cnt[R];
-#pragma unroll
-      for (int ri = 0; ri < R; ++ri) {
-        s[ri] = 0.f;
-        zs[ri] = 0.f;
-        cnt[ri] = 0;
-      }
-#pragma unroll
-      for (int j = 0; j < J; ++j) {
-        const int lc = get<1>(pos(0, j));
-        const bool ok = kFull || lc < left;
-#pragma unroll
-        for (int ri = 0; ri < R; ++ri) {
-          const float z = acc(ri, j);
-          cnt[ri] += ok && z > ref[ri] ? 1 : 0;
-          const bool use = ok && lc != rows.tcol[ri];
-          const float e = z == mx[ri] ? 1.f : ex2(fmaf(z, kLog2e, -mxl[ri]));
-          zs[ri] += use ? z : 0.f;
-          s[ri] += use && z != -INFINITY ? e : 0.f;
+      if constexpr (kFull) {
+        const bool no_t = p.short_form && !any_target(rows);
+        if (no_t) {
+          pass1<true, true>(p, acc, pos, srw, rows, left, cts, has_t, mx);
+        } else {
+          pass1<true, false>(p, acc, pos, srw, rows, left, cts, has_t, mx);
         }
+        bool finite = true;
+#pragma unroll
+        for (int ri = 0; ri < R; ++ri) finite &= isfinite(mx[ri]);
+        if (__all_sync(0xffffffffu, finite && no_t)) {
+          if (p.tref) {
+            pass2<true, true, true>(acc, pos, rows, left, ref, mx, s, zs, cnt);
+          } else {
+            pass2<true, true, false>(acc, pos, rows, left, ref, mx, s, zs, cnt);
+          }
+        } else {
+          pass2<true, false, true>(acc, pos, rows, left, ref, mx, s, zs, cnt);
+        }
+      } else {
+        pass1<false, false>(p, acc, pos, srw, rows, left, cts, has_t, mx);
+        pass2<false, false, true>(acc, pos, rows, left, ref, mx, s, zs, cnt);
       }
       const int64_t tiles = (N + kTileN - 1) / kTileN;
       const bool lead = (threadIdx.x & 3) == 0;
@@ -386,6 +335,179 @@ class SceEpilogue {
 #pragma unroll
     for (int ri = 0; ri < R; ++ri)
       if (has_t[ri] && rows.live[ri]) p.ct[rows.row[ri]] = cts[ri];  // one thread of one tile
+  }
+
+  // Forward pass 1: the logits into the accumulators and the row maxima over the tile's columns
+  // but the target (fmaxf skips NaN, as the unfused max does), reduced over the quad; the
+  // target's cosine kept (kNoTarget: no row of the warp has its target here).
+  template <bool kFull, bool kNoTarget, class Acc, class Pos, class RowsT>
+  CUTLASS_DEVICE static void pass1(const EpiParams& p, Acc& acc, Pos const& pos, const float* srw,
+                                   RowsT const& rows, int left, float (&cts)[RowsT::kR],
+                                   bool (&has_t)[RowsT::kR], float (&mx)[RowsT::kR]) {
+    constexpr int R = RowsT::kR;
+    constexpr int J = decltype(size<1>(acc))::value;
+    const bool scaled = p.rw != nullptr;
+#pragma unroll
+    for (int ri = 0; ri < R; ++ri) mx[ri] = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      const int lc = get<1>(pos(0, j));
+      const bool ok = kFull || lc < left;
+      const float r = scaled ? srw[lc] : 1.f;
+#pragma unroll
+      for (int ri = 0; ri < R; ++ri) {
+        const float c = acc(ri, j) * r, z = __fmul_rn(p.scale, c);
+        acc(ri, j) = z;
+        if constexpr (kNoTarget) {
+          mx[ri] = fmaxf(mx[ri], z);
+        } else {
+          const bool is_t = lc == rows.tcol[ri];
+          cts[ri] = is_t ? c : cts[ri];
+          has_t[ri] |= is_t;
+          mx[ri] = fmaxf(mx[ri], ok && !is_t ? z : -INFINITY);
+        }
+      }
+    }
+#pragma unroll
+    for (int ri = 0; ri < R; ++ri) {
+      mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], 1));
+      mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], 2));
+    }
+  }
+
+  // Forward pass 2: sum of exp(z - max) and logit sum over the columns of pass 1, and the count
+  // of the plain logits above the reference over all of them (the target's too; kCount false:
+  // no reference, no count). General form: -inf adds nothing, z == max adds exactly 1 (also
+  // for a +inf maximum). kFast (full tile, no target in the warp, finite maxima): one FMA and
+  // one exp2 per element, no masks.
+  template <bool kFull, bool kFast, bool kCount, class Acc, class Pos, class RowsT>
+  CUTLASS_DEVICE static void pass2(Acc const& acc, Pos const& pos, RowsT const& rows, int left,
+                                   const float (&ref)[RowsT::kR], const float (&mx)[RowsT::kR],
+                                   float (&s)[RowsT::kR], float (&zs)[RowsT::kR], int (&cnt)[RowsT::kR]) {
+    constexpr int R = RowsT::kR;
+    constexpr int J = decltype(size<1>(acc))::value;
+    float nmxl[R];
+#pragma unroll
+    for (int ri = 0; ri < R; ++ri) {
+      s[ri] = 0.f;
+      zs[ri] = 0.f;
+      cnt[ri] = 0;
+      nmxl[ri] = -(mx[ri] * kLog2e);
+    }
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      const int lc = get<1>(pos(0, j));
+      const bool ok = kFull || lc < left;
+#pragma unroll
+      for (int ri = 0; ri < R; ++ri) {
+        const float z = acc(ri, j);
+        if constexpr (kCount) cnt[ri] += ok && z > ref[ri] ? 1 : 0;
+        if constexpr (kFast) {
+          s[ri] += ex2(fmaf(z, kLog2e, nmxl[ri]));
+          zs[ri] += z;
+        } else {
+          const bool use = ok && lc != rows.tcol[ri];
+          const float e = z == mx[ri] ? 1.f : ex2(fmaf(z, kLog2e, nmxl[ri]));
+          zs[ri] += use ? z : 0.f;
+          s[ri] += use && z != -INFINITY ? e : 0.f;
+        }
+      }
+    }
+  }
+
+  // The backward's dlogits of one tile into G. kFast (full tiles, no target in the warp's rows,
+  // no column scale on G): per element z log2e - lse log2e as one FMA (the column's scale folded
+  // into its factor), an exp2 and G = fma(scale gl, e, scale gs); otherwise every column as a
+  // plain one, the target column's cosine kept for fix_target_kernel, masks where the tile is
+  // partial.
+  template <bool kFull, bool kFast, class Acc, class Pos, class RowsT>
+  CUTLASS_DEVICE void dlogits(const EpiParams& p, Acc& acc, Pos const& pos, const float* srw,
+                              RowsT const& rows, int left, int col0, float (&cts)[RowsT::kR],
+                              bool (&has_t)[RowsT::kR]) {
+    constexpr int R = RowsT::kR;
+    constexpr int J = decltype(size<1>(acc))::value;
+    const bool scaled = p.rw != nullptr;
+    Elem* G = static_cast<Elem*>(p.g);
+    const bool pairs = p.ldg % 2 == 0 && (reinterpret_cast<uintptr_t>(G) & 3) == 0;
+    // Full tiles of a 16-byte aligned G whose rows hold a multiple of 8 elements: each quad
+    // exchanges its column pairs so that every thread stores 8 adjacent columns at once.
+    const bool wide = kFull && p.wide_stores && p.ldg % 8 == 0 && (reinterpret_cast<uintptr_t>(G) & 15) == 0;
+    const int q = threadIdx.x & 3;
+    // Per row: lse log2e, gl and gs (kFast: -lse log2e, scale gl and scale gs).
+    float lsel[R], gl[R], gs[R];
+#pragma unroll
+    for (int ri = 0; ri < R; ++ri) {
+      const int r = rows.live[ri] ? rows.row[ri] : 0;
+      lsel[ri] = kFast ? -(p.lse[r] * kLog2e) : p.lse[r] * kLog2e;
+      gl[ri] = kFast ? p.scale * p.gl[r] : p.gl[r];
+      gs[ri] = kFast ? p.scale * p.gs[r] : p.gs[r];
+    }
+    const float fs = p.scale * kLog2e;  // kFast: z log2e = acc (r_j scale log2e)
+    static_assert(J % 8 == 0, "columns come in blocks of 8 per quad");
+#pragma unroll
+    for (int j8 = 0; j8 < J; j8 += 8) {
+      uint32_t words[R][4];  // this thread's pairs of 4 blocks of 8 columns, per row slot
+#pragma unroll
+      for (int h = 0; h < 4; ++h) {
+        const int j = j8 + 2 * h;
+        const int lc = get<1>(pos(0, j));  // columns lc and lc + 1
+        const bool ok0 = kFull || lc < left, ok1 = kFull || lc + 1 < left;
+        const float r0 = scaled ? srw[lc] : 1.f, r1 = scaled ? srw[lc + 1] : 1.f;
+        const float q0 = p.g_times_r ? r0 : 1.f, q1 = p.g_times_r ? r1 : 1.f;
+        const float f0 = scaled ? fs * r0 : fs, f1 = scaled ? fs * r1 : fs;
+#pragma unroll
+        for (int ri = 0; ri < R; ++ri) {
+          if constexpr (kFast) {
+            const float g0 = fmaf(gl[ri], ex2(fmaf(acc(ri, j), f0, lsel[ri])), gs[ri]);
+            const float g1 = fmaf(gl[ri], ex2(fmaf(acc(ri, j + 1), f1, lsel[ri])), gs[ri]);
+            if (wide) {
+              words[ri][h] = pack_two(G, g0, g1);
+            } else {
+              Elem* out = G + static_cast<int64_t>(rows.row[ri]) * p.ldg + col0 + lc;
+              if (pairs) {
+                store_two(out, g0, g1);
+              } else {
+                store_one(out, g0);
+                store_one(out + 1, g1);
+              }
+            }
+            continue;
+          }
+          // Every column as a plain one; fix_target_kernel rewrites the target's entry from its
+          // cosine (the margin needs double-precision cos / acos, whose slow path is a call,
+          // which would serialize the warpgroup MMAs of this kernel).
+          const float c0 = acc(ri, j) * r0, c1 = acc(ri, j + 1) * r1;
+          cts[ri] = lc == rows.tcol[ri] ? c0 : (lc + 1 == rows.tcol[ri] ? c1 : cts[ri]);
+          has_t[ri] |= lc == rows.tcol[ri] || lc + 1 == rows.tcol[ri];
+          const float z0 = __fmul_rn(p.scale, c0), z1 = __fmul_rn(p.scale, c1);
+          const float g0 = p.scale * (gl[ri] * ex2(fmaf(z0, kLog2e, -lsel[ri])) + gs[ri]) * q0;
+          const float g1 = p.scale * (gl[ri] * ex2(fmaf(z1, kLog2e, -lsel[ri])) + gs[ri]) * q1;
+          if (wide) {
+            words[ri][h] = pack_two(G, g0, g1);
+            continue;
+          }
+          if (!kFull && !rows.live[ri]) continue;
+          Elem* out = G + static_cast<int64_t>(rows.row[ri]) * p.ldg + col0 + lc;
+          if (kFull && pairs) {
+            store_two(out, g0, g1);
+          } else {
+            if (ok0) store_one(out, g0);
+            if (ok1) store_one(out + 1, g1);
+          }
+        }
+      }
+      if (wide) {
+        // This thread's own columns of block j8 / 2 start at 8 (j8 / 2) + 2q (checked by
+        // tests/native/fused_layout_check.cu); after the exchange it holds block j8 / 2 + q.
+        const int lc = get<1>(pos(0, j8)) + 6 * q;
+#pragma unroll
+        for (int ri = 0; ri < R; ++ri) {
+          quad_transpose(words[ri], q);
+          *reinterpret_cast<uint4*>(G + static_cast<int64_t>(rows.row[ri]) * p.ldg + col0 + lc) =
+              make_uint4(words[ri][0], words[ri][1], words[ri][2], words[ri][3]);
+        }
+      }
+    }
   }
 
   Params a_;
@@ -434,25 +556,23 @@ void launch_as(const at::Tensor& x, const at::Tensor& wc, const EpiParams& p, cu
 // SHARDKIT_FUSED_SCHEDULE=pingpong: the ping-pong kernels (64-row tiles, one consumer
 // warpgroup's epilogue under the other's MMAs), for measuring against the default cooperative
 // ones (128-row tiles). Slower on an H100 (benchmarks/RESULTS.md): the 64-row tiles read each
-// weight tile twice as often. Read on every call.
+// weight tile twice as often.
 bool pingpong() {
-  const char* v = std::getenv("SHARDKIT_FUSED_SCHEDULE");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "cooperative") == 0) return false;
-  if (std::strcmp(v, "pingpong") == 0) return true;
-  TORCH_WARN_ONCE("SHARDKIT_FUSED_SCHEDULE=", v, " is neither cooperative nor pingpong: cooperative runs");
-  return false;
+  return env_choice("SHARDKIT_FUSED_SCHEDULE", "cooperative", "pingpong");
 }
 
 // SHARDKIT_FUSED_STORES=pairs: the backward epilogue stores two columns per thread and
 // instruction everywhere (as before the 16-byte stores), for measuring against the default
 // (wide: 8 columns per store in full tiles, 8% faster per step at B=1024, C=1M on an H100).
-// Read on every call.
 bool wide_stores() {
-  const char* v = std::getenv("SHARDKIT_FUSED_STORES");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "wide") == 0) return true;
-  if (std::strcmp(v, "pairs") == 0) return false;
-  TORCH_WARN_ONCE("SHARDKIT_FUSED_STORES=", v, " is neither wide nor pairs: wide stores run");
-  return true;
+  return !env_choice("SHARDKIT_FUSED_STORES", "wide", "pairs");
+}
+
+// SHARDKIT_FUSED_EPILOGUE=general: every tile takes the epilogues' general form (target
+// bookkeeping, masks, infinity guards), for measuring against the default (short: full tiles
+// without a target in the warp's rows take the short form).
+bool short_form() {
+  return !env_choice("SHARDKIT_FUSED_EPILOGUE", "short", "general");
 }
 
 template <class Elem, bool kBackward>
@@ -586,6 +706,7 @@ void forward(const at::Tensor& x, const at::Tensor& wc, EpiParams p, const Runni
   p.part_z = p.part_s + B * tiles;
   p.part_c = sc.counts.mutable_data_ptr<int64_t>();
   p.ct = sc.ct.mutable_data_ptr<float>();
+  p.short_form = short_form();
   if (x.scalar_type() == at::kBFloat16)
     launch<cutlass::bfloat16_t, false>(x, wc, p, stream);
   else
@@ -601,6 +722,7 @@ void backward(const at::Tensor& x, const at::Tensor& wc, EpiParams p, const Scra
   TORCH_CHECK(sc.ct.numel() >= B, "shardkit: internal error: the fused backward's scratch is too small");
   p.ct = sc.ct.mutable_data_ptr<float>();
   p.wide_stores = wide_stores();
+  p.short_form = short_form();
   if (x.scalar_type() == at::kBFloat16) {
     launch<cutlass::bfloat16_t, true>(x, wc, p, stream);
     fix_target_kernel<cutlass::bfloat16_t><<<(B + 255) / 256, 256, 0, stream>>>(p, B, n);

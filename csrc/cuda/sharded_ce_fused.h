@@ -10,6 +10,10 @@
 //             that the dX / dW GEMMs read (16-byte stores of 8 columns, the quad's pairs
 //             exchanged by shuffles; SHARDKIT_FUSED_STORES=pairs: 4-byte stores of 2, for
 //             measuring); a per-row kernel rewrites the target's entry.
+// Full tiles in which no row of a warp has its target column (nearly all at large C) take a
+// short form of either epilogue: no target bookkeeping, no masks, and (forward) no guards
+// against infinite maxima where the warp's are finite (SHARDKIT_FUSED_EPILOGUE=general: never,
+// for measuring).
 // Built where CUTLASS's headers are found at build time (setup.py: CUTLASS_PATH, or the
 // nvidia-cutlass package) and run only on a compute-capability 9.0 GPU whose code was built for
 // sm_90a, bf16 / fp16 x and chunk, D a multiple of 64 up to 1024. Anything else, and
@@ -45,6 +49,7 @@ struct EpiParams {
   const float *lse = nullptr, *gl = nullptr, *gt = nullptr, *gs = nullptr;
   bool g_times_r = false;
   bool wide_stores = true;  // 16-byte stores of 8 columns in full tiles (SHARDKIT_FUSED_STORES)
+  bool short_form = true;   // the short epilogue where it applies (SHARDKIT_FUSED_EPILOGUE)
   void* g = nullptr;        // [B, n] in x's dtype, row stride ldg
   int64_t ldg = 0;
 };
@@ -73,6 +78,15 @@ struct Running {
 // take more than its dlogits: a tile is 256 classes wide).
 int64_t forward_chunk(int64_t B, int64_t D, int64_t C, int64_t chunk, int64_t elem, bool mixed,
                       bool normalize);
+// Classes per chunk of the fused backward. Holding no fp32 logits, its chunk buffers take fewer
+// bytes per class than the unfused kernels' (B fp32 logits per class fewer): its chunk grows from
+// `chunk` (the caller's) while its buffers fit in what the unfused kernels would hold for `chunk`
+// classes and in 56 MiB, in whole tiles of 256 classes; never below `chunk`, at most C. Larger
+// chunks mean fewer, larger dX / dW GEMMs (the dX GEMM's K is the chunk); the 56 MiB keeps the
+// default at B=1024, D=512, bf16 (28,672 classes) within 64 MiB of working memory. `elem` is
+// x's element size, `v2` whether the second unfused kernels' dW path applies (SHARDKIT_CE_V2).
+int64_t backward_chunk(int64_t B, int64_t D, int64_t C, int64_t chunk, int64_t elem, bool mixed,
+                       bool normalize, bool v2);
 // Scratch memory of the fused kernels for chunks of up to max_n classes, allocated once per call:
 // the forward's partials and both directions' recorded target cosines.
 struct Scratch {

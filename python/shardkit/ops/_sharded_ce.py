@@ -120,7 +120,10 @@ def ce_shard_stats(
         scale, m1, m2, m3: logit scale and margin parameters (see above).
         normalize: L2-normalize ``x`` and ``w`` rows (required by margins).
         chunk_classes: classes per chunk (>= 1); default from a 192 MiB working-set budget
-            (:func:`chunk_classes_for_budget`), capped to a cache-sized chunk on the CPU.
+            (:func:`chunk_classes_for_budget`), capped to a cache-sized chunk on the CPU. The
+            fused sm90 kernels, holding no fp32 logits, walk larger chunks, within the memory
+            this chunk takes in the other kernels and, for the backward's growth, 56 MiB of
+            chunk buffers (28,672 classes at B=1024, D=512, bf16 by default).
         target_ref: optional float32 [B]: ``greater_count`` counts the classes whose PLAIN
             logit (no margin) exceeds it; zeros when None.
 
