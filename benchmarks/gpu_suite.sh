@@ -14,6 +14,7 @@
 #   bash benchmarks/gpu_suite.sh fused     # the fused sm90 kernels: tests, timings, sanitizers, peers, profiles
 #   bash benchmarks/gpu_suite.sh fused-b   # their follow-up: Nsight Compute, the sharded loss against its peers
 #   bash benchmarks/gpu_suite.sh STAGE BUDGET_S   # another time budget (default 540 s)
+#   SKIP_STEPS="bench-maxc profile-fused" bash benchmarks/gpu_suite.sh fused   # leave steps out
 #
 # Each stage first prints versions and nvidia-smi, installs the wheels and builds (or reuses)
 # the extension, then runs its steps in order, most useful first. Each stage ends within its
@@ -90,6 +91,10 @@ pack() {  # everything so far into $DEST (a call cut short still returns it)
 step() {
   local name=$1 cap=$2; shift 2
   local left=$(( BUDGET - SECONDS - 15 )) min=$(( cap < 45 ? cap : 45 ))
+  if [[ " ${SKIP_STEPS:-} " == *" $name "* ]]; then
+    note "$name" - 0 "$cap" "SKIPPED: in SKIP_STEPS"
+    echo "=== $name SKIPPED (SKIP_STEPS)"; return 3
+  fi
   if (( left < min )); then
     note "$name" - 0 "$cap" "SKIPPED: ${left}s left in this stage"
     echo "=== $name SKIPPED (${left}s left)"; pack; return 3
