@@ -43,7 +43,6 @@ KERNEL_ENV = {
         ("fused-pp", "1", "1", "pingpong", "wide", "short"),
         ("fused-pairs", "1", "1", "cooperative", "pairs", "short"),
         ("fused-general", "1", "1", "cooperative", "wide", "general"),
-        ("fused-staged", "1", "1", "cooperative", "staged", "short"),
     ]
 }
 
@@ -76,14 +75,13 @@ def main():
         "(SHARDKIT_FUSED=1: the fused sm90 GEMM epilogues, cooperative schedule), fused-pp (the same with "
         "SHARDKIT_FUSED_SCHEDULE=pingpong), fused-pairs (cooperative, the backward's dlogits stored two "
         "columns at a time: SHARDKIT_FUSED_STORES=pairs), fused-general (cooperative, every tile in the "
-        "epilogues' general form: SHARDKIT_FUSED_EPILOGUE=general), fused-staged (cooperative, the dlogits "
-        "staged in shared memory and bulk-copied: SHARDKIT_FUSED_STORES=staged); with several, the first one's "
-        "loss and gradients are compared with each other's",
+        "epilogues' general form: SHARDKIT_FUSED_EPILOGUE=general); with several, the first one's loss and "
+        "gradients are compared with each other's",
     )
     args = ap.parse_args()
     kernels = [k for k in args.kernels.split(",") if k]
     if not kernels or any(k not in KERNEL_ENV for k in kernels):
-        ap.error(f"--kernels takes some of {', '.join(KERNEL_ENV)}, got {args.kernels!r}")
+        ap.error(f"--kernels takes v1, v2, fused, fused-pp, fused-pairs and/or fused-general, got {args.kernels!r}")
 
     dev = torch.device(args.device)
     args.out = args.out or os.path.join(out_dir(), f"sharded_ce_kernels_{dev.type}.json")

@@ -375,11 +375,11 @@ PYEOF
     step tests-fused 150 "$PY -m pytest tests/test_softmax_fused_gpu.py $PYTEST_OPTS --timeout=60 -q"
     fused_ok=$?
     step bench-fused 150 "for c in 1000000 100000; do $B/bench_sharded_ce_kernels.py --device cuda --batch 1024 \
-      --dim 512 --classes \$c --dtype bfloat16 --reps 10 --chunks 65536 --kernels v2,fused,fused-staged,fused-general || exit 1; done && \
+      --dim 512 --classes \$c --dtype bfloat16 --reps 10 --chunks 65536 --kernels v2,fused,fused-general || exit 1; done && \
       $B/bench_sharded_ce_kernels.py --device cuda --batch 256 --dim 512 --classes 1000000 --dtype bfloat16 \
-      --reps 10 --chunks 65536 --kernels v2,fused,fused-staged,fused-general && \
+      --reps 10 --chunks 65536 --kernels v2,fused,fused-general && \
       $B/bench_sharded_ce_kernels.py --device cuda --batch 1024 --dim 512 --classes 1000000 --dtype bfloat16 \
-      --reps 10 --normalize --kernels v2,fused,fused-staged,fused-general"
+      --reps 10 --normalize --kernels v2,fused,fused-general"
     if (( fused_ok != 0 )); then echo "the fused kernels' tests failed: the stage stops here"; finish; exit 1; fi
     step tests-ops-gpu 150 "$PY -m pytest -m gpu tests/test_softmax_ops_gpu.py $PYTEST_OPTS --timeout=60 -q"
     step sanitize-fused 120 "for s in cooperative pingpong; do SHARDKIT_FUSED=1 SHARDKIT_FUSED_SCHEDULE=\$s \

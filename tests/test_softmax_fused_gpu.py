@@ -28,23 +28,12 @@ def _why_not():
     return None
 
 
-@pytest.fixture(
-    autouse=True,
-    params=[
-        "cooperative",
-        "pingpong",
-        "cooperative,pairs",
-        "cooperative,staged",
-        "pingpong,staged",
-        "cooperative,wide,general",
-    ],
-)
+@pytest.fixture(autouse=True, params=["cooperative", "pingpong", "cooperative,pairs", "cooperative,wide,general"])
 def fused_on(request, monkeypatch):
     # Every test on both schedules of the fused GEMMs: cooperative (the default: two consumer
     # warpgroups on a 128-row tile) and ping-pong (SHARDKIT_FUSED_SCHEDULE=pingpong: one
-    # warpgroup per 64-row tile, its epilogue under the other's MMAs), on the backward's three
-    # ways of storing the dlogits (SHARDKIT_FUSED_STORES: wide, the default, pairs, or staged
-    # through shared memory and bulk copies), and with
+    # warpgroup per 64-row tile, its epilogue under the other's MMAs), on the backward's two
+    # ways of storing the dlogits (SHARDKIT_FUSED_STORES: wide, the default, or pairs), and with
     # every tile in the epilogues' general form (SHARDKIT_FUSED_EPILOGUE=general; by default
     # full tiles without a target in a warp's rows take the short form).
     why = _why_not()

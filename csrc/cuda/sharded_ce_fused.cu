@@ -16,8 +16,6 @@
 #include <c10/cuda/CUDAException.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <mutex>
 #include <vector>
 
@@ -146,11 +144,8 @@ class SceEpilogue {
   using GmemTiledCopyC = void;
   using GmemTiledCopyD = void;
   struct ThreadEpilogueOp {};
-  // Backward, staged stores: each consumer warp's 16 rows of the tile's dlogits (8 warps).
-  static constexpr int kStageWarps = 8, kStageRows = 16;
   struct SharedStorage {
     float rw[kTileN];  // the tile's column scales (normalize)
-    alignas(128) uint16_t stage[kBackward ? kStageWarps * kStageRows * kTileN : 8];
   };
   using TensorStorage = SharedStorage;
   struct Arguments {
@@ -205,7 +200,6 @@ class SceEpilogue {
     // thread instead of one per column and thread. The first barrier waits for the previous
     // tile's readers.
     float* srw = reinterpret_cast<SharedStorage*>(smem)->rw;
-    uint16_t* stage = reinterpret_cast<SharedStorage*>(smem)->stage;
     if (p.rw) {
       // (Ping-pong: the kernel runs the two warpgroups' epilogues one after the other.)
       cutlass::arch::NamedBarrier::sync(kThreads, 0);
@@ -224,9 +218,9 @@ class SceEpilogue {
     // Full tiles (all but a chunk's last column tile and the last row tile) check no column or row.
     const int tile_n = static_cast<int>(get<1>(blk));
     if (left >= kBN && row0 + kBM <= M) {
-      tile<true>(p, acc, pos, srw, stage, rows, left, col0, tile_n, N);
+      tile<true>(p, acc, pos, srw, rows, left, col0, tile_n, N);
     } else {
-      tile<false>(p, acc, pos, srw, stage, rows, left, col0, tile_n, N);
+      tile<false>(p, acc, pos, srw, rows, left, col0, tile_n, N);
     }
   }
 
@@ -260,8 +254,8 @@ class SceEpilogue {
   // false) and the target column are masked by selects; the target's cosine is kept in a register
   // and stored once.
   template <bool kFull, class Acc, class Pos, class RowsT>
-  CUTLASS_DEVICE void tile(const EpiParams& p, Acc& acc, Pos const& pos, const float* srw, uint16_t* stage,
-                           RowsT const& rows, int left, int col0, int tile_n, int N) {
+  CUTLASS_DEVICE void tile(const EpiParams& p, Acc& acc, Pos const& pos, const float* srw, RowsT const& rows,
+                           int left, int col0, int tile_n, int N) {
     constexpr int R = RowsT::kR;
     constexpr int J = decltype(size<1>(acc))::value;
     static_assert(J % 2 == 0, "columns come in adjacent pairs");
@@ -279,12 +273,12 @@ class SceEpilogue {
       // column scale multiplies G (g_times_r with normalize; the fused path never asks for it).
       if constexpr (kFull) {
         if (p.short_form && !any_target(rows) && !(p.g_times_r && scaled)) {
-          dlogits<true, true>(p, acc, pos, srw, stage, rows, left, col0, cts, has_t);
+          dlogits<true, true>(p, acc, pos, srw, rows, left, col0, cts, has_t);
         } else {
-          dlogits<true, false>(p, acc, pos, srw, stage, rows, left, col0, cts, has_t);
+          dlogits<true, false>(p, acc, pos, srw, rows, left, col0, cts, has_t);
         }
       } else {
-        dlogits<false, false>(p, acc, pos, srw, stage, rows, left, col0, cts, has_t);
+        dlogits<false, false>(p, acc, pos, srw, rows, left, col0, cts, has_t);
       }
     } else {
       // The reference logits of the count, loaded before pass 1, used after it.
@@ -427,7 +421,7 @@ class SceEpilogue {
   // plain one, the target column's cosine kept for fix_target_kernel, masks where the tile is
   // partial.
   template <bool kFull, bool kFast, class Acc, class Pos, class RowsT>
-  CUTLASS_DEVICE void dlogits(const EpiParams& p, Acc& acc, Pos const& pos, const float* srw, uint16_t* stage,
+  CUTLASS_DEVICE void dlogits(const EpiParams& p, Acc& acc, Pos const& pos, const float* srw,
                               RowsT const& rows, int left, int col0, float (&cts)[RowsT::kR],
                               bool (&has_t)[RowsT::kR]) {
     constexpr int R = RowsT::kR;
@@ -437,21 +431,7 @@ class SceEpilogue {
     const bool pairs = p.ldg % 2 == 0 && (reinterpret_cast<uintptr_t>(G) & 3) == 0;
     // Full tiles of a 16-byte aligned G whose rows hold a multiple of 8 elements: each quad
     // exchanges its column pairs so that every thread stores 8 adjacent columns at once.
-    const bool wide =
-        kFull && p.stores != kStorePairs && p.ldg % 8 == 0 && (reinterpret_cast<uintptr_t>(G) & 15) == 0;
-    // Staged: those 16 bytes go to this warp's rows in shared memory instead, and the warp's
-    // first 16 lanes then copy one row (512 bytes) each to G with an asynchronous bulk copy,
-    // which drains under the next tile's MMAs. The warp holds rows 16w .. 16w + 15 of the tile
-    // whole (w: its index among the tile's consumer warps; checked by
-    // tests/native/fused_layout_check.cu), and owns slot (warp in the CTA) % 8 of the buffer.
-    const bool staged = wide && p.stores == kStoreStaged;
-    const int lane = threadIdx.x & 31;
-    uint16_t* slot = stage + ((threadIdx.x >> 5) % kStageWarps) * kStageRows * kTileN;
-    if (staged) {
-      // This lane's previous copy has finished reading the slot; then the whole warp's has.
-      cute::tma_store_wait<0>();
-      __syncwarp();
-    }
+    const bool wide = kFull && p.wide_stores && p.ldg % 8 == 0 && (reinterpret_cast<uintptr_t>(G) & 15) == 0;
     const int q = threadIdx.x & 3;
     // Per row: lse log2e, gl and gs (kFast: -lse log2e, scale gl and scale gs).
     float lsel[R], gl[R], gs[R];
@@ -523,26 +503,9 @@ class SceEpilogue {
 #pragma unroll
         for (int ri = 0; ri < R; ++ri) {
           quad_transpose(words[ri], q);
-          const uint4 v = make_uint4(words[ri][0], words[ri][1], words[ri][2], words[ri][3]);
-          if (staged) {
-            *reinterpret_cast<uint4*>(slot + (get<0>(pos(ri, 0)) % kStageRows) * kTileN + lc) = v;
-          } else {
-            *reinterpret_cast<uint4*>(G + static_cast<int64_t>(rows.row[ri]) * p.ldg + col0 + lc) = v;
-          }
+          *reinterpret_cast<uint4*>(G + static_cast<int64_t>(rows.row[ri]) * p.ldg + col0 + lc) =
+              make_uint4(words[ri][0], words[ri][1], words[ri][2], words[ri][3]);
         }
-      }
-    }
-    if (staged) {
-      // The slot's writes become visible to the bulk copies (the async proxy), then each of the
-      // first 16 lanes copies one of the warp's rows.
-      cute::tma_store_fence();
-      __syncwarp();
-      if (lane < kStageRows) {
-        const int lr = get<0>(pos(0, 0)) / kStageRows * kStageRows + lane;  // the row in the tile
-        const int64_t row = static_cast<int64_t>(rows.row[0] - get<0>(pos(0, 0)) + lr);
-        cute::SM90_BULK_COPY_S2G::copy(slot + lane * kTileN, G + row * p.ldg + col0,
-                                       kTileN * static_cast<int>(sizeof(Elem)));
-        cute::tma_store_arrive();
       }
     }
   }
@@ -550,31 +513,11 @@ class SceEpilogue {
   Params a_;
 };
 
-// The collective epilogue: CUTLASS's adapter of an operator-style epilogue, whose store_tail
-// (after a consumer warpgroup's last tile; ping-pong: after each tile) also waits until this
-// thread's staged bulk copies have read their shared memory.
-template <bool kBackward, class Elem>
-class SceCollective : public cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
-                          SceEpilogue<kBackward, Elem>> {
-  using Base =
-      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<SceEpilogue<kBackward, Elem>>;
-
- public:
-  using Base::Base;
-  template <class... Args>
-  CUTLASS_DEVICE auto store_tail(Args... args) {
-    if constexpr (kBackward) cute::tma_store_wait<0>();
-    return Base::store_tail(args...);
-  }
-};
-
 template <class Elem, bool kBackward, bool kPingpong>
 struct FusedGemm {
-  // The epilogue's shared memory (the backward's staging buffer) is carved out of the mainloop's.
-  using Mainloop =
-      FusedMainloop<Elem, kPingpong,
-                    static_cast<int>(sizeof(typename SceEpilogue<kBackward, Elem>::SharedStorage))>;
-  using Epilogue = SceCollective<kBackward, Elem>;
+  using Mainloop = FusedMainloop<Elem, kPingpong>;
+  using Epilogue =
+      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<SceEpilogue<kBackward, Elem>>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
@@ -618,18 +561,11 @@ bool pingpong() {
   return env_choice("SHARDKIT_FUSED_SCHEDULE", "cooperative", "pingpong");
 }
 
-// SHARDKIT_FUSED_STORES: how the backward epilogue stores the dlogits of full tiles: wide (the
-// default: 16-byte stores of 8 columns per thread, 8% faster per step at B=1024, C=1M than
-// pairs on an H100), staged (those through shared memory, then one asynchronous bulk copy per
-// row) or pairs (two columns per store everywhere, as before the 16-byte stores). For
-// measuring; read on every call.
-int store_mode() {
-  const char* v = std::getenv("SHARDKIT_FUSED_STORES");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "wide") == 0) return kStoreWide;
-  if (std::strcmp(v, "staged") == 0) return kStoreStaged;
-  if (std::strcmp(v, "pairs") == 0) return kStorePairs;
-  TORCH_WARN_ONCE("SHARDKIT_FUSED_STORES=", v, " is none of wide, staged, pairs: wide runs");
-  return kStoreWide;
+// SHARDKIT_FUSED_STORES=pairs: the backward epilogue stores two columns per thread and
+// instruction everywhere (as before the 16-byte stores), for measuring against the default
+// (wide: 8 columns per store in full tiles, 8% faster per step at B=1024, C=1M on an H100).
+bool wide_stores() {
+  return !env_choice("SHARDKIT_FUSED_STORES", "wide", "pairs");
 }
 
 // SHARDKIT_FUSED_EPILOGUE=general: every tile takes the epilogues' general form (target
@@ -785,7 +721,7 @@ void backward(const at::Tensor& x, const at::Tensor& wc, EpiParams p, const Scra
   const int64_t B = x.size(0), n = wc.size(0);
   TORCH_CHECK(sc.ct.numel() >= B, "shardkit: internal error: the fused backward's scratch is too small");
   p.ct = sc.ct.mutable_data_ptr<float>();
-  p.stores = store_mode();
+  p.wide_stores = wide_stores();
   p.short_form = short_form();
   if (x.scalar_type() == at::kBFloat16) {
     launch<cutlass::bfloat16_t, true>(x, wc, p, stream);

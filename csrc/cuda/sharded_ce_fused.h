@@ -8,9 +8,8 @@
 //             recorded; a merge kernel folds the tiles and the target logit (margin applied);
 //   backward: the recomputed tile becomes dlogits in x's dtype, written into the chunk buffer G
 //             that the dX / dW GEMMs read (16-byte stores of 8 columns, the quad's pairs
-//             exchanged by shuffles; for measuring, SHARDKIT_FUSED_STORES=pairs: 4-byte stores
-//             of 2; =staged: the 16 bytes into shared memory, then an asynchronous bulk copy per
-//             row of the tile); a per-row kernel rewrites the target's entry.
+//             exchanged by shuffles; SHARDKIT_FUSED_STORES=pairs: 4-byte stores of 2, for
+//             measuring); a per-row kernel rewrites the target's entry.
 // Full tiles in which no row of a warp has its target column (nearly all at large C) take a
 // short form of either epilogue: no target bookkeeping, no masks, and (forward) no guards
 // against infinite maxima where the warp's are finite (SHARDKIT_FUSED_EPILOGUE=general: never,
@@ -29,10 +28,6 @@
 namespace shardkit {
 namespace sce {
 namespace fused {
-
-// How the backward stores the dlogits of full tiles (SHARDKIT_FUSED_STORES): 2 columns per
-// thread and store, 8 (16 bytes), or 8 into shared memory and then one bulk copy per row.
-constexpr int kStorePairs = 0, kStoreWide = 1, kStoreStaged = 2;
 
 // What the epilogue needs beside the two GEMM operands (device pointers; nullptr where unused).
 struct EpiParams {
@@ -53,9 +48,9 @@ struct EpiParams {
   // (the target column's entry rewritten after the GEMM, from ct).
   const float *lse = nullptr, *gl = nullptr, *gt = nullptr, *gs = nullptr;
   bool g_times_r = false;
-  int stores = 1;          // full tiles' dlogit stores: kStorePairs, kStoreWide or kStoreStaged
-  bool short_form = true;  // the short epilogue where it applies (SHARDKIT_FUSED_EPILOGUE)
-  void* g = nullptr;       // [B, n] in x's dtype, row stride ldg
+  bool wide_stores = true;  // 16-byte stores of 8 columns in full tiles (SHARDKIT_FUSED_STORES)
+  bool short_form = true;   // the short epilogue where it applies (SHARDKIT_FUSED_EPILOGUE)
+  void* g = nullptr;        // [B, n] in x's dtype, row stride ldg
   int64_t ldg = 0;
 };
 

@@ -22,14 +22,13 @@ constexpr int kTileN = 256, kTileK = 64;
 template <bool kPingpong>
 constexpr int kTileM = kPingpong ? 64 : 128;
 
-// x [M, K] row-major times the chunk [N, K] row-major (both K-major), fp32 accumulation; as
-// many pipeline stages as shared memory holds beside kCarveout bytes (the epilogue's).
-template <class Elem, bool kPingpong, int kCarveout = 0>
+// x [M, K] row-major times the chunk [N, K] row-major (both K-major), fp32 accumulation.
+template <class Elem, bool kPingpong>
 using FusedMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Elem, cutlass::layout::RowMajor, 8, Elem,
     cutlass::layout::ColumnMajor, 8, float,
     cute::Shape<cute::Int<kTileM<kPingpong>>, cute::Int<kTileN>, cute::Int<kTileK>>,
-    cute::Shape<cute::_1, cute::_1, cute::_1>, cutlass::gemm::collective::StageCountAutoCarveout<kCarveout>,
+    cute::Shape<cute::_1, cute::_1, cute::_1>, cutlass::gemm::collective::StageCountAuto,
     cute::conditional_t<kPingpong, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
                         cutlass::gemm::KernelTmaWarpSpecializedCooperative>>::CollectiveOp;
 
