@@ -75,7 +75,7 @@ def main():
         "(SHARDKIT_FUSED=1: the fused sm90 GEMM epilogues, cooperative schedule), fused-pp (the same with "
         "SHARDKIT_FUSED_SCHEDULE=pingpong), fused-pairs (cooperative, the backward's dlogits stored two "
         "columns at a time: SHARDKIT_FUSED_STORES=pairs), fused-general (cooperative, every tile in the "
-        "epilogues' general form: SHARDKIT_FUSED_EPILOGUE=general); with several, the first one's loss and "
+        "forward epilogue's general form: SHARDKIT_FUSED_EPILOGUE=general); with several, the first one's loss and "
         "gradients are compared with each other's",
     )
     args = ap.parse_args()

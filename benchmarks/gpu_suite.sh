@@ -326,7 +326,7 @@ PYEOF
     # The fused sm90 kernels (SHARDKIT_FUSED=1, sharded_ce_fused.cu). A tiny forward+backward
     # first, on both schedules: a kernel that hangs or faults stops the stage there. Then their
     # tests (both schedules), the kernel benchmark against the second kernels at the target
-    # shapes (the default fused kernels, and every tile in the epilogues' general form), the
+    # shapes (the default fused kernels, and every tile in the forward epilogue's general form), the
     # op-level GPU tests on all three kernel sets, the sanitizers on the smoke run
     # (its D = 64 bf16 case takes the fused kernels) on both schedules, the sharded loss against
     # Cut Cross-Entropy at every target shape, the per-kernel profiles, and the largest C one

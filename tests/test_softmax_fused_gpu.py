@@ -34,7 +34,7 @@ def fused_on(request, monkeypatch):
     # warpgroups on a 128-row tile) and ping-pong (SHARDKIT_FUSED_SCHEDULE=pingpong: one
     # warpgroup per 64-row tile, its epilogue under the other's MMAs), on the backward's two
     # ways of storing the dlogits (SHARDKIT_FUSED_STORES: wide, the default, or pairs), and with
-    # every tile in the epilogues' general form (SHARDKIT_FUSED_EPILOGUE=general; by default
+    # every tile in the forward epilogue's general form (SHARDKIT_FUSED_EPILOGUE=general; by default
     # full tiles without a target in a warp's rows take the short form).
     why = _why_not()
     if why:

@@ -268,18 +268,9 @@ class SceEpilogue {
       has_t[ri] = false;
     }
     if constexpr (kBackward) {
-      // Full tiles whose warp has no target column (nearly all at large C) take the short form:
-      // per element one FMA, one exp2 and one FMA (no target bookkeeping, no masks), when no
-      // column scale multiplies G (g_times_r with normalize; the fused path never asks for it).
-      if constexpr (kFull) {
-        if (p.short_form && !any_target(rows) && !(p.g_times_r && scaled)) {
-          dlogits<true, true>(p, acc, pos, srw, rows, left, col0, cts, has_t);
-        } else {
-          dlogits<true, false>(p, acc, pos, srw, rows, left, col0, cts, has_t);
-        }
-      } else {
-        dlogits<false, false>(p, acc, pos, srw, rows, left, col0, cts, has_t);
-      }
+      // (A short form of this epilogue for tiles without a target, like the forward's, measured
+      // no faster on an H200: benchmarks/RESULTS.md.)
+      dlogits<kFull>(p, acc, pos, srw, rows, left, col0, cts, has_t);
     } else {
       // The reference logits of the count, loaded before pass 1, used after it.
       float ref[R];
@@ -415,12 +406,9 @@ class SceEpilogue {
     }
   }
 
-  // The backward's dlogits of one tile into G. kFast (full tiles, no target in the warp's rows,
-  // no column scale on G): per element z log2e - lse log2e as one FMA (the column's scale folded
-  // into its factor), an exp2 and G = fma(scale gl, e, scale gs); otherwise every column as a
-  // plain one, the target column's cosine kept for fix_target_kernel, masks where the tile is
-  // partial.
-  template <bool kFull, bool kFast, class Acc, class Pos, class RowsT>
+  // The backward's dlogits of one tile into G: every column as a plain one, the target column's
+  // cosine kept for fix_target_kernel, masks where the tile is partial.
+  template <bool kFull, class Acc, class Pos, class RowsT>
   CUTLASS_DEVICE void dlogits(const EpiParams& p, Acc& acc, Pos const& pos, const float* srw,
                               RowsT const& rows, int left, int col0, float (&cts)[RowsT::kR],
                               bool (&has_t)[RowsT::kR]) {
@@ -433,16 +421,14 @@ class SceEpilogue {
     // exchanges its column pairs so that every thread stores 8 adjacent columns at once.
     const bool wide = kFull && p.wide_stores && p.ldg % 8 == 0 && (reinterpret_cast<uintptr_t>(G) & 15) == 0;
     const int q = threadIdx.x & 3;
-    // Per row: lse log2e, gl and gs (kFast: -lse log2e, scale gl and scale gs).
     float lsel[R], gl[R], gs[R];
 #pragma unroll
     for (int ri = 0; ri < R; ++ri) {
       const int r = rows.live[ri] ? rows.row[ri] : 0;
-      lsel[ri] = kFast ? -(p.lse[r] * kLog2e) : p.lse[r] * kLog2e;
-      gl[ri] = kFast ? p.scale * p.gl[r] : p.gl[r];
-      gs[ri] = kFast ? p.scale * p.gs[r] : p.gs[r];
+      lsel[ri] = p.lse[r] * kLog2e;
+      gl[ri] = p.gl[r];
+      gs[ri] = p.gs[r];
     }
-    const float fs = p.scale * kLog2e;  // kFast: z log2e = acc (r_j scale log2e)
     static_assert(J % 8 == 0, "columns come in blocks of 8 per quad");
 #pragma unroll
     for (int j8 = 0; j8 < J; j8 += 8) {
@@ -454,25 +440,8 @@ class SceEpilogue {
         const bool ok0 = kFull || lc < left, ok1 = kFull || lc + 1 < left;
         const float r0 = scaled ? srw[lc] : 1.f, r1 = scaled ? srw[lc + 1] : 1.f;
         const float q0 = p.g_times_r ? r0 : 1.f, q1 = p.g_times_r ? r1 : 1.f;
-        const float f0 = scaled ? fs * r0 : fs, f1 = scaled ? fs * r1 : fs;
 #pragma unroll
         for (int ri = 0; ri < R; ++ri) {
-          if constexpr (kFast) {
-            const float g0 = fmaf(gl[ri], ex2(fmaf(acc(ri, j), f0, lsel[ri])), gs[ri]);
-            const float g1 = fmaf(gl[ri], ex2(fmaf(acc(ri, j + 1), f1, lsel[ri])), gs[ri]);
-            if (wide) {
-              words[ri][h] = pack_two(G, g0, g1);
-            } else {
-              Elem* out = G + static_cast<int64_t>(rows.row[ri]) * p.ldg + col0 + lc;
-              if (pairs) {
-                store_two(out, g0, g1);
-              } else {
-                store_one(out, g0);
-                store_one(out + 1, g1);
-              }
-            }
-            continue;
-          }
           // Every column as a plain one; fix_target_kernel rewrites the target's entry from its
           // cosine (the margin needs double-precision cos / acos, whose slow path is a call,
           // which would serialize the warpgroup MMAs of this kernel).
@@ -568,9 +537,9 @@ bool wide_stores() {
   return !env_choice("SHARDKIT_FUSED_STORES", "wide", "pairs");
 }
 
-// SHARDKIT_FUSED_EPILOGUE=general: every tile takes the epilogues' general form (target
-// bookkeeping, masks, infinity guards), for measuring against the default (short: full tiles
-// without a target in the warp's rows take the short form).
+// SHARDKIT_FUSED_EPILOGUE=general: every tile takes the forward epilogue's general form
+// (target bookkeeping, masks, infinity guards), for measuring against the default (short: full
+// tiles without a target in the warp's rows take the short form).
 bool short_form() {
   return !env_choice("SHARDKIT_FUSED_EPILOGUE", "short", "general");
 }
@@ -722,7 +691,6 @@ void backward(const at::Tensor& x, const at::Tensor& wc, EpiParams p, const Scra
   TORCH_CHECK(sc.ct.numel() >= B, "shardkit: internal error: the fused backward's scratch is too small");
   p.ct = sc.ct.mutable_data_ptr<float>();
   p.wide_stores = wide_stores();
-  p.short_form = short_form();
   if (x.scalar_type() == at::kBFloat16) {
     launch<cutlass::bfloat16_t, true>(x, wc, p, stream);
     fix_target_kernel<cutlass::bfloat16_t><<<(B + 255) / 256, 256, 0, stream>>>(p, B, n);

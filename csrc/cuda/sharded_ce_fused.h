@@ -10,10 +10,10 @@
 //             that the dX / dW GEMMs read (16-byte stores of 8 columns, the quad's pairs
 //             exchanged by shuffles; SHARDKIT_FUSED_STORES=pairs: 4-byte stores of 2, for
 //             measuring); a per-row kernel rewrites the target's entry.
-// Full tiles in which no row of a warp has its target column (nearly all at large C) take a
-// short form of either epilogue: no target bookkeeping, no masks, and (forward) no guards
-// against infinite maxima where the warp's are finite (SHARDKIT_FUSED_EPILOGUE=general: never,
-// for measuring).
+// In the forward, full tiles in which no row of a warp has its target column (nearly all at
+// large C) take a short form of the epilogue: no target bookkeeping, no masks, no guards
+// against infinite maxima where the warp's are finite, no count without a reference
+// (SHARDKIT_FUSED_EPILOGUE=general: never, for measuring).
 // Built where CUTLASS's headers are found at build time (setup.py: CUTLASS_PATH, or the
 // nvidia-cutlass package) and run only on a compute-capability 9.0 GPU whose code was built for
 // sm_90a, bf16 / fp16 x and chunk, D a multiple of 64 up to 1024. Anything else, and
@@ -49,7 +49,7 @@ struct EpiParams {
   const float *lse = nullptr, *gl = nullptr, *gt = nullptr, *gs = nullptr;
   bool g_times_r = false;
   bool wide_stores = true;  // 16-byte stores of 8 columns in full tiles (SHARDKIT_FUSED_STORES)
-  bool short_form = true;   // the short epilogue where it applies (SHARDKIT_FUSED_EPILOGUE)
+  bool short_form = true;   // the forward's short epilogue where it applies (SHARDKIT_FUSED_EPILOGUE)
   void* g = nullptr;        // [B, n] in x's dtype, row stride ldg
   int64_t ldg = 0;
 };
