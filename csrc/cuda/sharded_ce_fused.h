@@ -81,10 +81,11 @@ int64_t forward_chunk(int64_t B, int64_t D, int64_t C, int64_t chunk, int64_t el
 // Classes per chunk of the fused backward. Holding no fp32 logits, its chunk buffers take fewer
 // bytes per class than the unfused kernels' (B fp32 logits per class fewer): its chunk grows from
 // `chunk` (the caller's) while its buffers fit in what the unfused kernels would hold for `chunk`
-// classes and in 56 MiB, in whole tiles of 256 classes; never below `chunk`, at most C. Larger
-// chunks mean fewer, larger dX / dW GEMMs (the dX GEMM's K is the chunk); the 56 MiB keeps the
-// default at B=1024, D=512, bf16 (28,672 classes) within 64 MiB of working memory. `elem` is
-// x's element size, `v2` whether the second unfused kernels' dW path applies (SHARDKIT_CE_V2).
+// classes and in 56 MiB (in whole tiles of 256 classes from 256 on); never below `chunk`, at
+// most C. Larger chunks mean fewer, larger dX / dW GEMMs (the dX GEMM's K is the chunk); the
+// 56 MiB keeps the default at B=1024, D=512, bf16 (28,672 classes) within 64 MiB of working
+// memory. `elem` is x's element size, `v2` whether the second unfused kernels' dW path applies
+// (SHARDKIT_CE_V2).
 int64_t backward_chunk(int64_t B, int64_t D, int64_t C, int64_t chunk, int64_t elem, bool mixed,
                        bool normalize, bool v2);
 // Scratch memory of the fused kernels for chunks of up to max_n classes, allocated once per call:
