@@ -47,7 +47,7 @@ def sharded_loss(device, dtype, margin, batch=37, classes=1000, chunk_memory=1 <
     # classes, so several chunks and a partial last one. With the default working set, one
     # chunk of a few thousand classes: rows split into column ranges by the second kernels.
     # dim=64 with 16-bit inputs: the fused sm90 kernels where they run (SHARDKIT_FUSED=1);
-    # labels_below: the labels below it (the fused epilogues' short form in the other tiles).
+    # labels_below: the labels below it (the fused forward epilogue's short form in the other tiles).
     x = torch.randn(batch, dim, device=device, dtype=dtype, requires_grad=True)
     y = torch.randint(0, labels_below or classes, (batch,), device=device)
     y[0] = classes - 1  # a target in the last (partial) chunk

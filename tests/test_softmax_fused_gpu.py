@@ -96,7 +96,7 @@ def test_fused_within_twice_torch(dtype, name, shape, chunk):
 @pytest.mark.parametrize("name", list(MARGINS))
 def test_fused_tiles_without_targets(dtype, name):
     # Every target among the first 256 classes: the other column tiles hold no row's target
-    # (the epilogues' short form, as nearly every tile at large C), the first holds many, the
+    # (the forward epilogue's short form, as nearly every tile at large C), the first holds many, the
     # last is partial and so is the last row tile.
     check_low_precision("cuda", dtype, name, chunk=None, shape=(300, 128, 5000), labels_below=256)
 
@@ -166,7 +166,7 @@ def test_fused_nan_row_stays_in_its_row(monkeypatch):
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 def test_fused_non_finite_rows_as_unfused(monkeypatch, value):
     # Plain logits (no normalization) of rows with a NaN or infinite embedding value: NaN, or
-    # infinite maxima, which the epilogues' short form does not take. Every output and gradient
+    # infinite maxima, which the forward epilogue's short form does not take. Every output and gradient
     # is NaN, infinite or finite where the unfused kernels' are, and the finite ones agree.
     B, D, C = 200, 128, 3000
     x = torch.randn(B, D, device="cuda", dtype=torch.bfloat16)
