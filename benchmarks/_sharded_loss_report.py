@@ -104,6 +104,7 @@ def save(rows, largest, targets, args, notes=None, complete=True):
     mid-write leaves the previous version whole."""
     folder = out_dir()
     stem = "bench_sharded_loss" + ("_maxc" if args.max_classes_only else "")
+    stem += "_master" if getattr(args, "master_weights", False) else ""
     path = os.path.join(folder, stem + ".json")
     with open(path + ".tmp", "w") as f:
         json.dump(

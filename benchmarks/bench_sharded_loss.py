@@ -27,7 +27,9 @@ Usage:
   python benchmarks/bench_sharded_loss.py --cpu-target          # CPU, fp32, B=256: D=128 C=200k and D=512 C=100k
   python benchmarks/bench_sharded_loss.py --device cuda         # D=512, B {256,1024}, C {100k,1M} bf16
   python benchmarks/bench_sharded_loss.py --device cuda --max-classes-only   # largest trainable C per method
-Writes bench_sharded_loss[_maxc].json and .png to benchmarks/out/ (or $SHARDKIT_BENCH_OUT),
+  python benchmarks/bench_sharded_loss.py --device cuda --max-classes-only --master-weights
+      # the same with fp32 master weights and momentum beside the 16-bit ones, and an SGD step
+Writes bench_sharded_loss[_maxc][_master].json and .png to benchmarks/out/ (or $SHARDKIT_BENCH_OUT),
 rewritten as each shape (and each method's largest-C search) finishes, with that shape's
 TARGET lines printed then: a run stopped part-way keeps everything that finished.
 
@@ -132,12 +134,20 @@ def _head_without_default_init(dim, classes, devices, dtype, check_inputs):
         cls.reset_parameters = default_init
 
 
-def build_step(method, batch, classes, dim, dtype, device):
+MASTER_LR, MASTER_MOMENTUM = 1e-3, 0.9  # the --master-weights update (its values do not matter)
+
+
+def build_step(method, batch, classes, dim, dtype, device, master=False):
     """Allocates inputs + parameters; returns (fwd+bwd closure, tensors that get a .grad).
 
     Each step starts with the gradients set to None, as after optimizer.zero_grad() (torch's
     default), so every method allocates its gradients afresh and none needs an extra
-    gradient-sized buffer to accumulate into an old one."""
+    gradient-sized buffer to accumulate into an old one.
+
+    ``master``: every method's weights also get an fp32 master copy (the weights themselves
+    when they are fp32) and an fp32 momentum buffer, and each step ends with an SGD update
+    (momentum, then the master, then the weights copied from it): the mixed-precision
+    training setting, 8 more bytes per 16-bit weight, alike for every method."""
     x = torch.randn(batch, dim, device=device, dtype=dtype, requires_grad=True)
     y = torch.randint(0, classes, (batch,), device=device)
     if method.startswith("shardkit"):
@@ -179,14 +189,36 @@ def build_step(method, batch, classes, dim, dtype, device):
         else:
             raise ValueError(method)
 
+    update = _master_update(params[1:], dtype) if master else None
+
     def step():
         for p in params:
             p.grad = None
         loss = fwd()
         loss.backward()
+        if update is not None:
+            update()
         return loss
 
     return step, params
+
+
+def _master_update(weights, dtype):
+    """The SGD-with-momentum update of ``weights`` through fp32 master copies; all in place,
+    so the update itself needs no temporary of a weight's size."""
+    separate = dtype != torch.float32  # fp32 weights are their own master
+    masters = [w.detach().float() if separate else w.detach() for w in weights]
+    moments = [torch.zeros_like(m) for m in masters]
+
+    @torch.no_grad()
+    def update():
+        for w, m, v in zip(weights, masters, moments):
+            v.mul_(MASTER_MOMENTUM).add_(w.grad)  # fp32 += the gradient in its own dtype
+            m.add_(v, alpha=-MASTER_LR)
+            if separate:
+                w.copy_(m)
+
+    return update
 
 
 def build_gemms(batch, classes, dim, dtype, device):
@@ -283,11 +315,11 @@ def gemm_floor(batch, classes, dim, dtype, device, repeat):
     return time_it(step, device, repeat)
 
 
-def _fits(method, batch, classes, dim, dtype, device):
+def _fits(method, batch, classes, dim, dtype, device, master=False):
     """(ok, error) of two fwd+bwd steps at C=classes with a finite loss; frees everything."""
     step = params = None  # noqa: F841  (drops the references before the sync)
     try:
-        step, params = build_step(method, batch, classes, dim, dtype, device)
+        step, params = build_step(method, batch, classes, dim, dtype, device, master)
         step()
         loss = step()
         ok = bool(torch.isfinite(loss.detach().float()).item())  # a wrong result is no success
@@ -305,13 +337,13 @@ def _fits(method, batch, classes, dim, dtype, device):
             torch.cuda.empty_cache()
 
 
-def max_classes_child(method, batch, dim, dtype, device, lo=100_000, hi=1 << 27):
+def max_classes_child(method, batch, dim, dtype, device, lo=100_000, hi=1 << 27, master=False):
     """Doubling then bisection (to ~3%) for the largest C that trains; prints one JSON line
     per probe (flushed), so the parent keeps every probe even if this process dies."""
 
     def probe(classes):
         t0 = time.perf_counter()
-        ok, err = _fits(method, batch, classes, dim, dtype, device)
+        ok, err = _fits(method, batch, classes, dim, dtype, device, master)
         print(json.dumps({"classes": classes, "ok": ok, "error": err, "s": time.perf_counter() - t0}), flush=True)
         return ok
 
@@ -326,7 +358,7 @@ def max_classes_child(method, batch, dim, dtype, device, lo=100_000, hi=1 << 27)
         good, bad = (mid, bad) if probe(mid) else (good, mid)
 
 
-def max_classes(method, batch, dim, dtype_name, device, budget_s, lo, hi):
+def max_classes(method, batch, dim, dtype_name, device, budget_s, lo, hi, master=False):
     """Largest C that trains for ``method``, searched in a subprocess bounded by budget_s
     seconds. Returns a dict: largest (0 if even the smallest failed), complete (the search
     finished), probes, and the reason it stopped early if it did."""
@@ -348,6 +380,7 @@ def max_classes(method, batch, dim, dtype_name, device, budget_s, lo, hi):
         "--max-classes-range",
         str(lo),
         str(hi),
+        *(["--master-weights"] if master else []),
     ]
     stopped = None
     try:
@@ -484,7 +517,8 @@ def run(args):
                 else f"<= {args.search_budget:.0f} s per method, {SHARDKIT_SHARE}x that for shardkit"
             )
             print(
-                f"\nlargest C one GPU trains (B={args.batch[-1]}, D={args.dim}, {args.dtype}; {per}):",
+                f"\nlargest C one GPU trains (B={args.batch[-1]}, D={args.dim}, {args.dtype}"
+                f"{', with fp32 master weights and momentum' if args.master_weights else ''}; {per}):",
                 flush=True,
             )
             for i, method in enumerate(methods):
@@ -496,7 +530,9 @@ def run(args):
                 if budget < 10:
                     print(f"  {method:28s} not searched: {max(budget, 0):.0f} s left for it", flush=True)
                     continue
-                res = max_classes(method, args.batch[-1], args.dim, args.dtype, device, budget, lo, hi)
+                res = max_classes(
+                    method, args.batch[-1], args.dim, args.dtype, device, budget, lo, hi, args.master_weights
+                )
                 largest[method] = res
                 note = "" if res["complete"] else f"  (at least; {res['stopped']})"
                 fails = sorted({p["error"] for p in res["probes"] if not p["ok"] and p["error"]})
@@ -539,11 +575,18 @@ def main():
         metavar=("LO", "HI"),
         help="search range of the largest-C search (default 100000 134217728)",
     )
+    p.add_argument(
+        "--master-weights",
+        action="store_true",
+        help="largest-C search: each method also keeps fp32 master weights and momentum and takes an SGD step",
+    )
     p.add_argument("--_maxc_child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--shards", type=int, default=1, help="shards of the shardkit head (all on --device)")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=None, help="time only these methods (default: all)")
     p.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.master_weights and not (args.max_classes or args.max_classes_only or args._maxc_child):
+        p.error("--master-weights applies to the largest-C search: add --max-classes or --max-classes-only")
     global SHARDS, METHOD_BUDGET_S
     SHARDS, METHOD_BUDGET_S = args.shards, args.method_budget
     args.shapes = None
@@ -574,7 +617,14 @@ def main():
     if args._maxc_child:
         lo, hi = args.max_classes_range or (100_000, 1 << 27)
         max_classes_child(
-            args._maxc_child, args.batch[-1], args.dim, DTYPES[args.dtype], torch.device(args.device), lo, hi
+            args._maxc_child,
+            args.batch[-1],
+            args.dim,
+            DTYPES[args.dtype],
+            torch.device(args.device),
+            lo,
+            hi,
+            args.master_weights,
         )
         return
     if args.max_classes_only:

@@ -61,7 +61,9 @@
 #       steps, plus the Triton compiles of the peers (~20-60 s the first time, cut-cross-
 #       entropy twice: its filtered and exact backward are two kernels);
 #     bench-maxc ~3-4 min [240, or what is left]: the searches share $STEP_CAP - 30 s (shardkit
-#       2 shares, the 4 others 1 each); a search cut short reports its lower bound.
+#       2 shares, the 4 others 1 each); a search cut short reports its lower bound;
+#     bench-maxc-master: the same searches with fp32 master weights and momentum (not yet run;
+#       it starts only if the budget has room: SKIP_STEPS="bench-maxc" gives it bench-maxc's).
 set -u
 STAGE=${1:?usage: gpu_suite.sh quick|quick-b|rest|test|bench-a|bench-b [budget_s]}
 BUDGET=${2:-540}
@@ -321,6 +323,10 @@ PYEOF
     step bench-sharded-loss 300 "$B/bench_sharded_loss.py --device cuda --method-budget 10"
     # The largest-C searches share what the step's cap leaves after start-up and saving.
     step bench-maxc 240 "$B/bench_sharded_loss.py --device cuda --max-classes-only --search-total \$((STEP_CAP - 30))"
+    # The same with fp32 master weights and momentum beside every method's bf16 weights, and an
+    # SGD step in each probe (the fused-kernel issue's setting).
+    step bench-maxc-master 240 "$B/bench_sharded_loss.py --device cuda --max-classes-only --master-weights \
+      --search-total \$((STEP_CAP - 30))"
     ;;
   fused)
     # The fused sm90 kernels (SHARDKIT_FUSED=1, sharded_ce_fused.cu). A tiny forward+backward
@@ -392,6 +398,10 @@ PYEOF
     step profile-fused 75 "SHARDKIT_FUSED=1 $B/profile_sharded_ce.py && SHARDKIT_FUSED=1 $B/profile_sharded_ce.py --margin arcface"
     # The largest C one GPU trains, each method (its searches share what the step's cap leaves).
     step bench-maxc 240 "$B/bench_sharded_loss.py --device cuda --max-classes-only --search-total \$((STEP_CAP - 30))"
+    # The same with fp32 master weights and momentum beside every method's bf16 weights, and an
+    # SGD step in each probe (the fused-kernel issue's setting).
+    step bench-maxc-master 240 "$B/bench_sharded_loss.py --device cuda --max-classes-only --master-weights \
+      --search-total \$((STEP_CAP - 30))"
     ;;
   fused-b)
     # The fused kernels' follow-up: Nsight Compute on the forward and the backward GEMM (one

@@ -73,3 +73,32 @@ def test_the_sharded_loss_benchmark_runs_shardkit(bench_path, method):
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-6)
     assert all(s.grad is not None for s in shards)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_master_weights_step_is_sgd_with_momentum_through_fp32_copies(bench_path, dtype, monkeypatch):
+    bench = importlib.import_module("bench_sharded_loss")
+    monkeypatch.setattr(bench, "MASTER_LR", 0.5)  # steps well above a bf16 weight's rounding
+    torch.manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    step, params = bench.build_step("shardkit", 7, 53, 16, dtype, torch.device("cpu"), master=True)
+    _, *shards = params
+    w0 = [s.detach().double().clone() for s in shards]
+    step()
+    g1 = [s.grad.double() for s in shards]
+    step()
+    g2 = [s.grad.double() for s in shards]
+    lr, mu = bench.MASTER_LR, bench.MASTER_MOMENTUM
+    tol = dict(rtol=0, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-3 * 16**-0.5)
+    for s, w, a, b in zip(shards, w0, g1, g2):
+        expected = w - lr * a - lr * (mu * a + b)  # two momentum steps from a zero buffer
+        assert s.dtype == dtype
+        torch.testing.assert_close(s.detach().double(), expected, **tol)
+        assert not torch.equal(s.detach().double(), w)  # the update moved the weights
+
+
+def test_the_largest_classes_search_runs_with_master_weights_on_the_cpu(bench_path):
+    bench = importlib.import_module("bench_sharded_loss")
+    res = bench.max_classes("shardkit", 4, 8, "fp32", torch.device("cpu"), 120, 1000, 2000, master=True)
+    assert res["complete"], res
+    assert [p["classes"] for p in res["probes"]] == [1000, 2000] and all(p["ok"] for p in res["probes"]), res
+    assert res["largest"] == 2000
