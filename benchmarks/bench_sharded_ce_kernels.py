@@ -35,14 +35,16 @@ KERNEL_ENV = {
         "SHARDKIT_FUSED_SCHEDULE": sched,
         "SHARDKIT_FUSED_STORES": st,
         "SHARDKIT_FUSED_EPILOGUE": epi,
+        "SHARDKIT_FUSED_BACKWARD_TILES": bwd,
     }
-    for name, v2, fused, sched, st, epi in [
-        ("v1", "0", "0", "cooperative", "wide", "short"),
-        ("v2", "1", "0", "cooperative", "wide", "short"),
-        ("fused", "1", "1", "cooperative", "wide", "short"),
-        ("fused-pp", "1", "1", "pingpong", "wide", "short"),
-        ("fused-pairs", "1", "1", "cooperative", "pairs", "short"),
-        ("fused-general", "1", "1", "cooperative", "wide", "general"),
+    for name, v2, fused, sched, st, epi, bwd in [
+        ("v1", "0", "0", "cooperative", "wide", "short", "same"),
+        ("v2", "1", "0", "cooperative", "wide", "short", "same"),
+        ("fused", "1", "1", "cooperative", "wide", "short", "same"),
+        ("fused-pp", "1", "1", "pingpong", "wide", "short", "same"),
+        ("fused-pairs", "1", "1", "cooperative", "pairs", "short", "same"),
+        ("fused-general", "1", "1", "cooperative", "wide", "general", "same"),
+        ("fused-square", "1", "1", "cooperative", "wide", "short", "square"),
     ]
 }
 
@@ -75,13 +77,14 @@ def main():
         "(SHARDKIT_FUSED=1: the fused sm90 GEMM epilogues, cooperative schedule), fused-pp (the same with "
         "SHARDKIT_FUSED_SCHEDULE=pingpong), fused-pairs (cooperative, the backward's dlogits stored two "
         "columns at a time: SHARDKIT_FUSED_STORES=pairs), fused-general (cooperative, every tile in the "
-        "forward epilogue's general form: SHARDKIT_FUSED_EPILOGUE=general); with several, the first one's loss and "
-        "gradients are compared with each other's",
+        "forward epilogue's general form: SHARDKIT_FUSED_EPILOGUE=general), fused-square (cooperative forward, "
+        "the backward ping-pong on [128, 128] tiles: SHARDKIT_FUSED_BACKWARD_TILES=square); with several, the "
+        "first one's loss and gradients are compared with each other's",
     )
     args = ap.parse_args()
     kernels = [k for k in args.kernels.split(",") if k]
     if not kernels or any(k not in KERNEL_ENV for k in kernels):
-        ap.error(f"--kernels takes v1, v2, fused, fused-pp, fused-pairs and/or fused-general, got {args.kernels!r}")
+        ap.error(f"--kernels takes some of {', '.join(KERNEL_ENV)}, got {args.kernels!r}")
 
     dev = torch.device(args.device)
     args.out = args.out or os.path.join(out_dir(), f"sharded_ce_kernels_{dev.type}.json")

@@ -28,23 +28,34 @@ def _why_not():
     return None
 
 
-@pytest.fixture(autouse=True, params=["cooperative", "pingpong", "cooperative,pairs", "cooperative,wide,general"])
+@pytest.fixture(
+    autouse=True,
+    params=[
+        "cooperative",
+        "pingpong",
+        "cooperative,pairs",
+        "cooperative,wide,general",
+        "cooperative,wide,short,square",
+    ],
+)
 def fused_on(request, monkeypatch):
     # Every test on both schedules of the fused GEMMs: cooperative (the default: two consumer
     # warpgroups on a 128-row tile) and ping-pong (SHARDKIT_FUSED_SCHEDULE=pingpong: one
     # warpgroup per 64-row tile, its epilogue under the other's MMAs), on the backward's two
-    # ways of storing the dlogits (SHARDKIT_FUSED_STORES: wide, the default, or pairs), and with
+    # ways of storing the dlogits (SHARDKIT_FUSED_STORES: wide, the default, or pairs), with
     # every tile in the forward epilogue's general form (SHARDKIT_FUSED_EPILOGUE=general; by default
-    # full tiles without a target in a warp's rows take the short form).
+    # full tiles without a target in a warp's rows take the short form), and with the backward on
+    # square ping-pong tiles (SHARDKIT_FUSED_BACKWARD_TILES=square: one warpgroup per [128, 128]).
     why = _why_not()
     if why:
         pytest.skip(why)
-    schedule, stores, epilogue = (request.param.split(",") + ["", ""])[:3]
+    schedule, stores, epilogue, backward = (request.param.split(",") + ["", "", ""])[:4]
     monkeypatch.setenv("SHARDKIT_FUSED", "1")
     monkeypatch.setenv("SHARDKIT_CE_V2", "1")
     monkeypatch.setenv("SHARDKIT_FUSED_SCHEDULE", schedule)
     monkeypatch.setenv("SHARDKIT_FUSED_STORES", stores or "wide")
     monkeypatch.setenv("SHARDKIT_FUSED_EPILOGUE", epilogue or "short")
+    monkeypatch.setenv("SHARDKIT_FUSED_BACKWARD_TILES", backward or "same")
 
 
 def _kernels(fn):

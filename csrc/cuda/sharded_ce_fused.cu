@@ -5,11 +5,12 @@
 #endif
 // The fused sm90 kernels of the sharded cross-entropy (see sharded_ce_fused.h): a persistent
 // CUTLASS GEMM (CUTLASS 4.2's 3.x API: TMA loads, warpgroup MMA; cooperative, two consumer
-// warpgroups on a [128, 256, 64] tile, the default; or ping-pong, one per [64, 256, 64] tile)
-// whose epilogue is ours. The epilogue receives the fp32 accumulators of the tile in registers;
-// each thread holds R row slots x J columns of them (checked on the host by
-// tests/native/fused_layout_check.cu), and the four threads of a quad (lanes 4k..4k+3) hold the
-// same rows, so a row's statistics over the tile need two shuffles.
+// warpgroups on a [128, 256, 64] tile, the default; or ping-pong, one per [64, 256, 64] tile;
+// or, the backward only, ping-pong on [128, 128, 64] tiles) whose epilogue is ours. The
+// epilogue receives the fp32 accumulators of the tile in registers; each thread holds R row
+// slots x J columns of them (checked on the host by tests/native/fused_layout_check.cu), and
+// the four threads of a quad (lanes 4k..4k+3) hold the same rows, so a row's statistics over
+// the tile need two shuffles.
 #include "sharded_ce_fused.h"
 
 #include <ATen/cuda/CUDAContext.h>
@@ -184,8 +185,9 @@ class SceEpilogue {
     constexpr int kBM = decltype(size<0>(BlockShapeMNK{}))::value;
     constexpr int kBN = decltype(size<1>(BlockShapeMNK{}))::value;
     constexpr int kThreads = decltype(size(TiledMma{}))::value;  // 256 cooperative, 128 ping-pong
-    static_assert(kBN == kTileN && kBN % kThreads == 0,
-                  "the tile's columns spread evenly over the consumer threads");
+    static_assert(kBN <= kTileN && kBN % kThreads == 0,
+                  "the tile's columns fit the column scales and spread evenly over the consumer threads");
+    static_assert(kBackward || kBN == kTileN, "the forward's row partials are per kTileN columns");
     const EpiParams& p = a_.p;
     const int M = static_cast<int>(get<0>(problem)), N = static_cast<int>(get<1>(problem));
     const int row0 = static_cast<int>(get<0>(blk)) * kBM, col0 = static_cast<int>(get<1>(blk)) * kBN;
@@ -259,7 +261,6 @@ class SceEpilogue {
     constexpr int R = RowsT::kR;
     constexpr int J = decltype(size<1>(acc))::value;
     static_assert(J % 2 == 0, "columns come in adjacent pairs");
-    const bool scaled = p.rw != nullptr;
     float cts[R];
     bool has_t[R];
 #pragma unroll
@@ -482,18 +483,20 @@ class SceEpilogue {
   Params a_;
 };
 
-template <class Elem, bool kBackward, bool kPingpong>
+template <class Elem, bool kBackward, Sched S>
 struct FusedGemm {
-  using Mainloop = FusedMainloop<Elem, kPingpong>;
+  using Mainloop = FusedMainloop<Elem, S>;
   using Epilogue =
       cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<SceEpilogue<kBackward, Elem>>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  static_assert(sizeof(typename Kernel::SharedStorage) <= 232448,
+                "the kernel's shared memory exceeds an sm90 SM's");
 };
 
-template <class Elem, bool kBackward, bool kPingpong>
+template <class Elem, bool kBackward, Sched S>
 void launch_as(const at::Tensor& x, const at::Tensor& wc, const EpiParams& p, cudaStream_t stream) {
-  using G = FusedGemm<Elem, kBackward, kPingpong>;
+  using G = FusedGemm<Elem, kBackward, S>;
   using Dev = typename G::Device;
   const int M = static_cast<int>(x.size(0)), N = static_cast<int>(wc.size(0)),
             K = static_cast<int>(x.size(1));
@@ -544,12 +547,24 @@ bool short_form() {
   return !env_choice("SHARDKIT_FUSED_EPILOGUE", "short", "general");
 }
 
+// SHARDKIT_FUSED_BACKWARD_TILES=square: the backward GEMM runs ping-pong on [128, 128] tiles, one
+// per consumer warpgroup, so that one tile's dlogits epilogue runs under the other's MMAs with
+// 128-row tiles (the forward keeps its schedule: its row partials are per 256 columns). Not yet
+// measured: for measuring against the default (the backward takes SHARDKIT_FUSED_SCHEDULE's
+// schedule, as the forward).
+bool square_backward() {
+  return env_choice("SHARDKIT_FUSED_BACKWARD_TILES", "same", "square");
+}
+
 template <class Elem, bool kBackward>
 void launch(const at::Tensor& x, const at::Tensor& wc, const EpiParams& p, cudaStream_t stream) {
+  if constexpr (kBackward) {
+    if (square_backward()) return launch_as<Elem, kBackward, Sched::kSquare>(x, wc, p, stream);
+  }
   if (pingpong())
-    launch_as<Elem, kBackward, true>(x, wc, p, stream);
+    launch_as<Elem, kBackward, Sched::kPingpong>(x, wc, p, stream);
   else
-    launch_as<Elem, kBackward, false>(x, wc, p, stream);
+    launch_as<Elem, kBackward, Sched::kCooperative>(x, wc, p, stream);
 }
 
 // One warp per row: the chunk's tile partials in a fixed order, then the target logit (its

@@ -1,9 +1,9 @@
 // The tiles of the fused sm90 kernels (sharded_ce_fused.cu): the CUTLASS mainloops (TMA loads,
-// warpgroup MMA, persistent; cooperative: two consumer warpgroups share a 128-row tile, the
-// default; ping-pong: each consumer warpgroup has its own 64-row tile, one's epilogue running
-// under the other's MMAs) and the (row slots, columns) view of a thread's accumulators that the
-// epilogue uses. Host code can include it too (tests/native/fused_layout_check.cu checks that
-// view without a GPU).
+// warpgroup MMA, persistent; cooperative: two consumer warpgroups share a [128, 256] tile, the
+// default; ping-pong: each consumer warpgroup has its own [64, 256] tile, one's epilogue running
+// under the other's MMAs; square ping-pong, the backward's only: each its own [128, 128] tile)
+// and the (row slots, columns) view of a thread's accumulators that the epilogue uses. Host
+// code can include it too (tests/native/fused_layout_check.cu checks that view without a GPU).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -16,21 +16,31 @@ namespace shardkit {
 namespace sce {
 namespace fused {
 
+// The schedules: cooperative [128, 256] tiles, ping-pong [64, 256], square ping-pong [128, 128].
+enum class Sched { kCooperative, kPingpong, kSquare };
+
+// kTileN: the columns of a forward tile (its row partials are per kTileN columns) and the most
+// columns of any tile.
 constexpr int kTileN = 256, kTileK = 64;
 
-// Rows of a tile: 128 (cooperative) or 64 (ping-pong).
-template <bool kPingpong>
-constexpr int kTileM = kPingpong ? 64 : 128;
+template <Sched S>
+constexpr int kTileM = S == Sched::kPingpong ? 64 : 128;
+template <Sched S>
+constexpr int kTileCols = S == Sched::kSquare ? 128 : kTileN;
+
+// The epilogue's shared memory (a tile's column scales), left out of the mainloop's stages.
+constexpr int kEpilogueSmem = kTileN * 4;
 
 // x [M, K] row-major times the chunk [N, K] row-major (both K-major), fp32 accumulation.
-template <class Elem, bool kPingpong>
+template <class Elem, Sched S>
 using FusedMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Elem, cutlass::layout::RowMajor, 8, Elem,
     cutlass::layout::ColumnMajor, 8, float,
-    cute::Shape<cute::Int<kTileM<kPingpong>>, cute::Int<kTileN>, cute::Int<kTileK>>,
-    cute::Shape<cute::_1, cute::_1, cute::_1>, cutlass::gemm::collective::StageCountAuto,
-    cute::conditional_t<kPingpong, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
-                        cutlass::gemm::KernelTmaWarpSpecializedCooperative>>::CollectiveOp;
+    cute::Shape<cute::Int<kTileM<S>>, cute::Int<kTileCols<S>>, cute::Int<kTileK>>,
+    cute::Shape<cute::_1, cute::_1, cute::_1>,
+    cutlass::gemm::collective::StageCountAutoCarveout<kEpilogueSmem>,
+    cute::conditional_t<S == Sched::kCooperative, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+                        cutlass::gemm::KernelTmaWarpSpecializedPingpong>>::CollectiveOp;
 
 // A thread's accumulator fragment, ((2 columns, 2 rows, column groups), MMA_M, MMA_N) for
 // Hopper's warpgroup MMA, seen as (row slots, columns): rows (the 2-row mode, MMA_M), columns
