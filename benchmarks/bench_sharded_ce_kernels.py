@@ -35,16 +35,18 @@ KERNEL_ENV = {
         "SHARDKIT_FUSED_SCHEDULE": sched,
         "SHARDKIT_FUSED_STORES": st,
         "SHARDKIT_FUSED_EPILOGUE": epi,
+        "SHARDKIT_FUSED_FORWARD_TILES": fwd,
         "SHARDKIT_FUSED_BACKWARD_TILES": bwd,
     }
-    for name, v2, fused, sched, st, epi, bwd in [
-        ("v1", "0", "0", "cooperative", "wide", "short", "same"),
-        ("v2", "1", "0", "cooperative", "wide", "short", "same"),
-        ("fused", "1", "1", "cooperative", "wide", "short", "same"),
-        ("fused-pp", "1", "1", "pingpong", "wide", "short", "same"),
-        ("fused-pairs", "1", "1", "cooperative", "pairs", "short", "same"),
-        ("fused-general", "1", "1", "cooperative", "wide", "general", "same"),
-        ("fused-square", "1", "1", "cooperative", "wide", "short", "square"),
+    for name, v2, fused, sched, st, epi, fwd, bwd in [
+        ("v1", "0", "0", "cooperative", "wide", "short", "same", "same"),
+        ("v2", "1", "0", "cooperative", "wide", "short", "same", "same"),
+        ("fused", "1", "1", "cooperative", "wide", "short", "same", "same"),
+        ("fused-pp", "1", "1", "pingpong", "wide", "short", "same", "same"),
+        ("fused-pairs", "1", "1", "cooperative", "pairs", "short", "same", "same"),
+        ("fused-general", "1", "1", "cooperative", "wide", "general", "same", "same"),
+        ("fused-square", "1", "1", "cooperative", "wide", "short", "square", "square"),
+        ("fused-square-bwd", "1", "1", "cooperative", "wide", "short", "same", "square"),
     ]
 }
 
@@ -77,9 +79,10 @@ def main():
         "(SHARDKIT_FUSED=1: the fused sm90 GEMM epilogues, cooperative schedule), fused-pp (the same with "
         "SHARDKIT_FUSED_SCHEDULE=pingpong), fused-pairs (cooperative, the backward's dlogits stored two "
         "columns at a time: SHARDKIT_FUSED_STORES=pairs), fused-general (cooperative, every tile in the "
-        "forward epilogue's general form: SHARDKIT_FUSED_EPILOGUE=general), fused-square (cooperative forward, "
-        "the backward ping-pong on [128, 128] tiles: SHARDKIT_FUSED_BACKWARD_TILES=square); with several, the "
-        "first one's loss and gradients are compared with each other's",
+        "forward epilogue's general form: SHARDKIT_FUSED_EPILOGUE=general), fused-square (both GEMMs "
+        "ping-pong on [128, 128] tiles: SHARDKIT_FUSED_FORWARD_TILES=square, SHARDKIT_FUSED_BACKWARD_TILES=square), "
+        "fused-square-bwd (the backward's alone); with several, the first one's loss and gradients are compared "
+        "with each other's",
     )
     args = ap.parse_args()
     kernels = [k for k in args.kernels.split(",") if k]

@@ -330,12 +330,12 @@ PYEOF
     ;;
   fused)
     # The fused sm90 kernels (SHARDKIT_FUSED=1, sharded_ce_fused.cu). A tiny forward+backward
-    # first, on both schedules and the square backward tiles: a kernel that hangs or faults stops
+    # first, on both schedules and the square tiles: a kernel that hangs or faults stops
     # the stage there. Then their tests (every variant), the kernel benchmark against the second
     # kernels at the target shapes (the default fused kernels, every tile in the forward
-    # epilogue's general form, the square backward tiles), the op-level GPU tests on all three
-    # kernel sets, the sanitizers on the smoke run (its D = 64 bf16 case takes the fused
-    # kernels) on both schedules and the square backward tiles, the sharded loss against
+    # epilogue's general form, the square tiles in both GEMMs and in the backward alone), the
+    # op-level GPU tests on all three kernel sets, the sanitizers on the smoke run (its D = 64
+    # bf16 case takes the fused kernels) on both schedules and the square tiles, the sharded loss against
     # Cut Cross-Entropy at every target shape, the per-kernel profiles, and the largest C one
     # GPU trains with each method.
     info; wheels; build
@@ -344,8 +344,9 @@ import os
 import torch
 import shardkit
 print("fused kernels in this build:", shardkit.build_info()["fused_kernels"])
-for sched in ("cooperative", "pingpong", "square"):  # square: cooperative forward, square backward
+for sched in ("cooperative", "pingpong", "square"):  # square: both GEMMs on [128, 128] ping-pong tiles
     os.environ["SHARDKIT_FUSED_SCHEDULE"] = "cooperative" if sched == "square" else sched
+    os.environ["SHARDKIT_FUSED_FORWARD_TILES"] = "square" if sched == "square" else "same"
     os.environ["SHARDKIT_FUSED_BACKWARD_TILES"] = "square" if sched == "square" else "same"
     x = torch.randn(300, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(5000, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -356,7 +357,7 @@ for sched in ("cooperative", "pingpong", "square"):  # square: cooperative forwa
     print(sched, "fused forward+backward ran; loss", float((lse - t).mean()), "finite grads",
           bool(torch.isfinite(x.grad).all() and torch.isfinite(w.grad).all()))
 os.environ["SHARDKIT_FUSED_SCHEDULE"] = "cooperative"
-os.environ["SHARDKIT_FUSED_BACKWARD_TILES"] = "same"
+os.environ["SHARDKIT_FUSED_FORWARD_TILES"] = os.environ["SHARDKIT_FUSED_BACKWARD_TILES"] = "same"
 # Peak memory of one fwd+bwd at B=1024, C=1M, D=512 bf16 beyond x, w, labels and the two
 # gradients (MiB), at the op's default chunk, for both kernel sets.
 B, C, D = 1024, 1_000_000, 512
@@ -384,15 +385,16 @@ PYEOF
     step tests-fused 150 "$PY -m pytest tests/test_softmax_fused_gpu.py $PYTEST_OPTS --timeout=60 -q"
     fused_ok=$?
     step bench-fused 150 "for c in 1000000 100000; do $B/bench_sharded_ce_kernels.py --device cuda --batch 1024 \
-      --dim 512 --classes \$c --dtype bfloat16 --reps 10 --chunks 65536 --kernels v2,fused,fused-general,fused-square || exit 1; done && \
+      --dim 512 --classes \$c --dtype bfloat16 --reps 10 --chunks 65536 --kernels v2,fused,fused-general,fused-square,fused-square-bwd || exit 1; done && \
       $B/bench_sharded_ce_kernels.py --device cuda --batch 256 --dim 512 --classes 1000000 --dtype bfloat16 \
-      --reps 10 --chunks 65536 --kernels v2,fused,fused-general,fused-square && \
+      --reps 10 --chunks 65536 --kernels v2,fused,fused-general,fused-square,fused-square-bwd && \
       $B/bench_sharded_ce_kernels.py --device cuda --batch 1024 --dim 512 --classes 1000000 --dtype bfloat16 \
       --reps 10 --normalize --kernels v2,fused,fused-general,fused-square"
     if (( fused_ok != 0 )); then echo "the fused kernels' tests failed: the stage stops here"; finish; exit 1; fi
     step tests-ops-gpu 150 "$PY -m pytest -m gpu tests/test_softmax_ops_gpu.py $PYTEST_OPTS --timeout=60 -q"
     step sanitize-fused 150 "for s in cooperative:same pingpong:same cooperative:square; do \
-      export SHARDKIT_FUSED=1 SHARDKIT_FUSED_SCHEDULE=\${s%:*} SHARDKIT_FUSED_BACKWARD_TILES=\${s#*:}; \
+      export SHARDKIT_FUSED=1 SHARDKIT_FUSED_SCHEDULE=\${s%:*} SHARDKIT_FUSED_FORWARD_TILES=\${s#*:} \
+      SHARDKIT_FUSED_BACKWARD_TILES=\${s#*:}; \
       $SAN --tool memcheck $PY benchmarks/sanitize_smoke.py && racecheck_smoke || exit 1; done"
     # The sharded loss (the default kernels) against Cut Cross-Entropy, exact and filtered, at
     # B in {256, 1024} and C in {100k, 1M}.

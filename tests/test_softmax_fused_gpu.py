@@ -44,18 +44,20 @@ def fused_on(request, monkeypatch):
     # warpgroup per 64-row tile, its epilogue under the other's MMAs), on the backward's two
     # ways of storing the dlogits (SHARDKIT_FUSED_STORES: wide, the default, or pairs), with
     # every tile in the forward epilogue's general form (SHARDKIT_FUSED_EPILOGUE=general; by default
-    # full tiles without a target in a warp's rows take the short form), and with the backward on
-    # square ping-pong tiles (SHARDKIT_FUSED_BACKWARD_TILES=square: one warpgroup per [128, 128]).
+    # full tiles without a target in a warp's rows take the short form), and with both GEMMs on
+    # square ping-pong tiles (SHARDKIT_FUSED_FORWARD_TILES=square and
+    # SHARDKIT_FUSED_BACKWARD_TILES=square: one warpgroup per [128, 128] tile).
     why = _why_not()
     if why:
         pytest.skip(why)
-    schedule, stores, epilogue, backward = (request.param.split(",") + ["", "", ""])[:4]
+    schedule, stores, epilogue, tiles = (request.param.split(",") + ["", "", ""])[:4]
     monkeypatch.setenv("SHARDKIT_FUSED", "1")
     monkeypatch.setenv("SHARDKIT_CE_V2", "1")
     monkeypatch.setenv("SHARDKIT_FUSED_SCHEDULE", schedule)
     monkeypatch.setenv("SHARDKIT_FUSED_STORES", stores or "wide")
     monkeypatch.setenv("SHARDKIT_FUSED_EPILOGUE", epilogue or "short")
-    monkeypatch.setenv("SHARDKIT_FUSED_BACKWARD_TILES", backward or "same")
+    monkeypatch.setenv("SHARDKIT_FUSED_FORWARD_TILES", tiles or "same")
+    monkeypatch.setenv("SHARDKIT_FUSED_BACKWARD_TILES", tiles or "same")
 
 
 def _kernels(fn):

@@ -6,7 +6,7 @@
 // The fused sm90 kernels of the sharded cross-entropy (see sharded_ce_fused.h): a persistent
 // CUTLASS GEMM (CUTLASS 4.2's 3.x API: TMA loads, warpgroup MMA; cooperative, two consumer
 // warpgroups on a [128, 256, 64] tile, the default; or ping-pong, one per [64, 256, 64] tile;
-// or, the backward only, ping-pong on [128, 128, 64] tiles) whose epilogue is ours. The
+// or ping-pong on [128, 128, 64] tiles, the "square" ones) whose epilogue is ours. The
 // epilogue receives the fp32 accumulators of the tile in registers; each thread holds R row
 // slots x J columns of them (checked on the host by tests/native/fused_layout_check.cu), and
 // the four threads of a quad (lanes 4k..4k+3) hold the same rows, so a row's statistics over
@@ -42,14 +42,32 @@ bool enabled() {
   return env_flag("SHARDKIT_FUSED", true, "the fused kernels run where they apply");
 }
 
+// SHARDKIT_FUSED_FORWARD_TILES=square / SHARDKIT_FUSED_BACKWARD_TILES=square: that GEMM runs
+// ping-pong on [128, 128] tiles, one per consumer warpgroup, so that one tile's epilogue runs
+// under the other's MMAs with 128-row tiles (the forward's row partials are then per 128
+// columns). Not yet run on a GPU: for measuring against the default ("same": the schedule of
+// SHARDKIT_FUSED_SCHEDULE).
+bool square_forward() {
+  return env_choice("SHARDKIT_FUSED_FORWARD_TILES", "same", "square");
+}
+bool square_backward() {
+  return env_choice("SHARDKIT_FUSED_BACKWARD_TILES", "same", "square");
+}
+
+// Columns of a forward tile (its row partials are per tile): 128 square, else 256.
+int64_t forward_tile_cols() {
+  return square_forward() ? 128 : 256;
+}
+
 int64_t forward_chunk(int64_t B, int64_t D, int64_t C, int64_t chunk, int64_t elem, bool mixed,
                       bool normalize) {
-  constexpr int64_t kMaxChunk = 131072, kTile = 256, kPartBytes = 20;  // 3 floats and a count
+  constexpr int64_t kMaxChunk = 131072, kPartBytes = 20;  // 3 floats and a count
+  const int64_t tile = forward_tile_cols();
   // The backward's chunk buffers, less the forward's recorded target cosines (4 bytes a row).
   const int64_t budget = chunk * (B * elem + (mixed ? D * elem : 0)) - B * 4;
-  // Bytes per tile of kTile classes in the forward.
-  const int64_t per_tile = B * kPartBytes + kTile * ((mixed ? D * elem : 0) + (normalize ? 4 : 0));
-  int64_t n = std::min(std::max<int64_t>(budget, 0) / std::max<int64_t>(per_tile, 1) * kTile, kMaxChunk);
+  // Bytes per forward tile.
+  const int64_t per_tile = B * kPartBytes + tile * ((mixed ? D * elem : 0) + (normalize ? 4 : 0));
+  int64_t n = std::min(std::max<int64_t>(budget, 0) / std::max<int64_t>(per_tile, 1) * tile, kMaxChunk);
   return std::min(C, std::max(chunk, n));
 }
 
@@ -187,7 +205,6 @@ class SceEpilogue {
     constexpr int kThreads = decltype(size(TiledMma{}))::value;  // 256 cooperative, 128 ping-pong
     static_assert(kBN <= kTileN && kBN % kThreads == 0,
                   "the tile's columns fit the column scales and spread evenly over the consumer threads");
-    static_assert(kBackward || kBN == kTileN, "the forward's row partials are per kTileN columns");
     const EpiParams& p = a_.p;
     const int M = static_cast<int>(get<0>(problem)), N = static_cast<int>(get<1>(problem));
     const int row0 = static_cast<int>(get<0>(blk)) * kBM, col0 = static_cast<int>(get<1>(blk)) * kBN;
@@ -218,11 +235,12 @@ class SceEpilogue {
       rows.tcol[ri] = t >= 0 && t < kBN ? static_cast<int>(t) : -1;
     }
     // Full tiles (all but a chunk's last column tile and the last row tile) check no column or row.
-    const int tile_n = static_cast<int>(get<1>(blk));
+    // (The forward's row partials: one per tile of kBN columns, tile_n of `tiles`.)
+    const int tile_n = static_cast<int>(get<1>(blk)), tiles = (N + kBN - 1) / kBN;
     if (left >= kBN && row0 + kBM <= M) {
-      tile<true>(p, acc, pos, srw, rows, left, col0, tile_n, N);
+      tile<true>(p, acc, pos, srw, rows, left, col0, tile_n, tiles);
     } else {
-      tile<false>(p, acc, pos, srw, rows, left, col0, tile_n, N);
+      tile<false>(p, acc, pos, srw, rows, left, col0, tile_n, tiles);
     }
   }
 
@@ -257,7 +275,7 @@ class SceEpilogue {
   // and stored once.
   template <bool kFull, class Acc, class Pos, class RowsT>
   CUTLASS_DEVICE void tile(const EpiParams& p, Acc& acc, Pos const& pos, const float* srw, RowsT const& rows,
-                           int left, int col0, int tile_n, int N) {
+                           int left, int col0, int tile_n, int tiles) {
     constexpr int R = RowsT::kR;
     constexpr int J = decltype(size<1>(acc))::value;
     static_assert(J % 2 == 0, "columns come in adjacent pairs");
@@ -305,7 +323,6 @@ class SceEpilogue {
         pass1<false, false>(p, acc, pos, srw, rows, left, cts, has_t, mx);
         pass2<false, false, true>(acc, pos, rows, left, ref, mx, s, zs, cnt);
       }
-      const int64_t tiles = (N + kTileN - 1) / kTileN;
       const bool lead = (threadIdx.x & 3) == 0;
 #pragma unroll
       for (int ri = 0; ri < R; ++ri) {
@@ -316,7 +333,7 @@ class SceEpilogue {
           cnt[ri] += __shfl_xor_sync(0xffffffffu, cnt[ri], o);
         }
         if (lead && rows.live[ri]) {
-          const int64_t k = rows.row[ri] * tiles + tile_n;
+          const int64_t k = static_cast<int64_t>(rows.row[ri]) * tiles + tile_n;
           p.part_m[k] = mx[ri];
           p.part_s[k] = s[ri];
           p.part_z[k] = zs[ri];
@@ -547,20 +564,11 @@ bool short_form() {
   return !env_choice("SHARDKIT_FUSED_EPILOGUE", "short", "general");
 }
 
-// SHARDKIT_FUSED_BACKWARD_TILES=square: the backward GEMM runs ping-pong on [128, 128] tiles, one
-// per consumer warpgroup, so that one tile's dlogits epilogue runs under the other's MMAs with
-// 128-row tiles (the forward keeps its schedule: its row partials are per 256 columns). Not yet
-// measured: for measuring against the default (the backward takes SHARDKIT_FUSED_SCHEDULE's
-// schedule, as the forward).
-bool square_backward() {
-  return env_choice("SHARDKIT_FUSED_BACKWARD_TILES", "same", "square");
-}
-
+// `square`: the square ping-pong tiles (the backward's from SHARDKIT_FUSED_BACKWARD_TILES, the
+// forward's from its scratch, whose partials were sized for them).
 template <class Elem, bool kBackward>
-void launch(const at::Tensor& x, const at::Tensor& wc, const EpiParams& p, cudaStream_t stream) {
-  if constexpr (kBackward) {
-    if (square_backward()) return launch_as<Elem, kBackward, Sched::kSquare>(x, wc, p, stream);
-  }
+void launch(const at::Tensor& x, const at::Tensor& wc, const EpiParams& p, bool square, cudaStream_t stream) {
+  if (square) return launch_as<Elem, kBackward, Sched::kSquare>(x, wc, p, stream);
   if (pingpong())
     launch_as<Elem, kBackward, Sched::kPingpong>(x, wc, p, stream);
   else
@@ -669,9 +677,11 @@ bool usable(const at::Tensor& x, const at::Tensor& wc) {
 }
 
 Scratch make_scratch(const at::Tensor& x, int64_t max_n, bool forward) {
-  const int64_t B = x.size(0), tiles = (max_n + kTileN - 1) / kTileN;
+  const int64_t B = x.size(0);
   Scratch sc;
+  sc.tile_cols = forward ? forward_tile_cols() : 0;
   if (forward) {
+    const int64_t tiles = (max_n + sc.tile_cols - 1) / sc.tile_cols;
     sc.parts = at::empty({3 * B * tiles}, x.options().dtype(at::kFloat));
     sc.counts = at::empty({B * tiles}, x.options().dtype(at::kLong));
   }
@@ -681,7 +691,9 @@ Scratch make_scratch(const at::Tensor& x, int64_t max_n, bool forward) {
 
 void forward(const at::Tensor& x, const at::Tensor& wc, EpiParams p, const Running& run, const Scratch& sc,
              cudaStream_t stream) {
-  const int64_t B = x.size(0), n = wc.size(0), tiles = (n + kTileN - 1) / kTileN;
+  TORCH_CHECK(sc.tile_cols == 128 || sc.tile_cols == 256,
+              "shardkit: internal error: the fused forward's scratch was not made for the forward");
+  const int64_t B = x.size(0), n = wc.size(0), tiles = (n + sc.tile_cols - 1) / sc.tile_cols;
   TORCH_CHECK(sc.parts.defined() && sc.parts.numel() >= 3 * B * tiles && sc.ct.numel() >= B,
               "shardkit: internal error: the fused forward's scratch is smaller than its chunk");
   // The partials of this chunk, [B, tiles] each, at the start of the scratch.
@@ -691,10 +703,11 @@ void forward(const at::Tensor& x, const at::Tensor& wc, EpiParams p, const Runni
   p.part_c = sc.counts.mutable_data_ptr<int64_t>();
   p.ct = sc.ct.mutable_data_ptr<float>();
   p.short_form = short_form();
+  const bool square = sc.tile_cols == 128;
   if (x.scalar_type() == at::kBFloat16)
-    launch<cutlass::bfloat16_t, false>(x, wc, p, stream);
+    launch<cutlass::bfloat16_t, false>(x, wc, p, square, stream);
   else
-    launch<cutlass::half_t, false>(x, wc, p, stream);
+    launch<cutlass::half_t, false>(x, wc, p, square, stream);
   constexpr int kWarps = 8;
   merge_tiles_kernel<<<(B + kWarps - 1) / kWarps, 32 * kWarps, 0, stream>>>(p, B, n, tiles, run);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -706,11 +719,12 @@ void backward(const at::Tensor& x, const at::Tensor& wc, EpiParams p, const Scra
   TORCH_CHECK(sc.ct.numel() >= B, "shardkit: internal error: the fused backward's scratch is too small");
   p.ct = sc.ct.mutable_data_ptr<float>();
   p.wide_stores = wide_stores();
+  const bool square = square_backward();
   if (x.scalar_type() == at::kBFloat16) {
-    launch<cutlass::bfloat16_t, true>(x, wc, p, stream);
+    launch<cutlass::bfloat16_t, true>(x, wc, p, square, stream);
     fix_target_kernel<cutlass::bfloat16_t><<<(B + 255) / 256, 256, 0, stream>>>(p, B, n);
   } else {
-    launch<cutlass::half_t, true>(x, wc, p, stream);
+    launch<cutlass::half_t, true>(x, wc, p, square, stream);
     fix_target_kernel<cutlass::half_t><<<(B + 255) / 256, 256, 0, stream>>>(p, B, n);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();

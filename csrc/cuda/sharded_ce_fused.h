@@ -1,8 +1,11 @@
 // The fused Hopper (sm90) kernels of the sharded cross-entropy: one GEMM per class chunk whose
 // epilogue works on the logits tile in registers (CUTLASS / CuTe: TMA loads, warpgroup MMA, a
-// persistent kernel, cooperative by default, ping-pong with SHARDKIT_FUSED_SCHEDULE=pingpong).
+// persistent kernel, cooperative by default, ping-pong with SHARDKIT_FUSED_SCHEDULE=pingpong;
+// SHARDKIT_FUSED_FORWARD_TILES=square / SHARDKIT_FUSED_BACKWARD_TILES=square: that GEMM
+// ping-pong on [128, 128] tiles, for measuring).
 // No fp32 logits tile reaches global memory:
-//   forward:  each tile of logits ([128, 256]; [64, 256] ping-pong) becomes per-row partial
+//   forward:  each tile of logits ([128, 256]; [64, 256] ping-pong; [128, 128] square) becomes per-row
+//   partial
 //             statistics (max, sum of exp(z - max), logit sum, count above the reference) over
 //             its columns but the target, in [B, tiles] partials, and the target's cosine is
 //             recorded; a merge kernel folds the tiles and the target logit (margin applied);
@@ -69,13 +72,13 @@ struct Running {
   int64_t* CN;
 };
 // Classes per chunk of the fused forward. It holds no logits, only [B, tiles] partials (20 bytes
-// per row and 256 classes), plus, per class, the converted row (mixed: fp32 w, `elem`-byte x) and
-// 1 / |w_j| (normalize). So its chunk grows from `chunk` (the caller's, which sizes the backward's
-// [B, chunk] dlogits) while those bytes and its [B] target cosines fit in the backward's own
-// dlogits and converted rows of `chunk` classes, in whole tiles of 256 classes, at most 131,072
+// per row and tile of 256 classes; 128 with SHARDKIT_FUSED_FORWARD_TILES=square), plus, per class, the
+// converted row (mixed: fp32 w, `elem`-byte x) and 1 / |w_j| (normalize). So its chunk grows from `chunk`
+// (the caller's, which sizes the backward's [B, chunk] dlogits) while those bytes and its [B] target cosines
+// fit in the backward's own dlogits and converted rows of `chunk` classes, in whole tiles, at most 131,072
 // classes (fewer, larger GEMMs: each launch's tail and the per-chunk host work are paid less
 // often) and at most C. Never below `chunk` (whose partials, for a chunk of under 10 classes,
-// take more than its dlogits: a tile is 256 classes wide).
+// take more than its dlogits: a tile is 128 or 256 classes wide).
 int64_t forward_chunk(int64_t B, int64_t D, int64_t C, int64_t chunk, int64_t elem, bool mixed,
                       bool normalize);
 // Classes per chunk of the fused backward. Holding no fp32 logits, its chunk buffers take fewer
@@ -92,6 +95,7 @@ int64_t backward_chunk(int64_t B, int64_t D, int64_t C, int64_t chunk, int64_t e
 // the forward's partials and both directions' recorded target cosines.
 struct Scratch {
   at::Tensor parts, counts, ct;
+  int64_t tile_cols = 0;  // the forward's: columns per tile of its partials (128 square, else 256)
 };
 Scratch make_scratch(const at::Tensor& x, int64_t max_n, bool forward);
 // Folds the chunk wc (x's dtype, [n, D], n <= the scratch's max_n) into the running statistics.

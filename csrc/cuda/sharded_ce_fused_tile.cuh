@@ -1,7 +1,7 @@
 // The tiles of the fused sm90 kernels (sharded_ce_fused.cu): the CUTLASS mainloops (TMA loads,
 // warpgroup MMA, persistent; cooperative: two consumer warpgroups share a [128, 256] tile, the
 // default; ping-pong: each consumer warpgroup has its own [64, 256] tile, one's epilogue running
-// under the other's MMAs; square ping-pong, the backward's only: each its own [128, 128] tile)
+// under the other's MMAs; square ping-pong: each its own [128, 128] tile)
 // and the (row slots, columns) view of a thread's accumulators that the epilogue uses. Host
 // code can include it too (tests/native/fused_layout_check.cu checks that view without a GPU).
 #pragma once
@@ -19,8 +19,7 @@ namespace fused {
 // The schedules: cooperative [128, 256] tiles, ping-pong [64, 256], square ping-pong [128, 128].
 enum class Sched { kCooperative, kPingpong, kSquare };
 
-// kTileN: the columns of a forward tile (its row partials are per kTileN columns) and the most
-// columns of any tile.
+// kTileN: the most columns of any tile.
 constexpr int kTileN = 256, kTileK = 64;
 
 template <Sched S>
