@@ -400,7 +400,8 @@ PYEOF
     # B in {256, 1024} and C in {100k, 1M}.
     step bench-peers 150 "$B/bench_sharded_loss.py --device cuda --methods shardkit cce_exact cce_filtered \
       --method-budget 2"
-    step profile-fused 75 "SHARDKIT_FUSED=1 $B/profile_sharded_ce.py && SHARDKIT_FUSED=1 $B/profile_sharded_ce.py --margin arcface"
+    step profile-fused 100 "SHARDKIT_FUSED=1 $B/profile_sharded_ce.py && SHARDKIT_FUSED=1 $B/profile_sharded_ce.py --margin arcface \
+      && SHARDKIT_FUSED=1 SHARDKIT_FUSED_FORWARD_TILES=square SHARDKIT_FUSED_BACKWARD_TILES=square $B/profile_sharded_ce.py"
     # The largest C one GPU trains, each method (its searches share what the step's cap leaves).
     step bench-maxc 240 "$B/bench_sharded_loss.py --device cuda --max-classes-only --search-total \$((STEP_CAP - 30))"
     # The same with fp32 master weights and momentum beside every method's bf16 weights, and an

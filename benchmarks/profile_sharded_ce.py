@@ -65,6 +65,8 @@ def main():
         f"ShardedSoftmaxLoss fwd+bwd, B={a.batch} C={a.classes} D={a.dim} {a.dtype} margin={a.margin}, "
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {a.steps} profiled steps"
     )
+    switches = {k: v for k, v in sorted(os.environ.items()) if k.startswith("SHARDKIT_")}
+    print("environment: " + (" ".join(f"{k}={v}" for k, v in switches.items()) or "no SHARDKIT_* variables"))
     print(events.table(sort_by="cuda_time_total", row_limit=a.rows, max_name_column_width=70))
 
     def device_us(e):

@@ -109,8 +109,8 @@ def test_fused_within_twice_torch(dtype, name, shape, chunk):
 @pytest.mark.parametrize("name", list(MARGINS))
 def test_fused_tiles_without_targets(dtype, name):
     # Every target among the first 256 classes: the other column tiles hold no row's target
-    # (the forward epilogue's short form, as nearly every tile at large C), the first holds many, the
-    # last is partial and so is the last row tile.
+    # (the forward epilogue's short form, as nearly every tile at large C), the first (the first
+    # two with square tiles) hold many, the last is partial and so is the last row tile.
     check_low_precision("cuda", dtype, name, chunk=None, shape=(300, 128, 5000), labels_below=256)
 
 

@@ -387,11 +387,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> ce_shard_stats_cuda(const Tensor& x, 
   // The fused forward holds no logits: its chunks are larger, within the (fused) backward's
   // memory.
   const int64_t D = w.size(1);
+  const int64_t tile_cols = fz ? fused::forward_tile_cols() : 0;  // read once: the chunk and scratch agree
   const int64_t chunk =
       fz ? fused::forward_chunk(B, D, C,
                                 fused::backward_chunk(B, D, C, std::min(chunk_classes, C), x.element_size(),
                                                       mixed, normalize, ce_v2_enabled()),
-                                x.element_size(), mixed, normalize)
+                                x.element_size(), mixed, normalize, tile_cols)
          : std::min(chunk_classes, C);
   Tensor rw = normalize ? at::empty({chunk}, opts) : Tensor();
   // Mixed mode: the chunk's rows converted to x's dtype, [chunk, D].
@@ -401,7 +402,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> ce_shard_stats_cuda(const Tensor& x, 
     const fused::Running run{M.mutable_data_ptr<float>(), S.mutable_data_ptr<float>(),
                              LS.mutable_data_ptr<float>(), TG.mutable_data_ptr<float>(),
                              CN.mutable_data_ptr<int64_t>()};
-    const fused::Scratch sc = fused::make_scratch(p.xin, chunk, /*forward=*/true);
+    const fused::Scratch sc = fused::make_scratch(p.xin, chunk, tile_cols);
     for (int64_t j0 = 0; j0 < C; j0 += chunk) {
       const int64_t n = std::min(chunk, C - j0);
       const Tensor wc = weight_chunk(w, wbuf, j0, n);
@@ -497,7 +498,7 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
       fz ? fused::backward_chunk(B, D, C, std::min(chunk_classes, C), x.element_size(), mixed, normalize, v2)
          : std::min(chunk_classes, C);
   const Tensor wbuf = mixed ? at::empty({chunk * D}, x.options()) : Tensor();
-  const fused::Scratch sc = fz ? fused::make_scratch(p.xin, chunk, /*forward=*/false) : fused::Scratch();
+  const fused::Scratch sc = fz ? fused::make_scratch(p.xin, chunk, /*tile_cols=*/0) : fused::Scratch();
   Tensor lbuf = fz ? Tensor() : at::empty({B * chunk}, opts);
   Tensor gbuf = low ? at::empty({B * chunk}, x.options()) : Tensor();
   Tensor tbuf = low && !mixed && !dw_direct ? at::empty({chunk * D}, opts) : Tensor();

@@ -54,15 +54,15 @@ bool square_backward() {
   return env_choice("SHARDKIT_FUSED_BACKWARD_TILES", "same", "square");
 }
 
-// Columns of a forward tile (its row partials are per tile): 128 square, else 256.
 int64_t forward_tile_cols() {
   return square_forward() ? 128 : 256;
 }
 
 int64_t forward_chunk(int64_t B, int64_t D, int64_t C, int64_t chunk, int64_t elem, bool mixed,
-                      bool normalize) {
+                      bool normalize, int64_t tile) {
   constexpr int64_t kMaxChunk = 131072, kPartBytes = 20;  // 3 floats and a count
-  const int64_t tile = forward_tile_cols();
+  TORCH_CHECK(tile == 128 || tile == 256, "shardkit: internal error: a fused forward tile of ", tile,
+              " columns");
   // The backward's chunk buffers, less the forward's recorded target cosines (4 bytes a row).
   const int64_t budget = chunk * (B * elem + (mixed ? D * elem : 0)) - B * 4;
   // Bytes per forward tile.
@@ -236,7 +236,8 @@ class SceEpilogue {
     }
     // Full tiles (all but a chunk's last column tile and the last row tile) check no column or row.
     // (The forward's row partials: one per tile of kBN columns, tile_n of `tiles`.)
-    const int tile_n = static_cast<int>(get<1>(blk)), tiles = (N + kBN - 1) / kBN;
+    const int tile_n = static_cast<int>(get<1>(blk));
+    const int tiles = static_cast<int>((static_cast<int64_t>(N) + kBN - 1) / kBN);
     if (left >= kBN && row0 + kBM <= M) {
       tile<true>(p, acc, pos, srw, rows, left, col0, tile_n, tiles);
     } else {
@@ -676,12 +677,14 @@ bool usable(const at::Tensor& x, const at::Tensor& wc) {
   return device_runs_sm90a(x.get_device());
 }
 
-Scratch make_scratch(const at::Tensor& x, int64_t max_n, bool forward) {
+Scratch make_scratch(const at::Tensor& x, int64_t max_n, int64_t tile_cols) {
+  TORCH_CHECK(tile_cols == 0 || tile_cols == 128 || tile_cols == 256,
+              "shardkit: internal error: a fused forward tile of ", tile_cols, " columns");
   const int64_t B = x.size(0);
   Scratch sc;
-  sc.tile_cols = forward ? forward_tile_cols() : 0;
-  if (forward) {
-    const int64_t tiles = (max_n + sc.tile_cols - 1) / sc.tile_cols;
+  sc.tile_cols = tile_cols;
+  if (tile_cols) {
+    const int64_t tiles = (max_n + tile_cols - 1) / tile_cols;
     sc.parts = at::empty({3 * B * tiles}, x.options().dtype(at::kFloat));
     sc.counts = at::empty({B * tiles}, x.options().dtype(at::kLong));
   }
@@ -738,7 +741,7 @@ bool compiled() {
 bool usable(const at::Tensor&, const at::Tensor&) {
   return false;
 }
-Scratch make_scratch(const at::Tensor&, int64_t, bool) {
+Scratch make_scratch(const at::Tensor&, int64_t, int64_t) {
   TORCH_CHECK(false, "shardkit was built without the fused kernels (no CUTLASS headers at build time)");
   return Scratch();
 }

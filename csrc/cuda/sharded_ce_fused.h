@@ -4,11 +4,11 @@
 // SHARDKIT_FUSED_FORWARD_TILES=square / SHARDKIT_FUSED_BACKWARD_TILES=square: that GEMM
 // ping-pong on [128, 128] tiles, for measuring).
 // No fp32 logits tile reaches global memory:
-//   forward:  each tile of logits ([128, 256]; [64, 256] ping-pong; [128, 128] square) becomes per-row
-//   partial
-//             statistics (max, sum of exp(z - max), logit sum, count above the reference) over
-//             its columns but the target, in [B, tiles] partials, and the target's cosine is
-//             recorded; a merge kernel folds the tiles and the target logit (margin applied);
+//   forward:  each tile of logits ([128, 256]; [64, 256] ping-pong; [128, 128] square)
+//             becomes per-row partial statistics (max, sum of exp(z - max), logit sum, count
+//             above the reference) over its columns but the target, in [B, tiles] partials, and
+//             the target's cosine is recorded; a merge kernel folds the tiles and the target
+//             logit (margin applied);
 //   backward: the recomputed tile becomes dlogits in x's dtype, written into the chunk buffer G
 //             that the dX / dW GEMMs read (16-byte stores of 8 columns, the quad's pairs
 //             exchanged by shuffles; SHARDKIT_FUSED_STORES=pairs: 4-byte stores of 2, for
@@ -79,8 +79,12 @@ struct Running {
 // classes (fewer, larger GEMMs: each launch's tail and the per-chunk host work are paid less
 // often) and at most C. Never below `chunk` (whose partials, for a chunk of under 10 classes,
 // take more than its dlogits: a tile is 128 or 256 classes wide).
+// `tile`: forward_tile_cols(), read once by the caller for this and make_scratch.
 int64_t forward_chunk(int64_t B, int64_t D, int64_t C, int64_t chunk, int64_t elem, bool mixed,
-                      bool normalize);
+                      bool normalize, int64_t tile);
+// Columns of a forward tile, whose row partials are per tile: 128 with
+// SHARDKIT_FUSED_FORWARD_TILES=square, else 256.
+int64_t forward_tile_cols();
 // Classes per chunk of the fused backward. Holding no fp32 logits, its chunk buffers take fewer
 // bytes per class than the unfused kernels' (B fp32 logits per class fewer): its chunk grows from
 // `chunk` (the caller's) while its buffers fit in what the unfused kernels would hold for `chunk`
@@ -92,12 +96,13 @@ int64_t forward_chunk(int64_t B, int64_t D, int64_t C, int64_t chunk, int64_t el
 int64_t backward_chunk(int64_t B, int64_t D, int64_t C, int64_t chunk, int64_t elem, bool mixed,
                        bool normalize, bool v2);
 // Scratch memory of the fused kernels for chunks of up to max_n classes, allocated once per call:
-// the forward's partials and both directions' recorded target cosines.
+// the forward's partials (tile_cols: the forward's tile width; 0 for the backward, which has
+// none) and both directions' recorded target cosines.
 struct Scratch {
   at::Tensor parts, counts, ct;
   int64_t tile_cols = 0;  // the forward's: columns per tile of its partials (128 square, else 256)
 };
-Scratch make_scratch(const at::Tensor& x, int64_t max_n, bool forward);
+Scratch make_scratch(const at::Tensor& x, int64_t max_n, int64_t tile_cols);
 // Folds the chunk wc (x's dtype, [n, D], n <= the scratch's max_n) into the running statistics.
 void forward(const at::Tensor& x, const at::Tensor& wc, EpiParams p, const Running& run, const Scratch& sc,
              cudaStream_t stream);
