@@ -47,22 +47,16 @@ bool enabled() {
 // under the other's MMAs with 128-row tiles (the forward's row partials are then per 128
 // columns). Not yet run on a GPU: for measuring against the default ("same": the schedule of
 // SHARDKIT_FUSED_SCHEDULE).
-bool square_forward() {
-  return env_choice("SHARDKIT_FUSED_FORWARD_TILES", "same", "square");
-}
 bool square_backward() {
   return env_choice("SHARDKIT_FUSED_BACKWARD_TILES", "same", "square");
 }
-
 int64_t forward_tile_cols() {
-  return square_forward() ? 128 : 256;
+  return env_choice("SHARDKIT_FUSED_FORWARD_TILES", "same", "square") ? 128 : 256;
 }
 
 int64_t forward_chunk(int64_t B, int64_t D, int64_t C, int64_t chunk, int64_t elem, bool mixed,
                       bool normalize, int64_t tile) {
   constexpr int64_t kMaxChunk = 131072, kPartBytes = 20;  // 3 floats and a count
-  TORCH_CHECK(tile == 128 || tile == 256, "shardkit: internal error: a fused forward tile of ", tile,
-              " columns");
   // The backward's chunk buffers, less the forward's recorded target cosines (4 bytes a row).
   const int64_t budget = chunk * (B * elem + (mixed ? D * elem : 0)) - B * 4;
   // Bytes per forward tile.
