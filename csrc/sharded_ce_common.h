@@ -63,6 +63,30 @@ SCE_HD void margin_psi(T c_in, bool plain, double m1, double m2, double m3, doub
   *dpsi = inside ? static_cast<T>(m1 * sin(a) / sin(th)) : T(0);
 }
 
+// The class chunks whose logits a forward keeps for its backward (the memory budget): of
+// the shard's ceil(C / chunk) chunks, `keep` spread evenly over the full-size ones (so each
+// thread's fixed block of chunks gets its share of skipped recomputes), or all of them when
+// `keep` reaches the chunk count. Kept chunk k sits at slot(k) in the kept buffer, slot
+// order = chunk order, each slot `chunk` classes wide ([B, n] row-major, n = the chunk's
+// classes). The forward and the backward derive the same set from (C, chunk, keep).
+struct KeptChunks {
+  int64_t chunk = 1, full = 0, keep = 0;
+  bool all = false;
+  SCE_HD KeptChunks(int64_t C, int64_t chunk_, int64_t keep_) : chunk(chunk_) {
+    const int64_t nchunks = (C + chunk - 1) / chunk;
+    all = keep_ >= nchunks;  // also C == 0: nothing to keep
+    full = C / chunk;
+    keep = all ? nchunks : (keep_ < 0 ? 0 : keep_);  // keep < nchunks <= full + 1: keep <= full
+  }
+  SCE_HD bool kept(int64_t k) const {
+    return all || (keep > 0 && k < full && (k + 1) * keep / full > k * keep / full);
+  }
+  // Kept chunks before chunk k (the telescoping sum of kept(i) for i < k).
+  SCE_HD int64_t slot(int64_t k) const { return all ? k : k * keep / full; }
+  // Classes held: every class, or `keep` full chunks.
+  SCE_HD int64_t classes(int64_t C) const { return all ? C : keep * chunk; }
+};
+
 // Dtype of the statistics and of the internal accumulation: fp64 for fp64 inputs (so that
 // gradcheck works), fp32 otherwise.
 inline at::ScalarType acc_dtype(at::ScalarType t) {

@@ -33,6 +33,21 @@ TORCH_LIBRARY(shardkit, m) {
       "ce_shard_stats_backward(Tensor grad_lse, Tensor grad_target, Tensor grad_sum, Tensor x, "
       "Tensor w, Tensor labels, Tensor lse, int class_offset, float scale, float m1, float m2, "
       "float m3, bool normalize, int chunk_classes) -> (Tensor grad_x, Tensor grad_w)");
+  // The memory-budget pair: ce_shard_stats that also keeps the logits of keep_chunks of its
+  // class chunks (spread evenly; all of them when keep_chunks reaches the chunk count) for
+  // its backward, which recomputes only the others. kept_logits: [B * kept classes] in the
+  // statistics' dtype; kept_target: [B] the raw target logit (cosine or x . w) of rows whose
+  // target lies in a kept chunk. Same statistics and gradients as the pair above.
+  m.def(
+      "ce_shard_stats_keep(Tensor x, Tensor w, Tensor labels, Tensor? target_ref, int class_offset, "
+      "float scale, float m1, float m2, float m3, bool normalize, int chunk_classes, int keep_chunks) "
+      "-> (Tensor lse, Tensor target_logit, Tensor logit_sum, Tensor greater_count, Tensor kept_logits, "
+      "Tensor kept_target)");
+  m.def(
+      "ce_shard_stats_backward_kept(Tensor grad_lse, Tensor grad_target, Tensor grad_sum, Tensor x, "
+      "Tensor w, Tensor labels, Tensor lse, Tensor kept_logits, Tensor kept_target, int class_offset, "
+      "float scale, float m1, float m2, float m3, bool normalize, int chunk_classes, int keep_chunks) "
+      "-> (Tensor grad_x, Tensor grad_w)");
   // ---- end sharded cross-entropy ----
 
   // ---- parallel -----------------------------------------------------------------

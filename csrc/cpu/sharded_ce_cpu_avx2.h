@@ -146,27 +146,29 @@ SCE_AVX2 float expsum(const float* z, int64_t n, float m, float* zsum) {
 
 // The logit s * z is rounded before lse is subtracted, as the forward rounded it when it built
 // lse: a fused s * z - lse differs from it by up to |s z| 2^-24, which at large scales turns
-// exp(logit - lse) into a probability above 1 (and the gradient into inf, then NaN).
-SCE_AVX2_INLINE __m256 dlogit8(__m256 v, __m256 vs, __m256 vl, __m256 vgl, __m256 vgs) {
-  return _mm256_mul_ps(_mm256_fmadd_ps(exp8(_mm256_sub_ps(_mm256_mul_ps(v, vs), vl)), vgl, vgs), vs);
+// exp(logit - lse) into a probability above 1 (and the gradient into inf, then NaN). Kept
+// logits were rounded by the forward already: s_in = 1 multiplies exactly.
+SCE_AVX2_INLINE __m256 dlogit8(__m256 v, __m256 vs_in, __m256 vs, __m256 vl, __m256 vgl, __m256 vgs) {
+  return _mm256_mul_ps(_mm256_fmadd_ps(exp8(_mm256_sub_ps(_mm256_mul_ps(v, vs_in), vl)), vgl, vgs), vs);
 }
 
-// z[j] <- s * (gl * exp(s * z[j] - lse) + gs).
-SCE_AVX2 void dlogit(float* z, int64_t n, float s, float lse, float gl, float gs) {
-  const __m256 vs = _mm256_set1_ps(s), vl = _mm256_set1_ps(lse), vgl = _mm256_set1_ps(gl),
-               vgs = _mm256_set1_ps(gs);
+// out[j] <- s * (gl * exp(s_in * z[j] - lse) + gs); out may be z.
+SCE_AVX2 void dlogit(const float* z, float* out, int64_t n, float s_in, float s, float lse, float gl,
+                     float gs) {
+  const __m256 vi = _mm256_set1_ps(s_in), vs = _mm256_set1_ps(s), vl = _mm256_set1_ps(lse),
+               vgl = _mm256_set1_ps(gl), vgs = _mm256_set1_ps(gs);
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
-    const __m256 a = dlogit8(_mm256_loadu_ps(z + j), vs, vl, vgl, vgs);
-    const __m256 b = dlogit8(_mm256_loadu_ps(z + j + 8), vs, vl, vgl, vgs);
-    _mm256_storeu_ps(z + j, a);
-    _mm256_storeu_ps(z + j + 8, b);
+    const __m256 a = dlogit8(_mm256_loadu_ps(z + j), vi, vs, vl, vgl, vgs);
+    const __m256 b = dlogit8(_mm256_loadu_ps(z + j + 8), vi, vs, vl, vgl, vgs);
+    _mm256_storeu_ps(out + j, a);
+    _mm256_storeu_ps(out + j + 8, b);
   }
-  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(z + j, dlogit8(_mm256_loadu_ps(z + j), vs, vl, vgl, vgs));
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(out + j, dlogit8(_mm256_loadu_ps(z + j), vi, vs, vl, vgl, vgs));
   if (j < n) {
     alignas(32) float t[8];
-    _mm256_store_ps(t, dlogit8(load_tail8(z + j, n - j, 0.f), vs, vl, vgl, vgs));
-    for (int64_t k = 0; k < n - j; ++k) z[j + k] = t[k];
+    _mm256_store_ps(t, dlogit8(load_tail8(z + j, n - j, 0.f), vi, vs, vl, vgl, vgs));
+    for (int64_t k = 0; k < n - j; ++k) out[j + k] = t[k];
   }
 }
 

@@ -135,16 +135,18 @@ float expsum_generic(const float* z, int64_t n, float m, float* zsum) {
   return hsum(se);
 }
 
-// z[j] <- s * (gl * exp(s * z[j] - lse) + gs): dlogit of the plain (non-target) columns.
-void dlogit_generic(float* z, int64_t n, float s, float lse, float gl, float gs) {
+// out[j] <- s * (gl * exp(s_in * z[j] - lse) + gs): dlogit of the plain (non-target) columns,
+// from the GEMM's logits (s_in = s, in place) or from kept scaled logits (s_in = 1, exact).
+void dlogit_generic(const float* z, float* out, int64_t n, float s_in, float s, float lse, float gl,
+                    float gs) {
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
-    const vf v = (exp_vec(load(z + j) * s - lse) * gl + gs) * s;
-    std::memcpy(z + j, &v, sizeof(v));
+    const vf v = (exp_vec(load(z + j) * s_in - lse) * gl + gs) * s;
+    std::memcpy(out + j, &v, sizeof(v));
   }
   if (j < n) {
-    const vf v = (exp_vec(load_tail(z + j, n - j, 0.f) * s - lse) * gl + gs) * s;
-    for (int64_t k = 0; k < n - j; ++k) z[j + k] = v[k];
+    const vf v = (exp_vec(load_tail(z + j, n - j, 0.f) * s_in - lse) * gl + gs) * s;
+    for (int64_t k = 0; k < n - j; ++k) out[j + k] = v[k];
   }
 }
 
@@ -179,11 +181,11 @@ float expsum_f(const float* z, int64_t n, float m, float* zsum) {
 #endif
   return expsum_generic(z, n, m, zsum);
 }
-void dlogit_f(float* z, int64_t n, float s, float lse, float gl, float gs) {
+void dlogit_f(const float* z, float* out, int64_t n, float s_in, float s, float lse, float gl, float gs) {
 #ifdef SCE_HAVE_AVX2
-  if (use_avx2()) return avx2::dlogit(z, n, s, lse, gl, gs);
+  if (use_avx2()) return avx2::dlogit(z, out, n, s_in, s, lse, gl, gs);
 #endif
-  dlogit_generic(z, n, s, lse, gl, gs);
+  dlogit_generic(z, out, n, s_in, s, lse, gl, gs);
 }
 
 // Generic (double) versions of the three loops.
@@ -207,8 +209,9 @@ double expsum_f(const double* z, int64_t n, double m, double* zsum) {
   *zsum += sz;
   return se;
 }
-void dlogit_f(double* z, int64_t n, double s, double lse, double gl, double gs) {
-  for (int64_t j = 0; j < n; ++j) z[j] = s * (gl * std::exp(s * z[j] - lse) + gs);
+void dlogit_f(const double* z, double* out, int64_t n, double s_in, double s, double lse, double gl,
+              double gs) {
+  for (int64_t j = 0; j < n; ++j) out[j] = s * (gl * std::exp(s_in * z[j] - lse) + gs);
 }
 
 // Rows [r0, r1) of src (any float dtype, row stride src_stride) -> dst (acc T, contiguous,

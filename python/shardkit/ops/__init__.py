@@ -21,7 +21,12 @@ from shardkit.ops._sampling import partial_fc_sample  # noqa: F401
 
 # ---- end ema ----
 # ---- sharded cross-entropy ----
-from shardkit.ops._sharded_ce import ce_shard_stats, chunk_classes_for_budget  # noqa: F401
+from shardkit.ops._sharded_ce import (  # noqa: F401
+    ce_shard_stats,
+    chunk_classes_for_budget,
+    kept_bytes,
+    kept_chunks_for_budget,
+)
 
 # ---- end normalize ----
 
@@ -31,6 +36,8 @@ __all__ = [
     "ema_unswap_",
     "ce_shard_stats",
     "chunk_classes_for_budget",
+    "kept_chunks_for_budget",
+    "kept_bytes",
     "split_to_devices",
     "weighted_loss_reduce",
     "partial_fc_sample",

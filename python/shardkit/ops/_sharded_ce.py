@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["ce_shard_stats", "chunk_classes_for_budget"]
+__all__ = ["ce_shard_stats", "chunk_classes_for_budget", "kept_chunks_for_budget", "kept_bytes"]
 
 #: Working-set budget of one call when ``chunk_classes`` is not given (GPU). Each chunk
 #: costs a fixed ~15 kernel launches of host time, so chunks must be large enough for
@@ -82,6 +82,58 @@ def _default_chunk(x: Tensor, w: Tensor) -> int:
     )
 
 
+def _kept_classes(num_classes: int, chunk_classes: int, keep_chunks: int) -> int:
+    # The kernels' rule (KeptChunks in csrc/sharded_ce_common.h): every class once keep_chunks
+    # reaches the chunk count, else keep_chunks full chunks.
+    chunk = max(1, min(chunk_classes, num_classes))
+    return num_classes if keep_chunks >= -(-num_classes // chunk) else keep_chunks * chunk
+
+
+def kept_bytes(batch: int, num_classes: int, chunk_classes: int, keep_chunks: int, dtype=torch.float32) -> int:
+    """Bytes a forward with ``keep_chunks`` kept chunks holds until its backward: the kept
+    logits ``[batch, kept classes]`` and one target logit per row, in the statistics' dtype
+    (float32; float64 for float64 ``dtype``). 0 when ``keep_chunks`` is 0."""
+    if keep_chunks <= 0:
+        return 0
+    elem = 8 if dtype == torch.float64 else 4
+    return batch * (_kept_classes(num_classes, chunk_classes, keep_chunks) + 1) * elem
+
+
+def kept_chunks_for_budget(
+    batch: int, num_classes: int, chunk_classes: int, budget_bytes: int, dtype: torch.dtype = torch.float32
+) -> int:
+    """The most class chunks whose logits fit ``budget_bytes`` (:func:`kept_bytes`), at most
+    all of them (``ceil(num_classes / chunk_classes)``); 0 when not even one fits.
+
+    Args:
+        batch, num_classes: B and the shard's classes C_k (ints >= 0).
+        chunk_classes: the op's ``chunk_classes`` (int >= 1).
+        budget_bytes: bytes the forward may hold for its backward (int >= 0).
+        dtype: the embeddings' dtype (kept logits are float32, float64 for float64).
+    """
+    for name, value, low in (("batch", batch, 0), ("num_classes", num_classes, 0), ("chunk_classes", chunk_classes, 1)):
+        if isinstance(value, bool) or int(value) < low:
+            raise ValueError(f"argument `{name}` must be >= {low}, got {value}")
+    if int(budget_bytes) < 0:
+        raise ValueError(f"argument `budget_bytes` must be >= 0, got {budget_bytes}")
+    batch, num_classes, budget = int(batch), int(num_classes), int(budget_bytes)
+    if batch == 0 or num_classes == 0:
+        return 0
+    chunk = min(int(chunk_classes), num_classes)
+    nchunks = -(-num_classes // chunk)
+    if kept_bytes(batch, num_classes, chunk, nchunks, dtype) <= budget:
+        return nchunks
+    per_chunk = kept_bytes(batch, num_classes, chunk, 1, dtype) - kept_bytes(batch, 0, 1, 1, dtype)
+    return max(0, (budget - kept_bytes(batch, 0, 1, 1, dtype)) // per_chunk)
+
+
+def _keeps(x: Tensor, w: Tensor, keep_chunks: int) -> bool:
+    # The kept path runs where it has kernels (the CPU) and when a backward will use it.
+    return (
+        keep_chunks > 0 and x.device.type == "cpu" and torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
+    )
+
+
 def ce_shard_stats(
     x: Tensor,
     w: Tensor,
@@ -95,6 +147,7 @@ def ce_shard_stats(
     normalize: bool = False,
     chunk_classes: Optional[int] = None,
     target_ref: Optional[Tensor] = None,
+    memory_budget: int = 0,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Softmax statistics of one class shard, without materializing its logits.
 
@@ -126,6 +179,11 @@ def ce_shard_stats(
             chunk buffers (28,672 classes at B=1024, D=512, bf16 by default).
         target_ref: optional float32 [B]: ``greater_count`` counts the classes whose PLAIN
             logit (no margin) exceeds it; zeros when None.
+        memory_budget: bytes (int >= 0) the call may hold from its forward to its backward to
+            keep the logits of as many class chunks as fit (:func:`kept_chunks_for_budget`):
+            the backward then forms their gradients from them and recomputes only the other
+            chunks' logits. Same results at every budget. Used on the CPU when a gradient is
+            needed; CUDA shards recompute every chunk (0, the default: keep nothing).
 
     Returns:
         ``(lse, target_logit, logit_sum, greater_count)``, each [B]: float32 (float64 for
@@ -137,7 +195,7 @@ def ce_shard_stats(
     """
     if chunk_classes is None:
         chunk_classes = _default_chunk(x, w)
-    return torch.ops.shardkit.ce_shard_stats.default(
+    args = (
         x,
         w,
         labels,
@@ -150,6 +208,14 @@ def ce_shard_stats(
         bool(normalize),
         int(chunk_classes),
     )
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget < 0:
+        raise ValueError(f"argument `memory_budget` must be an int >= 0 (bytes), got {memory_budget!r}")
+    keep = 0
+    if memory_budget > 0 and x.dim() == 2 and w.dim() == 2 and chunk_classes >= 1:
+        keep = kept_chunks_for_budget(x.shape[0], w.shape[0], int(chunk_classes), memory_budget, x.dtype)
+    if _keeps(x, w, keep):
+        return torch.ops.shardkit.ce_shard_stats_keep.default(*args, keep)[:4]
+    return torch.ops.shardkit.ce_shard_stats.default(*args)
 
 
 def _stats_dtype(x: Tensor) -> torch.dtype:
@@ -243,3 +309,52 @@ def _backward(ctx, grad_lse, grad_target, grad_sum, _grad_count):
 
 
 torch.library.register_autograd("shardkit::ce_shard_stats", _backward, setup_context=_setup_context)
+
+
+@torch.library.register_fake("shardkit::ce_shard_stats_keep")
+def _ce_shard_stats_keep_fake(
+    x, w, labels, target_ref, class_offset, scale, m1, m2, m3, normalize, chunk_classes, keep_chunks
+):
+    stats = _ce_shard_stats_fake(x, w, labels, target_ref, class_offset, scale, m1, m2, m3, normalize, chunk_classes)
+    torch._check(keep_chunks >= 0, lambda: f"argument `keep_chunks` must be >= 0, got {keep_chunks}")
+    kept = x.shape[0] * _kept_classes(w.shape[0], chunk_classes, keep_chunks)
+    dt = _stats_dtype(x)
+    return (*stats, x.new_empty(kept, dtype=dt), x.new_empty(x.shape[0], dtype=dt))
+
+
+@torch.library.register_fake("shardkit::ce_shard_stats_backward_kept")
+def _ce_shard_stats_backward_kept_fake(
+    grad_lse, grad_target, grad_sum, x, w, labels, lse, kept_logits, kept_target, *params
+):
+    _check_devices_fake(x, kept_logits=kept_logits, kept_target=kept_target)
+    return _ce_shard_stats_backward_fake(grad_lse, grad_target, grad_sum, x, w, labels, lse, *params[:7])
+
+
+def _setup_context_keep(ctx, inputs, output):
+    x, w, labels, _target_ref, class_offset, scale, m1, m2, m3, normalize, chunk_classes, keep_chunks = inputs
+    lse, _, _, count, kept_logits, kept_target = output
+    ctx.save_for_backward(x, w, labels, lse, kept_logits, kept_target)
+    ctx.params = (class_offset, scale, m1, m2, m3, normalize, chunk_classes, keep_chunks)
+    ctx.mark_non_differentiable(count, kept_logits, kept_target)
+    # Outputs without a gradient (the kept logits above all) must not get a materialized
+    # zero gradient of their size in the backward.
+    ctx.set_materialize_grads(False)
+
+
+def _backward_keep(ctx, grad_lse, grad_target, grad_sum, _grad_count, _grad_kept, _grad_kept_target):
+    x, w, labels, lse, kept_logits, kept_target = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if not (need_x or need_w):
+        return (None,) * 12
+    if torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (grad_lse, grad_target, grad_sum, x, w)
+    ):
+        raise RuntimeError(DOUBLE_BACKWARD_MESSAGE)
+    grads = [g if g is not None else torch.zeros_like(lse) for g in (grad_lse, grad_target, grad_sum)]
+    gx, gw = torch.ops.shardkit.ce_shard_stats_backward_kept.default(
+        *grads, x, w, labels, lse, kept_logits, kept_target, *ctx.params
+    )
+    return (gx if need_x else None, gw if need_w else None) + (None,) * 10
+
+
+torch.library.register_autograd("shardkit::ce_shard_stats_keep", _backward_keep, setup_context=_setup_context_keep)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from shardkit import ops
+from shardkit.softmax.budget import shard_budgets
 from shardkit.softmax.margins import Margin
 
 
@@ -143,6 +144,7 @@ def shard_statistics(
     chunk_memory: Optional[int],
     with_rank: bool,
     shard_labels: Optional[Sequence[torch.Tensor]] = None,
+    memory_budget=0,
 ) -> List[ShardStatistics]:
     """Launch :func:`shardkit.ops.ce_shard_stats` on every shard's device.
 
@@ -150,6 +152,8 @@ def shard_statistics(
     (asynchronously); each op is enqueued on its device's current stream without a host
     sync, so CUDA shards run concurrently. ``shard_labels`` (PartialFC sampling): one [B]
     int64 tensor per shard, on its device, used by that shard instead of ``labels``.
+    ``memory_budget``: bytes per device (or "auto", :mod:`shardkit.softmax.budget`) the
+    forwards may hold for the backwards, shared by a device's shards by their classes.
     Returns each shard's stats on its own device.
     """
     scale, m1, m2, m3 = margin.params() if margin is not None else (1.0, 1.0, 0.0, 0.0)
@@ -169,7 +173,8 @@ def shard_statistics(
     if with_rank:
         target_ref = plain_target_logit(inputs, shards, offsets, labels, margin, embeddings.device)
     stats = []
-    for (x_k, labels_k), w, offset in zip(inputs, shards, offsets):
+    budgets = shard_budgets(memory_budget, shards)
+    for (x_k, labels_k), w, offset, budget in zip(inputs, shards, offsets, budgets):
         w_k = weights_for(w, x_k.dtype)
         ref_k = None if target_ref is None else to_device(target_ref, w.device)
         out = ops.ce_shard_stats(
@@ -184,6 +189,7 @@ def shard_statistics(
             normalize=normalize,
             chunk_classes=chunk_classes(batch, w.shape[0], dim, x_k.dtype, chunk_memory),
             target_ref=ref_k,
+            memory_budget=budget,
         )
         stats.append(ShardStatistics(*out))
     return stats

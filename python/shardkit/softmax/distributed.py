@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from shardkit import ops
+from shardkit.softmax.budget import check_memory_budget, shard_budgets
 from shardkit.softmax.checks import check_tensors, check_topk, check_values
 from shardkit.softmax.collectives import (
     DistContext,
@@ -124,6 +125,7 @@ class ProcessGroupShards:
             sample_rate=rate,
             generator=module.sample_generator,
             return_details=return_details,
+            memory_budget=module.memory_budget,
         )
         with torch.autocast(stats.lse.device.type, enabled=False):  # fp32 statistics stay fp32
             loss, valid = loss_from_statistics(
@@ -188,6 +190,7 @@ def distributed_statistics(
     sample_rate: float = 1.0,
     generator: Optional[torch.Generator] = None,
     return_details: bool = False,
+    memory_budget=0,
 ):
     """One rank's part of the distributed loss, up to the global statistics.
 
@@ -203,6 +206,8 @@ def distributed_statistics(
         generator: torch.Generator on the weight's device for the sampling.
         return_details: whether the caller returns details (checked to agree across
             ranks, with ``with_rank`` and ``sample_rate``, in the per-step exchange).
+        memory_budget: this rank's budget (bytes or "auto", as
+            :func:`shardkit.sharded_cross_entropy`); ranks may differ.
 
     Returns:
         ``(stats, labels_global, num_classes_used)``: :class:`ShardStatistics` of the
@@ -263,6 +268,7 @@ def distributed_statistics(
         normalize=margin is not None,
         chunk_classes=chunk_classes(batch, w.shape[0], xg.shape[1], xg.dtype, chunk_memory),
         target_ref=target_ref,
+        memory_budget=shard_budgets(check_memory_budget(memory_budget), [w])[0],
     )
     with torch.autocast(xg.device.type, enabled=False):  # fp32 statistics stay fp32
         lse_g, target_g, sum_g, greater_g = combine_stats(dctx, lse, target, logit_sum, greater if with_rank else None)

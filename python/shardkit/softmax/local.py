@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from shardkit.ops._devices import check_visible
+from shardkit.softmax.budget import check_memory_budget
 from shardkit.softmax.checks import check_options, check_shards, check_tensors, check_topk, check_values, parse_memory
 from shardkit.softmax.core import combine_statistics, loss_from_statistics, loss_output, shard_statistics, to_device
 from shardkit.softmax.margins import Margin
@@ -36,6 +37,7 @@ def sharded_cross_entropy(
     topk: Sequence[int] = (1,),
     sample_rate: float = 1.0,
     generator=None,
+    memory_budget=0,
 ):
     """Cross-entropy of ``embeddings @ cat(weight_shards).T`` without forming those logits.
 
@@ -69,6 +71,13 @@ def sharded_cross_entropy(
             and the lse / top-k counts are over them. 1: every class (the default).
         generator: for the sampling: None (the default generators), a torch.Generator of
             the shards' device, or a sequence of one per shard.
+        memory_budget: bytes per device the forward may hold until the backward, to keep
+            the logits of as many class chunks as fit so that the backward need not
+            recompute them: an int, a string like "2GiB", "auto"
+            (:data:`shardkit.softmax.budget.AUTO_SHARE` of the available memory at each
+            forward) or 0 (the default: keep nothing, recompute every chunk). Same loss and
+            gradients at every budget. The kept path runs on CPU shards; CUDA shards
+            recompute (see the README).
 
     Returns:
         The loss on the embeddings' device (float32; [B] for "none"), or a
@@ -92,6 +101,7 @@ def sharded_cross_entropy(
     labels = check_tensors(embeddings, labels, shards[0].shape[1])
     ks = check_topk(topk) if return_details else ()
     budget = None if chunk_memory is None else parse_memory(chunk_memory)
+    keep_budget = check_memory_budget(memory_budget)
     if check_inputs:
         check_values(embeddings, labels, num_classes, ignore_index, check_inputs)
     op_labels = labels
@@ -103,7 +113,15 @@ def sharded_cross_entropy(
         shards, shard_labels, num_classes = _sample_shards(shards, offsets, op_labels, sample_rate, generator)
         offsets = [0] * len(shards)
     per_shard = shard_statistics(
-        embeddings, shards, offsets, op_labels, margin, budget, with_rank=bool(ks), shard_labels=shard_labels
+        embeddings,
+        shards,
+        offsets,
+        op_labels,
+        margin,
+        budget,
+        with_rank=bool(ks),
+        shard_labels=shard_labels,
+        memory_budget=keep_budget,
     )
     # The statistics are fp32 already; autocast must not lower the combining arithmetic.
     with torch.autocast(embeddings.device.type, enabled=False):
@@ -289,4 +307,5 @@ class LocalShards:
             topk=module.topk if topk is None else topk,
             sample_rate=module.sample_rate if module.training else 1.0,
             generator=module.sample_generator,
+            memory_budget=module.memory_budget,
         )

@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from shardkit.softmax.budget import check_memory_budget
 from shardkit.softmax.checks import KERNEL_DTYPES, check_options, check_topk, parse_memory
 from shardkit.softmax.collectives import DATA_PARALLEL
 from shardkit.softmax.core import ShardedLossOutput, ShardStatistics
@@ -58,6 +59,15 @@ class ShardedSoftmaxLoss(nn.Module):
             :class:`shardkit.SparseRowSGD`); evaluation mode uses every class. Seed it by
             setting ``.sample_generator`` (a torch.Generator of the shards' device, or one
             per shard).
+        memory_budget: extra bytes per device the loss may hold from its forward to its
+            backward, to keep the logits of as many class chunks as fit so that the backward
+            need not recompute them (three GEMMs' work instead of four): an int, a string like
+            "2GiB", "auto" (a quarter of the memory available at each forward,
+            :data:`shardkit.softmax.budget.AUTO_SHARE`) or 0 (the default: keep nothing;
+            extra memory O(B x chunk)). A hard bound, shared by a device's shards by their
+            classes; the same loss and gradients at every budget. Kept logits are float32
+            (float64 for float64 weights), B x 4 bytes per class. CPU shards use it; CUDA
+            shards recompute (their kept path is not written yet).
         process_group, input_layout: the torch.distributed mode (see
             :mod:`shardkit.distributed` and the README): this rank holds ONE shard, classes
             ``split_classes(C, world_size)[rank]``, on ``devices[0]`` (default: the current GPU
@@ -86,7 +96,7 @@ class ShardedSoftmaxLoss(nn.Module):
     Raises (at construction): ``TypeError`` for a ``dtype`` the kernels lack; ``ValueError``
     naming the argument for a bad ``embedding_dim``, ``num_classes``, ``margin``,
     ``label_smoothing``, ``reduction``, ``check_inputs``, ``topk``, ``chunk_memory``,
-    ``shard_sizes``, ``devices``, ``sample_rate`` or ``input_layout``;
+    ``memory_budget``, ``shard_sizes``, ``devices``, ``sample_rate`` or ``input_layout``;
     :class:`shardkit.distributed.DistributedInputError` when the ranks of a ``process_group`` disagree on
     the options. At ``forward``: see there.
     """
@@ -111,6 +121,7 @@ class ShardedSoftmaxLoss(nn.Module):
         process_group=None,
         input_layout: str = "data_parallel",
         sample_rate: float = 1.0,
+        memory_budget=0,
     ):
         super().__init__()
         dtype = torch.get_default_dtype() if dtype is None else dtype
@@ -152,6 +163,7 @@ class ShardedSoftmaxLoss(nn.Module):
         self.ignore_index = ignore_index
         self.reduction = reduction
         self.chunk_memory = None if chunk_memory is None else parse_memory(chunk_memory)
+        self.memory_budget = check_memory_budget(memory_budget)
         self.check_inputs = check_inputs
         self.topk = check_topk(topk)
         self.weight_shards = nn.ParameterList(
@@ -242,5 +254,5 @@ class ShardedSoftmaxLoss(nn.Module):
             f"embedding_dim={self.embedding_dim}, num_classes={self.num_classes}, "
             f"shard_sizes={list(self.shard_sizes)}, devices=[{devices}], margin={self.margin}, "
             f"label_smoothing={self.label_smoothing}, ignore_index={self.ignore_index}, "
-            f"reduction={self.reduction!r}"
+            f"reduction={self.reduction!r}" + (f", memory_budget={self.memory_budget!r}" if self.memory_budget else "")
         )
