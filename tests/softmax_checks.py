@@ -68,7 +68,7 @@ def make_case(B, D, C, class_offset, dtype=torch.float32, device="cpu", spread=N
     return x, w, labels
 
 
-def check_against_reference(x, w, labels, class_offset, name, chunk, tol=1e-5, grad_tol=None):
+def check_against_reference(x, w, labels, class_offset, name, chunk, tol=1e-5, grad_tol=None, memory_budget=0):
     k = kw(name)
     B = x.shape[0]
     xr = x.detach().double().cpu().requires_grad_()
@@ -78,7 +78,14 @@ def check_against_reference(x, w, labels, class_offset, name, chunk, tol=1e-5, g
     xx = x.detach().clone().requires_grad_()
     ww = w.detach().clone().requires_grad_()
     lse, t, s, cnt = ce_shard_stats(
-        xx, ww, labels, class_offset=class_offset, chunk_classes=chunk, target_ref=tref.to(x.device), **k
+        xx,
+        ww,
+        labels,
+        class_offset=class_offset,
+        chunk_classes=chunk,
+        target_ref=tref.to(x.device),
+        memory_budget=memory_budget,
+        **k,
     )
     stats_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     assert lse.dtype == stats_dtype and cnt.dtype == torch.int64 and lse.shape == (B,)
@@ -160,13 +167,23 @@ def torch_low_precision_stats(x, w, labels, scale, m1, m2, m3, normalize, *, fp3
 
 
 def check_low_precision(
-    device, dtype, name, *, margin=None, noncontiguous=False, chunk=60, shape=(33, 64, 257), labels_below=None
+    device,
+    dtype,
+    name,
+    *,
+    margin=None,
+    noncontiguous=False,
+    chunk=60,
+    shape=(33, 64, 257),
+    labels_below=None,
+    memory_budget=0,
 ):
     """Ours vs the float64 reference within 2x the error of torch's own computation at
     ``dtype``, for the three outputs and both gradients. ``margin``: explicit
     (scale, m1, m2, m3, normalize) instead of ``MARGINS[name]``; ``noncontiguous``: a
     column-major ``x`` and a transposed ``w`` (strided weight reads in every kernel); ``shape``:
-    (B, D, C); ``labels_below``: labels drawn from [0, labels_below) instead of [0, C)."""
+    (B, D, C); ``labels_below``: labels drawn from [0, labels_below) instead of [0, C);
+    ``memory_budget``: the op's (bytes of kept logits)."""
     k = kw(name) if margin is None else dict(zip(("scale", "m1", "m2", "m3", "normalize"), margin))
     B, D, C = shape
     x32, w32, labels = make_case(B, D, C, 0)
@@ -185,7 +202,7 @@ def check_low_precision(
     wt = w.detach().clone().requires_grad_()
     tor = torch_low_precision_stats(xt, wt, labels.to(device), **k)
     tg = torch.autograd.grad(sum((o * gg.to(device).float()).sum() for o, gg in zip(tor, g)), (xt, wt))
-    ours = ce_shard_stats(x, w, labels.to(device), chunk_classes=chunk, **k)[:3]
+    ours = ce_shard_stats(x, w, labels.to(device), chunk_classes=chunk, memory_budget=memory_budget, **k)[:3]
     og = torch.autograd.grad(sum((o * gg.to(device).float()).sum() for o, gg in zip(ours, g)), (x, w))
     assert og[0].dtype == dtype and og[1].dtype == dtype
     assert all(torch.isfinite(t).all() for t in list(ours) + list(og))

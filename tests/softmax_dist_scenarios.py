@@ -9,6 +9,7 @@ Used by test_softmax_distributed.py (gloo, spawned CPU processes) and test_softm
 
 import torch
 from softmax_reference import margin_kwargs, reference_loss_and_grads, reference_lse
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardkit
 from shardkit.distributed import class_offsets, split_classes
@@ -49,6 +50,11 @@ SCENARIOS = {
 }
 # ignore_index per scenario (default -100); 3 is also a class id: such rows get no target
 IGNORE = {"ignore_class64": 3, "sampled64_ignore_class": 3}
+# (memory_budget, chunk_memory) per scenario (default (0, None)): kept logits, all of them or
+# a few chunks of 4 classes, the rest recomputed (the test data keep B <= 15, D = 7)
+SCENARIOS["arc64_kept"] = SCENARIOS["arc64_smooth_sum"]
+SCENARIOS["sampled64_kept"] = SCENARIOS["sampled64"]
+KEPT = {"arc64_kept": (1 << 30, 512), "sampled64_kept": (1500, 512)}
 
 
 def make_data(seed):
@@ -79,6 +85,7 @@ def run_scenario(rank, world, name, d, group, device=torch.device("cpu"), sample
     its loss, lse, gradients, top-k counts and, when sampling, the sampled rows."""
     margin_name, dtype, reduction, eps, layout, rate, classes, _ = SCENARIOS[name]
     rate = rate if sample_rate is None else sample_rate
+    memory_budget, chunk_memory = KEPT.get(name, (0, None))
     head = shardkit.ShardedSoftmaxLoss(
         D,
         classes,
@@ -91,6 +98,8 @@ def run_scenario(rank, world, name, d, group, device=torch.device("cpu"), sample
         input_layout=layout,
         sample_rate=rate,
         devices=[device],
+        memory_budget=memory_budget,
+        chunk_memory=chunk_memory,
     )
     shardkit.import_full_weight(head, d["w"].to(dtype))
     sizes = d["sizes"]
@@ -105,7 +114,9 @@ def run_scenario(rank, world, name, d, group, device=torch.device("cpu"), sample
     for step in range(2 if rate < 1.0 else 1):  # two steps: the momentum buffer exists on step 2
         head.zero_grad(set_to_none=True)
         x.grad = None
-        details = head(x, d["labels"][start : start + size].to(device), return_details=True, topk=(1, 3))
+        with OpLog() as log:
+            details = head(x, d["labels"][start : start + size].to(device), return_details=True, topk=(1, 3))
+        out.setdefault("ops", log.names)
         details.loss.backward(d["grad_out"].to(device, details.loss.dtype) if reduction == "none" else None)
         grad_w = head.weight_shards[0].grad
         before = head.weight_shards[0].detach().clone()
@@ -148,6 +159,19 @@ def run_scenario(rank, world, name, d, group, device=torch.device("cpu"), sample
                 ref = one(d["x"].to(dtype), d["labels"], return_details=True, topk=(1, 3))
                 out["one_process_correct"] = {k: int(v) for k, v in ref.correct.items()}
     return out
+
+
+class OpLog(TorchDispatchMode):
+    """The names of the shardkit ops dispatched while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "shardkit":
+            self.names.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
 
 
 def rel(a, b):

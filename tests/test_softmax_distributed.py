@@ -18,7 +18,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from dist_teardown import end_rank
-from softmax_dist_scenarios import IGNORE, SCENARIOS, WORLDS, D, check_against_reference, make_data, rel, run_scenario
+from softmax_dist_scenarios import (
+    IGNORE,
+    KEPT,
+    SCENARIOS,
+    WORLDS,
+    D,
+    check_against_reference,
+    make_data,
+    rel,
+    run_scenario,
+)
 
 import shardkit
 from shardkit.distributed import CollectiveError, DistributedInputError, split_classes
@@ -262,7 +272,7 @@ def test_loss_and_gradients_match_reference(runs, world, name):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("name", ["sampled_all64", "sampled64", "sampled64_ignore_class"])
+@pytest.mark.parametrize("name", ["sampled_all64", "sampled64", "sampled64_ignore_class", "sampled64_kept"])
 def test_sampling(runs, world, name):
     data, results, _, _ = runs
     per_rank, *_ = check_against_reference(data, results, world, name)
@@ -277,6 +287,15 @@ def test_sampling(runs, world, name):
         assert out["untouched_ok0"] and out["untouched_ok1"]  # bit-exact after momentum + wd steps
         if name == "sampled_all64":
             assert out["rows0"].numel() == sizes[r]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("name", list(KEPT))
+def test_budgets_keep_logits_on_every_rank(runs, world, name):
+    # the scenarios' results match the reference above; here: each rank ran the kept path
+    _, results, _, _ = runs
+    for r in range(world):
+        assert "ce_shard_stats_keep" in results[world][r][name]["ops"], (r, results[world][r][name]["ops"])
 
 
 @pytest.mark.parametrize("world", WORLDS)
