@@ -9,6 +9,7 @@ import re
 import sys
 from typing import Optional, Sequence
 
+from shardkit.plan.budgets import FULL, BudgetPlan, plan_budgets
 from shardkit.plan.memory import (
     DEFAULT_CHUNK_BUDGET,
     DTYPE_BYTES,
@@ -62,6 +63,35 @@ def format_plan(p: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
+def format_budgets(rows: Sequence[BudgetPlan], gpu_memory: Optional[int]) -> str:
+    """The memory-budget table ``python -m shardkit.plan`` prints after the plan."""
+    head = ["memory_budget", "kept classes / device", "extra / device", "time x 3 GEMMs"]
+    if gpu_memory is not None:
+        head.append(f"largest C in {_short_size(gpu_memory)}")
+    table = [head]
+    for r in rows:
+        label = "full logits" if r.budget == FULL else ("0 (recompute)" if r.budget == 0 else format_size(r.budget))
+        cells = [label, f"{r.kept_classes:,}", format_size(r.extra), f"{r.time_factor:.2f}x"]
+        if gpu_memory is not None:
+            cells.append(f"{r.largest_classes:,}")
+        table.append(cells)
+    widths = [max(len(row[i]) for row in table) + 2 for i in range(len(head))]
+    lines = ["", "ShardedSoftmaxLoss(memory_budget=...): logits kept from forward to backward (fp32, per device)"]
+    for row in table:
+        lines.append(row[0].ljust(widths[0]) + "".join(c.rjust(w) for c, w in zip(row[1:], widths[1:])))
+    lines.append(
+        "time: the layer's GEMM passes over its three, (3 + recomputed share) / 3, a model (elementwise passes not "
+        "counted); CUDA shards keep nothing yet (they recompute at every budget)."
+    )
+    return "\n".join(lines)
+
+
+def _budget_arg(text: str):
+    if text.strip().lower() == FULL:
+        return FULL
+    return _size_arg(text)
+
+
 def _size_arg(text: str) -> int:
     try:
         return parse_size(text)
@@ -111,6 +141,14 @@ def _parser() -> argparse.ArgumentParser:
         default=DEFAULT_CHUNK_BUDGET,
         help="ShardedSoftmaxLoss chunk budget (default 192MiB)",
     )
+    ap.add_argument(
+        "--memory-budget",
+        type=_budget_arg,
+        nargs="+",
+        default=[0, GiB, 4 * GiB, FULL],
+        metavar="SIZE",
+        help="ShardedSoftmaxLoss memory_budget values to compare, sizes or 'full' (default: 0 1GiB 4GiB full)",
+    )
     ap.add_argument("--no-master-weights", action="store_true", help="fp16/bf16 without fp32 master weights")
     ap.add_argument(
         "--dense-grad",
@@ -125,27 +163,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     line on stderr, an internal error with its traceback (status 1)."""
     ap = _parser()
     args = ap.parse_args(argv)
+    plan_args = dict(
+        classes=args.classes,
+        dim=args.dim,
+        devices=args.devices,
+        batch=args.batch,
+        dtype=args.dtype,
+        optimizer=args.optimizer,
+        sample_rate=args.sample_rate,
+        gpu_memory=args.gpu_memory,
+        master_weights=False if args.no_master_weights else None,
+        sparse_grad=not args.dense_grad,
+        chunk_budget=args.chunk_budget,
+        reserve=args.reserve,
+    )
     try:
-        plan = plan_memory(
-            args.classes,
-            args.dim,
-            args.devices,
-            args.batch,
-            args.dtype,
-            args.optimizer,
-            args.sample_rate,
-            args.gpu_memory,
-            master_weights=False if args.no_master_weights else None,
-            sparse_grad=not args.dense_grad,
-            chunk_budget=args.chunk_budget,
-            reserve=args.reserve,
-        )
+        plan = plan_memory(**plan_args)
+        budgets = plan_budgets(args.memory_budget, **plan_args)
     except ValueError as e:
         # plan_memory names its Python arguments (`sample_rate`); say the flag instead.
         msg = re.sub(r"argument `(\w+)`", lambda m: "--" + m.group(1).replace("_", "-"), str(e))
         ap.error(msg)  # one line, exit status 2
     try:
         print(format_plan(plan), flush=True)
+        print(format_budgets(budgets, plan.gpu_memory), flush=True)
     except BrokenPipeError:  # `python -m shardkit.plan ... | head`: the reader left, not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
     return 0

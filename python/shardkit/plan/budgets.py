@@ -1,0 +1,120 @@
+"""The loss's memory budget in the planner: for each ``memory_budget`` of
+:class:`shardkit.ShardedSoftmaxLoss`, the logits a device keeps from forward to backward, the
+time the layer's GEMM work takes relative to its three GEMMs, and the largest class count that
+still fits.
+
+* Kept logits are float32, ``B`` values per class plus one per row (what the CPU kernels keep,
+  :func:`shardkit.ops.kept_bytes`), whole chunks of ``chunk_classes`` classes (the planner's
+  chunk), or the whole shard once it fits.
+* Time factor: a model, not a measurement: the layer's GEMM passes over its three (logits, dX,
+  dW): ``(3 + share of classes recomputed) / 3``, so 4/3 with no budget and 1 with the whole
+  shard kept. It leaves out the elementwise passes (about one more memory pass over the kept
+  logits; they matter at small D, see the README's measured figures).
+* Largest class count: the largest C whose plan (weights, gradients, optimizer state, working
+  set, kept logits) fits ``gpu_memory - reserve`` on every device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Union
+
+from shardkit.plan.memory import plan_memory
+
+#: The budget label that stands for "the whole shard's logits".
+FULL = "full"
+
+Budget = Union[int, str]
+
+
+@dataclass
+class BudgetPlan:
+    """One budget's figures on the most loaded device: ``kept_classes`` and ``extra`` (bytes
+    held from forward to backward), the modelled ``time_factor`` and, with ``gpu_memory``,
+    ``largest_classes`` (None otherwise)."""
+
+    budget: Budget
+    kept_classes: int
+    extra: int
+    time_factor: float
+    largest_classes: Optional[int] = None
+
+
+def kept_logits(batch: int, classes: int, chunk: int, budget: Budget) -> int:
+    """(kept classes, bytes) of one shard of ``classes`` classes at ``budget`` (bytes or
+    :data:`FULL`), as :func:`shardkit.ops.kept_chunks_for_budget` keeps them."""
+    if classes <= 0 or batch <= 0 or budget == 0:
+        return 0, 0
+    whole = batch * (classes + 1) * 4
+    if budget == FULL or whole <= budget:
+        return classes, whole
+    chunk = max(1, min(chunk, classes))
+    keep = max(0, (int(budget) - batch * 4) // (batch * chunk * 4))
+    return (keep * chunk, batch * (keep * chunk + 1) * 4) if keep else (0, 0)
+
+
+def _device_kept(plan, budget: Budget):
+    """(kept classes, bytes, recomputed share) on the device holding the most kept bytes."""
+    best = (0, 0, 1.0)
+    for classes in _used_classes(plan):
+        kept, nbytes = kept_logits(plan.global_batch, classes, plan.chunk_classes, budget)
+        share = 1.0 - kept / classes if classes else 0.0
+        if nbytes > best[1] or (nbytes == best[1] and share < best[2]):
+            best = (kept, nbytes, share)
+    return best
+
+
+def _used_classes(plan) -> List[int]:
+    # The classes each device's op sees: its shard, or the sampled part of it.
+    if plan.sample_rate >= 1.0:
+        return [d.classes for d in plan.devices]
+    rate, batch = plan.sample_rate, plan.global_batch
+    return [min(d.classes, max(math.ceil(rate * d.classes), min(d.classes, batch))) for d in plan.devices]
+
+
+def _fits(plan, budget: Budget) -> bool:
+    used = _used_classes(plan)
+    return all(
+        d.total + kept_logits(plan.global_batch, c, plan.chunk_classes, budget)[1] + plan.reserve <= plan.gpu_memory
+        for d, c in zip(plan.devices, used)
+    )
+
+
+def plan_budgets(budgets: Sequence[Budget], **plan_args) -> List[BudgetPlan]:
+    """:class:`BudgetPlan` per budget (bytes or :data:`FULL`) for the head that
+    :func:`shardkit.plan.plan_memory` plans from ``plan_args`` (its arguments, by name)."""
+    plan = plan_memory(**plan_args)
+    out = []
+    for budget in budgets:
+        kept, nbytes, recomputed = _device_kept(plan, budget)
+        # The slowest device sets the step: the largest recomputed share among devices.
+        worst = max(
+            (1.0 - kept_logits(plan.global_batch, c, plan.chunk_classes, budget)[0] / c if c else 0.0)
+            for c in _used_classes(plan)
+        )
+        row = BudgetPlan(budget, kept, nbytes, (3.0 + worst) / 3.0)
+        if plan.gpu_memory is not None:
+            row.largest_classes = largest_classes(budget, **plan_args)
+        out.append(row)
+    return out
+
+
+def largest_classes(budget: Budget, **plan_args) -> int:
+    """The largest class count whose plan fits ``gpu_memory`` at ``budget`` (0 if not even
+    one class does): doubling, then bisection."""
+    args = dict(plan_args)
+
+    def fits(classes: int) -> bool:
+        args["classes"] = classes
+        return _fits(plan_memory(**args), budget)
+
+    if not fits(1):
+        return 0
+    good, bad = 1, 2
+    while bad <= 1 << 44 and fits(bad):
+        good, bad = bad, bad * 2
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    return good

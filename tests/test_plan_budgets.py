@@ -1,0 +1,89 @@
+"""The planner's memory-budget figures (shardkit.plan.budgets): the kept bytes are the op's,
+the time factor and the extra memory move monotonically with the budget, and the largest class
+count is the largest that fits."""
+
+import pytest
+import torch
+
+from shardkit.ops import kept_bytes, kept_chunks_for_budget
+from shardkit.plan import kept_logits, largest_classes, main, plan_budgets, plan_memory
+from shardkit.plan.budgets import FULL
+
+GiB = 1 << 30
+
+
+@pytest.mark.parametrize("B,C,chunk", [(7, 95, 20), (1024, 125_000, 19_648), (3, 1, 64), (64, 1000, 1000)])
+def test_kept_logits_are_the_ops(B, C, chunk):
+    whole = kept_bytes(B, C, chunk, 1 << 60)
+    for budget in (0, 1, B * 4, kept_bytes(B, C, chunk, 1), whole // 2, whole - 1, whole, 10 * whole):
+        keep = kept_chunks_for_budget(B, C, chunk, budget)
+        classes, nbytes = kept_logits(B, C, chunk, budget)
+        assert nbytes == kept_bytes(B, C, chunk, keep) <= budget
+        assert classes == (0 if keep == 0 else (C if nbytes == whole else keep * min(chunk, C)))
+    assert kept_logits(B, C, chunk, FULL) == (C, whole)
+
+
+def test_budget_rows_are_monotone_and_within_budget():
+    args = dict(classes=1_000_003, dim=512, devices=3, batch=128, dtype="bf16", gpu_memory="80GiB", reserve="8GiB")
+    budgets = [0, 1 << 20, 256 << 20, GiB, 4 * GiB, FULL]
+    rows = plan_budgets(budgets, **args)
+    assert rows[0].time_factor == pytest.approx(4 / 3) and rows[0].extra == 0 and rows[0].kept_classes == 0
+    assert rows[-1].time_factor == pytest.approx(1.0)
+    plan = plan_memory(**args)
+    assert rows[-1].kept_classes == max(d.classes for d in plan.devices)
+    assert rows[-1].extra == plan.global_batch * (rows[-1].kept_classes + 1) * 4
+    for a, b in zip(rows, rows[1:]):
+        assert b.time_factor <= a.time_factor and b.extra >= a.extra
+        assert b.largest_classes <= a.largest_classes  # memory kept is memory the head cannot use
+    for r in rows[:-1]:
+        assert r.extra <= r.budget
+    assert 1.0 < rows[2].time_factor < 4 / 3  # 256 MiB keeps part of a 333k-class shard
+
+
+@pytest.mark.parametrize("budget", [0, GiB, FULL])
+def test_largest_classes_is_the_largest_that_fits(budget):
+    args = dict(dim=256, devices=2, batch=64, dtype="fp32", gpu_memory="6GiB", reserve="1GiB")
+    best = largest_classes(budget, **args)
+    assert best > 0
+
+    def total(classes):
+        plan = plan_memory(classes=classes, **args)
+        shard = max(d.classes for d in plan.devices)
+        return max(d.total for d in plan.devices) + kept_logits(plan.global_batch, shard, plan.chunk_classes, budget)[1]
+
+    assert total(best) + (1 << 30) <= 6 << 30 < total(best + 1) + (1 << 30)
+
+
+def test_cli_prints_the_budget_table(capsys):
+    argv = ["--classes", "200000", "--dim", "128", "--batch", "256", "--gpu-memory", "16GiB"]
+    assert main([*argv, "--memory-budget", "0", "64MiB", "full"]) == 0
+    out = capsys.readouterr().out
+    assert "memory_budget" in out and "0 (recompute)" in out and "64.0 MiB" in out and "full logits" in out
+    assert "1.33x" in out and "1.00x" in out and "largest C in 16 GiB" in out
+    with pytest.raises(SystemExit) as err:
+        main([*argv, "--memory-budget", "lots"])
+    assert err.value.code == 2
+    assert "argument --memory-budget: cannot parse size" in capsys.readouterr().err
+
+
+def test_planner_and_module_agree_on_a_cpu_head():
+    # The kept bytes the planner counts for a one-device head are what the module saves.
+    import shardkit
+
+    C, D, B = 3000, 16, 32
+    head = shardkit.ShardedSoftmaxLoss(D, C, memory_budget=1 << 30)
+    x, y = torch.randn(B, D, requires_grad=True), torch.randint(0, C, (B,))
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        head(x, y)
+    held = sum(seen.values())
+    seen.clear()
+    head.memory_budget = 0
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        head(x, y)
+    assert held - sum(seen.values()) == kept_logits(B, C, 64, FULL)[1]
