@@ -1,4 +1,4 @@
-"""The targets (issues 3 and 10) and the saved JSON/PNG of benchmarks/bench_sharded_loss.py.
+"""The targets (issues 3, 10, 16 and 40) and the saved JSON/PNGs of benchmarks/bench_sharded_loss.py.
 
 The benchmark calls these as it goes: :func:`check_shape_targets` and :func:`save` after each
 shape, :func:`check_largest_target` once both largest-C searches it compares have run."""
@@ -8,17 +8,8 @@ import os
 import sys
 
 import torch
+from _sharded_loss_methods import BUDGET_PREFIX, CPU_PEERS, PEERS
 from _timing import out_dir, target_line
-
-PEERS = (
-    "linear+cross_entropy",
-    "torch.linear_cross_entropy",
-    "cce_filtered",
-    "cce_exact",
-    "cce_torch_compile",
-    "liger_flce",
-)
-CPU_PEERS = ("linear+cross_entropy", "torch.linear_cross_entropy", "cce_torch_compile")
 
 
 def check_targets(rows, largest, device, dtype_name):
@@ -41,8 +32,9 @@ def check_shape_targets(rows, device, dtype_name):
         if ours is None:
             out.append(target_line(f"sharded loss {tag}", None, "shardkit did not run"))
             continue
+        out.extend(budget_targets(res, device, tag))
         if device.type == "cuda":
-            x = ours["time_s"] / ours["gemm_floor_s"]
+            x = ours["gemm_ratio"]
             out.append(target_line(f"sharded loss {tag} <= 1.5x the 3 GEMMs (issue 3)", x <= 1.5, f"{x:.2f}x"))
             if b == 1024:
                 out.append(target_line(f"sharded loss {tag} <= 2.0x the 3 GEMMs (issue 10)", x <= 2.0, f"{x:.2f}x"))
@@ -72,10 +64,69 @@ def check_shape_targets(rows, device, dtype_name):
                     f"sharded loss {tag} extra memory <= 8 MiB", ours["extra_mib"] <= 8, f"{ours['extra_mib']:.1f} MiB"
                 )
             )
-            share = ours["gemm_floor_s"] / ours["time_s"]
+            share = 1.0 / ours["gemm_ratio"]
             out.append(
                 target_line(f"sharded loss {tag} >= 80% of the 3 GEMMs' speed", share >= 0.8, f"{100 * share:.0f}%")
             )
+    return out
+
+
+def budget_targets(res, device, tag):
+    """Issue 40's targets of one shape's rows ``res`` (method -> row): the full-logits budget
+    against the three GEMMs and the peers, budget 0's extra memory, and the budgets' times
+    between budget 0's and the full budget's, monotonically."""
+    out = []
+    ours, full = res.get("shardkit"), res.get(BUDGET_PREFIX + "full")
+    if full is not None:
+        if device.type == "cuda":
+            x = full["gemm_ratio"]
+            out.append(
+                target_line(f"sharded loss {tag} full budget <= 1.15x the 3 GEMMs (issue 40)", x <= 1.15, f"{x:.2f}x")
+            )
+            peers = [res[p] for p in ("quack_lce", "liger_flce") if p in res]
+            if peers:
+                best = min(peers, key=lambda r: r["time_s"])
+                x = best["time_s"] / full["time_s"]
+                out.append(
+                    target_line(f"sharded loss {tag} full budget faster than {best['method']}", x >= 1.0, f"{x:.2f}x")
+                )
+                less = all(full["extra_mib"] < p["extra_mib"] for p in peers)
+                detail = ", ".join(f"{p['method']} {p['extra_mib']:.0f}" for p in peers)
+                out.append(
+                    target_line(
+                        f"sharded loss {tag} full budget less extra memory than QuACK and Liger",
+                        less,
+                        f"{full['extra_mib']:.0f} MiB vs {detail} MiB",
+                    )
+                )
+        else:
+            share = 1.0 / full["gemm_ratio"]
+            out.append(
+                target_line(
+                    f"sharded loss {tag} full budget >= 95% of the 3 GEMMs' speed", share >= 0.95, f"{100 * share:.0f}%"
+                )
+            )
+            if "cce_torch_compile" in res:
+                x = res["cce_torch_compile"]["time_s"] / full["time_s"]
+                out.append(
+                    target_line(f"sharded loss {tag} full budget faster than cce_torch_compile", x > 1.0, f"{x:.2f}x")
+                )
+    if ours is not None and device.type != "cuda":
+        out.append(
+            target_line(
+                f"sharded loss {tag} budget 0 extra memory <= 2 MiB (issue 40)",
+                ours["extra_mib"] <= 2,
+                f"{ours['extra_mib']:.1f} MiB",
+            )
+        )
+    ladder = sorted(
+        (r for m, r in res.items() if m == "shardkit" or m.startswith(BUDGET_PREFIX)), key=lambda r: r["extra_mib"]
+    )
+    if ours is not None and full is not None and len(ladder) > 2:
+        ratios = [r["gemm_ratio"] for r in ladder]
+        ok = all(a >= b for a, b in zip(ratios, ratios[1:]))
+        detail = ", ".join(f"{r['method']} {r['gemm_ratio']:.2f}x@{r['extra_mib']:.0f}MiB" for r in ladder)
+        out.append(target_line(f"sharded loss {tag} budgets' times fall monotonically with memory", ok, detail))
     return out
 
 
@@ -144,4 +195,37 @@ def save(rows, largest, targets, args, notes=None, complete=True):
     fig.tight_layout()
     fig.savefig(os.path.join(folder, stem + ".png"), dpi=110)
     plt.close(fig)
-    print(f"wrote {path} and {stem}.png", flush=True)
+    plot_time_memory(plt, rows, os.path.join(folder, stem + "_memory.png"), args.dtype)
+    print(f"wrote {path}, {stem}.png and {stem}_memory.png", flush=True)
+
+
+def plot_time_memory(plt, rows, path, dtype_name):
+    """One panel per shape: each method's time (x the 3 GEMMs) against its extra memory,
+    shardkit's budgets joined by a line from budget 0 to the full logits."""
+    shapes = sorted({(r["batch"], r["classes"], r["dim"]) for r in rows})
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5.5 * len(shapes), 4.5), squeeze=False)
+    for ax, (b, c, d) in zip(axes[0], shapes):
+        mine = [r for r in rows if (r["batch"], r["classes"], r["dim"]) == (b, c, d)]
+        ladder = sorted(
+            (r for r in mine if r["method"] == "shardkit" or r["method"].startswith(BUDGET_PREFIX)),
+            key=lambda r: r["extra_mib"],
+        )
+        if ladder:
+            ax.plot(
+                [max(r["extra_mib"], 0.01) for r in ladder],
+                [r["gemm_ratio"] for r in ladder],
+                "o-",
+                label="shardkit budgets",
+            )
+        for r in mine:
+            ax.annotate(r["method"], (max(r["extra_mib"], 0.01), r["gemm_ratio"]), fontsize=6)
+            if r not in ladder:
+                ax.plot(max(r["extra_mib"], 0.01), r["gemm_ratio"], "s")
+        ax.set_xscale("log")
+        ax.set_xlabel("extra memory of one step (MiB, log)")
+        ax.set_ylabel("fwd+bwd time / the 3 GEMMs (interleaved)")
+        ax.set_title(f"B={b} C={c} D={d} {dtype_name}", fontsize=9)
+        ax.axhline(1.0, color="grey", lw=0.5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

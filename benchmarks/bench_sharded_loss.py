@@ -11,8 +11,12 @@ Peers, in the same run and on the same inputs:
       torch.compile'd chunked loop that also runs on the CPU),
   (d) Liger's fused linear cross-entropy (GPU only; each peer when importable: see
       benchmarks/requirements.txt),
-and on the GPU the floor: cuBLAS time of the layer's three GEMMs of the same shapes
-(logits = X W^T, dX = G W, dW = G^T X) measured in the same run.
+  (e) QuACK's chunked_linear_cross_entropy (GPU only, sm90+; `pip install quack-kernels`),
+and shardkit at memory budgets ("shardkit@<budget>", --budgets: kept logits, see the README).
+The baseline: the layer's three GEMMs of the same shapes (logits = X W^T, dX = G W, dW = G^T X;
+dX written in fp32 on CUDA, as shardkit accumulates it), timed interleaved with each method:
+its repetitions alternate with the method's in the same process, and each row's "x GEMMs" is
+the ratio of the two medians, with the 25th-75th percentiles of the per-repetition ratios.
 
 "Extra memory" is the peak memory of one fwd+bwd step beyond what is live before it
 (embeddings, weights) and the gradients it produces (every step starts with .grad = None,
@@ -25,7 +29,12 @@ as after optimizer.zero_grad()):
 
 Usage:
   python benchmarks/bench_sharded_loss.py --cpu-target          # CPU, fp32, B=256: D=128 C=200k and D=512 C=100k
+      # (with shardkit at budgets 25%, 50% and the full logits: --budgets)
+  python benchmarks/bench_sharded_loss.py --cpu-target --shape 256 100000 512 --methods shardkit \
+      shardkit@full cce_torch_compile --rounds 3 --repeat 5   # the memory-budget CPU targets only
   python benchmarks/bench_sharded_loss.py --device cuda         # D=512, B {256,1024}, C {100k,1M} bf16
+  python benchmarks/bench_sharded_loss.py --device cuda --llm-shapes --budgets full
+      # also tokens {4096,8192} x vocabulary {128256,256000} x hidden 4096
   python benchmarks/bench_sharded_loss.py --device cuda --max-classes-only   # largest trainable C per method
   python benchmarks/bench_sharded_loss.py --device cuda --max-classes-only --master-weights
       # the same with fp32 master weights and momentum beside the 16-bit ones, and an SGD step
@@ -38,7 +47,8 @@ get fewer steps; at least 3); the largest-C search runs each method in its own s
 (an illegal address or a kernel's int32 overflow at huge C kills that process, not the
 run) with --search-budget seconds each (or, with --search-total S, S seconds shared out: twice
 as much for shardkit as for each other method), reporting the largest C that trained so far.
-Targets (issues 3 and 10) are printed as TARGET lines.
+Targets (issues 3, 10, 16 and 40) are printed as TARGET lines; a second PNG plots each
+shape's time against extra memory for every method and budget.
 """
 
 import argparse
@@ -50,7 +60,6 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # _timing, whatever the cwd (also under python -m)
@@ -58,69 +67,39 @@ import _timing  # noqa: E402
 
 _timing.prefer_in_place_build()  # before the first import of shardkit
 
-from _sharded_loss_report import PEERS, check_largest_target, check_shape_targets, save  # noqa: E402
-from _timing import cpu_description, time_all, time_once  # noqa: E402
+from _sharded_loss_methods import (  # noqa: E402
+    CCE,
+    PEERS,
+    budget_bytes,
+    budget_of,
+    build_gemms,
+    check_budget_spec,
+    method_notes,
+    peer_forward,
+    unavailable,
+)
+from _sharded_loss_report import check_largest_target, check_shape_targets, save  # noqa: E402
+from _timing import cpu_description, time_once  # noqa: E402
 
 import shardkit  # noqa: E402
 
 METHODS = ["shardkit", "shardkit+checks", *PEERS]
-CCE = ("cce_filtered", "cce_exact")  # its Triton kernels (GPU)
 # The largest-C search: shardkit's own search gets SHARDKIT_SHARE shares of the time, each
 # other method one (its C is the one the issues ask for; ~35M classes on an 80 GB GPU, ~15 probes).
-MAXC_METHODS = ("shardkit", "linear+cross_entropy", *CCE, "liger_flce")
+MAXC_METHODS = ("shardkit", "linear+cross_entropy", *CCE, "liger_flce", "quack_lce")
 SHARDKIT_SHARE = 2
-
-
-def cce_default_filter_eps():
-    """The installed cut-cross-entropy's default ``filter_eps`` (what "cce_filtered" runs with)."""
-    import inspect
-
-    from cut_cross_entropy import linear_cross_entropy
-
-    return inspect.signature(linear_cross_entropy).parameters["filter_eps"].default
-
-
-def method_notes():
-    """What each method is, for the JSON and the printed legend."""
-    try:
-        eps = f"filter_eps={cce_default_filter_eps()!r} (its default)"
-    except Exception:  # not installed: the notes still say what the rows would be
-        eps = "filter_eps left at its default"
-    return {
-        "cce_filtered": f"cut-cross-entropy, {eps}: skips backward tiles, approximate gradient",
-        "cce_exact": "cut-cross-entropy, filter_eps=None: every tile, exact gradient (the fair comparison)",
-        "cce_torch_compile": 'cut-cross-entropy, impl="torch_compile": its torch.compile\'d path (CPU and GPU)',
-    }
-
+# The large-vocabulary LLM shapes (tokens, vocabulary, hidden) beside the face-recognition ones.
+LLM_SHAPES = [(b, c, 4096) for c in (128_256, 256_000) for b in (4096, 8192)]
+DEFAULT_CPU_BUDGETS = ("25%", "50%", "full")  # --budgets on the CPU; none on GPUs (they recompute)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def unavailable(method, device):
-    """None if the method can run here, else the reason."""
-    if method == "torch.linear_cross_entropy" and not hasattr(F, "linear_cross_entropy"):
-        return f"torch {torch.__version__} has no F.linear_cross_entropy"
-    if method in (*CCE, "cce_torch_compile", "liger_flce"):
-        if device.type != "cuda" and method != "cce_torch_compile":
-            return "GPU-only (Triton kernels)"
-        try:  # the exact symbols build_step uses
-            if method != "liger_flce":
-                from cut_cross_entropy import linear_cross_entropy  # noqa: F401
-            else:
-                from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss  # noqa: F401
-        except ImportError as err:
-            return (
-                f"not installed ({err}); pip install -r benchmarks/requirements.txt "
-                "(benchmarks/fetch_wheels.sh gets the wheels gpu_suite.sh installs)"
-            )
-    return None
 
 
 SHARDS = 1  # shards of the shardkit head, all on the benchmark device (--shards)
 OWN_FAILURES = []  # shardkit's own failures: the run still reports the peers, then exits 1
 
 
-def _head_without_default_init(dim, classes, devices, dtype, check_inputs):
+def _head_without_default_init(dim, classes, devices, dtype, check_inputs, memory_budget=0):
     """The head with its shards allocated (uninitialized) on ``devices``: the default init draws
     nn.Linear's numbers on the CPU, seconds per million classes, so it is skipped here and the
     caller draws the weights on the device (the module refuses "meta" shards, so the usual
@@ -129,7 +108,7 @@ def _head_without_default_init(dim, classes, devices, dtype, check_inputs):
     default_init = cls.reset_parameters
     cls.reset_parameters = lambda self: None
     try:
-        return cls(dim, classes, devices=devices, dtype=dtype, check_inputs=check_inputs)
+        return cls(dim, classes, devices=devices, dtype=dtype, check_inputs=check_inputs, memory_budget=memory_budget)
     finally:
         cls.reset_parameters = default_init
 
@@ -151,7 +130,11 @@ def build_step(method, batch, classes, dim, dtype, device, master=False):
     x = torch.randn(batch, dim, device=device, dtype=dtype, requires_grad=True)
     y = torch.randint(0, classes, (batch,), device=device)
     if method.startswith("shardkit"):
-        head = _head_without_default_init(dim, classes, [device] * SHARDS, dtype, method == "shardkit+checks")
+        spec = budget_of(method)
+        budget = 0 if spec is None else budget_bytes(spec, batch, classes, dtype, SHARDS)
+        head = _head_without_default_init(
+            dim, classes, [device] * SHARDS, dtype, method == "shardkit+checks", memory_budget=budget
+        )
         with torch.no_grad():
             for shard in head.weight_shards:
                 shard.uniform_(-(dim**-0.5), dim**-0.5)
@@ -161,33 +144,7 @@ def build_step(method, batch, classes, dim, dtype, device, master=False):
         weight = torch.empty(classes, dim, device=device, dtype=dtype).uniform_(-(dim**-0.5), dim**-0.5)
         weight.requires_grad_(True)
         params = [x, weight]
-        if method == "linear+cross_entropy":
-            fwd = lambda: F.cross_entropy(F.linear(x, weight).float(), y)  # noqa: E731
-        elif method == "torch.linear_cross_entropy":
-            fwd = lambda: F.linear_cross_entropy(x, weight, y)  # noqa: E731
-        elif method == "cce_torch_compile":
-            from cut_cross_entropy import linear_cross_entropy
-
-            fwd = lambda: linear_cross_entropy(x, weight, y, impl="torch_compile")  # noqa: E731
-        elif method in CCE:
-            # linear_cross_entropy(e [..., D], c [C, D] classifier, targets [...]), mean reduction.
-            # cce_filtered: its default filter_eps, as a user gets it (backward tiles whose
-            # values all fall below eps are skipped: approximate gradient); cce_exact:
-            # filter_eps=None, no tile skipped (exact gradient).
-            from cut_cross_entropy import linear_cross_entropy
-
-            if method == "cce_exact":
-                fwd = lambda: linear_cross_entropy(x, weight, y, filter_eps=None)  # noqa: E731
-            else:
-                fwd = lambda: linear_cross_entropy(x, weight, y)  # noqa: E731
-        elif method == "liger_flce":
-            # LigerFusedLinearCrossEntropyLoss.forward(lin_weight [C, D], _input [B, D], target [B])
-            from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
-
-            loss_fn = LigerFusedLinearCrossEntropyLoss()
-            fwd = lambda: loss_fn(weight, x, y)  # noqa: E731
-        else:
-            raise ValueError(method)
+        fwd = peer_forward(method, x, weight, y)
 
     update = _master_update(params[1:], dtype) if master else None
 
@@ -221,35 +178,29 @@ def _master_update(weights, dtype):
     return update
 
 
-def build_gemms(batch, classes, dim, dtype, device):
-    """The layer's three GEMMs of the same shapes: logits, dX, dW."""
-    x = torch.randn(batch, dim, device=device, dtype=dtype)
-    w = torch.randn(classes, dim, device=device, dtype=dtype)
-    g = torch.randn(batch, classes, device=device, dtype=dtype)
-    dx = torch.empty(batch, dim, device=device, dtype=dtype)
-    dw = torch.empty(classes, dim, device=device, dtype=dtype)
-
-    def step():
-        torch.mm(x, w.t(), out=g)
-        torch.mm(g, w, out=dx)
-        torch.mm(g.t(), x, out=dw)
-
-    return step
-
-
 METHOD_BUDGET_S = 20.0  # GPU: seconds of timed steps per method and shape (--method-budget)
 
 
-def time_it(step, device, repeat):
-    """Per-step seconds of ``repeat`` timed steps (2 warm-up steps; CUDA: events, device sync).
-    On the GPU, a method whose step is slow gets fewer timed steps (at least 3) so that its
-    timed steps take about METHOD_BUDGET_S: one slow peer must not use up the run's time."""
+def time_interleaved(step, gemms, device, repeat):
+    """(method seconds, baseline seconds): ``repeat`` timed steps of each, alternating a step of
+    the method with one of the three-GEMM baseline (2 warm-up pairs; CUDA: events, device
+    sync), so that a change of the machine's load or clocks hits both alike. On the GPU, a
+    method whose step is slow gets fewer pairs (at least 3) so that they take about
+    METHOD_BUDGET_S: one slow peer must not use up the run's time."""
     if device.type == "cuda":
         step()
-        first = time_once(step, device, sync="device")
+        gemms()
+        first = time_once(step, device, sync="device") + time_once(gemms, device, sync="device")
         repeat = max(3, min(repeat, int(METHOD_BUDGET_S / max(first, 1e-6))))
-        return time_all(step, device, repeat, warmup=0, sync="device")
-    return time_all(step, device, repeat, warmup=2, sync="device")
+    else:
+        for _ in range(2):
+            step()
+            gemms()
+    times, floor = [], []
+    for _ in range(repeat):
+        times.append(time_once(step, device, sync="device"))
+        floor.append(time_once(gemms, device, sync="device"))
+    return times, floor
 
 
 def _rss_kib(field):
@@ -260,8 +211,9 @@ def _rss_kib(field):
 
 
 def measure(method, batch, classes, dim, dtype, device, repeat):
-    """{'time_s', 'extra_mib'} for one method in this process: extra = peak of one step
-    beyond the memory live before it and the gradients it leaves."""
+    """{'times_s', 'floor_times_s', 'extra_mib'} for one method in this process: its step
+    times and those of the three-GEMM baseline timed interleaved with them, and extra = peak
+    of one step beyond the memory live before it and the gradients it leaves."""
     step, params = build_step(method, batch, classes, dim, dtype, device)
     step()  # warm-up (allocator pools, kernels' first-use costs)
     for p in params:
@@ -280,7 +232,9 @@ def measure(method, batch, classes, dim, dtype, device, repeat):
         step()
         peak = _rss_kib("VmHWM") * 1024 - base
     grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
-    return {"times_s": time_it(step, device, repeat), "extra_mib": (peak - grads) / 2**20}
+    gemms = build_gemms(batch, classes, dim, dtype, device)  # after the memory figure: not in it
+    times, floor = time_interleaved(step, gemms, device, repeat)
+    return {"times_s": times, "floor_times_s": floor, "extra_mib": (peak - grads) / 2**20}
 
 
 def measure_isolated(method, batch, classes, dim, dtype_name, device, repeat):
@@ -308,11 +262,6 @@ def measure_isolated(method, batch, classes, dim, dtype_name, device, repeat):
     ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def gemm_floor(batch, classes, dim, dtype, device, repeat):
-    step = build_gemms(batch, classes, dim, dtype, device)
-    return time_it(step, device, repeat)
 
 
 def _fits(method, batch, classes, dim, dtype, device, master=False):
@@ -400,10 +349,27 @@ def max_classes(method, batch, dim, dtype_name, device, budget_s, lo, hi, master
     return {"largest": largest, "complete": stopped is None, "stopped": stopped, "probes": probes}
 
 
+def summarize(res):
+    """A method's medians: its step time, its interleaved baseline's (gemm_floor_s), their ratio
+    and the 25th-75th percentiles of the per-repetition ratios (the spread)."""
+    times, floor = res["times_s"], res["floor_times_s"]
+    pairs = sorted(t / f for t, f in zip(times, floor))
+    quart = statistics.quantiles(pairs, n=4, method="inclusive") if len(pairs) > 1 else [pairs[0]] * 3
+    time_s, floor_s = statistics.median(times), statistics.median(floor)
+    return dict(
+        res,
+        time_s=time_s,
+        gemm_floor_s=floor_s,
+        gemm_ratio=time_s / floor_s,
+        gemm_ratio_p25=quart[0],
+        gemm_ratio_p75=quart[2],
+    )
+
+
 def run(args):
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
-    shapes = args.shapes or [(b, c, args.dim) for b in args.batch for c in args.classes]
+    shapes = args.shapes if args.shapes is not None else [(b, c, args.dim) for b in args.batch for c in args.classes]
     rows, largest, targets = [], {}, []
     notes = method_notes()
 
@@ -423,10 +389,9 @@ def run(args):
         print(f"\nB={batch} C={classes} D={dim}:")
         # Rounds run the methods interleaved (and re-measure the floor), so a change in the
         # machine's load between methods does not masquerade as a speed difference.
-        floor_times, results = [], {}
+        results = {}
         for _ in range(args.rounds):
-            floor_times += gemm_floor(batch, classes, dim, dtype, device, args.repeat)
-            for method in args.methods or METHODS:
+            for method in args.methods or METHODS + [f"shardkit@{b}" for b in args.budgets]:
                 if method == "shardkit+checks" and device.type != "cuda":
                     continue  # on the CPU the check's sync costs nothing extra: same row
                 reason = unavailable(method, device)
@@ -457,26 +422,32 @@ def run(args):
                     results[method] = None
                     continue
                 if results.get(method) is None:
-                    results[method] = {"times_s": [], "extra_mib": 0.0}
+                    results[method] = {"times_s": [], "floor_times_s": [], "extra_mib": 0.0}
                 results[method]["times_s"] += res["times_s"]
+                results[method]["floor_times_s"] += res["floor_times_s"]
                 results[method]["extra_mib"] = max(results[method]["extra_mib"], res["extra_mib"])
-        results = {m: dict(r, time_s=statistics.median(r["times_s"])) for m, r in results.items() if r}
-        floor_t = statistics.median(floor_times)
+        results = {m: summarize(r) for m, r in results.items() if r}
+        if not results:
+            continue
+        floor_t = statistics.median(t for r in results.values() for t in r["floor_times_s"])
         rate = 6.0 * batch * classes * dim / floor_t / 1e9
-        print(f"  floor: the 3 GEMMs take {floor_t * 1e3:.2f} ms ({rate:.1f} GFLOP/s)")
+        print(
+            f"  baseline: the 3 GEMMs take {floor_t * 1e3:.2f} ms ({rate:.1f} GFLOP/s; median over every "
+            "method's interleaved repetitions; each row's ratio uses its own)"
+        )
         base = results.get("linear+cross_entropy")
         print(
-            f"  {'method':28s} {'time ms':>9s} {'x (a)':>7s} {'x GEMMs':>8s} {'% floor':>8s} "
+            f"  {'method':28s} {'time ms':>9s} {'x (a)':>7s} {'x GEMMs [p25-p75]':>20s} {'% floor':>8s} "
             f"{'extra MiB':>10s} {'x (a)':>7s}"
         )
         shape_rows = []
         for method, res in results.items():
             t_ratio = res["time_s"] / base["time_s"] if base else float("nan")
             m_ratio = res["extra_mib"] / base["extra_mib"] if base and base["extra_mib"] > 0 else float("nan")
+            spread = f"{res['gemm_ratio']:.2f} [{res['gemm_ratio_p25']:.2f}-{res['gemm_ratio_p75']:.2f}]"
             print(
-                f"  {method:28s} {res['time_s'] * 1e3:9.2f} {t_ratio:7.2f} {res['time_s'] / floor_t:8.2f} "
-                f"{100 * floor_t / res['time_s']:7.1f}% "
-                f"{res['extra_mib']:10.1f} {m_ratio:7.3f}"
+                f"  {method:28s} {res['time_s'] * 1e3:9.2f} {t_ratio:7.2f} {spread:>20s} "
+                f"{100 / res['gemm_ratio']:7.1f}% {res['extra_mib']:10.1f} {m_ratio:7.3f}"
             )
             shape_rows.append(
                 dict(
@@ -486,8 +457,7 @@ def run(args):
                     dim=dim,
                     dtype=args.dtype,
                     device=str(device),
-                    gemm_floor_s=floor_t,
-                    gemm_gflops=rate,
+                    gemm_gflops=6.0 * batch * classes * dim / res["gemm_floor_s"] / 1e9,
                     time_ratio_vs_a=t_ratio,
                     extra_ratio_vs_a=m_ratio,
                     **res,
@@ -547,6 +517,19 @@ def run(args):
     return rows, largest, targets
 
 
+def method_arg(name):
+    """A --methods entry: a known method or shardkit@<budget>."""
+    if name in METHODS:
+        return name
+    if name.startswith("shardkit@"):
+        try:
+            check_budget_spec(name[len("shardkit@") :])
+            return name
+        except (ValueError, TypeError) as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    raise argparse.ArgumentTypeError(f"unknown method {name!r}: one of {', '.join(METHODS)} or shardkit@<budget>")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -582,7 +565,36 @@ def main():
     )
     p.add_argument("--_maxc_child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--shards", type=int, default=1, help="shards of the shardkit head (all on --device)")
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=None, help="time only these methods (default: all)")
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        type=method_arg,
+        default=None,
+        help=f"time only these methods (default: all): {', '.join(METHODS)} or shardkit@<budget>",
+    )
+    p.add_argument(
+        "--budgets",
+        nargs="*",
+        type=check_budget_spec,
+        default=None,
+        help="shardkit memory budgets to time beside budget 0: sizes (256MiB), N%% of the full logits, or "
+        f"full (default: {' '.join(DEFAULT_CPU_BUDGETS).replace('%', '%%')} on the CPU, none on GPUs, where "
+        "shards recompute)",
+    )
+    p.add_argument(
+        "--shape",
+        type=int,
+        nargs=3,
+        action="append",
+        default=None,
+        metavar=("B", "C", "D"),
+        help="a shape to time (repeatable; replaces --batch/--classes/--dim and --cpu-target's shapes)",
+    )
+    p.add_argument(
+        "--llm-shapes",
+        action="store_true",
+        help="also the large-vocabulary shapes: tokens 4096 and 8192 x vocabulary 128256 and 256000 x hidden 4096",
+    )
     p.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.master_weights and not (args.max_classes or args.max_classes_only or args._maxc_child):
@@ -627,8 +639,14 @@ def main():
             args.master_weights,
         )
         return
+    if args.budgets is None:
+        args.budgets = [] if gpu else list(DEFAULT_CPU_BUDGETS)
+    if args.shape:
+        args.shapes = [tuple(shape) for shape in args.shape]
+    if args.llm_shapes:
+        args.shapes = (args.shapes or [(b, c, args.dim) for b in args.batch for c in args.classes]) + LLM_SHAPES
     if args.max_classes_only:
-        args.classes = []  # no timed shapes
+        args.classes, args.shapes = [], []  # no timed shapes
     rows, largest, targets = run(args)
     print()
     save(rows, largest, targets, args, method_notes(), complete=True)

@@ -55,7 +55,7 @@ def test_every_benchmark_script_imports(bench_path, name):
         assert callable(getattr(module, "main", None)), f"{name} has no main()"
 
 
-@pytest.mark.parametrize("method", ["shardkit", "shardkit+checks"])
+@pytest.mark.parametrize("method", ["shardkit", "shardkit+checks", "shardkit@full", "shardkit@50%", "shardkit@2KiB"])
 def test_the_sharded_loss_benchmark_runs_shardkit(bench_path, method):
     bench = importlib.import_module("bench_sharded_loss")
     seed = int(torch.randint(0, 2**31, ()).item())
@@ -102,3 +102,35 @@ def test_the_largest_classes_search_runs_with_master_weights_on_the_cpu(bench_pa
     assert res["complete"], res
     assert [p["classes"] for p in res["probes"]] == [1000, 2000] and all(p["ok"] for p in res["probes"]), res
     assert res["largest"] == 2000
+
+
+def test_the_budget_specs_grant_what_they_say(bench_path):
+    from shardkit.ops import kept_bytes
+    from shardkit.softmax.budget import shard_budgets
+
+    methods = importlib.import_module("_sharded_loss_methods")
+    for shards, batch, classes in ((1, 9, 101), (3, 7, 10), (4, 5, 1003)):
+        full = methods.budget_bytes("full", batch, classes, torch.float32, shards)
+        sizes = [classes // shards + (k < classes % shards) for k in range(shards)]
+        fake = [torch.empty(c, 1) for c in sizes]  # one device: the shards share its budget
+        for size, granted in zip(sizes, shard_budgets(full, fake)):
+            assert granted >= kept_bytes(batch, size, 1, 1 << 62)  # every class of every shard
+        assert methods.budget_bytes("50%", batch, classes, torch.float32, shards) == full // 2
+    assert methods.budget_bytes("1MiB", 9, 101, torch.float32) == 1 << 20
+    assert methods.budget_of("shardkit@25%") == "25%" and methods.budget_of("shardkit") is None
+    for bad in ("0%", "101%", "lots", "-1"):
+        with pytest.raises(ValueError):
+            methods.check_budget_spec(bad)
+
+
+def test_the_baseline_is_timed_interleaved_with_each_method(bench_path):
+    bench = importlib.import_module("bench_sharded_loss")
+    calls = []
+    times, floor = bench.time_interleaved(
+        lambda: calls.append("m"), lambda: calls.append("g"), torch.device("cpu"), repeat=4
+    )
+    assert len(times) == len(floor) == 4
+    assert calls == ["m", "g"] * 6  # two warm-up pairs, then method and baseline alternate
+    row = bench.summarize({"times_s": [2.0, 4.0, 3.0], "floor_times_s": [1.0, 2.0, 2.0], "extra_mib": 0.0})
+    assert row["time_s"] == 3.0 and row["gemm_floor_s"] == 2.0 and row["gemm_ratio"] == 1.5
+    assert (row["gemm_ratio_p25"], row["gemm_ratio_p75"]) == (1.75, 2.0)  # of the pairs 2, 2, 1.5
