@@ -31,7 +31,8 @@ Usage:
   python benchmarks/bench_sharded_loss.py --cpu-target          # CPU, fp32, B=256: D=128 C=200k and D=512 C=100k
       # (with shardkit at budgets 25%, 50% and the full logits: --budgets)
   python benchmarks/bench_sharded_loss.py --cpu-target --shape 256 100000 512 --methods shardkit \
-      shardkit@full cce_torch_compile --rounds 3 --repeat 5   # the memory-budget CPU targets only
+      shardkit@25% shardkit@50% shardkit@full cce_torch_compile --rounds 2 --repeat 5
+      # the memory-budget CPU targets only (on a shared machine add --clock user --threads 1)
   python benchmarks/bench_sharded_loss.py --device cuda         # D=512, B {256,1024}, C {100k,1M} bf16
   python benchmarks/bench_sharded_loss.py --device cuda --llm-shapes --budgets full
       # also tokens {4096,8192} x vocabulary {128256,256000} x hidden 4096
@@ -54,6 +55,7 @@ shape's time against extra memory for every method and budget.
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -95,6 +97,8 @@ DEFAULT_CPU_BUDGETS = ("25%", "50%", "full")  # --budgets on the CPU; none on GP
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+CPU_CLOCK = None  # --clock cpu / user: CPU timings in process CPU (or user) seconds
+THREADS = None  # --threads: torch threads on the CPU (None: torch's default)
 SHARDS = 1  # shards of the shardkit head, all on the benchmark device (--shards)
 OWN_FAILURES = []  # shardkit's own failures: the run still reports the peers, then exits 1
 
@@ -190,7 +194,7 @@ def time_interleaved(step, gemms, device, repeat):
     if device.type == "cuda":
         step()
         gemms()
-        first = time_once(step, device, sync="device") + time_once(gemms, device, sync="device")
+        first = timed(step, device) + timed(gemms, device)
         repeat = max(3, min(repeat, int(METHOD_BUDGET_S / max(first, 1e-6))))
     else:
         for _ in range(2):
@@ -198,9 +202,28 @@ def time_interleaved(step, gemms, device, repeat):
             gemms()
     times, floor = [], []
     for _ in range(repeat):
-        times.append(time_once(step, device, sync="device"))
-        floor.append(time_once(gemms, device, sync="device"))
+        times.append(timed(step, device))
+        floor.append(timed(gemms, device))
     return times, floor
+
+
+def timed(fn, device):
+    """Seconds of one call: time_once's (CUDA events, or wall clock), or on the CPU with
+    ``--clock cpu`` the process's CPU seconds (user + system, all its threads) and with
+    ``--clock user`` its user seconds alone. On a machine shared with busy processes these count
+    the work done rather than the waits for a core (with --threads 1 nothing else is left out);
+    "user" also leaves out the kernel's time, page faults of fresh buffers included, which
+    there varies with the other processes' memory (huge-page compaction)."""
+    if CPU_CLOCK and device.type == "cpu":
+        t0 = _cpu_seconds()
+        fn()
+        return _cpu_seconds() - t0
+    return time_once(fn, device, sync="device")
+
+
+def _cpu_seconds():
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + (usage.ru_stime if CPU_CLOCK == "cpu" else 0.0)
 
 
 def _rss_kib(field):
@@ -259,6 +282,9 @@ def measure_isolated(method, batch, classes, dim, dtype_name, device, repeat):
         str(repeat),
         "--shards",
         str(SHARDS),
+        "--clock",
+        CPU_CLOCK or "wall",
+        *(["--threads", str(THREADS)] if THREADS else []),
     ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -381,7 +407,7 @@ def run(args):
         f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, dtype {args.dtype}"
     )
     if device.type == "cpu":
-        print(f"# {cpu_description()}")
+        print(f"# {cpu_description()}; timed by {CPU_CLOCK + ' time of the process' if CPU_CLOCK else 'wall clock'}")
     if device.type == "cuda":
         for method in CCE:
             print(f"# {method}: {notes[method]}")
@@ -566,6 +592,14 @@ def main():
     p.add_argument("--_maxc_child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--shards", type=int, default=1, help="shards of the shardkit head (all on --device)")
     p.add_argument(
+        "--clock",
+        choices=("wall", "cpu", "user"),
+        default="wall",
+        help="CPU timing: wall clock (default), the process's CPU time (cpu: user + system) or its user time "
+        "(for a machine shared with busy processes; best with --threads 1)",
+    )
+    p.add_argument("--threads", type=int, default=None, help="CPU: torch threads of every method (default: torch's)")
+    p.add_argument(
         "--methods",
         nargs="+",
         type=method_arg,
@@ -599,8 +633,11 @@ def main():
     args = p.parse_args()
     if args.master_weights and not (args.max_classes or args.max_classes_only or args._maxc_child):
         p.error("--master-weights applies to the largest-C search: add --max-classes or --max-classes-only")
-    global SHARDS, METHOD_BUDGET_S
+    global SHARDS, METHOD_BUDGET_S, CPU_CLOCK, THREADS
     SHARDS, METHOD_BUDGET_S = args.shards, args.method_budget
+    CPU_CLOCK, THREADS = (None if args.clock == "wall" else args.clock), args.threads
+    if THREADS:
+        torch.set_num_threads(THREADS)
     args.shapes = None
     if args.cpu_target:  # issue 16's two CPU shapes (unless --batch/--classes/--dim narrow them)
         args.device, args.dtype = "cpu", args.dtype or "fp32"
