@@ -317,6 +317,36 @@ def test_with_sharded_head_on_the_pipeline_devices():
     assert set(pipe.memory_per_device()) == {torch.device("cpu")}
 
 
+def test_output_device_other_than_the_last_stage():
+    # Without a GPU the one device other than the CPU is "meta": the output goes there from a
+    # CPU pipeline (shape and dtype kept). The GPU twin below checks values and gradients.
+    ref = _mlp(int(torch.randint(0, 2**31, ()).item()))
+    assert PipelineModel(copy.deepcopy(ref), ["cpu", "cpu"]).output_device == torch.device("cpu")
+    pipe = PipelineModel(copy.deepcopy(ref), ["cpu", "cpu"], chunks=3, output_device="meta")
+    assert pipe.output_device == torch.device("meta")
+    out = pipe(torch.randn(7, 4, dtype=torch.float64))
+    assert out.device == torch.device("meta") and out.shape == (7, 3) and out.dtype == torch.float64
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("devices,output_device", [(["cuda:0", "cuda:0"], "cpu"), (["cpu", "cpu"], "cuda:0")])
+def test_gpu_output_device_other_than_the_last_stage(devices, output_device):
+    ref = _mlp(9)
+    pipe = PipelineModel(copy.deepcopy(ref), devices, chunks=3, output_device=output_device)
+    x = torch.randn(11, 4, dtype=torch.float64)
+    x1, x2 = x.clone().requires_grad_(), x.clone().to(devices[0]).requires_grad_()
+    coef = torch.randn(11, 3, dtype=torch.float64)
+    (ref(x1) * coef).sum().backward()
+    out = pipe(x2)  # to the CPU: read at once, as a user would (no synchronize in between)
+    assert out.device == torch.device(output_device)
+    torch.testing.assert_close(out.detach().cpu(), ref(x).detach(), rtol=1e-12, atol=1e-12)
+    (out * coef.to(output_device)).sum().backward()  # the backward crosses back to the stages
+    torch.testing.assert_close(x2.grad.cpu(), x1.grad, rtol=1e-12, atol=1e-12)
+    for g, h in zip(_grads(pipe), _grads(ref)):
+        torch.testing.assert_close(g.cpu(), h, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.gpu
 @GPU
 @pytest.mark.parametrize("ckpt", ["never", "except_last"])

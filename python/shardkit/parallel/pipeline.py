@@ -300,9 +300,12 @@ class PipelineModel(nn.Module):
             results = run_parallel(calls, [self.stage_devices[s] for s, _ in tasks], "PipelineModel")
             for (_, i), (y, event) in zip(tasks, results):
                 acts[i], events[i] = y, event
+        # A non-blocking copy to the CPU would return before its data arrived (torch.cat on the
+        # host would read it too early): only copies to a GPU are asynchronous.
+        non_blocking = self.output_device.type == "cuda"
         out = torch.cat(
             [
-                a.to(self.output_device, non_blocking=True) if a.device != self.output_device else a
+                a.to(self.output_device, non_blocking=non_blocking) if a.device != self.output_device else a
                 for a in self._join(acts, events, streams)
             ]
         )
