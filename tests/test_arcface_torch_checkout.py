@@ -118,3 +118,24 @@ def test_runner_check_loads_the_checkout():
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert '"pinned": true' in proc.stdout and '"rec": "synthetic"' in proc.stdout
+
+
+def test_iresnet50_is_arcface_torch_layout():
+    # shardkit.train's iresnet50 (written from the architecture's description) holds the same
+    # tensors in the same order as arcface_torch's iresnet50, and with its weights computes
+    # the same embeddings (eval mode, float64, one 112x112 image)
+    from shardkit.train.models import build_backbone
+
+    theirs_mod = setup.load_file_module(ROOT, "backbones/iresnet.py")
+    theirs = theirs_mod.iresnet50(False, num_features=512).double().eval()
+    ours = build_backbone("iresnet50", 512).double().eval()
+    ts, os_ = theirs.state_dict(), ours.state_dict()
+    assert [v.shape for v in ts.values()] == [v.shape for v in os_.values()]
+    with torch.no_grad():
+        for t in ts.values():  # fresh statistics and weights, so that every layer matters
+            t.copy_(torch.rand_like(t.double()).to(t.dtype) + 0.5 if t.dtype.is_floating_point else t)
+    ours.load_state_dict(dict(zip(os_.keys(), ts.values())))
+    x = torch.randn(1, 3, 112, 112, dtype=torch.float64)
+    with torch.no_grad():
+        a, b = theirs(x), ours(x)
+    assert torch.allclose(a, b, rtol=1e-10, atol=1e-12), float((a - b).abs().max())
