@@ -302,7 +302,9 @@ def _memory(probe) -> dict:
     out = dict(
         peak_allocated=torch.cuda.max_memory_allocated(),
         peak_reserved=torch.cuda.max_memory_reserved(),
-        allocated_at_stop=torch.cuda.memory_allocated(),  # between steps: grads freed by zero_grad
+        # at the head's call of the step after the last timed one: weights, optimizer state and
+        # that step's backbone activations (the gradients were freed by zero_grad)
+        allocated_at_next_head_call=torch.cuda.memory_allocated(),
         device_total=torch.cuda.get_device_properties(0).total_memory,
     )
     opt = probe.optimizer
