@@ -173,9 +173,9 @@ def test_fp16_flag_and_outer_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.equal(head(x, labels), fp32)
     head.fp16 = True
-    half = head(x, labels)
+    half = head(x, labels).detach()
     ref = reference_loss(x, head.weight.detach(), labels, normalize=True, scale=64.0, m3=0.4)
-    assert half.dtype == torch.float32
+    assert half.dtype == torch.float32 and not torch.equal(half, fp32.detach())  # the embeddings went fp16
     assert abs(float(half) - float(ref)) <= 1e-2 * abs(float(ref))
 
 
