@@ -4,9 +4,9 @@ and the largest class count that fits. Needs a CUDA GPU (train_v2.py uses NCCL a
 
 The user's checkout is read, never modified: ``--arcface-torch PATH`` (the arcface_torch
 folder or an insightface checkout; default $SHARDKIT_ARCFACE_TORCH), checked against the
-pinned insightface commit (see _arcface_torch_setup.py). Each run is a child process that
-sets torchrun's one-process environment (RANK=0, WORLD_SIZE=1, ...; or runs under
-``torchrun --nproc_per_node=1`` when launched so), registers the config (arcface_torch's
+pinned insightface commit (see _arcface_torch_setup.py). Each run is a child process with
+the environment ``torchrun --nproc_per_node=1`` gives (RANK=0, WORLD_SIZE=1, a free
+MASTER_PORT; start this script with plain python) that registers the config (arcface_torch's
 configs/3millions.py speed config with the options below, ``configs/shardkit_run``) and
 executes train_v2.py with runpy. The heads (``--head``, comma-separated for several):
 
@@ -14,7 +14,7 @@ executes train_v2.py with runpy. The heads (``--head``, comma-separated for seve
   shardkit         shardkit.softmax.partial_fc.PartialFC_V2 put in place of the module
                    ``partial_fc_v2`` (what the one-line import change does); same optimizer
   shardkit-sparse  SparseRowPartialFC_V2 and torch.optim.SGD replaced by shardkit.SparseRowSGD
-                   (the two-line change: row-sparse gradients, unsampled rows untouched)
+                   (the three-line change: row-sparse gradients, unsampled rows untouched)
 
 Options taking comma-separated lists run every combination (``--classes``, ``--sample-rate``,
 ``--batch``, ``--seeds``). Packages train_v2.py imports but the synthetic path never uses
@@ -177,10 +177,11 @@ def run_one(setting: dict, args) -> dict:
         argv += ["--arcface-torch", args.arcface_torch, "--network", args.network, "--workers", str(args.workers)]
         argv += ["--margin", args.margin, "--fp16" if args.fp16 else "--no-fp16"]
         argv += ["--allow-unpinned"] if args.allow_unpinned else []
-        env = dict(os.environ)
-        if "RANK" not in env:  # torchrun --nproc_per_node=1's environment
-            env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        # what `torchrun --nproc_per_node=1 train_v2.py` gives the script, with a fresh port per
+        # run (an outer torchrun's rendezvous store is not reused: its keys are per job)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0")
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
         try:
             proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=args.timeout)
         except subprocess.TimeoutExpired:
