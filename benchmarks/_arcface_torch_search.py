@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import math
 
-SEARCH_STEPS, SEARCH_WARMUP = 2, 1  # the optimizer state exists from the first step on
+# A probe runs until the optimizer has stepped twice (its state then exists and a gradient is
+# alive beside it; fp16's GradScaler may skip the first steps), 40 training steps at most.
+SEARCH_STEPS, SEARCH_WARMUP, SEARCH_OPTIMIZER_STEPS, SEARCH_MAX_STEPS = 2, 1, 2, 40
 
 
 def _nice(classes: float) -> int:
@@ -30,7 +32,8 @@ def search_max_classes(base: dict, run, args) -> dict:
     probes = []
 
     def probe(classes):
-        res = run(dict(base, classes=classes, steps=SEARCH_STEPS, warmup=SEARCH_WARMUP))
+        setting = dict(base, classes=classes, steps=SEARCH_STEPS, warmup=SEARCH_WARMUP)
+        res = run(dict(setting, min_optimizer_steps=SEARCH_OPTIMIZER_STEPS, max_calls=SEARCH_MAX_STEPS + 1))
         probes.append(
             dict(
                 classes=classes,

@@ -262,14 +262,19 @@ class StopRun(Exception):
 
 
 class StepProbe:
-    """Counts the head's forward calls (one per training step of train_v2.py) and times the
-    steps between call ``warmup + 1`` and call ``warmup + steps + 1`` (the device synchronized
-    at both ends; train_v2.py's ``loss.item()`` syncs every step anyway). Records each step's
-    loss (a detached tensor; floats at the end)."""
+    """Counts the head's forward calls (one per training step of train_v2.py) and the
+    optimizer's steps, and times the steps from call ``warmup + 1`` to the call that stops the
+    run (the device synchronized at both ends; train_v2.py's ``loss.item()`` syncs every step
+    anyway). The run stops at call ``warmup + steps + 1`` once the optimizer has stepped
+    ``min_optimizer_steps`` times (fp16's GradScaler skips the steps whose gradients overflow,
+    and a skipped step allocates no optimizer state), or at call ``max_calls``. Records each
+    step's loss (a detached tensor; floats at the end)."""
 
-    def __init__(self, warmup: int, steps: int, batch: int):
+    def __init__(self, warmup: int, steps: int, batch: int, min_optimizer_steps: int = 0, max_calls: int = 0):
         self.warmup, self.steps, self.batch = warmup, steps, batch
-        self.calls, self.losses = 0, []
+        self.min_optimizer_steps = min_optimizer_steps
+        self.max_calls = max(max_calls, warmup + steps + 1)
+        self.calls, self.optimizer_steps, self.losses = 0, 0, []
         self.t0 = self.t1 = None
         self.head = None  # the head module, from its first forward
         self.optimizer = None  # the optimizer, from its first step (a global step hook)
@@ -278,22 +283,30 @@ class StepProbe:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
 
+    def after_optimizer_step(self, optimizer):
+        self.optimizer = optimizer
+        self.optimizer_steps += 1
+
     def before_forward(self):
         self.calls += 1
         if self.calls == self.warmup + 1:
             self._sync()
             self.t0 = time.perf_counter()
-        if self.calls == self.warmup + self.steps + 1:
+        done = self.calls > self.warmup + self.steps and self.optimizer_steps >= self.min_optimizer_steps
+        if done or self.calls >= self.max_calls:
             self._sync()
             self.t1 = time.perf_counter()
             raise StopRun
 
     def result(self) -> dict:
-        seconds = None if self.t0 is None or self.t1 is None else self.t1 - self.t0
+        timed = self.calls - 1 - self.warmup
+        seconds = None if self.t0 is None or self.t1 is None or timed < 1 else self.t1 - self.t0
         return {
-            "timed_steps": self.steps if seconds is not None else 0,
+            "timed_steps": timed if seconds is not None else 0,
             "seconds": seconds,
-            "images_per_s": None if not seconds else self.steps * self.batch / seconds,
+            "images_per_s": None if not seconds else timed * self.batch / seconds,
+            "optimizer_steps": self.optimizer_steps,
+            "enough_optimizer_steps": self.optimizer_steps >= self.min_optimizer_steps,
             "losses": [float(v) for v in self.losses],
         }
 

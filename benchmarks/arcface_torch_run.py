@@ -239,7 +239,13 @@ def child_main(args) -> None:
     try:
         result["checkout"] = setup.check_pinned(args.arcface_torch, args.allow_unpinned)
         result["stubs"], result["shims"] = prepare(args.arcface_torch)
-        probe = setup.StepProbe(setting["warmup"], setting["steps"], setting["batch"])
+        probe = setup.StepProbe(
+            setting["warmup"],
+            setting["steps"],
+            setting["batch"],
+            min_optimizer_steps=setting.get("min_optimizer_steps", 0),
+            max_calls=setting.get("max_calls", 0),
+        )
         _install_head(setting["head"], probe)
         config = setup.register_config(config_overrides(setting, args, setting["workdir"]))
         os.chdir(setting["workdir"])  # train_v2.py writes its log and tensorboard folder there
@@ -248,7 +254,11 @@ def child_main(args) -> None:
             runpy.run_path(sys.argv[0], run_name="__main__")
             result["error"] = "train_v2.py ended before the timed steps were done"
         except setup.StopRun:
-            result.update(status="ok", **probe.result(), **_memory(probe))
+            result.update(**probe.result(), **_memory(probe))
+            # a probe whose optimizer never stepped enough has no optimizer state in its peak
+            result["status"] = "ok" if result["enough_optimizer_steps"] else "error"
+            if not result["enough_optimizer_steps"]:
+                result["error"] = f"only {probe.optimizer_steps} optimizer steps in {probe.calls - 1} training steps"
             result["optimizer"] = type(probe.optimizer).__name__ if probe.optimizer is not None else None
             base = type(probe.head).__mro__[1]  # the class the probe wraps
             result["head_class"] = f"{base.__module__}.{base.__name__}"
@@ -291,7 +301,7 @@ def _install_head(head: str, probe) -> None:
         torch.optim.SGD = SGDToSparseRowSGD
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    register_optimizer_step_post_hook(lambda opt, a, k: setattr(probe, "optimizer", opt))
+    register_optimizer_step_post_hook(lambda opt, args, kwargs: probe.after_optimizer_step(opt))
 
 
 def _memory(probe) -> dict:

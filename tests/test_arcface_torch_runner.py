@@ -240,3 +240,22 @@ def test_child_runs_the_script_with_each_head(runner, standin):
         )
     oom = _child_run(runner, standin, "pfc", 6000, 1.0)
     assert oom["status"] == "oom" and "out of memory" in oom["error"]
+
+
+def test_step_probe_waits_for_optimizer_steps(runner):
+    setup = sys.modules["_arcface_torch_setup"]
+    probe = setup.StepProbe(warmup=1, steps=2, batch=4, min_optimizer_steps=2, max_calls=10)
+    calls = 0
+    with pytest.raises(setup.StopRun):
+        while True:
+            calls += 1
+            probe.before_forward()
+            if calls >= 5:  # the first four steps were skipped (as fp16's GradScaler does)
+                probe.after_optimizer_step("opt")
+    res = probe.result()
+    assert calls == 7 and res["optimizer_steps"] == 2 and res["enough_optimizer_steps"] and res["timed_steps"] == 5
+    probe = setup.StepProbe(warmup=0, steps=1, batch=4, min_optimizer_steps=1, max_calls=3)
+    with pytest.raises(setup.StopRun):
+        for _ in range(10):
+            probe.before_forward()
+    assert probe.calls == 3 and not probe.result()["enough_optimizer_steps"]
