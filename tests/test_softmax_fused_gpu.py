@@ -342,9 +342,11 @@ import json, sys
 import torch
 import shardkit
 
-# cuBLAS and autograd set up by a step that does not touch shardkit: its first call is the capture.
+# cuBLAS and autograd set up by steps that do not touch shardkit (the GEMMs its backward runs:
+# bf16 in and out, bf16 in and fp32 out): its first call is the capture.
 a = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 (a @ a).sum().backward()
+torch.mm(a.detach(), a.detach(), out_dtype=torch.float32)
 torch.cuda.synchronize()
 head = shardkit.ShardedSoftmaxLoss(
     128, 5000, margin=shardkit.ArcFace(), devices=["cuda"], dtype=torch.bfloat16, check_inputs=False,
