@@ -446,7 +446,7 @@ PYEOF
     fi
     # Every sharded-loss GPU test (the fused variants, both kernel sets of the op, mixed
     # precision, the module, NCCL), then the host-side layout check of the fused kernels.
-    step tests-sharded-loss 270 "$PY -m pytest -m gpu tests/test_softmax_fused_gpu.py tests/test_softmax_ops_gpu.py \
+    step tests-sharded-loss 300 "$PY -m pytest -m gpu tests/test_softmax_fused_gpu.py tests/test_softmax_ops_gpu.py \
       tests/test_softmax_mixed.py tests/test_softmax_loss.py tests/test_softmax_distributed_nccl.py $PYTEST_OPTS \
       -q --junitxml=$WORK/out/junit_sharded_loss.xml && $PY -m pytest tests/test_fused_layout.py $PYTEST_OPTS -q"
     tests_ok=$?
