@@ -17,7 +17,10 @@
 # then the sanitizers over the fused variants, and only then the op-level timings of the fused
 # variants (square tiles, programmatic dependent launch, the backward's second stream) against
 # the three cuBLAS GEMMs timed alternately with each. Its follow-up, `next-b`, times the module
-# against its peers under each variant. Failing tests stop the stage before the timings.
+# against its peers under each variant. Failing tests stop the stage before the timings. Build
+# the extension beforehand on a CPU machine (`bash benchmarks/prebuild_gpu_ext.sh`, then carry
+# wheels/ along): a fresh build on the GPU machine takes ~3 of the ten minutes, and the timings
+# that no longer fit are reported SKIPPED.
 #
 #   bash benchmarks/gpu_suite.sh quick     # the most informative 10 minutes (tests, memcheck, CE)
 #   bash benchmarks/gpu_suite.sh quick-b   # its follow-up: EMA and normalize bandwidth, CE profiles
