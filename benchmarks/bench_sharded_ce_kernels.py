@@ -8,8 +8,11 @@ plus one more logits GEMM for the backward's recompute.
 
 The default chunk size (what ``ce_shard_stats`` picks when ``chunk_classes`` is None, from
 its working-set budget) is always measured, first, and ``--chunks`` adds sizes to compare
-with it. The JSON is rewritten after each variant, so a run stopped part-way keeps the
-variants that finished.
+with it. Each variant's forward+backward is also timed alternately with the three cuBLAS GEMMs
+of the layer (one GEMM, then one step, ``--reps`` times): the ratio of the pair's medians and
+the spread of the per-pair ratios (min to max) do not depend on the clock or thermal state of
+when the baseline ran. The JSON is rewritten after each variant, so a run stopped part-way
+keeps the variants that finished.
 
     python benchmarks/bench_sharded_ce_kernels.py --device cpu --batch 256 --dim 128 --classes 200000
 """
@@ -17,6 +20,7 @@ variants that finished.
 import argparse
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -25,30 +29,38 @@ import torch.nn.functional as F
 import shardkit
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _timing, whatever the cwd
-from _timing import out_dir, time_median  # noqa: E402
+from _timing import out_dir, time_median, time_once  # noqa: E402
 
 # The environment of each kernel set (read by the op on every call).
 KERNEL_ENV = {
     name: {
-        "SHARDKIT_CE_V2": v2,
         "SHARDKIT_FUSED": fused,
-        "SHARDKIT_FUSED_SCHEDULE": sched,
-        "SHARDKIT_FUSED_STORES": st,
-        "SHARDKIT_FUSED_EPILOGUE": epi,
         "SHARDKIT_FUSED_FORWARD_TILES": fwd,
         "SHARDKIT_FUSED_BACKWARD_TILES": bwd,
+        "SHARDKIT_FUSED_PDL": pdl,
+        "SHARDKIT_FUSED_OVERLAP": overlap,
     }
-    for name, v2, fused, sched, st, epi, fwd, bwd in [
-        ("v1", "0", "0", "cooperative", "wide", "short", "same", "same"),
-        ("v2", "1", "0", "cooperative", "wide", "short", "same", "same"),
-        ("fused", "1", "1", "cooperative", "wide", "short", "same", "same"),
-        ("fused-pp", "1", "1", "pingpong", "wide", "short", "same", "same"),
-        ("fused-pairs", "1", "1", "cooperative", "pairs", "short", "same", "same"),
-        ("fused-general", "1", "1", "cooperative", "wide", "general", "same", "same"),
-        ("fused-square", "1", "1", "cooperative", "wide", "short", "square", "square"),
-        ("fused-square-bwd", "1", "1", "cooperative", "wide", "short", "same", "square"),
+    for name, fused, fwd, bwd, pdl, overlap in [
+        ("unfused", "0", "same", "same", "0", "0"),
+        ("fused", "1", "same", "same", "0", "0"),
+        ("fused-square", "1", "square", "square", "0", "0"),
+        ("fused-square-bwd", "1", "same", "square", "0", "0"),
+        ("fused-pdl", "1", "same", "same", "1", "0"),
+        ("fused-overlap", "1", "same", "same", "0", "1"),
+        ("fused-pdl-overlap", "1", "same", "same", "1", "1"),
     ]
 }
+
+
+def interleaved(base, fn, device, reps):
+    """(medians of base and fn, min and max of the per-pair ratios fn / base): ``reps`` pairs of
+    one timed ``base()`` then one timed ``fn()`` (after a warm-up pair)."""
+    base()
+    fn()
+    pairs = [(time_once(base, device, "device"), time_once(fn, device, "device")) for _ in range(reps)]
+    ratios = [b / a for a, b in pairs]
+    med = statistics.median
+    return med(a for a, _ in pairs), med(b for _, b in pairs), min(ratios), max(ratios)
 
 
 def _timeit(fn, device, reps):
@@ -73,16 +85,15 @@ def main():
     )
     ap.add_argument(
         "--kernels",
-        default="v2",
-        help="CUDA kernel sets to time, comma-separated: v2 (the default kernels: the wider statistics/dlogit "
-        "kernels, direct 16-bit dW, fp32 dX accumulation), v1 (SHARDKIT_CE_V2=0: the first kernels), fused "
-        "(SHARDKIT_FUSED=1: the fused sm90 GEMM epilogues, cooperative schedule), fused-pp (the same with "
-        "SHARDKIT_FUSED_SCHEDULE=pingpong), fused-pairs (cooperative, the backward's dlogits stored two "
-        "columns at a time: SHARDKIT_FUSED_STORES=pairs), fused-general (cooperative, every tile in the "
-        "forward epilogue's general form: SHARDKIT_FUSED_EPILOGUE=general), fused-square (both GEMMs "
-        "ping-pong on [128, 128] tiles: SHARDKIT_FUSED_FORWARD_TILES=square, SHARDKIT_FUSED_BACKWARD_TILES=square), "
-        "fused-square-bwd (the backward's alone); with several, the first one's loss and gradients are compared "
-        "with each other's",
+        default="fused",
+        help="CUDA kernel sets to time, comma-separated: fused (the default: the fused sm90 GEMM epilogues, "
+        "cooperative [128, 256] tiles, where they apply; the unfused kernels elsewhere), unfused "
+        "(SHARDKIT_FUSED=0: cuBLAS logits, the wider statistics/dlogit kernels, direct 16-bit dW, fp32 dX "
+        "accumulation), fused-square (both GEMMs ping-pong on [128, 128] tiles: SHARDKIT_FUSED_FORWARD_TILES="
+        "square, SHARDKIT_FUSED_BACKWARD_TILES=square), fused-square-bwd (the backward's alone), fused-pdl "
+        "(programmatic dependent launches: SHARDKIT_FUSED_PDL=1), fused-overlap (the backward's dX / dW GEMMs on "
+        "a second stream: SHARDKIT_FUSED_OVERLAP=1), fused-pdl-overlap (both); with several, the first one's "
+        "loss and gradients are compared with each other's",
     )
     args = ap.parse_args()
     kernels = [k for k in args.kernels.split(",") if k]
@@ -111,18 +122,13 @@ def main():
     rows = []
     t_bf = _timeit(base_fwd, dev, args.reps)
     t_bfb = _timeit(base_fb, dev, args.reps)
-    rows.append(("nn.Linear + F.cross_entropy", None, t_bf, t_bfb))
+    rows.append(("nn.Linear + F.cross_entropy", None, t_bf, t_bfb, None))
 
     xd, wd = x.detach(), w.detach()
     gl = torch.randn(B, C, device=dev, dtype=dt)
     t_logits = _timeit(lambda: xd @ wd.t(), dev, args.reps)
-    t_gemm3 = (
-        t_logits
-        + _timeit(lambda: gl @ wd, dev, args.reps)  # noqa: F821 (deleted after timing)
-        + _timeit(lambda: gl.t() @ xd, dev, args.reps)  # noqa: F821
-    )
+    t_gemm3 = t_logits + _timeit(lambda: gl @ wd, dev, args.reps) + _timeit(lambda: gl.t() @ xd, dev, args.reps)
     t_gemm = t_gemm3 + t_logits
-    del gl
 
     # The op's own default first (always measured), then the sweep, without repeating it.
     default_chunk = shardkit.ops._sharded_ce._default_chunk(xd, wd)
@@ -132,14 +138,20 @@ def main():
     )
     print(f"GEMM floor (4 GEMMs: logits x2, dX, dW): {t_gemm * 1e3:.2f} ms; the 3 GEMMs: {t_gemm3 * 1e3:.2f} ms")
     head = f"{'fwd ms':>10}{'fwd+bwd ms':>12}{'fwd ratio':>11}{'f+b ratio':>11}{'floor %':>9}{'x 3 GEMMs':>11}"
-    print(f"{'variant':<40}{head}")
+    print(f"{'variant':<40}{head}{'x 3 GEMMs interleaved [min, max]':>36}")
 
-    def report(name, tf, tfb):
+    def report(name, tf, tfb, inter=None):
+        alt = f"{inter['ratio']:>10.2f} [{inter['ratio_min']:.2f}, {inter['ratio_max']:.2f}]" if inter else ""
         print(
             f"{name:<40}{tf * 1e3:>10.2f}{tfb * 1e3:>12.2f}{tf / t_bf:>11.2f}{tfb / t_bfb:>11.2f}"
-            f"{100 * t_gemm / tfb:>9.0f}{tfb / t_gemm3:>11.2f}",
+            f"{100 * t_gemm / tfb:>9.0f}{tfb / t_gemm3:>11.2f}{alt:>36}",
             flush=True,
         )
+
+    def three_gemms():  # the layer's GEMMs (gl: [B, C] dlogits in x's dtype, kept for this)
+        xd @ wd.t()
+        gl @ wd
+        gl.t() @ xd
 
     def save():
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
@@ -151,7 +163,9 @@ def main():
                     "default_chunk": default_chunk,
                     "gemm_floor_s": t_gemm,
                     "three_gemms_s": t_gemm3,
-                    "rows": [{"name": n, "chunk": c, "fwd_s": a, "fwd_bwd_s": b} for n, c, a, b in rows],
+                    "rows": [
+                        {"name": n, "chunk": c, "fwd_s": a, "fwd_bwd_s": b, "interleaved": i} for n, c, a, b, i in rows
+                    ],
                 },
                 f,
                 indent=1,
@@ -189,10 +203,13 @@ def main():
 
         name = f"ce_shard_stats chunk={ch}" if ch else f"ce_shard_stats chunk={default_chunk} (default)"
         name += f" {kv}" if len(kernels) > 1 else ""
-        rows.append((name, ch or default_chunk, _timeit(ours_fwd, dev, args.reps), _timeit(ours_fb, dev, args.reps)))
-        report(*(rows[-1][i] for i in (0, 2, 3)))
+        tf, tfb = _timeit(ours_fwd, dev, args.reps), _timeit(ours_fb, dev, args.reps)
+        base, ours, lo, hi = interleaved(three_gemms, ours_fb, dev, args.reps)
+        inter = {"three_gemms_s": base, "fwd_bwd_s": ours, "ratio": ours / base, "ratio_min": lo, "ratio_max": hi}
+        rows.append((name, ch or default_chunk, tf, tfb, inter))
+        report(name, tf, tfb, inter)
         save()
-    for key in KERNEL_ENV["v1"]:
+    for key in KERNEL_ENV["fused"]:
         os.environ.pop(key, None)
     print(f"wrote {args.out}")
 

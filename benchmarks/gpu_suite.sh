@@ -5,6 +5,23 @@
 # torch, triton, pytest and matplotlib, and CUDA's nvcc and compute-sanitizer. No network
 # is needed: the peer libraries come from wheels/ (benchmarks/fetch_wheels.sh fetches them).
 #
+# THE NEXT GPU SESSION runs this one command (one call, under ten minutes):
+#
+#   bash benchmarks/gpu_suite.sh next
+#
+# It builds, runs a tiny forward+backward of every fused variant (a hang or fault stops it), then
+# the strengthened sharded-loss GPU tests FIRST, before any timing (each statistic's gradient and
+# the module's loss against float64 on every kernel set, the GEMM kernel names of each fused
+# variant, the side stream captured in a CUDA graph, a first call made under graph capture, the
+# float64 references of the mixed-precision and NCCL autocast tests, the host-side layout check),
+# then the sanitizers over the fused variants, and only then the op-level timings of the fused
+# variants (square tiles, programmatic dependent launch, the backward's second stream) against
+# the three cuBLAS GEMMs timed alternately with each. Its follow-up, `next-b`, times the module
+# against its peers under each variant. Failing tests stop the stage before the timings. Build
+# the extension beforehand on a CPU machine (`bash benchmarks/prebuild_gpu_ext.sh`, then carry
+# wheels/ along): a fresh build on the GPU machine takes ~3 of the ten minutes, and the timings
+# that no longer fit are reported SKIPPED.
+#
 #   bash benchmarks/gpu_suite.sh quick     # the most informative 10 minutes (tests, memcheck, CE)
 #   bash benchmarks/gpu_suite.sh quick-b   # its follow-up: EMA and normalize bandwidth, CE profiles
 #   bash benchmarks/gpu_suite.sh rest      # the CPU tests (-m 'not gpu') on the CUDA machine
@@ -13,6 +30,7 @@
 #   bash benchmarks/gpu_suite.sh bench-b   # the sharded-loss benchmark, then the largest C per method
 #   bash benchmarks/gpu_suite.sh fused     # the fused sm90 kernels: tests, timings, sanitizers, peers, profiles
 #   bash benchmarks/gpu_suite.sh fused-b   # their follow-up: Nsight Compute, the sharded loss against its peers
+#   bash benchmarks/gpu_suite.sh next      # the next session's command (above); next-b its follow-up
 #   bash benchmarks/gpu_suite.sh STAGE BUDGET_S   # another time budget (default 540 s)
 #   SKIP_STEPS="bench-maxc profile-fused" bash benchmarks/gpu_suite.sh fused   # leave steps out
 #
@@ -65,7 +83,7 @@
 #     bench-maxc-master: the same searches with fp32 master weights and momentum (not yet run;
 #       it starts only if the budget has room: SKIP_STEPS="bench-maxc" gives it bench-maxc's).
 set -u
-STAGE=${1:?usage: gpu_suite.sh quick|quick-b|rest|test|bench-a|bench-b [budget_s]}
+STAGE=${1:?usage: gpu_suite.sh next|next-b|quick|quick-b|rest|test|bench-a|bench-b|fused|fused-b [budget_s]}
 BUDGET=${2:-540}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -240,7 +258,63 @@ racecheck_smoke() {
   return 0
 }
 export -f racecheck_smoke
-export SAN
+# The fused variants' switches (tests/test_softmax_fused_gpu.py's VARIANTS): forward tiles,
+# backward tiles, programmatic dependent launch, the backward's second stream.
+FUSED_VARIANTS="default:same:same:0:0 square:square:square:0:0 square-bwd:same:square:0:0 pdl-overlap:same:same:1:1"
+FUSED_KERNELS=unfused,fused,fused-square,fused-square-bwd,fused-pdl-overlap
+# memcheck and racecheck over the smoke run, on every fused variant.
+sanitize_fused_variants() {
+  local v f
+  for v in $FUSED_VARIANTS; do
+    IFS=: read -r name fwd bwd pdl overlap <<< "$v"
+    echo "--- $name"
+    export SHARDKIT_FUSED=1 SHARDKIT_FUSED_FORWARD_TILES=$fwd SHARDKIT_FUSED_BACKWARD_TILES=$bwd \
+      SHARDKIT_FUSED_PDL=$pdl SHARDKIT_FUSED_OVERLAP=$overlap
+    eval "$SAN --tool memcheck $PY benchmarks/sanitize_smoke.py" && racecheck_smoke || return 1
+  done
+}
+export -f sanitize_fused_variants
+export SAN FUSED_VARIANTS
+# A tiny forward+backward of every fused variant, then the peak memory of one fwd+bwd at
+# B=1024, C=1M, D=512 bf16 under both kernel sets.
+fused_smoke_script() {
+  cat > "$WORK/fused_smoke.py" <<'PYEOF'
+import os
+import torch
+import shardkit
+print("fused kernels in this build:", shardkit.build_info()["fused_kernels"])
+for variant in os.environ["FUSED_VARIANTS"].split():
+    name, fwd, bwd, pdl, overlap = variant.split(":")
+    os.environ.update(SHARDKIT_FUSED_FORWARD_TILES=fwd, SHARDKIT_FUSED_BACKWARD_TILES=bwd,
+                      SHARDKIT_FUSED_PDL=pdl, SHARDKIT_FUSED_OVERLAP=overlap)
+    x = torch.randn(300, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(5000, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randint(0, 5000, (300,), device="cuda")
+    lse, t, s, _ = shardkit.ops.ce_shard_stats(x, w, y, chunk_classes=1000, scale=30.0, m2=0.5, normalize=True)
+    (lse - t).mean().backward()
+    torch.cuda.synchronize()
+    print(name, "fused forward+backward ran; loss", float((lse - t).mean()), "finite grads",
+          bool(torch.isfinite(x.grad).all() and torch.isfinite(w.grad).all()))
+os.environ.update(SHARDKIT_FUSED_FORWARD_TILES="same", SHARDKIT_FUSED_BACKWARD_TILES="same",
+                  SHARDKIT_FUSED_PDL="0", SHARDKIT_FUSED_OVERLAP="0")
+B, C, D = 1024, 1_000_000, 512
+x = torch.randn(B, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+w = torch.randn(C, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+y = torch.randint(0, C, (B,), device="cuda")
+for flag in ("0", "1"):
+    os.environ["SHARDKIT_FUSED"] = flag
+    x.grad = w.grad = None
+    torch.cuda.synchronize(); torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated() + (x.numel() + w.numel()) * 2  # + the two bf16 gradients
+    torch.cuda.reset_peak_memory_stats()
+    lse, t, s, _ = shardkit.ops.ce_shard_stats(x, w, y)
+    fwd = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
+    (lse - t).mean().backward()
+    torch.cuda.synchronize()
+    print(f"SHARDKIT_FUSED={flag}: extra memory {(torch.cuda.max_memory_allocated() - base) / 2**20:.0f} MiB"
+          f" (forward's temporaries {fwd / 2**20:.1f} MiB)")
+PYEOF
+}
 case "$STAGE" in
   test)
     info; wheels; build
@@ -260,15 +334,14 @@ case "$STAGE" in
     info; wheels; build
     step tests-gpu 180 "$PY -m pytest -m gpu tests $PYTEST_OPTS --timeout=60 -q --junitxml=$WORK/out/junit_gpu.xml"
     step sanitize-memcheck 90 "$SAN --tool memcheck $PY benchmarks/sanitize_smoke.py"
-    # The first kernel set of the sharded loss (SHARDKIT_CE_V2=0): its tests and sanitizers,
-    # then both sets timed side by side (and compared) in one process.
-    step tests-gpu-v1 120 "SHARDKIT_CE_V2=0 $PY -m pytest -m gpu tests/test_softmax_*.py $PYTEST_OPTS --timeout=60 -q"
+    # The unfused kernels of the sharded loss (SHARDKIT_FUSED=0): their sanitizer run, then both
+    # kernel sets timed side by side (and compared) in one process.
     step sanitize-racecheck 90 "racecheck_smoke && \
-      SHARDKIT_CE_V2=0 $SAN --tool memcheck $PY benchmarks/sanitize_smoke.py"
+      SHARDKIT_FUSED=0 $SAN --tool memcheck $PY benchmarks/sanitize_smoke.py"
     step bench-ce-kernels 120 "$B/bench_sharded_ce_kernels.py --device cuda --batch 1024 --dim 512 \
-      --classes 1000000 --dtype bfloat16 --reps 10 --chunks 16384,65536 --kernels v1,v2 && \
+      --classes 1000000 --dtype bfloat16 --reps 10 --chunks 16384,65536 --kernels fused,unfused && \
       $B/bench_sharded_ce_kernels.py --device cuda --batch 256 --dim 512 --classes 1000000 \
-      --dtype bfloat16 --reps 10 --kernels v1,v2"
+      --dtype bfloat16 --reps 10 --kernels fused,unfused"
     step bench-sharded-loss 400 "$B/bench_sharded_loss.py --device cuda --batch 1024 --method-budget 3"
     ;;
   quick-b)
@@ -279,7 +352,7 @@ case "$STAGE" in
     info; wheels; build
     step bench-ema 120 "$B/bench_ema.py --device cuda --reps 20"
     step bench-normalize 60 "$B/bench_normalize.py --device cuda && $B/bench_normalize.py --device cuda --dtype bfloat16"
-    step profile-ce 90 "$B/profile_sharded_ce.py && SHARDKIT_CE_V2=0 $B/profile_sharded_ce.py"
+    step profile-ce 90 "$B/profile_sharded_ce.py && SHARDKIT_FUSED=0 $B/profile_sharded_ce.py"
     # Host against device time of an EMA update (ResNet-50: many small tensors).
     step profile-ema 60 "$B/profile_ema.py"
     # Nsight Compute on the normalize kernel at [256, 224, 224, 3] (fp32, then bf16 output).
@@ -294,11 +367,11 @@ PYEOF
     step ncu-normalize 60 "\$(command -v ncu || echo /usr/local/cuda/bin/ncu) -k regex:nhwc_to_nchw -c 2 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
       --section WarpStateStats $PY $WORK/ncu_normalize.py"
-    # The sharded loss at B=256 against its peers, and the chunk size the default kernels would
+    # The sharded loss at B=256 against its peers, and the chunk size the unfused kernels would
     # need to reach the B=1024 figures of a larger budget.
     step bench-sharded-loss-256 150 "$B/bench_sharded_loss.py --device cuda --batch 256 --method-budget 3"
     step bench-ce-chunks 60 "$B/bench_sharded_ce_kernels.py --device cuda --batch 1024 --dim 512 \
-      --classes 1000000 --dtype bfloat16 --reps 10 --chunks 26176,32768"
+      --classes 1000000 --dtype bfloat16 --reps 10 --chunks 26176,32768 --kernels unfused"
     ;;
   rest)
     # The CPU suite on the CUDA machine (as the test stage's last step, without the rest).
@@ -310,7 +383,7 @@ PYEOF
     info; wheels; build
     # The kernel benchmark first: the default chunk size (always timed) and four others.
     step bench-ce-kernels 120 "$B/bench_sharded_ce_kernels.py --device cuda --batch 1024 --dim 512 \
-      --classes 1000000 --dtype bfloat16 --reps 10 --chunks 4096,16384,65536,262144 --kernels v1,v2"
+      --classes 1000000 --dtype bfloat16 --reps 10 --chunks 4096,16384,65536,262144 --kernels fused,unfused"
     step bench-ema 150 "$B/bench_ema.py --device cuda"
     step bench-normalize 90 "$B/bench_normalize.py --device cuda && $B/bench_normalize.py --device cuda --dtype bfloat16"
     step bench-parallel 90 "$B/bench_parallel.py --device cuda"
@@ -330,53 +403,14 @@ PYEOF
     ;;
   fused)
     # The fused sm90 kernels (SHARDKIT_FUSED=1, sharded_ce_fused.cu). A tiny forward+backward
-    # first, on both schedules and the square tiles: a kernel that hangs or faults stops
-    # the stage there. Then their tests (every variant), the kernel benchmark against the second
-    # kernels at the target shapes (the default fused kernels, every tile in the forward
-    # epilogue's general form, the square tiles in both GEMMs and in the backward alone), the
-    # op-level GPU tests on all three kernel sets, the sanitizers on the smoke run (its D = 64
-    # bf16 case takes the fused kernels) on both schedules and the square tiles, the sharded loss against
-    # Cut Cross-Entropy at every target shape, the per-kernel profiles, and the largest C one
-    # GPU trains with each method.
+    # first, on every variant: a kernel that hangs or faults stops the stage there. Then their
+    # tests (every variant), the kernel benchmark against the unfused kernels at the target
+    # shapes, the op-level GPU tests on both kernel sets, the sanitizers on the smoke run (its
+    # D = 64 bf16 case takes the fused kernels) on every variant, the sharded loss against Cut
+    # Cross-Entropy at every target shape, the per-kernel profiles, and the largest C one GPU
+    # trains with each method.
     info; wheels; build
-    cat > "$WORK/fused_smoke.py" <<'PYEOF'
-import os
-import torch
-import shardkit
-print("fused kernels in this build:", shardkit.build_info()["fused_kernels"])
-for sched in ("cooperative", "pingpong", "square"):  # square: both GEMMs on [128, 128] ping-pong tiles
-    os.environ["SHARDKIT_FUSED_SCHEDULE"] = "cooperative" if sched == "square" else sched
-    os.environ["SHARDKIT_FUSED_FORWARD_TILES"] = "square" if sched == "square" else "same"
-    os.environ["SHARDKIT_FUSED_BACKWARD_TILES"] = "square" if sched == "square" else "same"
-    x = torch.randn(300, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = torch.randn(5000, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    y = torch.randint(0, 5000, (300,), device="cuda")
-    lse, t, s, _ = shardkit.ops.ce_shard_stats(x, w, y, chunk_classes=1000, scale=30.0, m2=0.5, normalize=True)
-    (lse - t).mean().backward()
-    torch.cuda.synchronize()
-    print(sched, "fused forward+backward ran; loss", float((lse - t).mean()), "finite grads",
-          bool(torch.isfinite(x.grad).all() and torch.isfinite(w.grad).all()))
-os.environ["SHARDKIT_FUSED_SCHEDULE"] = "cooperative"
-os.environ["SHARDKIT_FUSED_FORWARD_TILES"] = os.environ["SHARDKIT_FUSED_BACKWARD_TILES"] = "same"
-# Peak memory of one fwd+bwd at B=1024, C=1M, D=512 bf16 beyond x, w, labels and the two
-# gradients (MiB), at the op's default chunk, for both kernel sets.
-B, C, D = 1024, 1_000_000, 512
-x = torch.randn(B, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-w = torch.randn(C, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-y = torch.randint(0, C, (B,), device="cuda")
-for flag in ("0", "1"):
-    os.environ["SHARDKIT_FUSED"] = flag
-    x.grad = w.grad = None
-    torch.cuda.synchronize(); torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated() + (x.numel() + w.numel()) * 2  # + the two bf16 gradients
-    torch.cuda.reset_peak_memory_stats()
-    lse, t, s, _ = shardkit.ops.ce_shard_stats(x, w, y)
-    fwd = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
-    (lse - t).mean().backward()
-    torch.cuda.synchronize()
-    print(f"SHARDKIT_FUSED={flag}: extra memory {(torch.cuda.max_memory_allocated() - base) / 2**20:.0f} MiB"
-          f" (forward's temporaries {fwd / 2**20:.1f} MiB)")
-PYEOF
+    fused_smoke_script
     if ! step smoke-fused 75 "SHARDKIT_FUSED=1 $PY $WORK/fused_smoke.py"; then
       echo "the fused kernels do not run: the stage stops here"; finish; exit 1
     fi
@@ -385,17 +419,14 @@ PYEOF
     step tests-fused 150 "$PY -m pytest tests/test_softmax_fused_gpu.py $PYTEST_OPTS --timeout=60 -q"
     fused_ok=$?
     step bench-fused 150 "for c in 1000000 100000; do $B/bench_sharded_ce_kernels.py --device cuda --batch 1024 \
-      --dim 512 --classes \$c --dtype bfloat16 --reps 10 --chunks 65536 --kernels v2,fused,fused-general,fused-square,fused-square-bwd || exit 1; done && \
+      --dim 512 --classes \$c --dtype bfloat16 --reps 10 --chunks 65536 --kernels $FUSED_KERNELS || exit 1; done && \
       $B/bench_sharded_ce_kernels.py --device cuda --batch 256 --dim 512 --classes 1000000 --dtype bfloat16 \
-      --reps 10 --chunks 65536 --kernels v2,fused,fused-general,fused-square,fused-square-bwd && \
+      --reps 10 --chunks 65536 --kernels $FUSED_KERNELS && \
       $B/bench_sharded_ce_kernels.py --device cuda --batch 1024 --dim 512 --classes 1000000 --dtype bfloat16 \
-      --reps 10 --normalize --kernels v2,fused,fused-general,fused-square"
+      --reps 10 --normalize --kernels $FUSED_KERNELS"
     if (( fused_ok != 0 )); then echo "the fused kernels' tests failed: the stage stops here"; finish; exit 1; fi
     step tests-ops-gpu 150 "$PY -m pytest -m gpu tests/test_softmax_ops_gpu.py $PYTEST_OPTS --timeout=60 -q"
-    step sanitize-fused 150 "for s in cooperative:same pingpong:same cooperative:square; do \
-      export SHARDKIT_FUSED=1 SHARDKIT_FUSED_SCHEDULE=\${s%:*} SHARDKIT_FUSED_FORWARD_TILES=\${s#*:} \
-      SHARDKIT_FUSED_BACKWARD_TILES=\${s#*:}; \
-      $SAN --tool memcheck $PY benchmarks/sanitize_smoke.py && racecheck_smoke || exit 1; done"
+    step sanitize-fused 150 "sanitize_fused_variants"
     # The sharded loss (the default kernels) against Cut Cross-Entropy, exact and filtered, at
     # B in {256, 1024} and C in {100k, 1M}.
     step bench-peers 150 "$B/bench_sharded_loss.py --device cuda --methods shardkit cce_exact cce_filtered \
@@ -408,6 +439,47 @@ PYEOF
     # SGD step in each probe (the fused-kernel issue's setting).
     step bench-maxc-master 240 "$B/bench_sharded_loss.py --device cuda --max-classes-only --master-weights \
       --search-total \$((STEP_CAP - 30))"
+    ;;
+  next)
+    # The next GPU session's command (see the header): the strengthened tests before any timing.
+    info; wheels; build
+    fused_smoke_script
+    if ! step smoke-fused 75 "SHARDKIT_FUSED=1 $PY $WORK/fused_smoke.py"; then
+      echo "the fused kernels do not run: the stage stops here"; finish; exit 1
+    fi
+    # Every sharded-loss GPU test (the fused variants, both kernel sets of the op, mixed
+    # precision, the module, NCCL), then the host-side layout check of the fused kernels.
+    step tests-sharded-loss 300 "$PY -m pytest -m gpu tests/test_softmax_fused_gpu.py tests/test_softmax_ops_gpu.py \
+      tests/test_softmax_mixed.py tests/test_softmax_loss.py tests/test_softmax_distributed_nccl.py $PYTEST_OPTS \
+      -q --junitxml=$WORK/out/junit_sharded_loss.xml && $PY -m pytest tests/test_fused_layout.py $PYTEST_OPTS -q"
+    tests_ok=$?
+    step sanitize-fused 120 "sanitize_fused_variants"
+    if (( tests_ok != 0 )); then echo "the sharded-loss GPU tests failed: no timings"; finish; exit 1; fi
+    # Issue 38's step 1 at the op level: the fused variants against the unfused kernels, each
+    # timed alternately with the three cuBLAS GEMMs of the layer (median and spread), at the
+    # target shapes (D=512, bf16), the module's 100k-class shard first.
+    step bench-variants 400 "for bc in 1024:100000 256:100000 1024:1000000 256:1000000 \
+      4096:100000; do $B/bench_sharded_ce_kernels.py --device cuda --batch \${bc%:*} --dim 512 --classes \${bc#*:} \
+      --dtype bfloat16 --reps 10 --kernels $FUSED_KERNELS --out $WORK/out/sharded_ce_kernels_\${bc%:*}_\${bc#*:}.json \
+      || exit 1; done"
+    ;;
+  next-b)
+    # The follow-up of next: the sharded loss at the module level under each fused variant
+    # against Cut Cross-Entropy (exact, filtered) at B in {256, 1024}, C in {100k, 1M}, then the
+    # per-kernel profiles of the square tiles and of the launches with PDL and the second stream.
+    info; wheels; build
+    step bench-module-default 120 "$B/bench_sharded_loss.py --device cuda --methods shardkit cce_exact cce_filtered \
+      --method-budget 2"
+    # (Each variant's JSON in a folder of its own.)
+    step bench-module-square 90 "SHARDKIT_BENCH_OUT=$WORK/out/square SHARDKIT_FUSED_FORWARD_TILES=square \
+      SHARDKIT_FUSED_BACKWARD_TILES=square \
+      $B/bench_sharded_loss.py --device cuda --methods shardkit --method-budget 2"
+    step bench-module-square-bwd 90 "SHARDKIT_BENCH_OUT=$WORK/out/square_bwd SHARDKIT_FUSED_BACKWARD_TILES=square \
+      $B/bench_sharded_loss.py --device cuda --methods shardkit --method-budget 2"
+    step bench-module-pdl-overlap 90 "SHARDKIT_BENCH_OUT=$WORK/out/pdl_overlap SHARDKIT_FUSED_PDL=1 SHARDKIT_FUSED_OVERLAP=1 \
+      $B/bench_sharded_loss.py --device cuda --methods shardkit --method-budget 2"
+    step profile-variants 100 "SHARDKIT_FUSED_FORWARD_TILES=square SHARDKIT_FUSED_BACKWARD_TILES=square \
+      $B/profile_sharded_ce.py && SHARDKIT_FUSED_PDL=1 SHARDKIT_FUSED_OVERLAP=1 $B/profile_sharded_ce.py"
     ;;
   fused-b)
     # The fused kernels' follow-up: Nsight Compute on the forward and the backward GEMM (one
@@ -424,13 +496,13 @@ lse, t, s, _ = shardkit.ops.ce_shard_stats(x, w, y, chunk_classes=65536)
 (lse - t).mean().backward()
 torch.cuda.synchronize()
 PYEOF
-    step ncu-fused 120 "SHARDKIT_FUSED=1 \$(command -v ncu || echo /usr/local/cuda/bin/ncu) -k regex:GemmUniversal -c 2 \
+    step ncu-fused 120 "SHARDKIT_FUSED=1 \$(command -v ncu || echo /usr/local/cuda/bin/ncu) -k 'regex:sce_(forward|backward)_gemm' -c 2 \
       --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
       --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
       $PY $WORK/ncu_fused.py"
     step bench-sharded-loss-fused 240 "SHARDKIT_FUSED=1 $B/bench_sharded_loss.py --device cuda --batch 1024 \
       --classes 1000000 --method-budget 3"
     ;;
-  *) echo "unknown stage $STAGE (quick, quick-b, rest, test, bench-a, bench-b, fused, fused-b)"; exit 2 ;;
+  *) echo "unknown stage $STAGE (next, next-b, quick, quick-b, rest, test, bench-a, bench-b, fused, fused-b)"; exit 2 ;;
 esac
 finish

@@ -25,9 +25,10 @@ from shardkit.softmax.margins import ArcFace  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # cuBLAS's GEMM kernels on Hopper are named nvjet_* (cuBLASLt), sm90_xmma_* or *gemm*; the fused
-# kernels (CUTLASS GEMMs with shardkit's epilogue, SHARDKIT_FUSED) are cutlass::device_kernel<...>.
+# kernels (CUTLASS GEMMs with shardkit's epilogue, SHARDKIT_FUSED) are sce_forward_gemm_<tile> and
+# sce_backward_gemm_<tile> (sharded_ce_fused_launch.cuh).
 GEMM_MARKERS = ("nvjet", "gemm", "xmma", "splitkreduce")
-FUSED_MARKER = "cutlass::device_kernel"
+FUSED_MARKER = "_gemm_128x"  # in both names
 
 
 def main():

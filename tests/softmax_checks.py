@@ -8,7 +8,13 @@ import math
 
 import torch
 import torch.nn.functional as F
-from softmax_reference import full_logits, margin_kwargs, margin_psi, reference_grad_x_terms, reference_loss_and_grads
+from softmax_reference import (
+    full_logits,
+    margin_kwargs,
+    margin_psi,
+    reference_grad_x_terms,
+    reference_loss_and_grads,
+)
 
 import shardkit
 from shardkit.ops import ce_shard_stats
@@ -47,6 +53,28 @@ def ref_stats(x, w, labels, class_offset, *, scale, m1, m2, m3, normalize):
     inside = (local >= 0) & (local < C)
     tgt = torch.where(inside, z.gather(1, torch.where(inside, local, 0)[:, None])[:, 0], 0.0)
     return torch.logsumexp(z, 1), tgt, z.sum(1), plain
+
+
+def gradient_weights(B, C, eps=0.1):
+    """{name: (g_lse, g_target, g_sum)}, float64 [B] each: the weights of the three statistics in
+    the scalar whose gradients the checks compare. Each statistic alone (random per row, the
+    others 0), and the module's own loss with label smoothing ``eps`` over the shard's C classes
+    (1, -(1 - eps), -eps / C). One statistic at a time: the softmax term of the backward lives
+    in the lse's gradient alone, and in a random mix of the three the logit sum's gradient (no
+    softmax, the largest) hides it: a backward that drops the softmax term passed that."""
+    zero = torch.zeros(B, dtype=torch.float64)
+    return {
+        "lse": (torch.randn(B, dtype=torch.float64), zero, zero),
+        "target": (zero, torch.randn(B, dtype=torch.float64), zero),
+        "sum": (zero, zero, torch.randn(B, dtype=torch.float64)),
+        "loss": (torch.ones(B, dtype=torch.float64), torch.full((B,), eps - 1.0), torch.full((B,), -eps / max(C, 1))),
+    }
+
+
+def weighted(outputs, g):
+    """sum_i of the finite outputs (lse, target, sum) [B] times their weights ``g`` (moved to the
+    outputs' device and dtype)."""
+    return sum((o * gg.to(o.device, o.dtype)).sum() for o, gg in zip(outputs, g) if torch.isfinite(o).all())
 
 
 def count_bracket(plain, tref, tol=1e-4):
@@ -112,24 +140,23 @@ def check_against_reference(x, w, labels, class_offset, name, chunk, tol=1e-5, g
         assert rel(s.cpu(), r_s) <= tol or ((s.cpu().double() - r_s.detach()).abs() <= min(tol, 1e-6) * r_abs).all()
     lo, hi = count_bracket(plain.detach(), tref)
     assert ((cnt.cpu() >= lo) & (cnt.cpu() <= hi)).all()
-    # Gradients of a random combination of the three differentiable outputs.
-    g = [torch.randn(B, dtype=torch.float64) for _ in range(3)]
-    loss = sum((o * gg.to(o.device, o.dtype)).sum() for o, gg in zip((lse, t, s), g) if torch.isfinite(o).all())
     if w.shape[0] == 0:
-        gx, gw = torch.autograd.grad(loss + xx.sum() * 0 + ww.sum() * 0, (xx, ww))
+        g = [torch.randn(B, dtype=torch.float64) for _ in range(3)]
+        gx, gw = torch.autograd.grad(weighted((lse, t, s), g) + xx.sum() * 0 + ww.sum() * 0, (xx, ww))
         assert (gx == 0).all() and gw.shape == w.shape
         return
-    gx, gw = torch.autograd.grad(loss, (xx, ww))
-    r_loss = sum((o * gg).sum() for o, gg in zip((r_lse, r_t, r_s), g))
-    rgx, rgw = torch.autograd.grad(r_loss, (xr, wr))
-    assert gx.dtype == x.dtype and gw.dtype == w.dtype
     # Floor: the size of the logit gradients (scale * sqrt(B)). It only matters where the exact
     # gradient vanishes: with D == 1 and normalize, d/dx and d/dw are 0 in theory but fp32
     # rounding of x / |x| leaves ~1e-7 of the unprojected gradient.
     floor = k["scale"] * math.sqrt(B)
     gtol = (grad_tol or tol) * _angular_amplification(plain.detach(), labels.cpu() - class_offset, x.shape[1], k)
-    assert rel(gx.cpu(), rgx, floor) <= gtol
-    assert rel(gw.cpu(), rgw, floor) <= gtol
+    # The gradients of each statistic alone and of the module's loss (gradient_weights).
+    for what, g in gradient_weights(B, w.shape[0]).items():
+        gx, gw = torch.autograd.grad(weighted((lse, t, s), g), (xx, ww), retain_graph=True)
+        rgx, rgw = torch.autograd.grad(weighted((r_lse, r_t, r_s), g), (xr, wr), retain_graph=True)
+        assert gx.dtype == x.dtype and gw.dtype == w.dtype
+        assert rel(gx.cpu(), rgx, floor) <= gtol, (what, "x", rel(gx.cpu(), rgx, floor))
+        assert rel(gw.cpu(), rgw, floor) <= gtol, (what, "w", rel(gw.cpu(), rgw, floor))
 
 
 def _angular_amplification(plain, local, dim, k):
@@ -193,22 +220,27 @@ def check_low_precision(
     x = x32.to(device, dtype).requires_grad_()
     w = w32.to(device, dtype).requires_grad_()
     assert x.is_contiguous() != noncontiguous and w.is_contiguous() != noncontiguous
-    g = [torch.randn(B, dtype=torch.float64) for _ in range(3)]
     xr = x.detach().double().cpu().requires_grad_()
     wr = w.detach().double().cpu().requires_grad_()
     ref = ref_stats(xr, wr, labels, 0, **k)[:3]
-    rg = torch.autograd.grad(sum((o * gg).sum() for o, gg in zip(ref, g)), (xr, wr))
     xt = x.detach().clone().requires_grad_()
     wt = w.detach().clone().requires_grad_()
     tor = torch_low_precision_stats(xt, wt, labels.to(device), **k)
-    tg = torch.autograd.grad(sum((o * gg.to(device).float()).sum() for o, gg in zip(tor, g)), (xt, wt))
     ours = ce_shard_stats(x, w, labels.to(device), chunk_classes=chunk, memory_budget=memory_budget, **k)[:3]
-    og = torch.autograd.grad(sum((o * gg.to(device).float()).sum() for o, gg in zip(ours, g)), (x, w))
-    assert og[0].dtype == dtype and og[1].dtype == dtype
-    assert all(torch.isfinite(t).all() for t in list(ours) + list(og))
-    for a, b, r in zip(list(ours) + list(og), list(tor) + list(tg), list(ref) + list(rg)):
+    assert all(torch.isfinite(t).all() for t in ours)
+    for a, b, r in zip(ours, tor, ref):
         err_ours, err_torch = rel(a.cpu(), r), rel(b.cpu(), r)
         assert err_ours <= 2 * err_torch + 1e-6, (err_ours, err_torch)
+    # The gradients of each statistic alone and of the module's loss (gradient_weights).
+    for what, g in gradient_weights(B, C).items():
+        rg = torch.autograd.grad(weighted(ref, g), (xr, wr), retain_graph=True)
+        tg = torch.autograd.grad(weighted(tor, g), (xt, wt), retain_graph=True)
+        og = torch.autograd.grad(weighted(ours, g), (x, w), retain_graph=True)
+        assert og[0].dtype == dtype and og[1].dtype == dtype
+        assert all(torch.isfinite(t).all() for t in og), what
+        for name, a, b, r in zip("xw", og, tg, rg):
+            err_ours, err_torch = rel(a.cpu(), r), rel(b.cpu(), r)
+            assert err_ours <= 2 * err_torch + 1e-6, (what, name, err_ours, err_torch)
 
 
 def opcheck_samples():
@@ -350,3 +382,67 @@ def check_large_scale(scale, m, device):
         ours = ours.cpu()
         assert torch.isfinite(ours).all()
         assert rel(ours, exact) <= 4 * rel(torch32, exact) + 1e-5, (rel(ours, exact), rel(torch32, exact))
+
+
+def check_module_low_precision(
+    device, dtype, margin_name, *, shape=(96, 128, 3001), shards=2, eps=0.1, mixed=False, chunk_memory=None
+):
+    """The module's loss (label smoothing ``eps``: the statistics' gradients weighted 1, -(1 - eps)
+    and -eps / C) and both gradients against the float64 reference of the same inputs, within
+    2x the error of torch's own computation at ``dtype``: the logits by a GEMM in ``dtype``
+    (normalized in fp32 and rounded, as autocast does), the rest in fp32. ``mixed``: fp32 weights
+    under a ``dtype`` autocast, else weights in ``dtype``. ``shape``: (B, D, C) over ``shards``
+    shards on ``device``; D a multiple of 64 and 16-bit inputs: the fused kernels' case.
+    ``chunk_memory``: the module's (None: its default)."""
+    margin = LOSS_MARGINS[margin_name]
+    B, D, C = shape
+    head = shardkit.ShardedSoftmaxLoss(
+        D,
+        C,
+        margin=margin,
+        devices=[device] * shards,
+        dtype=torch.float32 if mixed else dtype,
+        label_smoothing=eps,
+        check_inputs=False,
+        chunk_memory=chunk_memory,
+    )
+    with torch.no_grad():  # weights of unit-order rows (the init's are ~1/sqrt(D))
+        for p in head.weight_shards:
+            p.copy_(torch.randn(p.shape, dtype=torch.float32).to(p.dtype))
+    w = head.full_weight("cpu")
+    x = torch.randn(B, D).to(dtype if not mixed else torch.float32)
+    if margin is None:
+        x = x / math.sqrt(D)  # plain logits of order 1
+    y = make_labels(B, C)
+    xin = x.to(dtype)  # what the loss computes with (autocast casts the embeddings)
+    # (The weights as stored: in fp32 (mixed), the exact values torch and the GPU kernels round.)
+    ref = reference_loss_and_grads(xin, w, y, label_smoothing=eps, **margin_kwargs(margin))
+
+    def torch_own(xt, wt):
+        # fp32 normalization rounded to dtype, the GEMM in dtype, the rest in fp32.
+        if margin is not None:
+            xt, wt = F.normalize(xt.float(), dim=1), F.normalize(wt.float(), dim=1)
+        z = (xt.to(dtype) @ wt.to(dtype).t()).float()
+        if margin is not None:
+            zt = z.gather(1, y.to(device)[:, None])
+            z = margin.scale * z.scatter(1, y.to(device)[:, None], margin_psi(zt, margin.m1, margin.m2, margin.m3))
+        return F.cross_entropy(z, y.to(device), label_smoothing=eps)
+
+    xt = xin.to(device).requires_grad_()
+    wt = w.to(device, torch.float32 if mixed else dtype).requires_grad_()
+    t_loss = torch_own(xt, wt)
+    t_gx, t_gw = torch.autograd.grad(t_loss, (xt, wt))
+    xo = x.to(device).requires_grad_()
+    with torch.autocast(torch.device(device).type, dtype=dtype, enabled=mixed):
+        loss = head(xo, y.to(device))
+    gx, *gws = torch.autograd.grad(loss, [xo, *head.weight_shards])
+    gw = torch.cat([g.to("cpu") for g in gws])
+    assert loss.dtype == torch.float32 and gw.dtype == (torch.float32 if mixed else dtype)
+    assert torch.isfinite(gx).all() and torch.isfinite(gw).all()
+    for what, ours, theirs, exact in (
+        ("loss", loss, t_loss, ref.loss),
+        ("x", gx, t_gx, ref.grad_x),
+        ("w", gw, t_gw, ref.grad_w),
+    ):
+        err_ours, err_torch = rel(ours.cpu(), exact), rel(theirs.cpu(), exact)
+        assert err_ours <= 2 * err_torch + 1e-6, (what, err_ours, err_torch)

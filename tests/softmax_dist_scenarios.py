@@ -76,8 +76,45 @@ def make_data(seed):
                 sizes=sizes,
                 grad_out=torch.rand(batch, generator=gen, dtype=torch.float64),
             )
+    for world in WORLDS:  # unchecked_inputs: labels no shard owns on ranks 0 and 2, an ignored last row
+        sizes = [3, 2, 4, 1][:world]
+        labels = torch.randint(0, UNCHECKED_CLASSES, (sum(sizes),), generator=gen)
+        labels[-1], labels[1] = -100, UNCHECKED_CLASSES + 4
+        if world > 2:
+            labels[5], labels[6] = UNCHECKED_CLASSES, -7
+        data[(world, "unchecked")] = dict(
+            x=torch.randn(sum(sizes), D, generator=gen, dtype=torch.float64),
+            w=torch.randn(UNCHECKED_CLASSES, D, generator=gen, dtype=torch.float64) * 0.5,
+            labels=labels,
+            sizes=sizes,
+        )
     data["ckpt"] = torch.randn(13, D, generator=gen)
     return data
+
+
+UNCHECKED_CLASSES = 17
+
+
+def unchecked_inputs(rank, world, d, group):
+    """check_inputs=False on labels no shard owns (>= C, negative but not ignore_index) and
+    "async" on the same batch with those labels ignored instead: per mode, this rank's loss,
+    embedding gradient and shard gradient (one step of the ArcFace head, float64), and the
+    class-ordered weight that export_full_weight gathers from every rank."""
+    start, size = sum(d["sizes"][:rank]), d["sizes"][rank]
+    labels = d["labels"][start : start + size]
+    out = {}
+    for mode in (False, "async"):
+        head = shardkit.ShardedSoftmaxLoss(
+            D, UNCHECKED_CLASSES, margin=margins()["arc"], dtype=torch.float64, process_group=group, check_inputs=mode
+        )
+        shardkit.import_full_weight(head, d["w"])
+        x = d["x"][start : start + size].clone().requires_grad_(True)
+        unowned = (labels < 0) | (labels >= UNCHECKED_CLASSES)
+        loss = head(x, labels if mode is False else labels.masked_fill(unowned, -100))
+        loss.backward()
+        out[mode] = dict(loss=loss.detach(), grad_x=x.grad, grad_w=head.weight_shards[0].grad.clone())
+    out["exported"] = shardkit.export_full_weight(head)
+    return out
 
 
 def run_scenario(rank, world, name, d, group, device=torch.device("cpu"), sample_rate=None):

@@ -5,7 +5,8 @@ into whatever world size this launch has. Usage:
     torchrun ... tests/softmax_multinode_job.py train DIR STEPS
     torchrun ... tests/softmax_multinode_job.py resume DIR STEPS
 
-Both modes write DIR/<mode>-rank<r>.pt with what the test compares (weights, losses)."""
+Both modes write DIR/<mode>-rank<r>.pt with what the test compares (weights, losses, and the
+rank's shards: rows, momentum buffers and their flags)."""
 
 import os
 import sys
@@ -46,11 +47,16 @@ def main():
         opt.step()
         losses.append(float(loss))
     full = shardkit.export_full_weight(head)
+    # this rank's shards as the optimizer holds them: {class offset: (rows, momentum, seen)}
+    shards = {
+        off: (p.detach().clone(), *(opt.state.get(p, {}).get(k) for k in ("momentum_buffer", "seen")))
+        for off, p in zip(head.class_offsets, head.weight_shards)
+    }
     if mode == "train":
         shardkit.save_sharded(head, os.path.join(directory, "head"), optimizer=opt)
         if rank == 0:
             torch.save(backbone.state_dict(), os.path.join(directory, "backbone.pt"))
-    torch.save({"losses": losses, "full": full, "world": world, "backbone": backbone.state_dict()},
+    torch.save({"losses": losses, "full": full, "world": world, "backbone": backbone.state_dict(), "shards": shards},
                os.path.join(directory, f"{mode}-rank{rank}.pt"))  # fmt: skip
     # Tear down together and in order: drop what holds the groups (DDP's reducer, the head's
     # exchange), wait for every rank with a barrier that completes by explicit

@@ -122,6 +122,25 @@ def reference_loss_and_grads(
     return ReferenceGrads(loss.detach(), gx, gw)
 
 
+def reference_unowned_targets(
+    x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100, **kwargs
+) -> ReferenceGrads:
+    """Mean loss and gradients when labels outside [0, C) other than ``ignore_index`` are
+    targets in no shard (what ``check_inputs=False`` lets through): such a row's loss is the
+    log-sum-exp of its logits (no margin, no target logit subtracted) and it counts in the
+    mean like any other row. ``kwargs``: the margin's (:func:`margin_kwargs`)."""
+    xd = x.detach().double().requires_grad_(True)
+    wd = w.detach().double().requires_grad_(True)
+    z = full_logits(xd, wd, labels, **kwargs)
+    owned = (labels >= 0) & (labels < w.shape[0])
+    target = z.gather(1, torch.where(owned, labels, 0).long()[:, None])[:, 0]
+    per_row = torch.logsumexp(z, dim=1) - torch.where(owned, target, torch.zeros_like(target))
+    valid = labels != ignore_index
+    loss = torch.where(valid, per_row, torch.zeros_like(per_row)).sum() / valid.sum()
+    gx, gw = torch.autograd.grad(loss, (xd, wd))
+    return ReferenceGrads(loss.detach(), gx, gw)
+
+
 def reference_grad_x_terms(
     x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, grad_out: Optional[torch.Tensor] = None, **kwargs
 ) -> float:

@@ -57,6 +57,45 @@ def _need_gpus(n):
         )
 
 
+@pytest.mark.parametrize("output_device", ["cpu", torch.device("cpu")])
+def test_explicit_output_device_leaves_outputs_on_their_devices(output_device):
+    # DataParallelModel keeps output_device for API compatibility only (nothing is gathered);
+    # DataParallelCriterion returns the reduced loss there. Other devices: the GPU twin below.
+    net = Net()
+    ref_net = copy.deepcopy(net)
+    model = DataParallelModel(net, device_ids=["cpu"] * 3, output_device=output_device)
+    crit = DataParallelCriterion(nn.CrossEntropyLoss(), device_ids=["cpu"] * 3, output_device=output_device)
+    assert model.output_device == crit.output_device == torch.device("cpu")
+    x, y = torch.randn(8, 7), torch.randint(0, 5, (8,))
+    outs = model(x)
+    assert isinstance(outs, list) and [o.shape for o in outs] == [(3, 5), (3, 5), (2, 5)]
+    loss = crit(outs, y)
+    ref = nn.functional.cross_entropy(ref_net(x), y)
+    assert loss.device == torch.device("cpu") and rel(loss, ref) <= 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("output_device", [1, "cuda:1", torch.device("cuda", 1)])
+def test_gpu_output_device_other_than_device_0(output_device):
+    _need_gpus(2)
+    net = Net().cuda()
+    ref_net = copy.deepcopy(net)
+    x, y = torch.randn(9, 7, device="cuda"), torch.randint(0, 5, (9,), device="cuda")
+    model = DataParallelModel(net, device_ids=[0, 1], output_device=output_device)
+    crit = DataParallelCriterion(nn.CrossEntropyLoss(), device_ids=[0, 1], output_device=output_device)
+    assert model.output_device == crit.output_device == 1
+    outs = model(x)
+    assert [o.device.index for o in outs] == [0, 1]  # not gathered onto the output device
+    loss = crit(outs, y)
+    assert loss.device == torch.device("cuda", 1)
+    loss.backward()
+    ref = nn.functional.cross_entropy(ref_net(x), y)
+    ref.backward()
+    assert rel(loss.cpu(), ref.cpu()) <= 1e-6
+    for a, b in zip(grads(net), grads(ref_net)):
+        assert rel(a, b) <= 1e-5
+
+
 @pytest.mark.gpu
 def test_gpu_multi_device_matches_single_device():
     _need_gpus(2)

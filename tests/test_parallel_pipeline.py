@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardkit.parallel import PipelineModel
-from shardkit.parallel.pipeline import bubble_fraction, partition
+from shardkit.parallel.pipeline import bubble_fraction, layer_costs, partition
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible on this machine")
 
@@ -101,12 +101,70 @@ def test_checkpointed_dropout_replays_the_forward_masks(ckpt):
         assert torch.equal(x.grad, y.detach() / x.detach())
 
 
-def test_memory_plan_puts_the_heavy_layer_alone():
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 512), nn.Linear(512, 4))
-    plan = PipelineModel.balance_by(model, torch.randn(2, 4), 2, by="memory")
-    assert plan in ([3, 1], [2, 2])
-    costs_plan = PipelineModel.balance_by(model, torch.randn(2, 4), 4, by="memory")
-    assert costs_plan == [1, 1, 1, 1]
+def test_memory_costs_are_the_documented_bytes_and_the_plan_their_partition():
+    # float32, sample [2, 4]: a layer costs 2 x its parameter bytes (the parameters and their
+    # gradients) + its buffer bytes + its output's bytes.
+    def linear(i, o):
+        return 2 * 4 * (i * o + o) + 4 * 2 * o
+
+    batchnorm = 2 * 4 * 1024 + (4 * 1024 + 8) + 4 * 2 * 512  # weight, bias; mean, var, int64 count
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 512), nn.BatchNorm1d(512), nn.Linear(512, 4))
+    sample = torch.randn(2, 4)
+    costs = [linear(4, 4), linear(4, 4), linear(4, 512), batchnorm, linear(512, 4)]
+    assert costs == [192, 192, 24576, 16392, 16448]
+    state = copy.deepcopy(model.state_dict())
+    assert layer_costs(list(model), sample, "memory") == costs
+    # the heavy Linear(4, 512) ends the first stage: [2, 2, 1] (an even split) would hold
+    # 40968 bytes on stage 1, 64% more than the 24960 of the best plan's largest stage
+    assert partition(costs, 3) == [3, 1, 1]
+    assert PipelineModel.balance_by(model, sample, 3, by="memory") == [3, 1, 1]
+    without_bn = nn.Sequential(*[m for m in model if not isinstance(m, nn.BatchNorm1d)])
+    assert partition(costs[:3] + costs[4:], 2) == [3, 1]  # [2, 2]: 41024 bytes against 24960
+    assert PipelineModel.balance_by(without_bn, sample, 2, by="memory") == [3, 1]
+    layer_costs(list(model), sample, "time")
+    for key, value in model.state_dict().items():  # profiling left BatchNorm's statistics alone
+        assert torch.equal(value, state[key]), key
+    pipe = PipelineModel(model, ["cpu"] * 3, chunks=2, balance="memory", sample=sample)
+    assert pipe.balance == [3, 1, 1]
+
+
+class _SleepInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class _Timed(nn.Module):
+    """A layer that takes ``forward_ms`` in its forward and ``backward_ms`` in its backward."""
+
+    def __init__(self, forward_ms, backward_ms):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+        self.forward_s, self.backward_s = forward_ms / 1000, backward_ms / 1000
+
+    def forward(self, x):
+        time.sleep(self.forward_s)
+        return _SleepInBackward.apply(x * self.scale, self.backward_s)
+
+
+def test_time_plan_is_the_partition_of_forward_plus_backward_times():
+    # costs 22, 50, 60, 50, 12, 4 ms: [2, 1, 3] (largest stage 72 ms) beats the next plan by
+    # 38 ms; an even split (110 ms), constant costs, or forward times alone ([1, 1, 4]) differ.
+    forward_ms, backward_ms = [20, 40, 20, 10, 2, 2], [2, 10, 40, 40, 10, 2]
+    costs = [f + b for f, b in zip(forward_ms, backward_ms)]
+    assert partition(costs, 3) == [2, 1, 3] and partition(forward_ms, 3) == [1, 1, 4]
+    model = nn.Sequential(*[_Timed(f, b) for f, b in zip(forward_ms, backward_ms)])
+    sample = torch.randn(3, 2)
+    measured = layer_costs(list(model), sample, "time")
+    assert all(m >= c / 1000 for m, c in zip(measured, costs)), (measured, costs)  # a sleep lasts at least that
+    assert PipelineModel.balance_by(model, sample, 3, by="time") == [2, 1, 3]
+    assert PipelineModel(model, ["cpu"] * 3, balance="time", sample=sample).balance == [2, 1, 3]
 
 
 def _bn_net(seed, bns=2):
@@ -257,6 +315,36 @@ def test_with_sharded_head_on_the_pipeline_devices():
     for p, q in zip(pipe.parameters(), ref_backbone.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
     assert set(pipe.memory_per_device()) == {torch.device("cpu")}
+
+
+def test_output_device_other_than_the_last_stage():
+    # Without a GPU the one device other than the CPU is "meta": the output goes there from a
+    # CPU pipeline (shape and dtype kept). The GPU twin below checks values and gradients.
+    ref = _mlp(int(torch.randint(0, 2**31, ()).item()))
+    assert PipelineModel(copy.deepcopy(ref), ["cpu", "cpu"]).output_device == torch.device("cpu")
+    pipe = PipelineModel(copy.deepcopy(ref), ["cpu", "cpu"], chunks=3, output_device="meta")
+    assert pipe.output_device == torch.device("meta")
+    out = pipe(torch.randn(7, 4, dtype=torch.float64))
+    assert out.device == torch.device("meta") and out.shape == (7, 3) and out.dtype == torch.float64
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("devices,output_device", [(["cuda:0", "cuda:0"], "cpu"), (["cpu", "cpu"], "cuda:0")])
+def test_gpu_output_device_other_than_the_last_stage(devices, output_device):
+    ref = _mlp(9)
+    pipe = PipelineModel(copy.deepcopy(ref), devices, chunks=3, output_device=output_device)
+    x = torch.randn(11, 4, dtype=torch.float64)
+    x1, x2 = x.clone().requires_grad_(), x.clone().to(devices[0]).requires_grad_()
+    coef = torch.randn(11, 3, dtype=torch.float64)
+    (ref(x1) * coef).sum().backward()
+    out = pipe(x2)  # to the CPU: read at once, as a user would (no synchronize in between)
+    assert out.device == torch.device(output_device)
+    torch.testing.assert_close(out.detach().cpu(), ref(x).detach(), rtol=1e-12, atol=1e-12)
+    (out * coef.to(output_device)).sum().backward()  # the backward crosses back to the stages
+    torch.testing.assert_close(x2.grad.cpu(), x1.grad, rtol=1e-12, atol=1e-12)
+    for g, h in zip(_grads(pipe), _grads(ref)):
+        torch.testing.assert_close(g.cpu(), h, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.gpu

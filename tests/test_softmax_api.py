@@ -11,6 +11,7 @@ import pytest
 import torch
 from softmax_checks import LOSS_MARGINS as MARGINS
 from softmax_checks import make_labels, rel
+from softmax_reference import margin_kwargs, reference_unowned_targets
 
 import shardkit
 
@@ -101,6 +102,27 @@ def test_check_inputs_modes():
     eager = shardkit.ShardedSoftmaxLoss(4, 10, check_inputs="async")
     with pytest.raises(RuntimeError, match="non-finite `embeddings`"):
         eager(x, y)  # on the CPU, _assert_async raises at once
+
+
+@pytest.mark.parametrize("margin", [None, "arcface"])
+def test_unchecked_labels_outside_the_classes_are_targets_in_no_shard(margin):
+    # check_inputs=False: a label >= C or negative (other than ignore_index) is owned by no
+    # shard: its row's loss is the plain log-sum-exp and it counts in the mean; gradients too.
+    m = None if margin is None else MARGINS[margin]
+    head = shardkit.ShardedSoftmaxLoss(
+        5, 11, margin=m, devices=["cpu"] * 3, shard_sizes=[4, 0, 7], dtype=torch.float64, check_inputs=False
+    )
+    x = torch.randn(9, 5, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 11, (9,))
+    y[1], y[4], y[6], y[7] = 11, 16, -7, -100
+    loss = head(x, y)
+    loss.backward()
+    ref = reference_unowned_targets(x, head.full_weight(), y, **margin_kwargs(m))
+    assert rel(loss.detach(), ref.loss) < 1e-10
+    assert rel(x.grad, ref.grad_x) < 1e-10
+    assert rel(torch.cat([p.grad for p in head.weight_shards]), ref.grad_w) < 1e-10
+    with pytest.raises(ValueError, match="argument `labels` has negative class ids"):
+        shardkit.ShardedSoftmaxLoss(5, 11, margin=m)(x, y)
 
 
 def test_constructor_errors():

@@ -228,3 +228,23 @@ def test_type_errors_name_the_argument(tmp_path):
         with pytest.raises(TypeError, match="argument `module` must be a shardkit.ShardedSoftmaxLoss .*got Linear"):
             fn(torch.nn.Linear(4, 10))
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize(
+    "sizes,dtype", [([3, 0, 5, 2], torch.float64), ([10], torch.float32), ([6, 4], torch.bfloat16)]
+)
+def test_export_full_weight_in_one_process(sizes, dtype):
+    # The class-ordered [C, D] weight of every shard (an empty one included), detached, in the
+    # shards' dtype, a copy: written into after export, the head keeps its rows.
+    head = shardkit.ShardedSoftmaxLoss(4, 10, devices=["cpu"] * len(sizes), shard_sizes=sizes, dtype=dtype)
+    full = torch.randn(10, 4).to(dtype)
+    with torch.no_grad():
+        for offset, p in zip(head.class_offsets, head.weight_shards):
+            p.copy_(full[offset : offset + p.shape[0]])
+    out = shardkit.export_full_weight(head)
+    assert out.dtype == dtype and out.shape == (10, 4) and not out.requires_grad
+    assert torch.equal(out, full) and torch.equal(out, head.state_dict()["weight"])
+    out.zero_()
+    assert torch.equal(shardkit.export_full_weight(head), full)
+    with pytest.raises(TypeError, match="argument `module` must be a shardkit.ShardedSoftmaxLoss .*got Linear"):
+        shardkit.export_full_weight(torch.nn.Linear(4, 10))

@@ -22,16 +22,20 @@ from softmax_dist_scenarios import (
     IGNORE,
     KEPT,
     SCENARIOS,
+    UNCHECKED_CLASSES,
     WORLDS,
     D,
     check_against_reference,
     make_data,
+    margins,
     rel,
     run_scenario,
+    unchecked_inputs,
 )
+from softmax_reference import margin_kwargs, reference_unowned_targets
 
 import shardkit
-from shardkit.distributed import CollectiveError, DistributedInputError, split_classes
+from shardkit.distributed import CollectiveError, DistributedInputError, class_offsets, split_classes
 
 TIMEOUT_S = 4.0
 
@@ -79,6 +83,22 @@ def _bad_input(rank, world, group):
         return {"raised": None}
     except DistributedInputError as err:
         return {"raised": str(err), "seconds": time.time() - t0}
+
+
+def _async_bad_label(rank, group):
+    """check_inputs="async" on the CPU, a label out of range on rank 1 only: the check raises
+    there at once (before any collective); rank 0 waits in the size exchange until the
+    group's timeout (what the README says of "async": no sync, the others time out)."""
+    head = shardkit.ShardedSoftmaxLoss(D, 11, process_group=group, check_inputs="async")
+    labels = torch.randint(0, 11, (3,))
+    if rank == 1:
+        labels[2] = 11
+    t0 = time.time()
+    try:
+        head(torch.randn(3, D), labels)
+        return {"error": None}
+    except RuntimeError as err:
+        return {"error": err, "seconds": time.time() - t0}
 
 
 def _constructor_errors(rank, groups):
@@ -210,6 +230,7 @@ def _worker(rank, init_file, tmp):
     )
     groups = {w: dist.new_group(list(range(w))) for w in WORLDS}
     fail_group = dist.new_group([0, 1, 2], timeout=timedelta(seconds=TIMEOUT_S))
+    async_group = dist.new_group([0, 1], timeout=timedelta(seconds=TIMEOUT_S))
     data = torch.load(os.path.join(tmp, "data.pt"), weights_only=False)
     results = {}
     try:
@@ -223,10 +244,15 @@ def _worker(rank, init_file, tmp):
                 except Exception:
                     res[name] = traceback.format_exc()
             res["bad_input"] = _bad_input(rank, world, groups[world])
+            try:
+                res["unchecked"] = unchecked_inputs(rank, world, data[(world, "unchecked")], groups[world])
+            except Exception:
+                res["unchecked"] = traceback.format_exc()
         results["ctor_errors"] = _constructor_errors(rank, groups)
         if rank < 2:
             results["mismatch"] = _mismatched_heads(rank, groups[2])
             results["modes"] = _mismatched_modes(rank, groups[2])
+            results["async_bad"] = _async_bad_label(rank, async_group)
         dist.barrier()
         results["ckpt"] = _checkpoints(rank, data, tmp, groups)
         dist.barrier()
@@ -308,6 +334,40 @@ def test_bad_input_raises_on_every_rank(runs, world):
             assert "argument `labels` has class ids >= num_classes=11" in msg
         else:
             assert f"rank(s) [{world - 1}] got invalid input" in msg
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_unchecked_and_async_inputs_match_the_reference(runs, world):
+    # check_inputs=False: labels no shard owns are targets in no shard on every rank's loss
+    # and gradients; "async" (valid labels) leaves the results those of the reference.
+    # export_full_weight gathers the class-ordered weight on every rank.
+    data, results, _, _ = runs
+    d = data[(world, "unchecked")]
+    labels, sizes = d["labels"], d["sizes"]
+    unowned = ((labels < 0) & (labels != -100)) | (labels >= UNCHECKED_CLASSES)
+    assert unowned.any()
+    shards = split_classes(UNCHECKED_CLASSES, world)
+    offsets = class_offsets(shards)
+    for mode, mode_labels in ((False, labels), ("async", labels.masked_fill(unowned, -100))):
+        ref = reference_unowned_targets(d["x"], d["w"], mode_labels, **margin_kwargs(margins()["arc"]))
+        for r in range(world):
+            out = results[world][r]["unchecked"]
+            assert isinstance(out, dict), f"rank {r}: {out}"
+            start = sum(sizes[:r])
+            assert rel(out[mode]["loss"], ref.loss) <= 1e-9, (mode, r)
+            assert rel(out[mode]["grad_x"], world * ref.grad_x[start : start + sizes[r]]) <= 1e-9, (mode, r)
+            assert rel(out[mode]["grad_w"], ref.grad_w[offsets[r] : offsets[r] + shards[r]]) <= 1e-9, (mode, r)
+            assert torch.equal(out["exported"], d["w"])
+
+
+def test_async_check_raises_on_the_bad_rank_and_the_other_times_out(runs):
+    per_rank = runs[3]
+    bad, good = per_rank[1]["async_bad"], per_rank[0]["async_bad"]
+    assert type(bad["error"]) is RuntimeError and bad["seconds"] < 1.0
+    assert "`labels` out of [0, num_classes)" in str(bad["error"])
+    assert isinstance(good["error"], CollectiveError), good["error"]
+    assert "collective 'batch-size exchange' failed" in str(good["error"])
+    assert TIMEOUT_S - 0.5 <= good["seconds"] < TIMEOUT_S + 10
 
 
 def test_checkpoints_reshard_across_world_sizes(runs):

@@ -10,7 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from softmax_dist_scenarios import D, check_against_reference, make_data, rel, run_scenario
+import torch.nn.functional as F
+from softmax_dist_scenarios import check_against_reference, make_data, rel, run_scenario
+from softmax_reference import margin_kwargs, margin_psi, reference_loss_and_grads
 
 import shardkit
 from shardkit.distributed import DistributedInputError, sampled_class_counts
@@ -51,10 +53,12 @@ def test_nccl_on_gpus_matches_reference(tmp_path):
 
 def _heads_compared(x, w, labels, margin, autocast):
     """Loss, lse, top-k and gradients of the one-process head on cuda:0 and of the world-size-1
-    head built WITHOUT `devices` (it must find the GPU by itself)."""
+    head built WITHOUT `devices` (it must find the GPU by itself); with ``autocast`` also torch's
+    own bf16 computation of the loss ("torch": fp32 normalization, the GEMM in bf16)."""
+    dim = x.shape[1]
     heads = {
-        "one": shardkit.ShardedSoftmaxLoss(D, w.shape[0], margin=margin, devices=["cuda:0"]),
-        "ws1": shardkit.ShardedSoftmaxLoss(D, w.shape[0], margin=margin, process_group=dist.group.WORLD),
+        "one": shardkit.ShardedSoftmaxLoss(dim, w.shape[0], margin=margin, devices=["cuda:0"]),
+        "ws1": shardkit.ShardedSoftmaxLoss(dim, w.shape[0], margin=margin, process_group=dist.group.WORLD),
     }
     res = {}
     for key, head in heads.items():
@@ -71,6 +75,15 @@ def _heads_compared(x, w, labels, margin, autocast):
             grad_w=head.weight_shards[0].grad.cpu(),
             correct={k: int(v) for k, v in d.correct.items()},
         )
+    if autocast:
+        xt, wt = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            cos = F.linear(F.normalize(xt, dim=1), F.normalize(wt, dim=1)).float()
+        zt = cos.gather(1, labels[:, None])
+        z = margin.scale * cos.scatter(1, labels[:, None], margin_psi(zt, margin.m1, margin.m2, margin.m3))
+        loss = F.cross_entropy(z, labels)
+        gx, gw = torch.autograd.grad(loss, (xt, wt))
+        res["torch"] = dict(loss=loss.detach().cpu(), grad_x=gx.cpu(), grad_w=gw.cpu())
     return res, heads["ws1"]
 
 
@@ -88,7 +101,7 @@ def _world_one_worker(rank, init_file, tmp, data):
             out["cpu_input"] = None
         except DistributedInputError as err:
             out["cpu_input"] = str(err)
-        sampled = shardkit.ShardedSoftmaxLoss(D, w.shape[0], process_group=dist.group.WORLD, sample_rate=0.3)
+        sampled = shardkit.ShardedSoftmaxLoss(x.shape[1], w.shape[0], process_group=dist.group.WORLD, sample_rate=0.3)
         out["sampled_rows"] = []
         for _ in range(2):  # seeded by a generator on the shard's GPU: reproducible
             sampled.sample_generator = torch.Generator(device="cuda").manual_seed(1234)
@@ -116,10 +129,11 @@ def test_nccl_world_size_one_equals_one_process(tmp_path):
     autocast); CPU embeddings raise DistributedInputError; sampling seeded by a CUDA
     generator is reproducible and a CPU generator is refused with a clear message."""
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    classes, batch = 53, 19
+    # D = 128: under bf16 autocast a GPU of compute capability 9.0 runs the fused kernels.
+    classes, batch, dim = 53, 19, 128
     data = dict(
-        x=torch.randn(batch, D, generator=gen),
-        w=torch.randn(classes, D, generator=gen) * 0.5,
+        x=torch.randn(batch, dim, generator=gen),
+        w=torch.randn(classes, dim, generator=gen) * 0.5,
         labels=torch.randint(0, classes, (batch,), generator=gen),
     )
     mp.spawn(_world_one_worker, args=(str(tmp_path / "init"), str(tmp_path), data), nprocs=1, join=True)
@@ -131,6 +145,20 @@ def test_nccl_world_size_one_equals_one_process(tmp_path):
         for key in ("loss", "lse", "grad_x", "grad_w"):
             assert rel(ws1[key], one[key]) <= tol, (name, key)
         assert ws1["correct"] == one["correct"]
+    # Both against the float64 loss of the embeddings autocast rounds to bf16 and the fp32 weights,
+    # within 2x the error of torch's own bf16 computation.
+    arc = shardkit.ArcFace(16.0, 0.5)
+    ref = reference_loss_and_grads(data["x"].bfloat16(), data["w"], data["labels"], **margin_kwargs(arc))
+    own = out["arc_bf16_autocast"]["torch"]
+    for key, exact in (("loss", ref.loss), ("grad_x", ref.grad_x), ("grad_w", ref.grad_w)):
+        for head in ("one", "ws1"):
+            ours = out["arc_bf16_autocast"][head][key]
+            assert rel(ours, exact) <= 2 * rel(own[key], exact) + 1e-6, (
+                head,
+                key,
+                rel(ours, exact),
+                rel(own[key], exact),
+            )
     assert "argument `embeddings` is on cpu but this rank's weight shard is on cuda:0" in out["cpu_input"]
     rows = out["sampled_rows"]
     assert torch.equal(rows[0], rows[1]) and rows[0].numel() == sampled_class_counts([classes], 0.3, batch)[0]

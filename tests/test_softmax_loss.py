@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from softmax_checks import LOSS_MARGINS as MARGINS
-from softmax_checks import assert_matches_reference, grads_of, make_labels, rel
+from softmax_checks import assert_matches_reference, check_module_low_precision, grads_of, make_labels, rel
 from softmax_reference import (
     margin_kwargs,
     reference_correct,
@@ -216,6 +216,16 @@ def test_low_precision_within_2x_torch_error(dtype):
     assert rel(loss, ref.loss) <= 2 * rel(t_loss, ref.loss)
     assert rel(gx, ref.grad_x) <= 2 * rel(t_gx, ref.grad_x)
     assert rel(gw, ref.grad_w) <= 2 * rel(t_gw, ref.grad_w)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("margin_name", ["plain", "arcface", "combined"])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_cpu_module_loss_16bit_within_twice_torch(dtype, margin_name, mixed):
+    # The module's own loss (label smoothing: the statistics weighted 1, -0.9, -0.1 / C) and its
+    # gradients against float64, within 2x torch's own 16-bit error (a wrong softmax gradient
+    # fails it), 16-bit weights or fp32 ones under autocast.
+    check_module_low_precision("cpu", dtype, margin_name, shape=(48, 64, 777), mixed=mixed)
 
 
 def test_cpu_autocast_bf16():

@@ -3,6 +3,7 @@ process each, rendezvous on the loopback address, gloo) train the distributed he
 with save_sharded, and a launch with another world size (one agent, 3 processes) resumes
 from those files bit-exactly and trains on with the same losses as a single process would."""
 
+import itertools
 import os
 import socket
 import subprocess
@@ -42,6 +43,14 @@ def _wait(procs, what):
         assert p.returncode == 0, f"{what}: torchrun exited {p.returncode}:\n{out[-4000:]}"
 
 
+def _class_ordered(results):
+    """(rows [C, D], momentum [C, D], seen [C]) from the ranks' shards, checked to tile [0, C)."""
+    shards = sorted((off, *parts) for r in results for off, parts in r["shards"].items())
+    assert [off for off, *_ in shards] == list(itertools.accumulate([0] + [w.shape[0] for _, w, _, _ in shards[:-1]]))
+    assert all(buf is not None and seen is not None for _, _, buf, seen in shards), "a shard has no momentum"
+    return tuple(torch.cat([s[k] for s in shards]) for k in (1, 2, 3))
+
+
 def test_two_agents_train_save_and_resume_into_another_world_size(tmp_path):
     d = str(tmp_path)
     port = _free_port()
@@ -54,10 +63,16 @@ def test_two_agents_train_save_and_resume_into_another_world_size(tmp_path):
 
     # resume into world size 3 (one agent with 3 processes): rows and momentum bit for bit
     _wait([_torchrun(1, 3, 0, _free_port(), ["resume", d, "0"])], "1 agent x 3 processes, 0 steps")
-    for r in range(3):
-        got = torch.load(os.path.join(d, f"resume-rank{r}.pt"), weights_only=True)
+    resumed = [torch.load(os.path.join(d, f"resume-rank{r}.pt"), weights_only=True) for r in range(3)]
+    for got in resumed:
         assert got["world"] == 3
         assert torch.equal(got["full"], a["full"]), "the weight loaded into 3 ranks differs from the saved one"
+    saved_rows, saved_buf, saved_seen = _class_ordered([a, b])
+    assert saved_buf.abs().sum() > 0 and saved_seen.all()  # every class is in every (unsampled) step
+    rows, buf, seen = _class_ordered(resumed)
+    assert torch.equal(rows, saved_rows) and torch.equal(rows, a["full"])
+    assert torch.equal(buf, saved_buf), "the momentum loaded into 3 ranks differs from the saved one"
+    assert torch.equal(seen, saved_seen) and seen.dtype == torch.bool
 
     # and train on: the same steps in world size 3 and in world size 1 give the same losses
     _wait([_torchrun(1, 3, 0, _free_port(), ["resume", d, "2"])], "1 agent x 3 processes")

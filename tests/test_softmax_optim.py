@@ -1,4 +1,5 @@
-"""SparseRowSGD resumes exactly from its state_dict (a checkpoint round trip)."""
+"""SparseRowSGD against a per-row float64 loop over partial-row steps, and its exact resume
+from a state_dict (a checkpoint round trip and a torch.optim.SGD state)."""
 
 import copy
 
@@ -73,3 +74,70 @@ def test_resume_from_torch_sgd_without_momentum_and_errors():
         opt.load_state_dict(torch.optim.SGD([w], lr=0.1, maximize=True).state_dict())
     with pytest.raises(ValueError, match="argument `state_dict` must be an optimizer state_dict"):
         opt.load_state_dict({"weight": w})
+
+
+def _reference_step(w, buf, seen, grads, hp):
+    """The documented rule, one row at a time in float64: ``grads`` maps row -> gradient."""
+    lr, momentum, dampening, wd, nesterov = hp
+    for r, g in grads.items():
+        g = g + wd * w[r]
+        if momentum:
+            buf[r] = momentum * buf[r] + (1 - dampening) * g if seen[r] else g.clone()
+            seen[r] = True
+            g = g + momentum * buf[r] if nesterov else buf[r]
+        w[r] = w[r] - lr * g
+
+
+# Row sets over a random permutation of 17 rows: they overlap (rows 3-5 in steps 0 and 1),
+# rows first appear late (6-9 at step 1, 10-12 at step 2, 13-15 at step 3), rows skip a step
+# and come back (0-1: steps 0, 2), indices repeat within a step, row 16 is never sampled.
+_ROW_SETS = [[0, 1, 2, 3, 4, 5], [3, 4, 5, 6, 7, 8, 9, 9], [0, 1, 8, 10, 11, 12, 0], [5, 13, 14, 15, 2], [1, 4, 14, 7]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    "momentum,dampening,wd,nesterov",
+    [(0.9, 0.0, 0.0, False), (0.9, 0.3, 1e-2, False), (0.7, 0.0, 5e-2, True), (0.0, 0.0, 1e-2, False)],
+)
+@pytest.mark.parametrize("dense_step", [None, 3])
+def test_sparse_row_sgd_partial_rows_equal_a_per_row_float64_loop(momentum, dampening, wd, nesterov, dtype, dense_step):
+    # A row first sampled at a later step must start its buffer with its raw gradient, a row
+    # that skips steps must keep its weight and buffer, and a dense step (every row present,
+    # row 16 included) starts every row's buffer.
+    hp = (0.2, momentum, dampening, wd, nesterov)
+    rows, dim = 17, 3
+    perm = torch.randperm(rows)
+    start = torch.randn(rows, dim, dtype=torch.float64)
+    weight = torch.nn.Parameter(start.to(dtype))
+    opt = shardkit.SparseRowSGD(
+        [weight], lr=hp[0], momentum=momentum, dampening=dampening, weight_decay=wd, nesterov=nesterov
+    )
+    w_ref = [start[r].clone() for r in range(rows)]
+    buf_ref = [torch.zeros(dim, dtype=torch.float64) for _ in range(rows)]
+    seen_ref = [False] * rows
+    tol = dict(rtol=1e-12, atol=1e-13) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    for step, row_set in enumerate(_ROW_SETS):
+        dense = step == dense_step
+        index = torch.arange(rows) if dense else perm[row_set]
+        coeff = torch.randn(len(index), dim, dtype=torch.float64)
+        weight.grad = None
+        picked = weight if dense else F.embedding(index, weight, sparse=True)
+        (coeff.to(dtype) * picked.sin()).sum().backward()
+        assert weight.grad.is_sparse != dense
+        grads = {}
+        for k, r in enumerate(index.tolist()):  # d/dw sum(c * sin(w)) = c * cos(w), summed over repeats
+            grads[r] = grads.get(r, 0) + coeff[k] * w_ref[r].cos()
+        before = weight.detach().clone()
+        opt.step()
+        _reference_step(w_ref, buf_ref, seen_ref, grads, hp)
+        torch.testing.assert_close(
+            weight.detach().double(), torch.stack(w_ref), **tol, msg=f"weights after step {step}"
+        )
+        untouched = torch.tensor([r not in grads for r in range(rows)])
+        assert torch.equal(weight.detach()[untouched], before[untouched])  # bit-exact
+        if momentum:
+            state = opt.state[weight]
+            assert state["seen"].tolist() == seen_ref, f"rows marked seen after step {step}"
+            torch.testing.assert_close(state["momentum_buffer"].double(), torch.stack(buf_ref), **tol)
+    if dense_step is None:
+        assert torch.equal(weight.detach()[perm[16]], start[perm[16]].to(dtype))

@@ -66,6 +66,30 @@ def test_sample_negatives_are_uniform():
     assert torch.all((freq - 0.25).abs() < 0.05), freq
 
 
+def test_sample_negatives_are_uniform_with_positives_present():
+    # 30 classes at offset 7; the batch of 10 holds 3 of them (twice each), labels of other
+    # shards and an ignored row. 10 sampled: the 3 positives always, 7 of the 27 negatives,
+    # each negative kept with probability 7/27 whatever its distance to a positive.
+    offset, num_local, num_sample = 7, 30, 10
+    positives = torch.randperm(num_local)[:3]
+    labels = torch.cat([positives.repeat(2) + offset, torch.tensor([0, 6, 37, -100])])
+    labels = labels[torch.randperm(labels.numel())]
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    hits = torch.zeros(num_local)
+    trials = 2000
+    for _ in range(trials):
+        index, _ = partial_fc_sample(
+            labels, class_offset=offset, num_local=num_local, num_sample=num_sample, generator=gen
+        )
+        hits[index] += 1
+    freq = hits / trials
+    negative = torch.ones(num_local, dtype=torch.bool)
+    negative[positives] = False
+    assert torch.all(freq[positives] == 1.0), freq
+    # binomial sd = sqrt(7/27 * 20/27 / 2000) ~ 0.0098; 5 sd
+    assert torch.all((freq[negative] - 7 / 27).abs() < 0.049), freq
+
+
 def test_sample_generator_reproducible():
     labels = torch.randint(0, 100, (17,))
     seed = int(torch.randint(0, 2**31, ()).item())

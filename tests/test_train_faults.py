@@ -14,6 +14,7 @@ import shardkit
 from shardkit import train
 from shardkit.train import checkpoint
 from shardkit.train import loop as train_loop
+from shardkit.train import setup as train_setup
 
 TINY = "--classes 16 --per-class 8 --image-size 16 --batch 8 --val-classes 4 --val-per-class 3 --dim 16".split()
 TINY += ["--no-progress", "--devices", "cpu", "--ema", "0.9", "--ema-tau", "2"]
@@ -44,15 +45,35 @@ def _ckpt(run):
 
 
 @pytest.mark.parametrize("flags", [["--devices", "cpu,cpu"], ["--devices", "cpu,cpu,cpu", "--dp"]])
-def test_resume_on_another_shard_layout_keeps_the_head_momentum(two_steps, tmp_path, flags):
+def test_resume_on_another_shard_layout_keeps_the_head_momentum(two_steps, tmp_path, flags, monkeypatch):
     # --devices and --dp may change on resume: the head optimizer's state is saved in class
-    # order and split over the new shards; the momentum read back is the one saved.
+    # order and split over the new shards; each new shard's momentum rows and flags are the
+    # saved ones of its classes, bit for bit, when the resumed run starts stepping.
     saved = checkpoint.read(_ckpt(two_steps))["optimizers"][1]
-    assert saved["class_ordered"] and torch.cat(saved["momentum_buffer"]).abs().sum() > 0
+    saved_buf, saved_seen = torch.cat(saved["momentum_buffer"]), torch.cat(saved["seen"])
+    assert saved["class_ordered"] and saved_buf.abs().sum() > 0 and saved_seen.any()
+    loaded, real_load = [], train_setup.load_checkpoint
+
+    def load_and_record(ckpt_dir, parts, world):
+        out = real_load(ckpt_dir, parts, world)
+        opt, head = parts.optimizers[1], parts.head
+        for offset, p in zip(head.class_offsets, head.weight_shards):
+            buf, seen = (opt.state.get(p, {}).get(key) for key in ("momentum_buffer", "seen"))
+            loaded.append(
+                (offset, p.shape[0], None if buf is None else buf.clone(), None if seen is None else seen.clone())
+            )
+        return out
+
+    monkeypatch.setattr(train_setup, "load_checkpoint", load_and_record)
     run = _copy(two_steps, tmp_path / "run")
     assert train.main(["--resume", run, "--steps", "3", "--no-progress"] + flags) == 0
+    assert len(loaded) > 1 and sum(n for _, n, _, _ in loaded) == saved_buf.shape[0]  # another layout
+    for offset, n, buf, seen in loaded:
+        assert buf is not None and seen is not None, f"no momentum restored for the shard at class {offset}"
+        assert torch.equal(buf, saved_buf[offset : offset + n]), f"momentum rows of classes {offset}..{offset + n}"
+        assert torch.equal(seen, saved_seen[offset : offset + n]) and seen.dtype == torch.bool
     after = checkpoint.read(_ckpt(run))["optimizers"][1]
-    assert torch.cat(after["momentum_buffer"]).shape == torch.cat(saved["momentum_buffer"]).shape
+    assert torch.cat(after["momentum_buffer"]).shape == saved_buf.shape
 
 
 def test_head_optimizer_state_round_trips_over_any_shard_count():

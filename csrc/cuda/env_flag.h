@@ -1,5 +1,5 @@
-// The CUDA kernels' switches in the environment (SHARDKIT_CE_V2, SHARDKIT_EMA_V1, the fused
-// kernels' variants), read on every call so that one process can time both settings.
+// The CUDA kernels' switches in the environment (SHARDKIT_EMA_V1, the fused kernels' variants),
+// read on every call so that one process can time both settings.
 #pragma once
 
 #include <c10/util/Exception.h>

@@ -2,8 +2,8 @@
 //
 // Host loop over class chunks on the current stream: per chunk one cuBLAS GEMM producing fp32
 // logits (at::mm_out with out_dtype=float for bf16/fp16 inputs), then a fused kernel:
-//   forward:  one block per row folds the chunk into running [B] statistics (online
-//             max/sum-exp with warp shuffles, margin at the target column, logit sum, count);
+//   forward:  column ranges of each row fold the chunk into running [B] statistics (online
+//             max/sum-exp, margin at the target column, logit sum, count; sharded_ce_v2.cuh);
 //   backward: an elementwise kernel turns the logits into dlogits, written in the GEMM input
 //             dtype, then dX += G @ W_chunk (fp32 accumulation) and dW_chunk = G^T @ X written
 //             straight into grad_w (through a fix-up kernel for normalization / dtype).
@@ -22,11 +22,17 @@
 // Holding no fp32 logits, the fused backward walks larger chunks (fused::backward_chunk) within
 // the memory the unfused chunk takes (and 56 MiB), and the fused forward larger ones still
 // (fused::forward_chunk) within the memory the fused backward's chunk takes.
+// SHARDKIT_FUSED_OVERLAP=1 runs the fused backward's dX / dW GEMMs of chunk k on a second stream
+// under chunk k + 1's dlogits GEMM (two sets of half-size chunk buffers, events between).
+// The backward's per-chunk pieces (buffers, dlogits of the unfused kernels, dX / dW and their
+// fix-ups) are in sharded_ce_backward.cuh.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/Exceptions.h>
 #include <c10/cuda/CUDAException.h>
+#include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/util/ScopeExit.h>
 #include <torch/library.h>
 
 #include <limits>
@@ -166,68 +172,6 @@ __global__ void row_stats_kernel(const T* __restrict__ L, int64_t n, int64_t j0,
   if (threadIdx.x == 0) fold_stats(i, m, s, zs, cnt, M, S, LS, CN);
 }
 
-// Backward: G[i, j] = d loss / d(cos_ij) (d loss / d(z_ij) without normalization), in the GEMM
-// dtype g_t; with g_times_r also times rw[j], which makes G the gradient w.r.t. the dots with
-// the RAW weight rows (fp32 / fp64 only: in 16 bits, 1 / |w_j| would overflow fp16 for small
-// rows, and inf * 0 in the dX GEMM would turn every row's dX into NaN).
-template <typename T, typename g_t>
-__global__ void dlogit_kernel(const T* L, g_t* G, int64_t B, int64_t n, int64_t j0,  // G may alias L
-                              const T* __restrict__ rw, bool g_times_r, const int64_t* __restrict__ labels,
-                              int64_t class_offset, const T* __restrict__ lse, const T* __restrict__ gl,
-                              const T* __restrict__ gt, const T* __restrict__ gs, MarginT<T> mg) {
-  const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (j >= n) return;
-  const T r = rw ? rw[j] : T(1);
-  const T rg = g_times_r ? r : T(1);
-  for (int64_t i = blockIdx.y; i < B; i += gridDim.y) {
-    const int64_t idx = i * n + j;
-    const T c = L[idx] * r;
-    const bool is_t = labels[i] - class_offset - j0 == j;
-    T z = scaled_logit(mg.scale, c), dpsi = 1;
-    if (is_t && mg.normalize) {
-      T psi;
-      margin_psi<T>(c, mg.plain, mg.m1, mg.m2, mg.m3, mg.c_max, &psi, &dpsi);
-      z = scaled_logit(mg.scale, psi);
-    }
-    const T dz = gl[i] * dev_exp(z - lse[i]) + gs[i] + (is_t ? gt[i] : T(0));
-    G[idx] = static_cast<g_t>(mg.scale * dpsi * dz * rg);  // in place when g_t == T
-  }
-}
-
-// grad_w rows from tmp = G^T @ X (fp32 or the grad's dtype; may alias out): plain copy /
-// convert, or with normalize the projection through w_hat = w / max(|w|, eps):
-//   v = w (raw rows, G had the factor rw):      dw = tmp - [|w| > eps] rw^2 (tmp . w) w
-//   v = w_hat (hat, G without rw, 16-bit path): dw = rw (tmp - [|w| > eps] (tmp . w_hat) w_hat)
-template <typename scalar_t, typename T, typename tmp_t, typename out_t = scalar_t>
-__global__ void dw_fixup_kernel(const tmp_t* tmp, const scalar_t* __restrict__ v, int64_t s0, int64_t s1,
-                                const T* __restrict__ rw, bool hat, int64_t n, int64_t D, out_t* out) {
-  const int64_t row = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= n) return;
-  T coef = 0, post = 1;
-  if (rw) {
-    T dot = 0;
-    for (int64_t k = lane; k < D; k += 32)
-      dot += static_cast<T>(tmp[row * D + k]) * static_cast<T>(v[row * s0 + k * s1]);
-    for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-    const T r = rw[row];
-    // The clamp is active where r == 1/eps (up to the rounding of the approximate division
-    // of --use_fast_math); a norm just above eps keeps its projection term, as on the CPU.
-    const bool active = r < T(0.999 / kEps);
-    coef = active ? (hat ? dot : r * r * dot) : T(0);
-    post = hat ? r : T(1);
-  }
-  __syncwarp();
-  if (!rw) {  // a plain copy / conversion: w is not read (0 * an inf weight would be NaN)
-    for (int64_t k = lane; k < D; k += 32)
-      out[row * D + k] = static_cast<out_t>(static_cast<T>(tmp[row * D + k]));
-    return;
-  }
-  for (int64_t k = lane; k < D; k += 32)
-    out[row * D + k] = static_cast<out_t>(
-        (static_cast<T>(tmp[row * D + k]) - coef * static_cast<T>(v[row * s0 + k * s1])) * post);
-}
-
 }  // namespace
 }  // namespace sce
 }  // namespace shardkit
@@ -237,15 +181,6 @@ __global__ void dw_fixup_kernel(const tmp_t* tmp, const scalar_t* __restrict__ v
 namespace shardkit {
 namespace sce {
 namespace {
-
-// The wider statistics / dlogit kernels (sharded_ce_v2.cuh), the dW GEMM written straight in
-// a 16-bit gradient's dtype and dX accumulated by the GEMM (beta = 1) in fp32 are the default
-// (validated and timed on an H100, benchmarks/RESULTS.md); SHARDKIT_CE_V2=0 selects the first
-// kernels (for bisecting and for the benchmark's before/after). Read on every call, so a
-// process can compare both.
-bool ce_v2_enabled() {
-  return env_flag("SHARDKIT_CE_V2", true, "the default (second) kernels run");
-}
 
 bool is_aligned(const void* ptr, size_t bytes) {
   return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
@@ -263,16 +198,21 @@ int row_parts(int64_t B, int64_t n) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({want, most, 64})));
 }
 
-// dx [B, D] (fp32, contiguous) += G [B, n] @ v [n, D] (both 16-bit, rows contiguous): cuBLAS
-// with fp32 accumulation and beta = 1, no [B, D] temporary.
-void addmm_f32_out(Tensor& dx, const Tensor& G, const Tensor& v) {
+// Whether addmm_f32_out takes rows v of strides (s0, s1), [n, D], and G [B, n].
+bool gemm_dx(int64_t s0, int64_t s1, int64_t D, int64_t n, int64_t B) {
+  return s1 == 1 && s0 >= D && s0 <= INT32_MAX && n <= INT32_MAX && B <= INT32_MAX;
+}
+
+// dx [B, D] (fp32, contiguous) = G [B, n] @ v [n, D] + beta dx (G and v 16-bit, rows
+// contiguous): cuBLAS with fp32 accumulation, no [B, D] temporary.
+void addmm_f32_out(Tensor& dx, const Tensor& G, const Tensor& v, float beta) {
   const cudaDataType_t ab = G.scalar_type() == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
-  const float one = 1.f;
+  const float one = 1.f;  // alpha
   const int64_t rows = G.size(0), n = G.size(1), D = v.size(1);
   TORCH_CUDABLAS_CHECK(cublasGemmEx(at::cuda::getCurrentCUDABlasHandle(), CUBLAS_OP_N, CUBLAS_OP_N,
                                     static_cast<int>(D), static_cast<int>(rows), static_cast<int>(n), &one,
                                     v.const_data_ptr(), ab, static_cast<int>(v.stride(0)), G.const_data_ptr(),
-                                    ab, static_cast<int>(G.stride(0)), &one, dx.mutable_data_ptr(),
+                                    ab, static_cast<int>(G.stride(0)), &beta, dx.mutable_data_ptr(),
                                     CUDA_R_32F, static_cast<int>(dx.stride(0)), CUBLAS_COMPUTE_32F,
                                     CUBLAS_GEMM_DEFAULT));
 }
@@ -373,10 +313,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> ce_shard_stats_cuda(const Tensor& x, 
   const auto acc = acc_dtype(x.scalar_type());
   const int64_t B = x.size(0), C = w.size(0);
   const auto opts = x.options().dtype(acc);
-  Tensor M = at::full({B}, -std::numeric_limits<double>::infinity(), opts);
-  Tensor S = at::zeros({B}, opts), LS = at::zeros({B}, opts), TG = at::zeros({B}, opts);
-  Tensor CN = at::zeros({B}, x.options().dtype(at::kLong));
-  if (B == 0 || C == 0) return {M, TG, LS, CN};
+  if (B == 0 || C == 0) {
+    Tensor z = at::zeros({B}, opts);
+    return {at::full({B}, -std::numeric_limits<double>::infinity(), opts), z, z.clone(),
+            at::zeros({B}, x.options().dtype(at::kLong))};
+  }
   const Margin mg = make_margin(scale, m1, m2, m3, normalize);
   const bool count = target_ref.has_value() && target_ref->defined();
   const Tensor tref = count ? target_ref->to(acc).contiguous() : Tensor();
@@ -384,15 +325,25 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> ce_shard_stats_cuda(const Tensor& x, 
   const Prepared p = prepare_x(x, normalize);
   const bool mixed = w.scalar_type() != x.scalar_type();
   const bool fz = acc == at::kFloat && use_fused(p.xin, w, mixed);
+  // The fused kernels' first chunk sets the statistics and their last turns M into lse: no fills
+  // before, no log and add after.
+  Tensor M = fz ? at::empty({B}, opts) : at::full({B}, -std::numeric_limits<double>::infinity(), opts);
+  Tensor S = fz ? at::empty({B}, opts) : at::zeros({B}, opts);
+  Tensor LS = fz ? at::empty({B}, opts) : at::zeros({B}, opts);
+  Tensor TG = fz ? at::empty({B}, opts) : at::zeros({B}, opts);
+  Tensor CN =
+      fz ? at::empty({B}, x.options().dtype(at::kLong)) : at::zeros({B}, x.options().dtype(at::kLong));
   // The fused forward holds no logits: its chunks are larger, within the (fused) backward's
   // memory.
   const int64_t D = w.size(1);
   const int64_t tile_cols = fz ? fused::forward_tile_cols() : 0;  // read once: the chunk and scratch agree
   const int64_t chunk =
-      fz ? fused::forward_chunk(B, D, C,
-                                fused::backward_chunk(B, D, C, std::min(chunk_classes, C), x.element_size(),
-                                                      mixed, normalize, ce_v2_enabled()),
-                                x.element_size(), mixed, normalize, tile_cols)
+      fz ? fused::forward_chunk(
+               B, D, C,
+               fused::backward_chunk(B, D, C, std::min(chunk_classes, C), x.element_size(), mixed, normalize,
+                                     fused::backward_tile_cols(), sm_count(),
+                                     /*overlap=*/false),
+               x.element_size(), mixed, normalize, tile_cols, sm_count())
          : std::min(chunk_classes, C);
   Tensor rw = normalize ? at::empty({chunk}, opts) : Tensor();
   // Mixed mode: the chunk's rows converted to x's dtype, [chunk, D].
@@ -402,21 +353,22 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> ce_shard_stats_cuda(const Tensor& x, 
     const fused::Running run{M.mutable_data_ptr<float>(), S.mutable_data_ptr<float>(),
                              LS.mutable_data_ptr<float>(), TG.mutable_data_ptr<float>(),
                              CN.mutable_data_ptr<int64_t>()};
-    const fused::Scratch sc = fused::make_scratch(p.xin, chunk, tile_cols);
+    fused::Scratch sc = fused::make_scratch(p.xin, chunk, tile_cols, /*backward=*/false);
     for (int64_t j0 = 0; j0 < C; j0 += chunk) {
       const int64_t n = std::min(chunk, C - j0);
       const Tensor wc = weight_chunk(w, wbuf, j0, n);
       if (normalize) chunk_norms(wc, n, rw, Tensor(), stream);
       fused::EpiParams e = epi_params(mg, lab, class_offset, j0, rw);
       e.tref = count ? tref.const_data_ptr<float>() : nullptr;
-      fused::forward(p.xin, wc, e, run, sc, stream);
+      fused::forward(p.xin, wc, e, run, sc, /*first=*/j0 == 0, /*last=*/j0 + n == C, stream);
     }
-    Tensor lse = M.add_(S.log_());
-    return {lse, TG, LS, CN};
+    return {M, TG, LS, CN};  // M holds lse
   }
   Tensor lbuf = at::empty({B * chunk}, opts);
-  // The wider kernels (float statistics only): per-range partials, [parts, B] each.
-  const bool v2 = ce_v2_enabled() && acc == at::kFloat && is_aligned(lbuf.const_data_ptr(), 16);
+  // The wider kernels (float statistics; double runs row_stats_kernel): per-range partials, [parts, B] each.
+  const bool v2 = acc == at::kFloat;
+  TORCH_INTERNAL_ASSERT(!v2 || is_aligned(lbuf.const_data_ptr(), 16),
+                        "the logits buffer is not 16-byte aligned");
   const int max_parts = v2 ? row_parts(B, chunk) : 1;
   Tensor part_f = max_parts > 1 ? at::empty({3, max_parts * B}, opts) : Tensor();
   Tensor part_c = max_parts > 1 ? at::empty({max_parts * B}, CN.options()) : Tensor();
@@ -444,19 +396,27 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> ce_shard_stats_cuda(const Tensor& x, 
       }
       continue;
     }
-    AT_DISPATCH_FLOATING_TYPES(acc, "ce_shard_stats_cuda", [&] {
-      using T = scalar_t;
-      row_stats_kernel<T><<<B, kBlock, 0, stream>>>(
-          L.const_data_ptr<T>(), n, j0, normalize ? rw.const_data_ptr<T>() : nullptr,
-          lab.const_data_ptr<int64_t>(), class_offset, count ? tref.const_data_ptr<T>() : nullptr,
-          to_device_margin<T>(mg), M.mutable_data_ptr<T>(), S.mutable_data_ptr<T>(), LS.mutable_data_ptr<T>(),
-          TG.mutable_data_ptr<T>(), CN.mutable_data_ptr<int64_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
+    using T = double;
+    row_stats_kernel<T><<<B, kBlock, 0, stream>>>(
+        L.const_data_ptr<T>(), n, j0, normalize ? rw.const_data_ptr<T>() : nullptr,
+        lab.const_data_ptr<int64_t>(), class_offset, count ? tref.const_data_ptr<T>() : nullptr,
+        to_device_margin<T>(mg), M.mutable_data_ptr<T>(), S.mutable_data_ptr<T>(), LS.mutable_data_ptr<T>(),
+        TG.mutable_data_ptr<T>(), CN.mutable_data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   Tensor lse = M.add_(S.log_());
   return {lse, TG, LS, CN};
 }
+
+}  // namespace
+}  // namespace sce
+}  // namespace shardkit
+
+#include "sharded_ce_backward.cuh"
+
+namespace shardkit {
+namespace sce {
+namespace {
 
 std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, const Tensor& grad_target,
                                                         const Tensor& grad_sum, const Tensor& x,
@@ -484,41 +444,58 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
   const Prepared p = prepare_x(x, normalize);
   const bool low = dt != acc;  // bf16 / fp16: dlogits in the input dtype, fp32 temporaries
   // Mixed mode (fp32 w, 16-bit x): w's chunks converted into wbuf (x's dtype); dW is the fp32
-  // GEMM output written straight into grad_w (fp32), so no fp32 temporary tbuf.
+  // GEMM output written straight into grad_w (fp32), so no fp32 temporary.
   const bool mixed = w.scalar_type() != dt;
-  // The second kernels (the default; SHARDKIT_CE_V2=0: the first): the wider dlogit kernel; 16-bit plain dW
-  // straight from the GEMM in the gradient's dtype (no fp32 temporary, no fix-up); dX accumulated by the GEMM
-  // in fp32.
-  const bool v2 = ce_v2_enabled() && acc == at::kFloat;
-  const bool dw_direct = v2 && low && !mixed && !normalize;
   // The fused kernels write the dlogits straight from the GEMM (no fp32 logits), so their
   // chunks are larger within the same memory.
   const bool fz = acc == at::kFloat && low && use_fused(p.xin, w, mixed);
-  const int64_t chunk =
-      fz ? fused::backward_chunk(B, D, C, std::min(chunk_classes, C), x.element_size(), mixed, normalize, v2)
-         : std::min(chunk_classes, C);
-  const Tensor wbuf = mixed ? at::empty({chunk * D}, x.options()) : Tensor();
-  const fused::Scratch sc = fz ? fused::make_scratch(p.xin, chunk, /*tile_cols=*/0) : fused::Scratch();
-  Tensor lbuf = fz ? Tensor() : at::empty({B * chunk}, opts);
-  Tensor gbuf = low ? at::empty({B * chunk}, x.options()) : Tensor();
-  Tensor tbuf = low && !mixed && !dw_direct ? at::empty({chunk * D}, opts) : Tensor();
-  Tensor dxc;  // [B, D] fp32 chunk product, made on first use (the fp32-accumulating GEMM needs none)
-  Tensor rw = normalize ? at::empty({chunk}, opts) : Tensor();
+  const bool overlap = fz && overlap_enabled();
+  const int64_t tile_cols = fz ? fused::backward_tile_cols() : 0;  // read once: the chunk and scratch agree
+  const int64_t chunk = fz ? fused::backward_chunk(B, D, C, std::min(chunk_classes, C), x.element_size(),
+                                                   mixed, normalize, tile_cols, sm_count(), overlap)
+                           : std::min(chunk_classes, C);
+  fused::Scratch sc = fz ? fused::make_scratch(p.xin, chunk, tile_cols, /*backward=*/true) : fused::Scratch();
   // 16-bit with normalize: G stays d loss / d cos (bounded like torch's own 16-bit dlogits)
   // and the dX GEMM uses the chunk's normalized rows, [chunk, D] in the input dtype.
   const bool hat = low && normalize;
-  Tensor whatbuf = hat ? at::empty({chunk * D}, x.options()) : Tensor();
-  Tensor dx = at::zeros({B, D}, opts);  // w.r.t. the GEMM's x (normalized x when normalize)
-  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  for (int64_t j0 = 0; j0 < C; j0 += chunk) {
+  ChunkBuffers bufs[2];
+  for (int k = 0; k < (overlap ? 2 : 1); ++k)
+    bufs[k] = chunk_buffers(x, chunk, D, fz, low, mixed, normalize, opts);
+  // w.r.t. the GEMM's x (normalized x when normalize): where cuBLAS accumulates every chunk's dX
+  // into it, the first chunk's GEMM initializes it.
+  const bool own_rows = hat || mixed;  // the dX GEMM's rows: a contiguous buffer, or w's own
+  const bool dx_by_gemm = low && gemm_dx(own_rows ? D : w.stride(0), own_rows ? 1 : w.stride(1), D, chunk, B);
+  Tensor dx = dx_by_gemm ? at::empty({B, D}, opts) : at::zeros({B, D}, opts);
+  Tensor dxc;  // [B, D] fp32 chunk product, made on first use (the fp32-accumulating GEMM needs none)
+  const at::cuda::CUDAStream main = at::cuda::getCurrentCUDAStream();
+  const at::cuda::CUDAStream side = overlap ? at::cuda::getStreamFromPool(false, x.get_device()) : main;
+  at::cuda::CUDAEvent ready[2], released[2];
+  // The caller's stream waits for the side stream before dx is read, and in any case (an error
+  // on the way) before the buffers above return to the allocator (destroyed after this guard).
+  bool joined = !overlap;
+  const auto join_side = [&] {
+    if (joined) return;
+    joined = true;
+    at::cuda::CUDAEvent done;
+    done.record(side);
+    done.block(main);
+  };
+  const auto join_guard = c10::make_scope_exit(join_side);
+  const cudaStream_t stream = main.stream();
+  int64_t k = 0;
+  for (int64_t j0 = 0; j0 < C; j0 += chunk, ++k) {
     const int64_t n = std::min(chunk, C - j0);
-    const Tensor what = hat ? whatbuf.narrow(0, 0, n * D).view({n, D}) : Tensor();
-    const Tensor wc = weight_chunk(w, wbuf, j0, n);  // x's dtype
-    Tensor L = fz ? Tensor() : lbuf.narrow(0, 0, B * n).view({B, n});
-    Tensor G = low ? gbuf.narrow(0, 0, B * n).view({B, n}) : L;
+    const int slot = overlap ? static_cast<int>(k % 2) : 0;
+    ChunkBuffers& b = bufs[slot];
+    if (overlap && k >= 2)
+      released[slot].block(main);  // the side stream is done with this slot's chunk k - 2
+    const Tensor what = hat ? b.what.narrow(0, 0, n * D).view({n, D}) : Tensor();
+    const Tensor wc = weight_chunk(w, b.wbuf, j0, n);  // x's dtype
+    Tensor L = fz ? Tensor() : b.logits.narrow(0, 0, B * n).view({B, n});
+    Tensor G = low ? b.g.narrow(0, 0, B * n).view({B, n}) : L;
     if (fz) {
-      if (normalize) chunk_norms(wc, n, rw, what, stream);
-      fused::EpiParams e = epi_params(mg, lab, class_offset, j0, rw);
+      if (normalize) chunk_norms(wc, n, b.rw, what, stream);
+      fused::EpiParams e = epi_params(mg, lab, class_offset, j0, b.rw);
       e.lse = lse.const_data_ptr<float>();
       e.gl = gl.const_data_ptr<float>();
       e.gt = gt.const_data_ptr<float>();
@@ -528,89 +505,22 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
       e.ldg = n;
       fused::backward(p.xin, wc, e, sc, stream);
     } else {
-      chunk_logits(p, wc, n, normalize, L, rw, what, stream);
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dt, "sce_dlogit", [&] {
-        using T = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-        if constexpr (std::is_same_v<T, float>) {
-          if (v2 && is_aligned(L.const_data_ptr(), 16) &&
-              is_aligned(G.const_data_ptr(), 4 * sizeof(scalar_t))) {
-            // Vectors of a row across x (at most 8 per thread), rows across y: ~4 waves in all.
-            const int64_t gx = std::max<int64_t>(1, (n / 4 + 8 * kBlock - 1) / (8 * kBlock));
-            const int64_t gy = std::min<int64_t>({B, 65535, std::max<int64_t>(1, 32 * sm_count() / gx)});
-            dlogit_v2_kernel<scalar_t><<<dim3(gx, gy), kBlock, 0, stream>>>(
-                L.const_data_ptr<float>(), G.mutable_data_ptr<scalar_t>(), B, n, j0,
-                normalize ? rw.const_data_ptr<float>() : nullptr, /*g_times_r=*/!hat,
-                lab.const_data_ptr<int64_t>(), class_offset, lse.const_data_ptr<float>(),
-                gl.const_data_ptr<float>(), gt.const_data_ptr<float>(), gs.const_data_ptr<float>(),
-                to_device_margin<float>(mg));
-            C10_CUDA_KERNEL_LAUNCH_CHECK();
-            return;
-          }
-        }
-        const dim3 grid((n + kBlock - 1) / kBlock, std::min<int64_t>(B, 65535));
-        dlogit_kernel<T, scalar_t><<<grid, kBlock, 0, stream>>>(
-            L.const_data_ptr<T>(), G.mutable_data_ptr<scalar_t>(), B, n, j0,
-            normalize ? rw.const_data_ptr<T>() : nullptr, /*g_times_r=*/!hat, lab.const_data_ptr<int64_t>(),
-            class_offset, lse.const_data_ptr<T>(), gl.const_data_ptr<T>(), gt.const_data_ptr<T>(),
-            gs.const_data_ptr<T>(), to_device_margin<T>(mg));
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      });
+      unfused_dlogits(p, wc, what, L, G, b.rw, n, j0, normalize, hat, lab, class_offset, lse, gl, gt, gs, mg,
+                      stream);
     }
-    Tensor gw = grad_w.narrow(0, j0, n);
-    if (low) {
-      // (addmm with out_dtype wants `self` in the input dtype in some torch versions: GEMM into
-      // an fp32 temporary and add, an extra O(B*D) per chunk.)
-      const Tensor& v = hat ? what : wc;  // the rows the dX GEMM and the dW fix-up use
-      if (v2 && v.stride(1) == 1 && v.stride(0) >= D && v.stride(0) <= INT32_MAX && n <= INT32_MAX &&
-          B <= INT32_MAX) {
-        addmm_f32_out(dx, G, v);
-      } else {
-        if (!dxc.defined()) dxc = at::empty({B, D}, opts);
-        at::mm_out(dxc, G, v, acc);
-        dx.add_(dxc);
-      }
-      if (dw_direct) {
-        // The 16-bit rows written once by the GEMM (fp32 accumulation; split-K partial sums
-        // may be reduced in 16 bits where torch allows it, as in nn.Linear's own dW).
-        at::mm_out(gw, G.t(), p.xin);
-        continue;
-      }
-      // Mixed: the fp32 GEMM output goes straight into the fp32 grad_w rows (contiguous: a
-      // narrow of rows of a fresh [C, D] tensor); with normalize the fix-up then runs in place.
-      Tensor tmp = mixed ? gw : tbuf.narrow(0, 0, n * D).view({n, D});
-      at::mm_out(tmp, G.t(), p.xin, acc);
-      if (mixed && normalize) {  // (mixed without normalize: the GEMM wrote the final dW)
-        AT_DISPATCH_REDUCED_FLOATING_TYPES(dt, "sce_dw_mixed", [&] {
-          dw_fixup_kernel<scalar_t, float, float, float>
-              <<<(n + kBlock / 32 - 1) / (kBlock / 32), kBlock, 0, stream>>>(
-                  tmp.const_data_ptr<float>(), v.const_data_ptr<scalar_t>(), v.stride(0), v.stride(1),
-                  rw.const_data_ptr<float>(), hat, n, D, gw.mutable_data_ptr<float>());
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-        });
-      } else if (!mixed) {
-        AT_DISPATCH_REDUCED_FLOATING_TYPES(dt, "sce_dw_low", [&] {
-          dw_fixup_kernel<scalar_t, float, float>
-              <<<(n + kBlock / 32 - 1) / (kBlock / 32), kBlock, 0, stream>>>(
-                  tmp.const_data_ptr<float>(), v.const_data_ptr<scalar_t>(), v.stride(0), v.stride(1),
-                  normalize ? rw.const_data_ptr<float>() : nullptr, hat, n, D,
-                  gw.mutable_data_ptr<scalar_t>());
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-        });
-      }
-    } else {
-      dx.addmm_(G, wc);
-      at::mm_out(gw, G.t(), p.xin);
-      if (normalize) {
-        AT_DISPATCH_FLOATING_TYPES(dt, "sce_dw", [&] {
-          dw_fixup_kernel<scalar_t, scalar_t, scalar_t>
-              <<<(n + kBlock / 32 - 1) / (kBlock / 32), kBlock, 0, stream>>>(
-                  gw.const_data_ptr<scalar_t>(), wc.const_data_ptr<scalar_t>(), wc.stride(0), wc.stride(1),
-                  rw.const_data_ptr<scalar_t>(), /*hat=*/false, n, D, gw.mutable_data_ptr<scalar_t>());
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-        });
-      }
+    const Tensor& v = hat ? what : wc;  // the rows the dX GEMM and the dW fix-up use
+    if (overlap) {
+      ready[slot].record(main);
+      ready[slot].block(side);
     }
+    {
+      const c10::cuda::CUDAStreamGuard on(side);
+      chunk_grads(G, v, p.xin, b.rw, b.tmp, dx, dxc, grad_w.narrow(0, j0, n), low, mixed, normalize, hat,
+                  /*first=*/j0 == 0 && dx_by_gemm, n, D);
+    }
+    if (overlap) released[slot].record(side);
   }
+  join_side();
   if (normalize) {
     // Through x_hat = x / max(|x|, eps): dx = (dx_hat - [|x| >= eps] (dx_hat . x_hat) x_hat) / nrm.
     const Tensor active = p.xnrm > kEps;

@@ -1,9 +1,9 @@
 // The tiles of the fused sm90 kernels (sharded_ce_fused.cu): the CUTLASS mainloops (TMA loads,
 // warpgroup MMA, persistent; cooperative: two consumer warpgroups share a [128, 256] tile, the
-// default; ping-pong: each consumer warpgroup has its own [64, 256] tile, one's epilogue running
-// under the other's MMAs; square ping-pong: each its own [128, 128] tile)
-// and the (row slots, columns) view of a thread's accumulators that the epilogue uses. Host
-// code can include it too (tests/native/fused_layout_check.cu checks that view without a GPU).
+// default; square ping-pong: each consumer warpgroup has its own [128, 128] tile, one's epilogue
+// running under the other's MMAs) and the (row slots, columns) view of a thread's accumulators
+// that the epilogue uses. Host code can include it too (tests/native/fused_layout_check.cu
+// checks that view without a GPU).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -16,14 +16,12 @@ namespace shardkit {
 namespace sce {
 namespace fused {
 
-// The schedules: cooperative [128, 256] tiles, ping-pong [64, 256], square ping-pong [128, 128].
-enum class Sched { kCooperative, kPingpong, kSquare };
+// The schedules: cooperative [128, 256] tiles, square ping-pong [128, 128].
+enum class Sched { kCooperative, kSquare };
 
-// kTileN: the most columns of any tile.
-constexpr int kTileN = 256, kTileK = 64;
+// kTileM: the rows of every tile; kTileN: the most columns of any tile.
+constexpr int kTileM = 128, kTileN = 256, kTileK = 64;
 
-template <Sched S>
-constexpr int kTileM = S == Sched::kPingpong ? 64 : 128;
 template <Sched S>
 constexpr int kTileCols = S == Sched::kSquare ? 128 : kTileN;
 
@@ -35,7 +33,7 @@ template <class Elem, Sched S>
 using FusedMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Elem, cutlass::layout::RowMajor, 8, Elem,
     cutlass::layout::ColumnMajor, 8, float,
-    cute::Shape<cute::Int<kTileM<S>>, cute::Int<kTileCols<S>>, cute::Int<kTileK>>,
+    cute::Shape<cute::Int<kTileM>, cute::Int<kTileCols<S>>, cute::Int<kTileK>>,
     cute::Shape<cute::_1, cute::_1, cute::_1>,
     cutlass::gemm::collective::StageCountAutoCarveout<kEpilogueSmem>,
     cute::conditional_t<S == Sched::kCooperative, cutlass::gemm::KernelTmaWarpSpecializedCooperative,

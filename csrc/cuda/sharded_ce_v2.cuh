@@ -1,9 +1,10 @@
-// Wider kernels of the sharded cross-entropy's fp32-logit passes (the default; SHARDKIT_CE_V2=0 selects the
-// first; included by sharded_ce_cuda.cu, whose helpers they use).
+// The unfused kernels of the sharded cross-entropy's fp32-logit passes (bf16 / fp16 / fp32 inputs;
+// included by sharded_ce_cuda.cu, whose helpers they use; fp64 runs its simpler row_stats_kernel
+// and dlogit_kernel).
 //
-// The first kernels (row_stats_kernel: one block per row, one 4-byte load per thread and step;
-// dlogit_kernel: one element per thread) reached ~0.9-1.0 TB/s on an H200 whose copy rate is
-// ~4 TB/s, and at B=256 the one-block-per-row statistics fill a quarter of the GPU. These:
+// Simpler kernels (one block per row, one 4-byte load per thread and step; one element per
+// thread) reached ~0.9-1.0 TB/s on an H200 whose copy rate is ~4 TB/s, and at B=256 the
+// one-block-per-row statistics fill a quarter of the GPU. These:
 //   row_stats_v2: a row is split into `parts` column ranges (a 1-D grid of B * parts blocks,
 //     enough for two waves at any B); each thread reads 16-byte vectors, two in flight, and
 //     folds 4 logits per online-softmax rescale. parts > 1 leaves per-range partials that
@@ -14,7 +15,7 @@
 //     scalars are read once per row.
 // A row need not start on a 16-byte boundary (B * n logits, n odd): the columns before the
 // first boundary and after the last whole vector are taken one by one (at most 3 each).
-// Only float statistics (bf16 / fp16 / fp32 inputs); fp64 keeps the first kernels.
+// Only float statistics (bf16 / fp16 / fp32 inputs).
 #pragma once
 
 #include <cstdint>

@@ -176,7 +176,8 @@ def ce_shard_stats(
             (:func:`chunk_classes_for_budget`), capped to a cache-sized chunk on the CPU. The
             fused sm90 kernels, holding no fp32 logits, walk larger chunks, within the memory
             this chunk takes in the other kernels and, for the backward's growth, 56 MiB of
-            chunk buffers (28,672 classes at B=1024, D=512, bf16 by default).
+            chunk buffers, in whole waves of tiles over the GPU's SMs (25,344 classes at B=1024,
+            D=512, bf16 by default on a 132-SM H100 / H200).
         target_ref: optional float32 [B]: ``greater_count`` counts the classes whose PLAIN
             logit (no margin) exceeds it; zeros when None.
         memory_budget: bytes (int >= 0) the call may hold from its forward to its backward to

@@ -99,17 +99,19 @@ def layer_costs(layers: Sequence[nn.Module], sample: torch.Tensor, by: str, repe
     """Per-layer cost on ``sample`` (run through the layers in order, where the layers are):
     ``"time"``: the median of ``repeats`` forward + backward times in seconds;
     ``"memory"``: bytes of parameters, their gradients and buffers plus the output
-    activation kept for the backward."""
+    activation kept for the backward. The layers' buffers (BatchNorm's running statistics)
+    are restored afterwards: profiling does not count as training."""
     if by not in BALANCE_BY:
         raise ValueError(f"argument `by` must be 'time' or 'memory', got {by!r}")
     costs, x = [], sample
     for layer in layers:
-        state = sum(t.numel() * t.element_size() for t in layer.parameters())
-        state += sum(t.numel() * t.element_size() for t in layer.buffers())
+        buffers = [t.detach().clone() for t in layer.buffers()]  # put back after profiling
+        state = 2 * sum(t.numel() * t.element_size() for t in layer.parameters())  # with their gradients
+        state += sum(t.numel() * t.element_size() for t in buffers)
         if by == "memory":
             with torch.no_grad():
                 y = layer(x)
-            costs.append(float(2 * state + y.numel() * y.element_size()))
+            costs.append(float(state + y.numel() * y.element_size()))
         else:
             times = []
             for _ in range(repeats):
@@ -123,6 +125,9 @@ def layer_costs(layers: Sequence[nn.Module], sample: torch.Tensor, by: str, repe
                 times.append(time.perf_counter() - start)
             costs.append(sorted(times)[len(times) // 2])
             layer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for t, saved in zip(layer.buffers(), buffers):
+                t.copy_(saved)
         x = y.detach()
     return costs
 
@@ -295,9 +300,12 @@ class PipelineModel(nn.Module):
             results = run_parallel(calls, [self.stage_devices[s] for s, _ in tasks], "PipelineModel")
             for (_, i), (y, event) in zip(tasks, results):
                 acts[i], events[i] = y, event
+        # A non-blocking copy to the CPU would return before its data arrived (torch.cat on the
+        # host would read it too early): only copies to a GPU are asynchronous.
+        non_blocking = self.output_device.type == "cuda"
         out = torch.cat(
             [
-                a.to(self.output_device, non_blocking=True) if a.device != self.output_device else a
+                a.to(self.output_device, non_blocking=non_blocking) if a.device != self.output_device else a
                 for a in self._join(acts, events, streams)
             ]
         )

@@ -229,11 +229,13 @@ def loss_from_statistics(
     Returns (loss, valid mask [B] bool).
     """
     valid = labels != ignore_index
-    per_row = stats.lse - stats.target_logit
+    # (1 - eps)(lse - z_y) + eps (lse - sum_j z_j / C), in as few [B] kernels as it takes.
     if label_smoothing > 0.0:
-        smooth = stats.lse - stats.logit_sum / num_classes
-        per_row = (1.0 - label_smoothing) * per_row + label_smoothing * smooth
-    per_row = torch.where(valid, per_row, torch.zeros_like(per_row))
+        per_row = stats.lse - (1.0 - label_smoothing) * stats.target_logit
+        per_row = per_row - (label_smoothing / num_classes) * stats.logit_sum
+    else:
+        per_row = stats.lse - stats.target_logit
+    per_row = torch.where(valid, per_row, 0.0)
     if reduction == "none":
         return per_row, valid
     total = per_row.sum()

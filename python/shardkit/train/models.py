@@ -8,7 +8,9 @@ halves the resolution in its first block), then an embedding head like face mode
 BN -> (global average pool | flatten) -> dropout -> Linear -> BatchNorm1d.
 
 Presets (``build_backbone(name)``): ``tiny`` (~0.3M parameters, ~500+ img/s fwd+bwd at 32x32
-on 2 CPU cores), ``small``, ``r18`` (ResNet-18 widths and depths).
+on 2 CPU cores), ``small``, ``r18`` (ResNet-18 widths and depths), and ``iresnet50``
+(:class:`IResNet`: the ResNet-50-sized "improved ResNet" face models train at 112x112,
+43.6M parameters with 512-d embeddings).
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["BasicBlock", "Backbone", "PRESETS", "build_backbone"]
+__all__ = ["BasicBlock", "Backbone", "IBlock", "IResNet", "PRESETS", "build_backbone"]
 
+# "arch" picks the class (Backbone unless "iresnet"); the rest are its keyword arguments.
 PRESETS: Dict[str, dict] = {
     "tiny": dict(widths=(16, 32, 64, 128), depths=(1, 1, 1, 1), stem_stride=2),
     "small": dict(widths=(32, 64, 128, 256), depths=(1, 2, 2, 1), stem_stride=2),
     "r18": dict(widths=(64, 128, 256, 512), depths=(2, 2, 2, 2)),
+    "iresnet50": dict(arch="iresnet", depths=(3, 4, 14, 3)),
 }
 
 
@@ -207,11 +211,126 @@ class _Neck(nn.Module):
         return _neck(self, x)
 
 
-def build_backbone(name: str = "tiny", embedding_dim: int = 128, **overrides) -> Backbone:
-    """A :class:`Backbone` from a preset name (``tiny``, ``small``, ``r18``); keyword
-    arguments override the preset or any :class:`Backbone` argument."""
+def build_backbone(name: str = "tiny", embedding_dim: int = 128, **overrides) -> nn.Module:
+    """A backbone from a preset name: a :class:`Backbone` (``tiny``, ``small``, ``r18``) or an
+    :class:`IResNet` (``iresnet50``); keyword arguments override the preset or any argument
+    of that class."""
     if name not in PRESETS:
         raise ValueError(f"unknown backbone {name!r}; choose one of {sorted(PRESETS)}")
     kwargs = dict(PRESETS[name])
     kwargs.update(overrides)
-    return Backbone(embedding_dim=embedding_dim, **kwargs)
+    cls = IResNet if kwargs.pop("arch", "resnet") == "iresnet" else Backbone
+    return cls(embedding_dim=embedding_dim, **kwargs)
+
+
+class IBlock(nn.Module):
+    """The residual block of the face-recognition "improved ResNet" (IResNet): BN - conv3x3 -
+    BN - PReLU - conv3x3(stride) - BN on the residual branch (normalized input, the stride in
+    the second conv), a 1x1-conv(stride) + BN shortcut where the shape changes, and no
+    activation after the sum.
+
+    Shapes: ``[N, c_in, H, W] -> [N, c_out, ceil(H / stride), ceil(W / stride)]``.
+    """
+
+    def __init__(self, c_in: int, c_out: int, stride: int = 1):
+        super().__init__()
+        self.bn_in = nn.BatchNorm2d(c_in)
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, 1, 1, bias=False)
+        self.bn_mid = nn.BatchNorm2d(c_out)
+        self.act = nn.PReLU(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, stride, 1, bias=False)
+        self.bn_out = nn.BatchNorm2d(c_out)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or c_in != c_out:
+            self.shortcut = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.bn_out(self.conv2(self.act(self.bn_mid(self.conv1(self.bn_in(x))))))
+        return y + self.shortcut(x)
+
+
+class IResNet(nn.Module):
+    """The IResNet face-recognition backbone (ArcFace's ResNet-50/100 family) for 112x112 faces.
+
+    Layout: a 3x3 stem (stride 1, 64 channels) - BN - PReLU; four stages of :class:`IBlock`
+    of widths 64, 128, 256, 512, each halving the resolution in its first block (112 -> 7);
+    then BN2d - flatten of the 7x7 map - dropout - Linear(512 * 49, D) - BatchNorm1d(D) whose
+    scale is fixed at 1 (a parameter with ``requires_grad=False``; its shift learns). With
+    ``depths=(3, 4, 14, 3)`` and D = 512 that is 43.6M parameters (``iresnet50``).
+
+    Args:
+        depths: IBlocks per stage.
+        embedding_dim: D.
+        widths: channels per stage.
+        dropout: before the embedding Linear.
+        checkpointing: recompute each stage in the backward, as :class:`Backbone`.
+        feature_side: the final feature map's side the Linear is built for (7, from 112).
+            Inputs of another size work: their final map is average-pooled to it
+            (``adaptive_avg_pool2d``); at 112x112 nothing is pooled.
+
+    Shapes: ``[N, 3, H, W]`` float -> ``[N, embedding_dim]`` of the same dtype.
+    """
+
+    def __init__(
+        self,
+        depths: Sequence[int] = (3, 4, 14, 3),
+        embedding_dim: int = 512,
+        *,
+        widths: Sequence[int] = (64, 128, 256, 512),
+        dropout: float = 0.0,
+        checkpointing: bool = False,
+        feature_side: int = 7,
+    ):
+        super().__init__()
+        if len(widths) != len(depths) or not widths or min(depths) < 1:
+            raise ValueError(
+                f"`widths` and `depths` must be non-empty, of equal length, depths >= 1, got {widths}, {depths}"
+            )
+        self.checkpointing = checkpointing
+        self.embedding_dim = embedding_dim
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]), nn.PReLU(widths[0])
+        )
+        stages, c = [], widths[0]
+        for w, d in zip(widths, depths):
+            stages.append(nn.Sequential(IBlock(c, w, 2), *[IBlock(w, w, 1) for _ in range(d - 1)]))
+            c = w
+        self.stages = nn.ModuleList(stages)
+        # the embedding neck, named as Backbone's so that _neck and _Neck serve both
+        self.head_kind, self.feature_side = "flatten", feature_side
+        self.bn_features = nn.BatchNorm2d(c)
+        self.dropout = nn.Dropout(dropout)
+        self.fc = nn.Linear(c * feature_side * feature_side, embedding_dim)
+        self.bn_embedding = nn.BatchNorm1d(embedding_dim)
+        self.bn_embedding.weight.requires_grad_(False)  # scale fixed at 1: BN centres and shifts only
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        use_ckpt = self.checkpointing and self.training and torch.is_grad_enabled()
+        for stage in self.stages:
+            x = _to_device_of(stage, x)
+            if use_ckpt:
+                x = checkpoint(stage, x, use_reentrant=False, context_fn=_no_bn_update_on_recompute(stage))
+            else:
+                x = stage(x)
+        return _neck(self, _fit_side(_to_device_of(self.fc, x), self.feature_side))
+
+    def as_layers(self) -> list:
+        """Stem, each block, the neck: for :class:`shardkit.parallel.PipelineModel` (as
+        :meth:`Backbone.as_layers`)."""
+        return [self.stem] + [block for stage in self.stages for block in stage] + [_FittedNeck(self)]
+
+
+def _fit_side(x: torch.Tensor, side: int) -> torch.Tensor:
+    """The final feature map at ``side`` x ``side``: unchanged when it is (112x112 inputs),
+    average-pooled to it otherwise."""
+    if x.shape[-2] == side and x.shape[-1] == side:
+        return x
+    return nn.functional.adaptive_avg_pool2d(x, side)
+
+
+class _FittedNeck(_Neck):
+    """IResNet's neck as one pipeline layer: the side fitted, then :func:`_neck`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _neck(self, _fit_side(x, self.feature_side))

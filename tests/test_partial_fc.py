@@ -1,0 +1,270 @@
+"""shardkit.softmax.partial_fc: the drop-in for arcface_torch's PartialFC_V2, on CPU devices,
+against the float64 full-logit reference (tests/softmax_reference.py). These tests need no
+arcface_torch checkout; test_arcface_torch_checkout.py compares with its own code."""
+
+import math
+import os
+import traceback
+import warnings
+from datetime import timedelta
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from dist_teardown import end_rank
+from softmax_reference import reference_loss, reference_loss_and_grads
+
+import shardkit
+from shardkit.softmax.partial_fc import PartialFC_V2, SparseRowPartialFC_V2, margin_from_loss
+
+
+def combined(s=64.0, m1=1.0, m2=0.0, m3=0.0, threshold=0.0):
+    """An object with arcface_torch CombinedMarginLoss's attributes (not its code)."""
+    return SimpleNamespace(s=s, m1=m1, m2=m2, m3=m3, interclass_filtering_threshold=threshold)
+
+
+MARGINS = {
+    "cosface": (combined(64.0, 1.0, 0.0, 0.4), dict(scale=64.0, m3=0.4)),
+    "arcface": (combined(64.0, 1.0, 0.5, 0.0), dict(scale=64.0, m2=0.5)),
+    "cosine": (combined(30.0), dict(scale=30.0)),
+}
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+CASES = [(torch.float64, 7, 13, 5), (torch.float64, 1, 3, 2), (torch.float64, 33, 101, 16)]
+# fp32 not at D = 2: two random 2-d vectors are often nearly parallel, where ArcFace's
+# derivative sin(theta + m) / sin(theta) is ill-conditioned in any fp32 arithmetic
+CASES += [(torch.float32, 7, 13, 5), (torch.float32, 33, 101, 16)]
+
+
+@pytest.mark.parametrize("margin", sorted(MARGINS))
+@pytest.mark.parametrize("dtype,batch,classes,dim", CASES)
+def test_loss_and_gradients_match_float64_reference(margin, dtype, batch, classes, dim):
+    loss_obj, kwargs = MARGINS[margin]
+    head = PartialFC_V2(loss_obj, dim, classes, 1.0, False, dtype=dtype)
+    x = torch.randn(batch, dim, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, classes, (batch, 1))  # train_v2's loader gives [B]; [B, 1] works too
+    loss = head(x, labels)
+    loss.backward()
+    ref = reference_loss_and_grads(x, head.weight, labels.view(-1), normalize=True, **kwargs)
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    # the loss (lse - target logit) and its gradient round at ~eps x the logits' scale,
+    # however small they are (a well-classified row's loss can be 1e-14)
+    floor = (1e-13 if dtype == torch.float64 else 1e-6) * kwargs["scale"]
+    assert loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    for got, want in ((loss.detach(), ref.loss), (x.grad, ref.grad_x), (head.weight.grad, ref.grad_w)):
+        assert float((got.double() - want).norm()) <= tol * float(want.norm()) + floor
+    assert labels.shape == (batch, 1)  # the caller's labels are left as they were
+
+
+def test_init_draws_partial_fc_v2_numbers():
+    # PartialFC_V2 draws torch.normal(0, 0.01, (num_local, D)) from the CPU generator: the same
+    # numbers, and the generator left where that draw leaves it.
+    seed = int(torch.randint(0, 2**31, ()))
+    torch.manual_seed(seed)
+    expected = torch.normal(0, 0.01, (29, 6))
+    after_draw = torch.rand(3)
+    torch.manual_seed(seed)
+    head = PartialFC_V2(combined(m3=0.4), 6, 29)
+    assert torch.equal(head.weight.detach(), expected)
+    assert torch.equal(torch.rand(3), after_draw)
+    assert (head.num_local, head.class_start, head.rank, head.world_size) == (29, 0, 0, 1)
+
+
+def test_sgd_steps_follow_the_reference():
+    # train_v2.py's optimizer (SGD, momentum 0.9, weight decay) over a backbone and the head:
+    # three steps of the drop-in and of a float64 reference head from the same start.
+    classes, dim, batch = 37, 8, 12
+    backbone = torch.nn.Linear(10, dim).double()
+    head = PartialFC_V2(combined(m2=0.5), dim, classes, dtype=torch.float64)
+    ref_backbone = torch.nn.Linear(10, dim).double()
+    ref_backbone.load_state_dict(backbone.state_dict())
+    ref_weight = torch.nn.Parameter(head.weight.detach().clone())
+
+    def sgd(params):
+        groups = [{"params": list(params[0])}, {"params": params[1]}]
+        return torch.optim.SGD(groups, lr=0.2, momentum=0.9, weight_decay=5e-4)
+
+    opt = sgd([backbone.parameters(), list(head.parameters())])
+    ref_opt = sgd([ref_backbone.parameters(), [ref_weight]])
+    for _ in range(3):
+        images, labels = torch.randn(batch, 10, dtype=torch.float64), torch.randint(0, classes, (batch,))
+        loss = head(backbone(images), labels)
+        ref = reference_loss(ref_backbone(images), ref_weight, labels, normalize=True, scale=64.0, m2=0.5)
+        assert abs(float(loss.detach()) - float(ref.detach())) <= 1e-10 * abs(float(ref.detach()))
+        for o, value in ((opt, loss), (ref_opt, ref)):
+            o.zero_grad()
+            value.backward()
+            o.step()
+    assert rel(head.weight.detach(), ref_weight.detach()) <= 1e-10
+    assert rel(backbone.weight.detach(), ref_backbone.weight.detach()) <= 1e-10
+
+
+def _sampled_classes(grad):
+    return (grad != 0).any(dim=1).nonzero().flatten()
+
+
+def test_sampling_gives_partial_fc_v2_dense_gradient():
+    # sample_rate < 1: a dense gradient with zero rows for the classes not sampled, which
+    # torch.optim.SGD with momentum and weight decay takes without a warning (as with
+    # PartialFC_V2); the loss is the loss over the sampled classes.
+    classes, dim, batch, rate = 61, 6, 9, 0.25
+    head = PartialFC_V2(combined(m3=0.35), dim, classes, rate, dtype=torch.float64)
+    opt = torch.optim.SGD(head.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+    for _ in range(2):
+        x = torch.randn(batch, dim, dtype=torch.float64)
+        labels = torch.randint(0, classes, (batch,))
+        loss = head(x, labels)
+        opt.zero_grad()
+        loss.backward()
+        grad = head.weight.grad
+        assert not grad.is_sparse and grad.shape == (classes, dim)
+        used = _sampled_classes(grad)
+        assert used.numel() == max(math.ceil(rate * classes), min(batch, classes))
+        assert torch.isin(labels, used).all()
+        remap = torch.full((classes,), -1, dtype=torch.int64)
+        remap[used] = torch.arange(used.numel())
+        ref = reference_loss_and_grads(
+            x, head.weight.detach()[used], remap[labels], normalize=True, scale=64.0, m3=0.35
+        )
+        assert rel(loss.detach(), ref.loss) <= 1e-10
+        assert rel(grad[used], ref.grad_w) <= 1e-10
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            opt.step()
+
+
+def test_sparse_row_variant_with_sparse_row_sgd():
+    classes, dim, batch = 50, 4, 5
+    head = SparseRowPartialFC_V2(combined(m2=0.5), dim, classes, 0.2, dtype=torch.float64)
+    assert head.sparse_grad
+    opt = shardkit.SparseRowSGD(head.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+    before = head.weight.detach().clone()
+    head(torch.randn(batch, dim, dtype=torch.float64), torch.randint(0, classes, (batch,))).backward()
+    grad = head.weight.grad
+    assert grad.is_sparse
+    rows = grad.coalesce().indices()[0]
+    opt.step()
+    untouched = torch.ones(classes, dtype=torch.bool)
+    untouched[rows] = False
+    assert torch.equal(head.weight.detach()[untouched], before[untouched])
+    assert not torch.equal(head.weight.detach()[rows], before[rows])
+
+
+def test_state_dict_has_partial_fc_v2_key():
+    head = PartialFC_V2(combined(m3=0.4), 3, 11)
+    state = head.state_dict()
+    assert list(state) == ["weight"] and state["weight"].shape == (11, 3)
+    other = PartialFC_V2(combined(m3=0.4), 3, 11)
+    other.load_state_dict({"weight": state["weight"].clone()})
+    assert torch.equal(other.weight.detach(), head.weight.detach())
+
+
+def test_fp16_flag_and_outer_autocast():
+    head = PartialFC_V2(combined(m3=0.4), 16, 40)
+    x, labels = torch.randn(8, 16), torch.randint(0, 40, (8,))
+    fp32 = head(x, labels)
+    # fp16=False turns an outer autocast off for the head, as PartialFC_V2's autocast(False) does
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(head(x, labels), fp32)
+    head.fp16 = True
+    half = head(x, labels).detach()
+    ref = reference_loss(x, head.weight.detach(), labels, normalize=True, scale=64.0, m3=0.4)
+    assert half.dtype == torch.float32 and not torch.equal(half, fp32.detach())  # the embeddings went fp16
+    assert abs(float(half) - float(ref)) <= 1e-2 * abs(float(ref))
+
+
+def test_margin_mapping():
+    assert margin_from_loss(combined(64.0, 1.0, 0.5, 0.0)) == shardkit.ArcFace(64.0, 0.5)
+    assert margin_from_loss(combined(32.0, 1.0, 0.0, 0.3)) == shardkit.CosFace(32.0, 0.3)
+    assert margin_from_loss(combined(30.0)) == shardkit.CombinedMargin(30.0)
+    assert margin_from_loss(SimpleNamespace(s=64.0, margin=0.5)) == shardkit.ArcFace(64.0, 0.5)  # their ArcFace
+    assert margin_from_loss(SimpleNamespace(s=64.0, m=0.4)) == shardkit.CosFace(64.0, 0.4)  # their CosFace
+    assert margin_from_loss(shardkit.CosFace(8.0, 0.1)) == shardkit.CosFace(8.0, 0.1)
+
+
+@pytest.mark.parametrize(
+    "loss_obj,error,match",
+    [
+        (combined(m3=0.4, threshold=0.2), ValueError, r"interclass_filtering_threshold=0.2 is not supported"),
+        (combined(m1=1.0, m2=0.3, m3=0.2), ValueError, r"applies only m3 \(CosFace\) when m3 > 0"),
+        (combined(m1=1.35), ValueError, r"refused by arcface_torch's CombinedMarginLoss too"),
+        (object(), TypeError, r"argument `margin_loss` must be a shardkit margin or an arcface_torch margin loss"),
+    ],
+)
+def test_margin_errors(loss_obj, error, match):
+    with pytest.raises(error, match=match):
+        PartialFC_V2(loss_obj, 4, 10)
+
+
+def test_argument_errors():
+    with pytest.raises(TypeError, match=r"argument `fp16` must be True or False"):
+        PartialFC_V2(combined(m3=0.4), 4, 10, 1.0, 1)
+    with pytest.raises(TypeError, match=r"argument `sparse_grad` must be True or False"):
+        PartialFC_V2(combined(m3=0.4), 4, 10, sparse_grad="yes")
+    with pytest.raises(ValueError, match=r"argument `sample_rate` must be in \(0, 1\]"):
+        PartialFC_V2(combined(m3=0.4), 4, 10, 1.5)
+    with pytest.raises(ValueError, match=r"argument `embeddings` has dim 5"):
+        PartialFC_V2(combined(m3=0.4), 4, 10)(torch.randn(2, 5), torch.tensor([1, 2]))
+
+
+# ---- two gloo ranks: the classes split over the ranks as PartialFC_V2 splits them ----
+
+
+def _two_rank_worker(rank, init_file, tmp, data):
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
+    out = {}
+    try:
+        torch.manual_seed(data["seed"])  # every rank seeded alike, as train_v2.py's setup_seed does
+        head = PartialFC_V2(combined(m2=0.5), data["x"].shape[1], data["classes"], dtype=torch.float64)
+        mine = slice(rank * 4, rank * 4 + 4)
+        x = data["x"][mine].clone().requires_grad_()
+        loss = head(x, data["labels"][mine])
+        loss.backward()
+        out = dict(
+            loss=loss.detach(),
+            grad_x=x.grad,
+            weight=head.weight.detach().clone(),
+            grad_w=head.weight.grad.clone(),
+            split=(head.num_local, head.class_start, head.rank, head.world_size),
+            keys=list(head.state_dict()),
+        )
+    except Exception:
+        out["fatal"] = traceback.format_exc()
+    finally:
+        torch.save(out, os.path.join(tmp, f"rank{rank}.pt"))
+        end_rank()
+
+
+def test_two_gloo_ranks_split_classes_like_partial_fc_v2(tmp_path):
+    classes, dim = 23, 5
+    data = dict(
+        seed=int(torch.randint(0, 2**31, ())),
+        classes=classes,
+        x=torch.randn(8, dim, dtype=torch.float64),
+        labels=torch.randint(0, classes, (8,)),
+    )
+    mp.spawn(_two_rank_worker, args=(str(tmp_path / "init"), str(tmp_path), data), nprocs=2, join=True)
+    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for r in range(2):
+        assert "fatal" not in res[r], res[r]["fatal"]
+    # PartialFC_V2's split: num_local = C // W + (rank < C % W), class_start in rank order
+    assert res[0]["split"] == (12, 0, 0, 2) and res[1]["split"] == (11, 12, 1, 2)
+    assert res[0]["keys"] == res[1]["keys"] == ["weight"]
+    torch.manual_seed(data["seed"])
+    assert torch.equal(res[1]["weight"], torch.normal(0, 0.01, (11, dim), dtype=torch.float64))
+    w = torch.cat([res[0]["weight"], res[1]["weight"]])
+    ref = reference_loss_and_grads(data["x"], w, data["labels"], normalize=True, scale=64.0, m2=0.5)
+    for r in range(2):
+        assert rel(res[r]["loss"], ref.loss) <= 1e-10
+        # PartialFC_V2's convention: each rank's embedding gradient is world_size * dL/dX_r
+        assert rel(res[r]["grad_x"], 2 * ref.grad_x[r * 4 : r * 4 + 4]) <= 1e-10
+    assert rel(torch.cat([res[0]["grad_w"], res[1]["grad_w"]]), ref.grad_w) <= 1e-10
