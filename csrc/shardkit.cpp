@@ -70,6 +70,13 @@ TORCH_LIBRARY(shardkit, m) {
   // ---- end normalize ----
 }
 
+namespace shardkit {
+namespace ema {
+// csrc/composite/ema_lists.cpp: ModelEMA's per-update call (Python lists of tensors, no IValues).
+PyObject* update_lists_py(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
+}  // namespace ema
+}  // namespace shardkit
+
 namespace {
 
 PyObject* cuda_built(PyObject*, PyObject*) {
@@ -82,6 +89,11 @@ PyObject* cuda_built(PyObject*, PyObject*) {
 
 PyMethodDef methods[] = {
     {"cuda_built", cuda_built, METH_NOARGS, "Whether the CUDA kernels were compiled into this build."},
+    {"ema_update_lists",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(shardkit::ema::update_lists_py)),
+     METH_FASTCALL,
+     "ema_update_lists(ema_groups, model_groups, copy_to, copy_from, decay): ModelEMA's update, one "
+     "shardkit::ema_update_ per group and a foreach copy; no reference is kept after the call."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -616,11 +616,12 @@ def test_decays_0_and_1_are_exact_whatever_the_values(ema_dtype, model_dtype, de
         assert torch.equal(ema_t.nan_to_num(), want.nan_to_num()) and torch.equal(ema_t.isnan(), want.isnan())
 
 
-def test_updates_through_the_cpp_updaters_equal_the_op_and_follow_the_model():
-    # ModelEMA passes its tensor lists to C++ EmaUpdater objects once and then only the decay;
-    # the result must equal the op called on fresh lists, after parameters are replaced (new
-    # objects: the updaters are rebuilt) and after a tensor's storage is swapped under the same
-    # object (the updaters hold the tensor itself, so they read the new storage).
+def test_updates_through_the_cached_lists_equal_the_op_and_follow_the_model():
+    # ModelEMA builds the argument lists of shardkit._C.ema_update_lists once per set of model
+    # tensors and then passes only the decay with them; the result must equal the op called on
+    # fresh lists, after parameters are replaced (new objects: new lists) and after a tensor's
+    # storage is swapped under the same object (the lists hold the object, which reads the new
+    # storage).
     net = Net()
     ema = shardkit.ModelEMA(net, decay=0.7, tau=None)
     names = list(ema.module.state_dict())
@@ -634,7 +635,7 @@ def test_updates_through_the_cpp_updaters_equal_the_op_and_follow_the_model():
                 net.conv.weight.data = torch.randn_like(net.conv.weight)
         d = ema.get_decay(ema.updates + 1)
         ema.update(net)
-        built = ema._tracker._updaters[0][1]
+        built = ema._tracker._lists[0][1]
         sd = net.state_dict()
         for r, k in zip(ref, names):
             if r.is_floating_point():
@@ -644,14 +645,34 @@ def test_updates_through_the_cpp_updaters_equal_the_op_and_follow_the_model():
         out = ema.module.state_dict()
         for r, k in zip(ref, names):
             assert torch.equal(out[k], r), (i, k)
-        ema.update(net)  # the same tensors: the same updaters
-        assert ema._tracker._updaters[0][1] is built
+        ema.update(net)  # the same tensors: the same lists
+        assert ema._tracker._lists[0][1] is built
         for r, k in zip(ref, names):
             if r.is_floating_point():
                 shardkit.ops.ema_update_([r], [sd[k]], ema.get_decay(ema.updates))
             else:
                 r.copy_(sd[k])
-    with pytest.raises(RuntimeError, match="`ema` and `model` must have the same length"):
-        torch.classes.shardkit.EmaUpdater([torch.zeros(2)], [], [], [])
-    with pytest.raises(RuntimeError, match="`copy_to` and `copy_from` must have the same length"):
-        torch.classes.shardkit.EmaUpdater([], [], [torch.zeros(2)], [])
+
+
+def test_update_lists_entry_point_checks_its_arguments():
+    update_lists = shardkit._C.ema_update_lists
+    e, m = torch.zeros(3), torch.ones(3)
+    with pytest.raises(TypeError, match="takes 5 arguments"):
+        update_lists([[e]], [[m]], [], [])
+    with pytest.raises(TypeError, match="`ema_groups` and `model_groups` must be lists of lists"):
+        update_lists(([e],), [[m]], [], [], 0.5)
+    with pytest.raises(RuntimeError, match="must hold the same number of groups, got 1 and 2"):
+        update_lists([[e]], [[m], [m]], [], [], 0.5)
+    with pytest.raises(TypeError, match=r"`model_groups\[0\]\[1\]` is a str, not a tensor"):
+        update_lists([[e, e]], [[m, "x"]], [], [], 0.5)
+    with pytest.raises(RuntimeError, match=r"`ema_groups\[0\]` and `model_groups\[0\]` must have the same length"):
+        update_lists([[e]], [[m, m]], [], [], 0.5)
+    with pytest.raises(RuntimeError, match="`copy_to` and `copy_from` must have the same length, got 1 and 0"):
+        update_lists([], [], [e], [], 0.5)
+    with pytest.raises(TypeError, match="must be real number"):
+        update_lists([], [], [], [], "0.5")
+    with pytest.raises(RuntimeError, match="argument `decay` must lie in"):  # the op's own checks run
+        update_lists([[e]], [[m]], [], [], 1.5)
+    assert torch.equal(e, torch.zeros(3))
+    update_lists([[e], []], [[m], []], [torch.zeros(2, dtype=torch.long)], [torch.ones(2, dtype=torch.long)], 0.25)
+    assert torch.equal(e, torch.full((3,), 0.75))

@@ -250,7 +250,7 @@ class ModelEMA:
             self._apply(src, d)
 
     def _apply(self, src, d):
-        # The hot path (structure.apply_update: the tracker's C++ updaters, or one fused op call
+        # The hot path (structure.apply_update: the tracker's cached lists, or one fused op call
         # per device); devices are compared on the first and last tensors.
         moved = src and (src[0].device != self._ema[0].device or src[-1].device != self._ema[-1].device)
         if moved:

@@ -7,6 +7,8 @@ import weakref
 import torch
 from torch import nn
 
+from shardkit.ops._ema import update_lists
+
 __all__ = ["ModelTracker", "check_structure", "check_no_complex"]
 
 
@@ -80,6 +82,18 @@ def check_no_complex(slots, where: str) -> None:
             )
 
 
+def _forget_when_gone(tracker):
+    """The callback of the tracker's weak reference to its model (it holds the tracker weakly)."""
+    tracker_ref = weakref.ref(tracker)
+
+    def callback(_):
+        t = tracker_ref()
+        if t is not None:
+            t.forget()
+
+    return callback
+
+
 class ModelTracker:
     """The tensors of one model, in the EMA's order, with a cheap change check per call.
 
@@ -96,8 +110,14 @@ class ModelTracker:
         if not isinstance(src, nn.Module):
             raise TypeError(f"{where}: argument `model` must be an nn.Module, got {type(model).__name__}")
         self._names, self._ema = names, ema
-        self.model = weakref.ref(src)
+        self.model = weakref.ref(src, _forget_when_gone(self))
         self._snapshot(src, where)
+
+    def forget(self):
+        """Drops every reference to the model's tables, submodules and tensors (the model was
+        garbage-collected: the EMA must not keep its tensors alive)."""
+        self._owner = self._key = self._tables = self._sizes = []
+        self._child_tables = self._child_keys = self._child_mods = self._tensors = self._lists = []
 
     def follows(self, model) -> bool:
         return self.model() is _unwrap(model)
@@ -116,24 +136,22 @@ class ModelTracker:
         self._child_keys = [k for _, k, _ in children]
         self._child_mods = [c for _, _, c in children]
         self._tensors = list(map(dict.get, self._owner, self._key))
-        self._updaters = []  # [(the src tensors, their EmaUpdater objects)], the newest first
+        self._lists = []  # [(the src tensors, the argument lists of ema_update_lists)], the newest first
 
-    def run_updaters(self, groups, copy_to, copy_idx, src, d):
-        """One update through C++ ``EmaUpdater`` objects (one per device group), built for the
-        tensors of ``src`` and reused while the same tensor objects come again: then only ``d``
-        crosses into C++ (each call still runs the op's checks and version bumps). Two sets
-        are kept: a CPU EMA of a GPU model alternates between two sets of staging buffers."""
-        ups = next(
-            (u for seen, u in self._updaters if len(src) == len(seen) and all(map(operator.is_, src, seen))), None
-        )
-        if ups is None:
-            make = torch.classes.shardkit.EmaUpdater
-            ups = [make(e, [src[i] for i in idx], [], []) for e, idx in groups]
-            if copy_to:
-                ups.append(make([], [], copy_to, [src[i] for i in copy_idx]))
-            self._updaters = [(list(src), ups)] + self._updaters[:1]
-        for u in ups:
-            u.update(d)
+    def run_lists(self, groups, copy_to, copy_idx, src, d):
+        """One update through ``shardkit._C.ema_update_lists`` with lists built for the tensors
+        of ``src`` and reused while the same tensor objects come again (each call still runs
+        the op's checks and version bumps, but no list is rebuilt or converted to the op's
+        arguments). Two sets are kept: a CPU EMA of a GPU model alternates between two sets of
+        staging buffers. Only Python lists of the Python tensor objects are kept, no C++
+        reference: a conversion that swaps tensors (``torch.utils.swap_tensors``) keeps the
+        objects, so the lists stay valid and the next update reads the new values."""
+        found = next((e for e in self._lists if len(src) == len(e[0]) and all(map(operator.is_, src, e[0]))), None)
+        if found is None:
+            model_groups = [[src[i] for i in idx] for _, idx in groups]
+            found = (list(src), ([e for e, _ in groups], model_groups, copy_to, [src[i] for i in copy_idx]))
+            self._lists = [found] + self._lists[:1]
+        update_lists(*found[1], d)
 
     def tensors(self, where: str) -> list:
         tensors = list(map(dict.get, self._owner, self._key))  # a removed entry reads None
@@ -151,10 +169,10 @@ def apply_update(tracker, groups, copy_to, copy_idx, src, d):
     """``ModelEMA``'s update of its EMA tensors from ``src`` (the model's, in the EMA's order,
     on the EMA's devices) with decay ``d``: ``groups`` are (EMA tensors, indices into ``src``)
     per device, ``copy_to`` the integer buffers copied from ``src[copy_idx]``. Through the
-    tracker's C++ updaters when there is a tracker (not while torch.compile traces: it calls
+    tracker's cached lists when there is a tracker (not while torch.compile traces: it calls
     the ops), else one fused op call per group and one foreach copy."""
     if tracker is not None and not torch.compiler.is_compiling():
-        return tracker.run_updaters(groups, copy_to, copy_idx, src, d)
+        return tracker.run_lists(groups, copy_to, copy_idx, src, d)
     for ema_k, idx_k in groups:
         torch.ops.shardkit.ema_update_.default(ema_k, [src[i] for i in idx_k], d)
     if copy_to:

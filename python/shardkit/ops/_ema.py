@@ -9,6 +9,8 @@ from typing import Sequence
 
 import torch
 
+from shardkit import _C
+
 __all__ = ["ema_update_", "ema_swap_", "ema_unswap_"]
 
 
@@ -115,6 +117,13 @@ def ema_unswap_(ema_tensors: Sequence[torch.Tensor], model_tensors: Sequence[tor
     ema_tensors, model_tensors = _paired_lists(ema_tensors, model_tensors)
     if ema_tensors:
         torch.ops.shardkit.ema_unswap_(ema_tensors, model_tensors)
+
+
+# ModelEMA's per-update call (csrc/composite/ema_inplace.cpp): for every group g,
+# ema_update_(ema_groups[g], model_groups[g], decay), then torch._foreach_copy_(copy_to,
+# copy_from); arguments are Python lists of tensors (no IValue conversion) and nothing is kept
+# after the call. Internal: ModelEMA gives it lists it built and checked.
+update_lists = _C.ema_update_lists
 
 
 # Fake kernels: the ops mutate their inputs in place and return nothing, so the fake
