@@ -300,13 +300,14 @@ def test_dtype_buffers_and_wrappers():
     ema = shardkit.ModelEMA(nn.DataParallel(net), 0.5, tau=None, dtype=torch.float32, copy_float_buffers=True)
     assert all(p.dtype == torch.float32 for p in ema.module.parameters())
     assert ema.module.bn.num_batches_tracked.dtype == torch.long
-    before = ema.module.fc.weight.clone()
-    for _ in range(2):
-        train_step(net)
+    train_step(net)
     ema.update(torch.compile(net))  # unwrapped through _orig_mod; first update copies (timm rule)
+    first = net.fc.weight.float().clone()
+    assert torch.equal(ema.module.fc.weight, first)
+    train_step(net)  # the second update must see a changed model, or it is not observed
+    assert not torch.equal(net.fc.weight.float(), first)
     ema.update(nn.DataParallel(net))
-    assert torch.allclose(ema.module.fc.weight, 0.5 * net.fc.weight.float() + 0.5 * net.fc.weight.float())
-    assert not torch.equal(before, ema.module.fc.weight)
+    torch.testing.assert_close(ema.module.fc.weight, 0.5 * first + 0.5 * net.fc.weight.float(), rtol=1e-6, atol=1e-7)
     assert torch.equal(ema.module.bn.running_mean, net.bn.running_mean.float())  # copied, not averaged
     assert int(ema.module.bn.num_batches_tracked) == int(net.bn.num_batches_tracked) == 2
 
@@ -519,13 +520,23 @@ def test_model_ema_picks_up_a_replaced_tensor_of_the_same_shape():
     assert torch.equal(ema.module.fc.weight, net.fc.weight.detach())
 
 
-@pytest.mark.parametrize("name", ["decay", "min_decay", "tau", "warmup_gamma"])
-@pytest.mark.parametrize("bad", [None, "0.9"])
+@pytest.mark.parametrize(
+    "name,bad",
+    [("decay", None), ("min_decay", None)] + [(n, "0.9") for n in ("decay", "min_decay", "tau", "warmup_gamma")],
+)
 def test_model_ema_float_arguments_type(name, bad):
-    if bad is None and name in ("tau", "warmup_gamma"):
-        return  # None is valid for these
     with pytest.raises(TypeError, match=rf"argument `{name}` must be a float, got"):
         shardkit.ModelEMA(Net(), **{name: bad})
+
+
+def test_model_ema_none_selects_the_constant_decay_or_the_default_warmup():
+    # None is valid for tau (the constant decay) and for warmup_gamma (its default, 1.0)
+    net = nn.Linear(2, 2)
+    const = shardkit.ModelEMA(net, 0.9, tau=None, warmup_gamma=None)
+    assert const.tau is None and [const.get_decay(t) for t in (1, 2, 50)] == [0.0, 0.9, 0.9]
+    warm = shardkit.ModelEMA(net, 0.9, warmup_gamma=None, warmup_power=1.0)
+    assert warm.warmup_gamma is None
+    assert warm.get_decay(3) == pytest.approx(1 - (1 + 2 / 1.0) ** -1.0, rel=1e-12)
 
 
 def test_model_ema_load_state_dict_missing_or_corrupt_key():
