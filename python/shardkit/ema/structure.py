@@ -1,6 +1,7 @@
 """The model side of ``ModelEMA``: finding a model's parameters and buffers, checking them
 against the EMA's, and noticing cheaply, on every update, that the model has changed."""
 
+import copy
 import operator
 import weakref
 
@@ -9,7 +10,7 @@ from torch import nn
 
 from shardkit.ops._ema import update_lists
 
-__all__ = ["ModelTracker", "check_structure", "check_no_complex"]
+__all__ = ["ModelTracker", "check_structure", "check_no_complex", "copy_module", "ema_copy", "plan_swap"]
 
 
 def _unwrap(model):
@@ -36,6 +37,24 @@ def _slots(root: nn.Module):
                 seen.add(id(t))
                 out.append((f"{prefix}.{key}" if prefix else key, table, key, is_param))
     return out
+
+
+def ema_copy(t: torch.Tensor, device, dtype) -> torch.Tensor:
+    """``t`` detached and copied to the EMA's ``device`` and, if floating, ``dtype`` (None: t's)."""
+    dtype = dtype if dtype and t.is_floating_point() else t.dtype
+    return t.detach().to(device=device or t.device, dtype=dtype, copy=True)
+
+
+def copy_module(src: nn.Module, slots, device, dtype) -> nn.Module:
+    """The EMA's module: a deep copy of ``src`` in eval mode without gradients, its tensors
+    converted on the way (a memo entry per tensor), so that a CPU EMA of a GPU model never
+    holds a second copy on the GPU, even transiently."""
+    memo = {}
+    for _, table, key, is_param in slots:
+        t = ema_copy(table[key], device, dtype)
+        memo[id(table[key])] = nn.Parameter(t, requires_grad=False) if is_param else t
+    module = copy.deepcopy(src, memo).eval()
+    return module.requires_grad_(False)
 
 
 def check_structure(src: nn.Module, names, ema, where: str):
@@ -68,7 +87,27 @@ def check_structure(src: nn.Module, names, ema, where: str):
             )
         if t.device.type == "meta":
             raise ValueError(f"{where}: argument `model` has {name} on the meta device (no data to average)")
+        if hasattr(e, "placements") or hasattr(t, "placements"):  # a DTensor on either side
+            _check_layout(name, t, e, where)
     return slots
+
+
+def _check_layout(name, t, e, where):
+    """The model's tensor ``t`` against the EMA's reference ``e`` when either is a DTensor."""
+
+    def layout(x):
+        return (
+            f"a DTensor on {x.device_mesh} with placements {tuple(x.placements)}"
+            if hasattr(x, "placements")
+            else "a plain tensor"
+        )
+
+    if layout(t) != layout(e):
+        raise ValueError(
+            f"{where}: argument `model` has {name} as {layout(t)}, the EMA holds {layout(e)}; the model was "
+            "sharded or unsharded after the EMA was made (FSDP2 registers unsharded parameters between its "
+            "forward and backward: update the EMA after the optimizer step), or build a new ModelEMA"
+        )
 
 
 def check_no_complex(slots, where: str) -> None:
@@ -105,11 +144,11 @@ class ModelTracker:
     identity: the op raises then, and ``ModelEMA`` re-checks to name it.
     """
 
-    def __init__(self, model, names, ema, where: str):
+    def __init__(self, model, names, ema, where: str, prepare=None):
         src = _unwrap(model)
         if not isinstance(src, nn.Module):
             raise TypeError(f"{where}: argument `model` must be an nn.Module, got {type(model).__name__}")
-        self._names, self._ema = names, ema
+        self._names, self._ema, self._prepare = names, ema, prepare
         self.model = weakref.ref(src, _forget_when_gone(self))
         self._snapshot(src, where)
 
@@ -123,6 +162,8 @@ class ModelTracker:
         return self.model() is _unwrap(model)
 
     def _snapshot(self, src, where):
+        if self._prepare is not None:  # e.g. reshard an FSDP2 model left unsharded
+            self._prepare(src)
         slots = check_structure(src, self._names, self._ema, where)
         # Column lists, so that the per-call check below runs in C (map over builtins and
         # operator functions): ~20 ns per entry instead of a Python generator step.
@@ -163,6 +204,29 @@ class ModelTracker:
             return tensors
         self._snapshot(self.model(), where)
         return list(self._tensors)
+
+
+def _flat_ok(e: torch.Tensor, m: torch.Tensor) -> bool:
+    if e.is_contiguous() and m.is_contiguous():
+        return True
+    return e.dim() == 4 and e.stride() == m.stride() and e.is_contiguous(memory_format=torch.channels_last)
+
+
+def plan_swap(ema, src):
+    """How ``ModelEMA.swap`` puts each EMA tensor into the model's: (EMA tensors, model tensors)
+    that the swap ops exchange or pack in place (same device, and the same dtype or a float32
+    EMA of a flat-compatible bfloat16 tensor), and (EMA, model, host copy of the model's) for
+    every other pair, which is copied over with the model's values stashed in host memory."""
+    ex_e, ex_m, stash = [], [], []
+    for e, m in zip(ema, src):
+        if e.device == m.device and (
+            e.dtype == m.dtype or (e.dtype == torch.float32 and m.dtype == torch.bfloat16 and _flat_ok(e, m))
+        ):
+            ex_e.append(e)
+            ex_m.append(m)
+        else:
+            stash.append((e, m, m.detach().to("cpu", copy=True)))
+    return ex_e, ex_m, stash
 
 
 def apply_update(tracker, groups, copy_to, copy_idx, src, d):
