@@ -304,7 +304,9 @@ def test_dtype_buffers_and_wrappers():
     ema.update(torch.compile(net))  # unwrapped through _orig_mod; first update copies (timm rule)
     first = net.fc.weight.float().clone()
     assert torch.equal(ema.module.fc.weight, first)
-    train_step(net)  # the second update must see a changed model, or it is not observed
+    train_step(net)
+    with torch.no_grad():  # the second update must see a changed model, or it is not observed
+        net.fc.weight.add_(torch.randn_like(net.fc.weight))  # (a bf16 SGD step may round to no change)
     assert not torch.equal(net.fc.weight.float(), first)
     ema.update(nn.DataParallel(net))
     torch.testing.assert_close(ema.module.fc.weight, 0.5 * first + 0.5 * net.fc.weight.float(), rtol=1e-6, atol=1e-7)

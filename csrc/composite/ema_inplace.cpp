@@ -20,6 +20,8 @@
 #include <utility>
 #include <vector>
 
+#include "ema_common.h"
+
 namespace {
 
 // The device rule of every ema op, checked before dispatch (the dispatcher would pick one
@@ -71,6 +73,23 @@ void ema_update_autograd(c10::DispatchKeySet ks, at::TensorList ema, at::TensorL
   bump(ema);
 }
 
+void ema_update_device_decay_autograd(c10::DispatchKeySet ks, at::TensorList ema, at::TensorList model,
+                                      const at::Tensor& decay) {
+  check_devices("ema_update_device_decay_", ema, model);
+  // before dispatch too: a decay on another device would pick the backend (a meta one, the
+  // no-op fake kernel)
+  shardkit::ema::check_device_decay(ema, decay);
+  check_writable("ema_update_device_decay_", "ema", ema);
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("shardkit::ema_update_device_decay_", "")
+                       .typed<void(at::TensorList, at::TensorList, const at::Tensor&)>();
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.redispatch(ks & c10::after_ADInplaceOrView_keyset, ema, model, decay);
+  }
+  bump(ema);
+}
+
 template <bool kSwap>
 void ema_swap_autograd(c10::DispatchKeySet ks, at::TensorList ema, at::TensorList model) {
   const char* name = kSwap ? "ema_swap_" : "ema_unswap_";
@@ -92,6 +111,7 @@ void ema_swap_autograd(c10::DispatchKeySet ks, at::TensorList ema, at::TensorLis
 
 TORCH_LIBRARY_IMPL(shardkit, Autograd, m) {
   m.impl("ema_update_", &ema_update_autograd);
+  m.impl("ema_update_device_decay_", &ema_update_device_decay_autograd);
   m.impl("ema_swap_", &ema_swap_autograd<true>);
   m.impl("ema_unswap_", &ema_swap_autograd<false>);
 }

@@ -21,6 +21,8 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "ema_common.h"
+
 #include <string>
 #include <vector>
 
@@ -78,17 +80,9 @@ void run(const std::vector<at::Tensor>& ema, const std::vector<at::Tensor>& mode
   if (!copy_to.empty()) at::_foreach_copy_(copy_to, copy_from);
 }
 
-}  // namespace
-
-// ema_update_lists(ema_groups, model_groups, copy_to, copy_from, decay): for every group g,
-// ema_update_(ema_groups[g], model_groups[g], decay); then copy_to[i].copy_(copy_from[i]).
-PyObject* update_lists_py(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
-  HANDLE_TH_ERRORS
-  TORCH_CHECK_TYPE(
-      nargs == 5,
-      "ema_update_lists takes 5 arguments (ema_groups, model_groups, copy_to, copy_from, decay), "
-      "got ",
-      nargs);
+// Borrows the four lists of ema_update_lists / ema_layout (`ends`: where each group ends).
+void borrow_all(PyObject* const* args, Borrowed& ema, Borrowed& model, Borrowed& copy_to, Borrowed& copy_from,
+                std::vector<size_t>& ends) {
   PyObject* ema_groups = args[0];
   PyObject* model_groups = args[1];
   TORCH_CHECK_TYPE(
@@ -98,10 +92,6 @@ PyObject* update_lists_py(PyObject* /*module*/, PyObject* const* args, Py_ssize_
   TORCH_CHECK(PyList_GET_SIZE(model_groups) == n_groups,
               "ema_update_lists: `ema_groups` and `model_groups` must hold the same number of groups, got ",
               n_groups, " and ", PyList_GET_SIZE(model_groups));
-  const double decay = PyFloat_AsDouble(args[4]);
-  if (decay == -1.0 && PyErr_Occurred()) return nullptr;
-  Borrowed ema, model, copy_to, copy_from;
-  std::vector<size_t> ends;
   for (Py_ssize_t g = 0; g < n_groups; ++g) {
     borrow_list(PyList_GET_ITEM(ema_groups, g), "ema_groups", g, ema);
     borrow_list(PyList_GET_ITEM(model_groups, g), "model_groups", g, model);
@@ -114,6 +104,24 @@ PyObject* update_lists_py(PyObject* /*module*/, PyObject* const* args, Py_ssize_
   TORCH_CHECK(copy_to.tensors.size() == copy_from.tensors.size(),
               "ema_update_lists: `copy_to` and `copy_from` must have the same length, got ",
               copy_to.tensors.size(), " and ", copy_from.tensors.size());
+}
+
+}  // namespace
+
+// ema_update_lists(ema_groups, model_groups, copy_to, copy_from, decay): for every group g,
+// ema_update_(ema_groups[g], model_groups[g], decay); then copy_to[i].copy_(copy_from[i]).
+PyObject* update_lists_py(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(
+      nargs == 5,
+      "ema_update_lists takes 5 arguments (ema_groups, model_groups, copy_to, copy_from, decay), "
+      "got ",
+      nargs);
+  const double decay = PyFloat_AsDouble(args[4]);
+  if (decay == -1.0 && PyErr_Occurred()) return nullptr;
+  Borrowed ema, model, copy_to, copy_from;
+  std::vector<size_t> ends;
+  borrow_all(args, ema, model, copy_to, copy_from, ends);
   int64_t cpu_elements = 0;
   for (const at::Tensor& t : ema.tensors) cpu_elements += t.is_cpu() ? t.numel() : 0;
   if (cpu_elements <= kReleaseGilAbove) {
@@ -126,6 +134,48 @@ PyObject* update_lists_py(PyObject* /*module*/, PyObject* const* args, Py_ssize_
     run(e, m, ends, to, from, decay);
   }
   Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+}  // namespace ema
+}  // namespace shardkit
+
+namespace shardkit {
+namespace ema {
+
+// ema_layout(ema_groups, model_groups, copy_to, copy_from) -> bytes or None: what a CUDA graph
+// that captured the update of these lists baked in, for every tensor (address, element count,
+// dtype, device, sizes and strides), packed as int64; None when a pair of a group is not
+// flat-compatible (ema_update_device_decay_ refuses those). ModelEMA replays its graph only
+// while the lists' layout equals the one captured: then the graph reads and writes exactly the
+// memory of the tensors it is given now, whatever happened to the tensors in between.
+PyObject* layout_py(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(
+      nargs == 4, "ema_layout takes 4 arguments (ema_groups, model_groups, copy_to, copy_from), got ", nargs);
+  Borrowed ema, model, copy_to, copy_from;
+  std::vector<size_t> ends;
+  borrow_all(args, ema, model, copy_to, copy_from, ends);
+  for (size_t i = 0; i < ema.tensors.size(); ++i) {
+    if (!flat_compatible(ema.tensors[i], model.tensors[i])) Py_RETURN_NONE;
+  }
+  std::vector<int64_t> words;
+  words.reserve(8 * (2 * ema.tensors.size() + 2 * copy_to.tensors.size()) + ends.size() + 4);
+  for (const size_t end : ends) words.push_back(static_cast<int64_t>(end));
+  for (const Borrowed* list : {&ema, &model, &copy_to, &copy_from}) {
+    words.push_back(-1);  // list separator
+    for (const at::Tensor& t : list->tensors) {
+      words.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr())));
+      words.push_back(t.numel());
+      words.push_back(static_cast<int64_t>(t.scalar_type()));
+      words.push_back(static_cast<int64_t>(t.device().type()) * 1024 + t.device().index());
+      words.push_back(t.dim());
+      for (const int64_t size : t.sizes()) words.push_back(size);
+      for (const int64_t stride : t.strides()) words.push_back(stride);
+    }
+  }
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(words.data()),
+                                   static_cast<Py_ssize_t>(words.size() * sizeof(int64_t)));
   END_HANDLE_TH_ERRORS
 }
 

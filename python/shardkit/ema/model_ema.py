@@ -25,6 +25,7 @@ from shardkit.ema.checks import (
     check_state,
     schedule_decay,
 )
+from shardkit.ema.graph import GraphedEMA
 from shardkit.ema.stage import HostStage
 from shardkit.ema.structure import (
     ModelTracker,
@@ -41,6 +42,8 @@ from shardkit.ops._ema import ema_swap_, ema_unswap_
 __all__ = ["ModelEMA"]
 
 _FORMAT = "shardkit.ModelEMA/1"
+# The schedule's attributes, in check_schedule's order (schedule_decay takes all but the last).
+_SCHEDULE = ("decay", "tau", "warmup_gamma", "warmup_power", "min_decay", "update_after_step", "update_every")
 _NO_MODULE = (
     "{where}: this EMA averages a sharded (DTensor) model and holds only this rank's shards, no "
     "module of its own (that would be a full copy); evaluate with `with ema.swap(model):`, save "
@@ -85,6 +88,11 @@ class ModelEMA:
         copy_float_buffers: copy floating buffers (e.g. BatchNorm running stats) instead
             of averaging them (timm's ``exclude_buffers``).
         updates: initial update count, int in [0, 2**63 - 1] (ultralytics' resume argument).
+        cuda_graph: replay each update from a CUDA graph (decay read from a device scalar; see
+            ema/graph.py), for updates bound by host time (many small tensors), where the EMA
+            lives on one CUDA device and every pair is contiguous or dense with equal strides;
+            captured again (one device sync) when a tensor's address, shape or dtype changes.
+            Elsewhere, inside a capture of the caller's and under torch.compile, eager runs.
 
     ``t`` is ``step`` (an int >= 0) when ``update(model, step=...)`` gives one (timm), else the count of
     applied updates including this one (``self.updates``, 1 on the first update; timm without
@@ -119,6 +127,7 @@ class ModelEMA:
         device=None,
         copy_float_buffers: bool = False,
         updates: int = 0,
+        cuda_graph: bool = False,
     ):
         src = _unwrap(model)
         if not isinstance(src, nn.Module):
@@ -167,6 +176,11 @@ class ModelEMA:
         self._cp_e = [self._ema[i] for i in self._cp_idx]
         self._tracker = None  # the last model seen and its tensors (ModelTracker)
         self._stage = None
+        if not isinstance(cuda_graph, bool):
+            raise TypeError(f"argument `cuda_graph` must be a bool, got {type(cuda_graph).__name__}")
+        devices = list({e.device for e in self._ema})
+        one_gpu = cuda_graph and len(devices) == 1 and devices[0].type == "cuda"
+        self._graph = GraphedEMA(devices[0]) if one_gpu else None  # (ema/graph.py)
 
     def __getstate__(self):
         """Pickling (``torch.save(ema)``, ``copy.deepcopy``) keeps the weights, schedule and
@@ -177,20 +191,12 @@ class ModelEMA:
 
     # ---- schedule --------------------------------------------------------------------
     def _set_schedule(self, *args):
-        (
-            self.decay,
-            self.tau,
-            self.warmup_gamma,
-            self.warmup_power,
-            self.min_decay,
-            self.update_after_step,
-            self.update_every,
-        ) = check_schedule(*args)
+        for name, value in zip(_SCHEDULE, check_schedule(*args)):
+            setattr(self, name, value)
 
     def get_decay(self, step: int) -> float:
         """The decay used at schedule step ``step`` (see the class docstring)."""
-        sched = (self.decay, self.tau, self.warmup_gamma, self.warmup_power, self.min_decay, self.update_after_step)
-        return schedule_decay(step, *sched)
+        return schedule_decay(step, *(getattr(self, name) for name in _SCHEDULE[:-1]))
 
     # ---- the averaged module -----------------------------------------------------------
     @property
@@ -256,7 +262,8 @@ class ModelEMA:
         if moved:
             src = [m if m.device == e.device else m.to(e.device, non_blocking=True) for e, m in zip(self._ema, src)]
         try:
-            apply_update(None if moved else self._tracker, self._avg_groups, self._cp_e, self._cp_idx, src, d)
+            tracker = None if moved else self._tracker
+            apply_update(tracker, self._avg_groups, self._cp_e, self._cp_idx, src, d, self._graph)
         except RuntimeError:
             # e.g. a tensor reshaped in place: name it rather than an index of the op's lists
             model = self._tracker.model() if self._tracker is not None else None
@@ -404,11 +411,6 @@ class ModelEMA:
             setattr(self._module, k, v)
 
     def __repr__(self):
-        sched = (
-            "warmup"
-            if self.warmup_gamma is not None or self.warmup_power is not None
-            else "constant"
-            if self.tau is None
-            else f"ramp(tau={self.tau})"
-        )
+        warm = self.warmup_gamma is not None or self.warmup_power is not None
+        sched = "warmup" if warm else "constant" if self.tau is None else f"ramp(tau={self.tau})"
         return f"ModelEMA(decay={self.decay}, schedule={sched}, updates={self.updates}, tensors={len(self._ema)})"

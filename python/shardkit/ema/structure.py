@@ -179,9 +179,9 @@ class ModelTracker:
         self._tensors = list(map(dict.get, self._owner, self._key))
         self._lists = []  # [(the src tensors, the argument lists of ema_update_lists)], the newest first
 
-    def run_lists(self, groups, copy_to, copy_idx, src, d):
-        """One update through ``shardkit._C.ema_update_lists`` with lists built for the tensors
-        of ``src`` and reused while the same tensor objects come again (each call still runs
+    def lists_for(self, groups, copy_to, copy_idx, src):
+        """The four argument lists of ``shardkit._C.ema_update_lists`` for the tensors of ``src``,
+        built once and reused while the same tensor objects come again (each call still runs
         the op's checks and version bumps, but no list is rebuilt or converted to the op's
         arguments). Two sets are kept: a CPU EMA of a GPU model alternates between two sets of
         staging buffers. Only Python lists of the Python tensor objects are kept, no C++
@@ -192,7 +192,7 @@ class ModelTracker:
             model_groups = [[src[i] for i in idx] for _, idx in groups]
             found = (list(src), ([e for e, _ in groups], model_groups, copy_to, [src[i] for i in copy_idx]))
             self._lists = [found] + self._lists[:1]
-        update_lists(*found[1], d)
+        return found[1]
 
     def tensors(self, where: str) -> list:
         tensors = list(map(dict.get, self._owner, self._key))  # a removed entry reads None
@@ -229,14 +229,18 @@ def plan_swap(ema, src):
     return ex_e, ex_m, stash
 
 
-def apply_update(tracker, groups, copy_to, copy_idx, src, d):
+def apply_update(tracker, groups, copy_to, copy_idx, src, d, graph=None):
     """``ModelEMA``'s update of its EMA tensors from ``src`` (the model's, in the EMA's order,
     on the EMA's devices) with decay ``d``: ``groups`` are (EMA tensors, indices into ``src``)
     per device, ``copy_to`` the integer buffers copied from ``src[copy_idx]``. Through the
     tracker's cached lists when there is a tracker (not while torch.compile traces: it calls
-    the ops), else one fused op call per group and one foreach copy."""
+    the ops), replayed from a CUDA graph when ``graph`` (ema/graph.py) can, else one fused op
+    call per group and one foreach copy."""
     if tracker is not None and not torch.compiler.is_compiling():
-        return tracker.run_lists(groups, copy_to, copy_idx, src, d)
+        lists = tracker.lists_for(groups, copy_to, copy_idx, src)
+        if graph is None or not graph.run(lists, d):
+            update_lists(*lists, d)
+        return
     for ema_k, idx_k in groups:
         torch.ops.shardkit.ema_update_.default(ema_k, [src[i] for i in idx_k], d)
     if copy_to:

@@ -5,7 +5,7 @@ One private module per op family; this module re-exports the public functions.
 """
 
 # ---- ema ----
-from shardkit.ops._ema import ema_swap_, ema_unswap_, ema_update_  # noqa: F401
+from shardkit.ops._ema import ema_swap_, ema_unswap_, ema_update_, ema_update_device_decay_  # noqa: F401
 
 # ---- end distributed ----
 # ---- normalize ----
@@ -27,6 +27,7 @@ from shardkit.ops._sharded_ce import ce_shard_stats, chunk_classes_for_budget  #
 
 __all__ = [
     "ema_update_",
+    "ema_update_device_decay_",
     "ema_swap_",
     "ema_unswap_",
     "ce_shard_stats",
