@@ -4,6 +4,8 @@ Compared, in the same run, on the same model and EMA dtype:
   shardkit     shardkit.ModelEMA (one fused ema_update_ for all floating tensors)
   shardkit_v1  the same with SHARDKIT_EMA_V1=1 (CUDA: the first, chunked launcher instead of
                the device table; the CPU runs one kernel for both)
+  shardkit_graph  ModelEMA(cuda_graph=True): CUDA updates replayed from a captured graph
+               (the CPU runs the eager update)
   loop         the per-tensor Python loop of yolov3/ultralytics' ModelEMA
                (v *= d; v += (1 - d) * model_v for every state_dict entry)
   foreach      timm ModelEmaV3's foreach path: torch._foreach_lerp_ over the floating
@@ -286,9 +288,18 @@ class OursFirstLauncherEMA(OursEMA):
             os.environ.pop("SHARDKIT_EMA_V1", None)
 
 
+class OursGraphEMA(OursEMA):
+    """shardkit.ModelEMA(cuda_graph=True): on CUDA each update replays a captured graph (the
+    decay in a device scalar), for host-bound updates; on the CPU the same as ``shardkit``."""
+
+    def __init__(self, model, dtype):
+        self.ema = shardkit.ModelEMA(model, 0.9999, tau=None, dtype=dtype, cuda_graph=True)
+
+
 METHODS = {
     "shardkit": OursEMA,
     "shardkit_v1": OursFirstLauncherEMA,
+    "shardkit_graph": OursGraphEMA,
     "loop": LoopEMA,
     "foreach": ForeachEMA,
     "foreach_bare": BareForeachEMA,

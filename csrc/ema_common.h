@@ -88,18 +88,35 @@ inline bool is_supported_float(at::ScalarType t) {
   return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
 }
 
+// The tensor lists of an update op (`op`: its name in the messages).
+inline void check_update_tensors(const char* op, at::TensorList ema, at::TensorList model) {
+  check_lists(op, ema, model);
+  check_no_overlap(op, ema, model, /*model_written=*/false);
+  for (size_t i = 0; i < ema.size(); ++i) {
+    TORCH_CHECK(is_supported_float(ema[i].scalar_type()), op, ": argument `ema` must hold floating-point ",
+                "tensors (float32/float64/float16/bfloat16), got ", ema[i].scalar_type(), " at index ", i);
+    TORCH_CHECK(is_supported_float(model[i].scalar_type()), op,
+                ": argument `model` must hold floating-point ",
+                "tensors (float32/float64/float16/bfloat16), got ", model[i].scalar_type(), " at index ", i);
+  }
+}
+
 inline void check_update_args(at::TensorList ema, at::TensorList model, double decay) {
-  check_lists("ema_update_", ema, model);
-  check_no_overlap("ema_update_", ema, model, /*model_written=*/false);
+  check_update_tensors("ema_update_", ema, model);
   TORCH_CHECK(std::isfinite(decay) && decay >= 0.0 && decay <= 1.0,
               "ema_update_: argument `decay` must lie in [0, 1], got ", decay);
-  for (size_t i = 0; i < ema.size(); ++i) {
-    TORCH_CHECK(is_supported_float(ema[i].scalar_type()),
-                "ema_update_: argument `ema` must hold floating-point ",
-                "tensors (float32/float64/float16/bfloat16), got ", ema[i].scalar_type(), " at index ", i);
-    TORCH_CHECK(is_supported_float(model[i].scalar_type()),
-                "ema_update_: argument `model` must hold floating-point ",
-                "tensors (float32/float64/float16/bfloat16), got ", model[i].scalar_type(), " at index ", i);
+}
+
+// ema_update_device_decay_'s `decay`: a one-element float64 tensor on the EMA's device (its value
+// is read by the kernels, so a captured call takes a new value per replay).
+inline void check_device_decay(at::TensorList ema, const at::Tensor& decay) {
+  TORCH_CHECK(decay.defined() && decay.numel() == 1 && decay.scalar_type() == at::kDouble,
+              "ema_update_device_decay_: argument `decay` must be a one-element float64 tensor, got ",
+              decay.defined() ? c10::toString(decay.scalar_type()) : "an undefined tensor", " of ",
+              decay.defined() ? decay.numel() : 0, " elements");
+  if (!ema.empty()) {
+    TORCH_CHECK(decay.device() == ema[0].device(), "ema_update_device_decay_: argument `decay` is on ",
+                decay.device(), " but `ema` is on ", ema[0].device(), "; keep the decay on the EMA's device");
   }
 }
 

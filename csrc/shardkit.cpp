@@ -13,6 +13,9 @@ TORCH_LIBRARY(shardkit, m) {
   // ema[i] <- ema[i] + (1 - decay) * (model[i] - ema[i]), fp32 arithmetic, in place.
   // Floating-point pairs only; dtypes may differ between ema and model.
   m.def("ema_update_(Tensor(a!)[] ema, Tensor[] model, float decay) -> ()");
+  // The same with the decay read from a one-element float64 tensor on the EMA's device, so a
+  // CUDA graph that captured the call takes a new decay per replay (ModelEMA(cuda_graph=True)).
+  m.def("ema_update_device_decay_(Tensor(a!)[] ema, Tensor[] model, Tensor decay) -> ()");
   // ema.swap(model): same-dtype pairs exchange contents; a float32 EMA of a bfloat16
   // model packs (model <- bf16(ema), ema <- model bits | low ema bits). ema_unswap_
   // restores both bit-exactly (for same-dtype pairs it is the same exchange).
@@ -85,6 +88,14 @@ TORCH_LIBRARY(shardkit, m) {
   // ---- end normalize ----
 }
 
+namespace shardkit {
+namespace ema {
+// csrc/composite/ema_lists.cpp: ModelEMA's per-update call (Python lists of tensors, no IValues).
+PyObject* update_lists_py(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
+PyObject* layout_py(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
+}  // namespace ema
+}  // namespace shardkit
+
 namespace {
 
 PyObject* cuda_built(PyObject*, PyObject*) {
@@ -97,6 +108,15 @@ PyObject* cuda_built(PyObject*, PyObject*) {
 
 PyMethodDef methods[] = {
     {"cuda_built", cuda_built, METH_NOARGS, "Whether the CUDA kernels were compiled into this build."},
+    {"ema_update_lists",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(shardkit::ema::update_lists_py)),
+     METH_FASTCALL,
+     "ema_update_lists(ema_groups, model_groups, copy_to, copy_from, decay): ModelEMA's update, one "
+     "shardkit::ema_update_ per group and a foreach copy; no reference is kept after the call."},
+    {"ema_layout", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(shardkit::ema::layout_py)),
+     METH_FASTCALL,
+     "ema_layout(ema_groups, model_groups, copy_to, copy_from): the addresses, sizes, strides and dtypes "
+     "of the tensors as bytes (what a captured update baked in), or None if a pair is not flat-compatible."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -300,13 +300,16 @@ def test_dtype_buffers_and_wrappers():
     ema = shardkit.ModelEMA(nn.DataParallel(net), 0.5, tau=None, dtype=torch.float32, copy_float_buffers=True)
     assert all(p.dtype == torch.float32 for p in ema.module.parameters())
     assert ema.module.bn.num_batches_tracked.dtype == torch.long
-    before = ema.module.fc.weight.clone()
-    for _ in range(2):
-        train_step(net)
+    train_step(net)
     ema.update(torch.compile(net))  # unwrapped through _orig_mod; first update copies (timm rule)
+    first = net.fc.weight.float().clone()
+    assert torch.equal(ema.module.fc.weight, first)
+    train_step(net)
+    with torch.no_grad():  # the second update must see a changed model, or it is not observed
+        net.fc.weight.add_(torch.randn_like(net.fc.weight))  # (a bf16 SGD step may round to no change)
+    assert not torch.equal(net.fc.weight.float(), first)
     ema.update(nn.DataParallel(net))
-    assert torch.allclose(ema.module.fc.weight, 0.5 * net.fc.weight.float() + 0.5 * net.fc.weight.float())
-    assert not torch.equal(before, ema.module.fc.weight)
+    torch.testing.assert_close(ema.module.fc.weight, 0.5 * first + 0.5 * net.fc.weight.float(), rtol=1e-6, atol=1e-7)
     assert torch.equal(ema.module.bn.running_mean, net.bn.running_mean.float())  # copied, not averaged
     assert int(ema.module.bn.num_batches_tracked) == int(net.bn.num_batches_tracked) == 2
 
@@ -519,13 +522,23 @@ def test_model_ema_picks_up_a_replaced_tensor_of_the_same_shape():
     assert torch.equal(ema.module.fc.weight, net.fc.weight.detach())
 
 
-@pytest.mark.parametrize("name", ["decay", "min_decay", "tau", "warmup_gamma"])
-@pytest.mark.parametrize("bad", [None, "0.9"])
+@pytest.mark.parametrize(
+    "name,bad",
+    [("decay", None), ("min_decay", None)] + [(n, "0.9") for n in ("decay", "min_decay", "tau", "warmup_gamma")],
+)
 def test_model_ema_float_arguments_type(name, bad):
-    if bad is None and name in ("tau", "warmup_gamma"):
-        return  # None is valid for these
     with pytest.raises(TypeError, match=rf"argument `{name}` must be a float, got"):
         shardkit.ModelEMA(Net(), **{name: bad})
+
+
+def test_model_ema_none_selects_the_constant_decay_or_the_default_warmup():
+    # None is valid for tau (the constant decay) and for warmup_gamma (its default, 1.0)
+    net = nn.Linear(2, 2)
+    const = shardkit.ModelEMA(net, 0.9, tau=None, warmup_gamma=None)
+    assert const.tau is None and [const.get_decay(t) for t in (1, 2, 50)] == [0.0, 0.9, 0.9]
+    warm = shardkit.ModelEMA(net, 0.9, warmup_gamma=None, warmup_power=1.0)
+    assert warm.warmup_gamma is None
+    assert warm.get_decay(3) == pytest.approx(1 - (1 + 2 / 1.0) ** -1.0, rel=1e-12)
 
 
 def test_model_ema_load_state_dict_missing_or_corrupt_key():
@@ -616,11 +629,12 @@ def test_decays_0_and_1_are_exact_whatever_the_values(ema_dtype, model_dtype, de
         assert torch.equal(ema_t.nan_to_num(), want.nan_to_num()) and torch.equal(ema_t.isnan(), want.isnan())
 
 
-def test_updates_through_the_cpp_updaters_equal_the_op_and_follow_the_model():
-    # ModelEMA passes its tensor lists to C++ EmaUpdater objects once and then only the decay;
-    # the result must equal the op called on fresh lists, after parameters are replaced (new
-    # objects: the updaters are rebuilt) and after a tensor's storage is swapped under the same
-    # object (the updaters hold the tensor itself, so they read the new storage).
+def test_updates_through_the_cached_lists_equal_the_op_and_follow_the_model():
+    # ModelEMA builds the argument lists of shardkit._C.ema_update_lists once per set of model
+    # tensors and then passes only the decay with them; the result must equal the op called on
+    # fresh lists, after parameters are replaced (new objects: new lists) and after a tensor's
+    # storage is swapped under the same object (the lists hold the object, which reads the new
+    # storage).
     net = Net()
     ema = shardkit.ModelEMA(net, decay=0.7, tau=None)
     names = list(ema.module.state_dict())
@@ -634,7 +648,7 @@ def test_updates_through_the_cpp_updaters_equal_the_op_and_follow_the_model():
                 net.conv.weight.data = torch.randn_like(net.conv.weight)
         d = ema.get_decay(ema.updates + 1)
         ema.update(net)
-        built = ema._tracker._updaters[0][1]
+        built = ema._tracker._lists[0][1]
         sd = net.state_dict()
         for r, k in zip(ref, names):
             if r.is_floating_point():
@@ -644,14 +658,34 @@ def test_updates_through_the_cpp_updaters_equal_the_op_and_follow_the_model():
         out = ema.module.state_dict()
         for r, k in zip(ref, names):
             assert torch.equal(out[k], r), (i, k)
-        ema.update(net)  # the same tensors: the same updaters
-        assert ema._tracker._updaters[0][1] is built
+        ema.update(net)  # the same tensors: the same lists
+        assert ema._tracker._lists[0][1] is built
         for r, k in zip(ref, names):
             if r.is_floating_point():
                 shardkit.ops.ema_update_([r], [sd[k]], ema.get_decay(ema.updates))
             else:
                 r.copy_(sd[k])
-    with pytest.raises(RuntimeError, match="`ema` and `model` must have the same length"):
-        torch.classes.shardkit.EmaUpdater([torch.zeros(2)], [], [], [])
-    with pytest.raises(RuntimeError, match="`copy_to` and `copy_from` must have the same length"):
-        torch.classes.shardkit.EmaUpdater([], [], [torch.zeros(2)], [])
+
+
+def test_update_lists_entry_point_checks_its_arguments():
+    update_lists = shardkit._C.ema_update_lists
+    e, m = torch.zeros(3), torch.ones(3)
+    with pytest.raises(TypeError, match="takes 5 arguments"):
+        update_lists([[e]], [[m]], [], [])
+    with pytest.raises(TypeError, match="`ema_groups` and `model_groups` must be lists of lists"):
+        update_lists(([e],), [[m]], [], [], 0.5)
+    with pytest.raises(RuntimeError, match="must hold the same number of groups, got 1 and 2"):
+        update_lists([[e]], [[m], [m]], [], [], 0.5)
+    with pytest.raises(TypeError, match=r"`model_groups\[0\]\[1\]` is a str, not a tensor"):
+        update_lists([[e, e]], [[m, "x"]], [], [], 0.5)
+    with pytest.raises(RuntimeError, match=r"`ema_groups\[0\]` and `model_groups\[0\]` must have the same length"):
+        update_lists([[e]], [[m, m]], [], [], 0.5)
+    with pytest.raises(RuntimeError, match="`copy_to` and `copy_from` must have the same length, got 1 and 0"):
+        update_lists([], [], [e], [], 0.5)
+    with pytest.raises(TypeError, match="must be real number"):
+        update_lists([], [], [], [], "0.5")
+    with pytest.raises(RuntimeError, match="argument `decay` must lie in"):  # the op's own checks run
+        update_lists([[e]], [[m]], [], [], 1.5)
+    assert torch.equal(e, torch.zeros(3))
+    update_lists([[e], []], [[m], []], [torch.zeros(2, dtype=torch.long)], [torch.ones(2, dtype=torch.long)], 0.25)
+    assert torch.equal(e, torch.full((3,), 0.75))

@@ -28,6 +28,36 @@ def trained_ema(**kwargs):
     return net, ema
 
 
+def perturb(net):
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn_like(p))
+        net.train()
+        net(torch.randn(5, 4))
+
+
+def documented_decay(t, decay=0.9999, tau=2000, warmup_gamma=None, warmup_power=None, min_decay=0.0, **_):
+    """The decay at schedule step t as the ModelEMA docstring gives it (update_after_step 0)."""
+    decay, min_decay = float(decay), float(min_decay)
+    if warmup_gamma is not None or warmup_power is not None:
+        if t - 1 <= 0:
+            return 0.0
+        gamma = 1.0 if warmup_gamma is None else warmup_gamma
+        power = 2 / 3 if warmup_power is None else warmup_power
+        return max(min(1 - (1 + (t - 1) / gamma) ** -power, decay), min_decay)
+    if tau is None:
+        return 0.0 if t <= 1 else decay
+    return max(decay * (1 - math.exp(-t / float(tau))), min_decay)
+
+
+def assert_follows(ema, net, ref, d):
+    """One float64 EMA step of ``ref`` towards ``net`` with decay ``d``, compared with the EMA."""
+    for k, v in net.state_dict().items():
+        ref[k] = d * ref[k] + (1 - d) * v.double() if v.is_floating_point() else v.double()
+    for k, v in ema.module.state_dict().items():
+        torch.testing.assert_close(v.double(), ref[k], rtol=1e-6, atol=1e-6, msg=k)
+
+
 def snapshot(ema):
     return {k: v.clone() for k, v in ema.module.state_dict().items()}, ema.state_dict()
 
@@ -161,10 +191,16 @@ def test_float_arguments_must_be_finite_and_in_range(kwargs, name):
     ],
 )
 def test_valid_float_arguments_stay_valid(kwargs):
+    # Valid at the edges, and the weights follow the documented schedule there (an update at
+    # tau=1e300 copies the model, at tau=1e-300 uses `decay` at once, ...).
     net = make_net()
     ema = shardkit.ModelEMA(net, **kwargs)
-    ema.update(net)
-    ema.update(net, step=7)
+    ref = {k: v.double().clone() for k, v in ema.module.state_dict().items()}
+    for step in (None, 7):
+        perturb(net)
+        d = documented_decay(ema.updates + 1 if step is None else step, **kwargs)
+        ema.update(net, step=step)
+        assert_follows(ema, net, ref, d)
 
 
 def test_infinite_tau_no_longer_turns_the_ema_into_a_copy():
@@ -207,16 +243,22 @@ def test_update_step_accepts_numpy_integers_and_large_ints():
     net = make_net()
     a = shardkit.ModelEMA(net, 0.9, warmup_power=1.0)
     b = shardkit.ModelEMA(net, 0.9, warmup_power=1.0)
-    with torch.no_grad():
-        net[0].weight.add_(1.0)
+    ref = {k: v.double().clone() for k, v in a.module.state_dict().items()}
+    perturb(net)
     a.update(net, step=5)
     b.update(net, step=np.int64(5))
+    assert_follows(a, net, ref, documented_decay(5, 0.9, warmup_power=1.0))
     assert torch.equal(a.module[0].weight, b.module[0].weight)
-    a.update(net, step=0)
-    a.update(net, step=np.uint32(9))
-    a.update(net, step=2**63 - 1)
+    for step in (0, np.uint32(9), 2**63 - 1):  # the warmup's float math at the largest step: decay
+        perturb(net)
+        a.update(net, step=step)
+        assert_follows(a, net, ref, documented_decay(int(step), 0.9, warmup_power=1.0))
+    assert documented_decay(2**63 - 1, 0.9, warmup_power=1.0) == 0.9
     c = shardkit.ModelEMA(net, 0.9, tau=3.0)
-    c.update(net, step=2**63 - 1)  # the ramp's float math at the largest step
+    ref = {k: v.double().clone() for k, v in c.module.state_dict().items()}
+    perturb(net)
+    c.update(net, step=2**63 - 1)  # the ramp's float math at the largest step: decay
+    assert_follows(c, net, ref, 0.9)
     assert a.updates == 4 and c.updates == 1
 
 

@@ -15,11 +15,12 @@
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/variable.h>
-#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <utility>
 #include <vector>
+
+#include "ema_common.h"
 
 namespace {
 
@@ -72,6 +73,23 @@ void ema_update_autograd(c10::DispatchKeySet ks, at::TensorList ema, at::TensorL
   bump(ema);
 }
 
+void ema_update_device_decay_autograd(c10::DispatchKeySet ks, at::TensorList ema, at::TensorList model,
+                                      const at::Tensor& decay) {
+  check_devices("ema_update_device_decay_", ema, model);
+  // before dispatch too: a decay on another device would pick the backend (a meta one, the
+  // no-op fake kernel)
+  shardkit::ema::check_device_decay(ema, decay);
+  check_writable("ema_update_device_decay_", "ema", ema);
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("shardkit::ema_update_device_decay_", "")
+                       .typed<void(at::TensorList, at::TensorList, const at::Tensor&)>();
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.redispatch(ks & c10::after_ADInplaceOrView_keyset, ema, model, decay);
+  }
+  bump(ema);
+}
+
 template <bool kSwap>
 void ema_swap_autograd(c10::DispatchKeySet ks, at::TensorList ema, at::TensorList model) {
   const char* name = kSwap ? "ema_swap_" : "ema_unswap_";
@@ -89,46 +107,11 @@ void ema_swap_autograd(c10::DispatchKeySet ks, at::TensorList ema, at::TensorLis
   bump(model);
 }
 
-// ModelEMA's per-update call without the per-call conversion of its tensor lists: the lists
-// cross from Python to C++ once, at construction, and every update() calls ema_update_ (the
-// whole op: these checks, the backend's checks and kernel, the version bumps) and then
-// torch's foreach copy of the integer buffers, from C++. Converting two lists of a few
-// hundred tensors into the op's arguments costs tens of microseconds of host time per
-// call, more than the update itself takes on a GPU for a ResNet-50-sized model.
-struct EmaUpdater : torch::CustomClassHolder {
-  std::vector<at::Tensor> ema, model, copy_to, copy_from;
-
-  EmaUpdater(std::vector<at::Tensor> e, std::vector<at::Tensor> m, std::vector<at::Tensor> to,
-             std::vector<at::Tensor> from)
-      : ema(std::move(e)), model(std::move(m)), copy_to(std::move(to)), copy_from(std::move(from)) {
-    TORCH_CHECK(ema.size() == model.size(), "EmaUpdater: `ema` and `model` must have the same length, got ",
-                ema.size(), " and ", model.size());
-    TORCH_CHECK(copy_to.size() == copy_from.size(),
-                "EmaUpdater: `copy_to` and `copy_from` must have the same length, got ", copy_to.size(),
-                " and ", copy_from.size());
-  }
-
-  void update(double decay) {
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("shardkit::ema_update_", "")
-                         .typed<void(at::TensorList, at::TensorList, double)>();
-    if (!ema.empty()) op.call(ema, model, decay);
-    if (!copy_to.empty()) at::_foreach_copy_(copy_to, copy_from);
-  }
-};
-
 }  // namespace
-
-// A class, not an operator schema, so it is registered here beside its code.
-TORCH_LIBRARY_FRAGMENT(shardkit, m) {
-  m.class_<EmaUpdater>("EmaUpdater")
-      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                       std::vector<at::Tensor>>())
-      .def("update", &EmaUpdater::update);
-}
 
 TORCH_LIBRARY_IMPL(shardkit, Autograd, m) {
   m.impl("ema_update_", &ema_update_autograd);
+  m.impl("ema_update_device_decay_", &ema_update_device_decay_autograd);
   m.impl("ema_swap_", &ema_swap_autograd<true>);
   m.impl("ema_unswap_", &ema_swap_autograd<false>);
 }

@@ -250,6 +250,17 @@ void ema_update_cpu(at::TensorList ema, at::TensorList model, double decay) {
   run_jobs(jobs, model_weight(decay));
 }
 
+// The decay from a tensor: on the CPU it is read here (checked as ema_update_'s), then the same
+// kernel runs, so the result is ema_update_'s bit for bit.
+void ema_update_device_decay_cpu(at::TensorList ema, at::TensorList model, const at::Tensor& decay) {
+  check_device_decay(ema, decay);
+  check_update_tensors("ema_update_device_decay_", ema, model);
+  const double d = decay.item<double>();
+  TORCH_CHECK(std::isfinite(d) && d >= 0.0 && d <= 1.0,
+              "ema_update_device_decay_: argument `decay` must lie in [0, 1], got ", d);
+  ema_update_cpu(ema, model, d);
+}
+
 template <bool kPack>
 void ema_swap_impl(const char* op, at::TensorList ema, at::TensorList model) {
   check_lists(op, ema, model);
@@ -281,6 +292,7 @@ void ema_unswap_cpu(at::TensorList ema, at::TensorList model) {
 
 TORCH_LIBRARY_IMPL(shardkit, CPU, m) {
   m.impl("ema_update_", &ema_update_cpu);
+  m.impl("ema_update_device_decay_", &ema_update_device_decay_cpu);
   m.impl("ema_swap_", &ema_swap_cpu);
   m.impl("ema_unswap_", &ema_unswap_cpu);
 }

@@ -106,6 +106,32 @@ struct UpdateOp {
   }
 };
 
+// UpdateOp with the decay read from device memory (ema_update_device_decay_): every block
+// reads the one double, derives the weights exactly as the host does for ema_update_ (w =
+// 1 - decay, d = 1 - w, in double, then rounded to Acc), and handles the ends as the host's
+// update_at_the_ends: decay 1 leaves the EMA as it is, decay 0 copies the model (a
+// conversion as copy_ makes it), whatever the values. So a replayed graph gives ema_update_'s
+// result bit for bit at every decay.
+template <typename E, typename M>
+struct DeviceDecayUpdateOp {
+  const double* decay;
+
+  __device__ __forceinline__ void operator()(void* const* base, int64_t offset, int64_t n) const {
+    using Op = UpdateOp<E, M>;
+    using Acc = typename Op::Acc;
+    const double dd = __ldg(decay);
+    if (dd == 1.0) return;
+    if (dd == 0.0) {
+      E* e = static_cast<E*>(base[0]) + offset;
+      const M* m = static_cast<const M*>(base[1]) + offset;
+      for (int64_t i = threadIdx.x; i < n; i += blockDim.x) e[i] = static_cast<E>(static_cast<Acc>(m[i]));
+      return;
+    }
+    const double w = 1.0 - dd;
+    Op{static_cast<Acc>(w), static_cast<Acc>(1.0 - w), w < 0.5}(base, offset, n);
+  }
+};
+
 // Swaps run once per evaluation, so plain coalesced element-wise loops are enough.
 template <typename U>
 struct ExchangeOp {
@@ -341,6 +367,71 @@ void ema_update_cuda(at::TensorList ema, at::TensorList model, double decay) {
   }
 }
 
+// The decay from a device tensor (one float64): always the first launcher (the kernel
+// arguments hold the tensor addresses and the decay's address, nothing cached), so the call can
+// be captured in a CUDA graph and replayed with another value in the decay tensor. Its range is
+// not checked here: that would need the value on the host (a sync); ModelEMA writes a decay it
+// computed and checked on the host. Pairs must be flat-compatible (the strided fallback
+// needs the decay on the host).
+void ema_update_device_decay_cuda(at::TensorList ema, at::TensorList model, const at::Tensor& decay) {
+  check_device_decay(ema, decay);
+  check_update_tensors("ema_update_device_decay_", ema, model);
+  if (ema.empty()) return;
+  TORCH_CHECK(ema[0].is_cuda(), "ema_update_device_decay_: the CUDA kernel got `ema` on ", ema[0].device());
+  const c10::cuda::CUDAGuard guard(ema[0].device());
+  std::map<std::pair<int, int>, Lists> groups;
+  for (size_t i = 0; i < ema.size(); ++i) {
+    TORCH_CHECK(flat_compatible(ema[i], model[i]), "ema_update_device_decay_: `ema[", i, "]` and `model[", i,
+                "]` must be contiguous (or dense with the same strides); use ema_update_ for strided views");
+    if (ema[i].numel() == 0) continue;
+    Lists& g = groups[{static_cast<int>(ema[i].scalar_type()), static_cast<int>(model[i].scalar_type())}];
+    if (g.empty()) g.resize(2);
+    g[0].push_back(ema[i]);
+    g[1].push_back(model[i]);
+  }
+  const double* decay_ptr = decay.data_ptr<double>();
+  for (const auto& group : groups) {
+    const Lists& lists = group.second;
+    const auto ema_type = static_cast<at::ScalarType>(group.first.first);
+    const auto model_type = static_cast<at::ScalarType>(group.first.second);
+    auto run = [&](auto ema_tag) {
+      using E = decltype(ema_tag);
+      auto with_model = [&](auto model_tag) {
+        using M = decltype(model_tag);
+        mt::multi_tensor_apply<2>(lists, DeviceDecayUpdateOp<E, M>{decay_ptr});
+      };
+      switch (model_type) {
+        case at::kFloat:
+          return with_model(float{});
+        case at::kDouble:
+          return with_model(double{});
+        case at::kHalf:
+          return with_model(c10::Half{});
+        case at::kBFloat16:
+          return with_model(c10::BFloat16{});
+        default:
+          TORCH_INTERNAL_ASSERT(false, "dtype was checked before");
+      }
+    };
+    switch (ema_type) {
+      case at::kFloat:
+        run(float{});
+        break;
+      case at::kDouble:
+        run(double{});
+        break;
+      case at::kHalf:
+        run(c10::Half{});
+        break;
+      case at::kBFloat16:
+        run(c10::BFloat16{});
+        break;
+      default:
+        TORCH_INTERNAL_ASSERT(false, "dtype was checked before");
+    }
+  }
+}
+
 template <bool kPack>
 void ema_swap_cuda_impl(const char* op, at::TensorList ema, at::TensorList model) {
   check_lists(op, ema, model);
@@ -398,6 +489,7 @@ void ema_unswap_cuda(at::TensorList ema, at::TensorList model) {
 
 TORCH_LIBRARY_IMPL(shardkit, CUDA, m) {
   m.impl("ema_update_", &ema_update_cuda);
+  m.impl("ema_update_device_decay_", &ema_update_device_decay_cuda);
   m.impl("ema_swap_", &ema_swap_cuda);
   m.impl("ema_unswap_", &ema_unswap_cuda);
 }

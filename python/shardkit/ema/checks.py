@@ -1,11 +1,10 @@
 """Argument checks of ``ModelEMA``: numbers, counters, the schedule and a saved state,
-each refused with an error naming it before anything changes."""
+each refused with an error naming it before anything changes; and the schedule's formula."""
 
 import math
 import numbers
 
 import torch
-from torch import nn
 
 from shardkit.ops._devices import check_visible
 
@@ -79,10 +78,86 @@ def check_schedule(decay, tau, warmup_gamma, warmup_power, min_decay, update_aft
     return decay, tau, warmup_gamma, warmup_power, min_decay, update_after_step, update_every
 
 
-def check_module_state(module: nn.Module, module_state: dict) -> None:
-    """``module_state`` against the EMA module's own state_dict, before anything is copied
+def schedule_decay(step, decay, tau, warmup_gamma, warmup_power, min_decay, update_after_step) -> float:
+    """The decay at schedule step ``step`` (``ModelEMA.get_decay``; the class docstring)."""
+    uas = update_after_step
+    if warmup_gamma is not None or warmup_power is not None:
+        s = max(0, step - uas - 1)
+        if s <= 0:
+            return 0.0
+        gamma = 1.0 if warmup_gamma is None else warmup_gamma
+        power = 2.0 / 3.0 if warmup_power is None else warmup_power
+        return max(min(1.0 - (1.0 + s / gamma) ** -power, decay), min_decay)
+    if tau is None:
+        return 0.0 if step - uas - 1 <= 0 else decay
+    s = step - uas
+    if s <= 0:
+        return 0.0
+    return max(decay * (1.0 - math.exp(-s / tau)), min_decay)
+
+
+# Every key of a state_dict and the types it may hold (load_state_dict names a bad one).
+_STATE_KEYS = {
+    "module": (dict,),
+    "updates": (int,),
+    "calls": (int,),
+    "decay": (float, int),
+    "tau": (float, int, type(None)),
+    "warmup_gamma": (float, int, type(None)),
+    "warmup_power": (float, int, type(None)),
+    "min_decay": (float, int),
+    "update_after_step": (int,),
+    "update_every": (int,),
+    "copy_float_buffers": (bool,),
+    "enabled": (bool,),
+}
+
+
+def check_state(state_dict, expected_format: str, copy_float_buffers: bool):
+    """A ModelEMA state_dict's keys, counters and schedule (not its tensors), checked; returns
+    the schedule as :func:`check_schedule` gives it. ValueError naming the bad entry."""
+    if not isinstance(state_dict, dict) or state_dict.get("format") != expected_format:
+        raise ValueError(f"argument `state_dict` is not a ModelEMA state_dict (expected format {expected_format!r})")
+    for key, kinds in _STATE_KEYS.items():
+        if key not in state_dict:
+            raise ValueError(f"argument `state_dict` lacks the key {key!r} (a truncated or edited ModelEMA state)")
+        value = state_dict[key]
+        # (True is an int to Python, not a valid count or decay)
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            raise ValueError(
+                f"argument `state_dict` has a corrupt {key!r}: expected "
+                f"{' or '.join(k.__name__ for k in kinds)}, got {type(value).__name__}"
+            )
+    for key in ("updates", "calls"):
+        if not 0 <= state_dict[key] <= _MAX_COUNT:
+            raise ValueError(
+                f"argument `state_dict` has a corrupt {key!r}: expected an int in [0, 2**63 - 1], "
+                f"got {_short(state_dict[key])}"
+            )
+    if bool(state_dict["copy_float_buffers"]) != copy_float_buffers:
+        raise ValueError(
+            "argument `state_dict` was saved with copy_float_buffers="
+            f"{state_dict['copy_float_buffers']}, this ModelEMA has {copy_float_buffers}"
+        )
+    try:
+        schedule = check_schedule(
+            state_dict["decay"],
+            state_dict["tau"],
+            state_dict["warmup_gamma"],
+            state_dict["warmup_power"],
+            state_dict["min_decay"],
+            state_dict["update_after_step"],
+            state_dict["update_every"],
+        )
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"argument `state_dict`: {err}") from err
+    return schedule
+
+
+def check_module_state(expected: dict, module_state: dict) -> None:
+    """``module_state`` against the EMA's own module state (``expected``: key -> tensor, a
+    DTensor view for a shard, or a module's extra state), before anything is copied
     (``nn.Module.load_state_dict`` copies tensor by tensor and raises only at the end)."""
-    expected = module.state_dict(keep_vars=True)
     missing = [k for k in expected if k not in module_state]
     unexpected = [k for k in module_state if k not in expected]
     if missing or unexpected:

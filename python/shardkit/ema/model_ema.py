@@ -8,51 +8,47 @@ Drop-in for the ModelEMA of yolov3/ultralytics (``ema.update(model)``, ``ema.ema
 """
 
 import contextlib
-import copy
-import math
 import weakref
 from typing import Optional
 
 import torch
 from torch import nn
 
+from shardkit.ema import sharded
 from shardkit.ema.checks import (
     _MAX_COUNT,
     _check_int,
     _check_step,
-    _short,
     check_device,
     check_module_state,
     check_schedule,
+    check_state,
+    schedule_decay,
 )
+from shardkit.ema.graph import GraphedEMA
 from shardkit.ema.stage import HostStage
-from shardkit.ema.structure import ModelTracker, _slots, _unwrap, apply_update, check_no_complex, check_structure
+from shardkit.ema.structure import (
+    ModelTracker,
+    _slots,
+    _unwrap,
+    apply_update,
+    check_no_complex,
+    check_structure,
+    copy_module,
+    plan_swap,
+)
 from shardkit.ops._ema import ema_swap_, ema_unswap_
 
 __all__ = ["ModelEMA"]
 
 _FORMAT = "shardkit.ModelEMA/1"
-# Every key of a state_dict and the types it may hold (load_state_dict names a bad one).
-_STATE_KEYS = {
-    "module": (dict,),
-    "updates": (int,),
-    "calls": (int,),
-    "decay": (float, int),
-    "tau": (float, int, type(None)),
-    "warmup_gamma": (float, int, type(None)),
-    "warmup_power": (float, int, type(None)),
-    "min_decay": (float, int),
-    "update_after_step": (int,),
-    "update_every": (int,),
-    "copy_float_buffers": (bool,),
-    "enabled": (bool,),
-}
-
-
-def _flat_ok(e: torch.Tensor, m: torch.Tensor) -> bool:
-    if e.is_contiguous() and m.is_contiguous():
-        return True
-    return e.dim() == 4 and e.stride() == m.stride() and e.is_contiguous(memory_format=torch.channels_last)
+# The schedule's attributes, in check_schedule's order (schedule_decay takes all but the last).
+_SCHEDULE = ("decay", "tau", "warmup_gamma", "warmup_power", "min_decay", "update_after_step", "update_every")
+_NO_MODULE = (
+    "{where}: this EMA averages a sharded (DTensor) model and holds only this rank's shards, no "
+    "module of its own (that would be a full copy); evaluate with `with ema.swap(model):`, save "
+    "with ema.state_dict() (torch.distributed.checkpoint) or export with ema.full_state_dict()"
+)
 
 
 def _no_model():  # the model link of an unpickled ModelEMA (a weak reference cannot be pickled)
@@ -92,6 +88,11 @@ class ModelEMA:
         copy_float_buffers: copy floating buffers (e.g. BatchNorm running stats) instead
             of averaging them (timm's ``exclude_buffers``).
         updates: initial update count, int in [0, 2**63 - 1] (ultralytics' resume argument).
+        cuda_graph: replay each update from a CUDA graph (decay read from a device scalar; see
+            ema/graph.py), for updates bound by host time (many small tensors), where the EMA
+            lives on one CUDA device and every pair is contiguous or dense with equal strides;
+            captured again (one device sync) when a tensor's address, shape or dtype changes.
+            Elsewhere, inside a capture of the caller's and under torch.compile, eager runs.
 
     ``t`` is ``step`` (an int >= 0) when ``update(model, step=...)`` gives one (timm), else the count of
     applied updates including this one (``self.updates``, 1 on the first update; timm without
@@ -99,6 +100,16 @@ class ModelEMA:
 
     Attributes: ``module`` (the averaged module, eval mode, ``requires_grad=False``;
     ``ema`` is an alias), ``updates``, ``enabled`` (False makes ``update`` a no-op).
+
+    Sharded models: where parameters or buffers are DTensors (FSDP2 ``fully_shard``, HSDP on a
+    2-D mesh, tensor-parallel placements; plain tensors may be mixed in), each rank's EMA holds
+    only its local shards (``dtype`` applies; ``device`` must be of the mesh's device type) and
+    averages them with the fused op: no collective, no full copy, the model never deep-copied.
+    There is no ``module`` (RuntimeError): evaluate with :meth:`swap` (in place, through the
+    sharded model), checkpoint with :meth:`state_dict` (DTensors for
+    ``torch.distributed.checkpoint``, which reshards between world sizes) or export with
+    :meth:`full_state_dict`. Update after the optimizer step (FSDP2 holds sharded parameters
+    then). FSDP1 (``FullyShardedDataParallel``'s flat parameters) is refused with a TypeError.
     """
 
     def __init__(
@@ -116,6 +127,7 @@ class ModelEMA:
         device=None,
         copy_float_buffers: bool = False,
         updates: int = 0,
+        cuda_graph: bool = False,
     ):
         src = _unwrap(model)
         if not isinstance(src, nn.Module):
@@ -131,26 +143,30 @@ class ModelEMA:
         self._model_ref = weakref.ref(model)
         device = check_device(device)
 
-        # Copy with the tensors converted on the way (a memo entry per tensor), so a CPU
-        # EMA of a GPU model never holds a second copy on the GPU, even transiently.
-        memo = {}
-        check_no_complex(_slots(src), "ModelEMA")
-        for _, table, key, is_param in _slots(src):
-            t = table[key].detach()
-            t = t.to(device=device or t.device, dtype=dtype if dtype and t.is_floating_point() else t.dtype, copy=True)
-            memo[id(table[key])] = nn.Parameter(t, requires_grad=False) if is_param else t
-        self._module = copy.deepcopy(src, memo).eval()
-        self._module.requires_grad_(False)
-
-        self._names, self._ema, self._avg = [], [], []
-        for name, table, key, is_param in _slots(self._module):
-            t = table[key]
-            self._names.append(name)
-            self._ema.append(t)
-            self._avg.append(t.is_floating_point() and (is_param or not self.copy_float_buffers))
+        slots = _slots(src)
+        check_no_complex(slots, "ModelEMA")
+        sharded.check_not_fsdp1(src, "ModelEMA")
+        dtensor = sharded.dtensor_type()
+        # A sharded model (DTensor parameters or buffers): set when the EMA holds local shards.
+        self._dtensor = dtensor if any(type(table[key]) is dtensor for _, table, key, _ in slots) else None
+        self._keys = None  # (state_dict key, tensor index) of a sharded model's EMA
+        if self._dtensor is None:
+            self._module = copy_module(src, slots, device, dtype)
+            self._ema = [table[key] for _, table, key, _ in _slots(self._module)]
+            self._refs = self._ema  # what the model's tensors are checked against
+        else:
+            # No module copy (FSDP2 refuses deepcopy, and it would be a full copy): each rank keeps
+            # its local shards, with DTensor views of them as the references (ema/sharded.py).
+            self._module = None
+            self._ema, self._refs = sharded.build_local_ema(slots, device, dtype, "ModelEMA")
+            self._keys = sharded.state_keys(src, slots)
+        self._names = [name for name, _, _, _ in slots]
+        self._avg = [
+            e.is_floating_point() and (is_param or not self.copy_float_buffers)
+            for e, (_, _, _, is_param) in zip(self._ema, slots)
+        ]
         self._avg_idx = [i for i, a in enumerate(self._avg) if a]
         self._cp_idx = [i for i, a in enumerate(self._avg) if not a]
-        self._avg_e = [self._ema[i] for i in self._avg_idx]
         # One fused call per device: a model spread over devices (a pipelined backbone) has its
         # EMA spread alike, and the op takes the tensors of one device per call.
         by_device = {}
@@ -160,6 +176,11 @@ class ModelEMA:
         self._cp_e = [self._ema[i] for i in self._cp_idx]
         self._tracker = None  # the last model seen and its tensors (ModelTracker)
         self._stage = None
+        if not isinstance(cuda_graph, bool):
+            raise TypeError(f"argument `cuda_graph` must be a bool, got {type(cuda_graph).__name__}")
+        devices = list({e.device for e in self._ema})
+        one_gpu = cuda_graph and len(devices) == 1 and devices[0].type == "cuda"
+        self._graph = GraphedEMA(devices[0]) if one_gpu else None  # (ema/graph.py)
 
     def __getstate__(self):
         """Pickling (``torch.save(ema)``, ``copy.deepcopy``) keeps the weights, schedule and
@@ -170,37 +191,20 @@ class ModelEMA:
 
     # ---- schedule --------------------------------------------------------------------
     def _set_schedule(self, *args):
-        (
-            self.decay,
-            self.tau,
-            self.warmup_gamma,
-            self.warmup_power,
-            self.min_decay,
-            self.update_after_step,
-            self.update_every,
-        ) = check_schedule(*args)
+        for name, value in zip(_SCHEDULE, check_schedule(*args)):
+            setattr(self, name, value)
 
     def get_decay(self, step: int) -> float:
         """The decay used at schedule step ``step`` (see the class docstring)."""
-        uas = self.update_after_step
-        if self.warmup_gamma is not None or self.warmup_power is not None:
-            s = max(0, step - uas - 1)
-            if s <= 0:
-                return 0.0
-            gamma = 1.0 if self.warmup_gamma is None else self.warmup_gamma
-            power = 2.0 / 3.0 if self.warmup_power is None else self.warmup_power
-            return max(min(1.0 - (1.0 + s / gamma) ** -power, self.decay), self.min_decay)
-        if self.tau is None:
-            return 0.0 if step - uas - 1 <= 0 else self.decay
-        s = step - uas
-        if s <= 0:
-            return 0.0
-        return max(self.decay * (1.0 - math.exp(-s / self.tau)), self.min_decay)
+        return schedule_decay(step, *(getattr(self, name) for name in _SCHEDULE[:-1]))
 
     # ---- the averaged module -----------------------------------------------------------
     @property
     def module(self) -> nn.Module:
-        """The averaged module (pending CPU-side updates applied first)."""
+        """The averaged module (pending CPU-side updates applied first). A sharded model's EMA
+        has none (RuntimeError): see :meth:`swap`, :meth:`state_dict`, :meth:`full_state_dict`."""
+        if self._module is None:
+            raise RuntimeError(_NO_MODULE.format(where="ModelEMA.module"))
         self._flush()
         return self._module
 
@@ -212,8 +216,10 @@ class ModelEMA:
 
     def _model_tensors(self, model, where):
         if self._tracker is None or not self._tracker.follows(model):
-            self._tracker = ModelTracker(model, self._names, self._ema, where)
-        return self._tracker.tensors(where)
+            prepare = None if self._dtensor is None else sharded.reshard
+            self._tracker = ModelTracker(model, self._names, self._refs, where, prepare)
+        tensors = self._tracker.tensors(where)
+        return tensors if self._dtensor is None else sharded.local_tensors(tensors, self._dtensor)
 
     def _feeds_host(self, src) -> bool:
         """Whether this update goes through the pinned host staging (CPU EMA, CUDA model)."""
@@ -250,18 +256,19 @@ class ModelEMA:
             self._apply(src, d)
 
     def _apply(self, src, d):
-        # The hot path (structure.apply_update: the tracker's C++ updaters, or one fused op call
+        # The hot path (structure.apply_update: the tracker's cached lists, or one fused op call
         # per device); devices are compared on the first and last tensors.
         moved = src and (src[0].device != self._ema[0].device or src[-1].device != self._ema[-1].device)
         if moved:
             src = [m if m.device == e.device else m.to(e.device, non_blocking=True) for e, m in zip(self._ema, src)]
         try:
-            apply_update(None if moved else self._tracker, self._avg_groups, self._cp_e, self._cp_idx, src, d)
+            tracker = None if moved else self._tracker
+            apply_update(tracker, self._avg_groups, self._cp_e, self._cp_idx, src, d, self._graph)
         except RuntimeError:
             # e.g. a tensor reshaped in place: name it rather than an index of the op's lists
             model = self._tracker.model() if self._tracker is not None else None
             if model is not None:
-                check_structure(model, self._names, self._ema, "ModelEMA.update")
+                check_structure(model, self._names, self._refs, "ModelEMA.update")
             raise
 
     # ---- swap --------------------------------------------------------------------------
@@ -280,16 +287,10 @@ class ModelEMA:
         if self._swapped:
             raise RuntimeError("ModelEMA.swap: already swapped; swap blocks do not nest")
         self._flush()
+        if self._dtensor is not None:  # no unsharded FSDP2 parameters before or after the block
+            sharded.reshard(_unwrap(model))
         src = self._model_tensors(model, "ModelEMA.swap")
-        ex_e, ex_m, stash = [], [], []
-        for e, m in zip(self._ema, src):
-            if e.device == m.device and (
-                e.dtype == m.dtype or (e.dtype == torch.float32 and m.dtype == torch.bfloat16 and _flat_ok(e, m))
-            ):
-                ex_e.append(e)
-                ex_m.append(m)
-            else:
-                stash.append((e, m, m.detach().to("cpu", copy=True)))
+        ex_e, ex_m, stash = plan_swap(self._ema, src)
         with torch.no_grad():
             ema_swap_(ex_e, ex_m)
             for e, m, _ in stash:
@@ -298,6 +299,8 @@ class ModelEMA:
         try:
             yield model
         finally:
+            if self._dtensor is not None:  # a forward in the block may leave EMA values unsharded
+                sharded.reshard(_unwrap(model))
             with torch.no_grad():
                 ema_unswap_(ex_e, ex_m)
                 for _, m, host in stash:
@@ -305,15 +308,27 @@ class ModelEMA:
             self._swapped = False
 
     # ---- checkpoints -------------------------------------------------------------------
+    def _module_state(self, keep_vars=False) -> dict:
+        self._flush()
+        if self._module is not None:
+            return self._module.state_dict(keep_vars=keep_vars)
+        return {key: self._refs[i] for key, i in self._keys}
+
     def state_dict(self) -> dict:
         """Everything to resume: EMA weights (``module``, a plain module state_dict), the
         counters and the schedule. Only tensors, numbers, None and strings, so
-        ``torch.load(..., weights_only=True)`` reads it."""
+        ``torch.load(..., weights_only=True)`` reads it.
+
+        A sharded model's EMA: ``module`` maps the model's state_dict keys to DTensors over
+        this rank's EMA shards (the model's mesh and placements, the EMA dtype), sharing the
+        EMA's memory: ``torch.distributed.checkpoint.save(ema.state_dict(), ...)`` saves it,
+        and ``sd = ema.state_dict(); torch.distributed.checkpoint.load(sd, ...);
+        ema.load_state_dict(sd)`` resumes, also at another world size or mesh (DCP reshards)."""
         if self._swapped:
             raise RuntimeError("ModelEMA.state_dict: called inside `with ema.swap(model)`")
         return {
             "format": _FORMAT,
-            "module": self.module.state_dict(),
+            "module": self._module_state(),
             "updates": self.updates,
             "calls": self._calls,
             "decay": self.decay,
@@ -334,52 +349,38 @@ class ModelEMA:
         The whole state is checked first (keys, counters, schedule, and every tensor of
         ``module``: present, no extra entry, same shape, a dtype of the same kind); a bad
         one raises ``ValueError`` naming it and leaves the EMA exactly as it was."""
-        if not isinstance(state_dict, dict) or state_dict.get("format") != _FORMAT:
-            raise ValueError(f"argument `state_dict` is not a ModelEMA state_dict (expected format {_FORMAT!r})")
-        for key, kinds in _STATE_KEYS.items():
-            if key not in state_dict:
-                raise ValueError(f"argument `state_dict` lacks the key {key!r} (a truncated or edited ModelEMA state)")
-            value = state_dict[key]
-            # (True is an int to Python, not a valid count or decay)
-            if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-                raise ValueError(
-                    f"argument `state_dict` has a corrupt {key!r}: expected "
-                    f"{' or '.join(k.__name__ for k in kinds)}, got {type(value).__name__}"
-                )
-        for key in ("updates", "calls"):
-            if not 0 <= state_dict[key] <= _MAX_COUNT:
-                raise ValueError(
-                    f"argument `state_dict` has a corrupt {key!r}: expected an int in [0, 2**63 - 1], "
-                    f"got {_short(state_dict[key])}"
-                )
-        if bool(state_dict["copy_float_buffers"]) != self.copy_float_buffers:
-            raise ValueError(
-                "argument `state_dict` was saved with copy_float_buffers="
-                f"{state_dict['copy_float_buffers']}, this ModelEMA has {self.copy_float_buffers}"
-            )
-        try:
-            schedule = check_schedule(
-                state_dict["decay"],
-                state_dict["tau"],
-                state_dict["warmup_gamma"],
-                state_dict["warmup_power"],
-                state_dict["min_decay"],
-                state_dict["update_after_step"],
-                state_dict["update_every"],
-            )
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"argument `state_dict`: {err}") from err
-        check_module_state(self._module, state_dict["module"])
+        schedule = check_state(state_dict, _FORMAT, self.copy_float_buffers)
+        module_state = state_dict["module"]
+        check_module_state(self._module_state(keep_vars=True), module_state)
+        if self._module is None:
+            for key, i in self._keys:
+                sharded.check_entry(self._refs[i], module_state[key], key)
         # Everything is checked: from here on nothing raises on a well-formed state.
-        self._flush()
-        try:
-            self._module.load_state_dict(state_dict["module"])
-        except (TypeError, ValueError, RuntimeError) as err:  # e.g. a module's own load hook
-            raise ValueError(f"argument `state_dict`: {err}") from err
+        if self._module is not None:
+            try:
+                self._module.load_state_dict(module_state)
+            except (TypeError, ValueError, RuntimeError) as err:  # e.g. a module's own load hook
+                raise ValueError(f"argument `state_dict`: {err}") from err
+        else:
+            with torch.no_grad():
+                for key, i in self._keys:
+                    sharded.load_entry(self._ema[i], self._refs[i], module_state[key])
         self._set_schedule(*schedule)
         self.updates = state_dict["updates"]
         self._calls = state_dict["calls"]
         self.enabled = state_dict["enabled"]
+
+    def full_state_dict(self) -> dict:
+        """:meth:`state_dict` with every tensor whole and in host memory, for export: a sharded
+        model's EMA gathers its tensors one at a time (collectives: call it on every rank of
+        the model's mesh); a plain model (or any ModelEMA) loads its ``module`` entry."""
+        state = self.state_dict()
+        dtensor = self._dtensor
+        state["module"] = {
+            k: (v.full_tensor() if dtensor is not None and type(v) is dtensor else v).cpu()
+            for k, v in state["module"].items()
+        }
+        return state
 
     # ---- conveniences ------------------------------------------------------------------
     def attach(self, optimizer: torch.optim.Optimizer, model: Optional[nn.Module] = None):
@@ -402,17 +403,14 @@ class ModelEMA:
     def update_attr(self, model, include=(), exclude=("process_group", "reducer")):
         """Copies ``model``'s public non-module attributes to the EMA module (ultralytics):
         only the names in ``include`` when given, never those in ``exclude``."""
+        if self._module is None:
+            raise RuntimeError(_NO_MODULE.format(where="ModelEMA.update_attr"))
         for k, v in _unwrap(model).__dict__.items():
             if (include and k not in include) or k.startswith("_") or k in exclude or k == "training":
                 continue
             setattr(self._module, k, v)
 
     def __repr__(self):
-        sched = (
-            "warmup"
-            if self.warmup_gamma is not None or self.warmup_power is not None
-            else "constant"
-            if self.tau is None
-            else f"ramp(tau={self.tau})"
-        )
+        warm = self.warmup_gamma is not None or self.warmup_power is not None
+        sched = "warmup" if warm else "constant" if self.tau is None else f"ramp(tau={self.tau})"
         return f"ModelEMA(decay={self.decay}, schedule={sched}, updates={self.updates}, tensors={len(self._ema)})"

@@ -1,13 +1,16 @@
 """The model side of ``ModelEMA``: finding a model's parameters and buffers, checking them
 against the EMA's, and noticing cheaply, on every update, that the model has changed."""
 
+import copy
 import operator
 import weakref
 
 import torch
 from torch import nn
 
-__all__ = ["ModelTracker", "check_structure", "check_no_complex"]
+from shardkit.ops._ema import update_lists
+
+__all__ = ["ModelTracker", "check_structure", "check_no_complex", "copy_module", "ema_copy", "plan_swap"]
 
 
 def _unwrap(model):
@@ -34,6 +37,24 @@ def _slots(root: nn.Module):
                 seen.add(id(t))
                 out.append((f"{prefix}.{key}" if prefix else key, table, key, is_param))
     return out
+
+
+def ema_copy(t: torch.Tensor, device, dtype) -> torch.Tensor:
+    """``t`` detached and copied to the EMA's ``device`` and, if floating, ``dtype`` (None: t's)."""
+    dtype = dtype if dtype and t.is_floating_point() else t.dtype
+    return t.detach().to(device=device or t.device, dtype=dtype, copy=True)
+
+
+def copy_module(src: nn.Module, slots, device, dtype) -> nn.Module:
+    """The EMA's module: a deep copy of ``src`` in eval mode without gradients, its tensors
+    converted on the way (a memo entry per tensor), so that a CPU EMA of a GPU model never
+    holds a second copy on the GPU, even transiently."""
+    memo = {}
+    for _, table, key, is_param in slots:
+        t = ema_copy(table[key], device, dtype)
+        memo[id(table[key])] = nn.Parameter(t, requires_grad=False) if is_param else t
+    module = copy.deepcopy(src, memo).eval()
+    return module.requires_grad_(False)
 
 
 def check_structure(src: nn.Module, names, ema, where: str):
@@ -66,7 +87,27 @@ def check_structure(src: nn.Module, names, ema, where: str):
             )
         if t.device.type == "meta":
             raise ValueError(f"{where}: argument `model` has {name} on the meta device (no data to average)")
+        if hasattr(e, "placements") or hasattr(t, "placements"):  # a DTensor on either side
+            _check_layout(name, t, e, where)
     return slots
+
+
+def _check_layout(name, t, e, where):
+    """The model's tensor ``t`` against the EMA's reference ``e`` when either is a DTensor."""
+
+    def layout(x):
+        return (
+            f"a DTensor on {x.device_mesh} with placements {tuple(x.placements)}"
+            if hasattr(x, "placements")
+            else "a plain tensor"
+        )
+
+    if layout(t) != layout(e):
+        raise ValueError(
+            f"{where}: argument `model` has {name} as {layout(t)}, the EMA holds {layout(e)}; the model was "
+            "sharded or unsharded after the EMA was made (FSDP2 registers unsharded parameters between its "
+            "forward and backward: update the EMA after the optimizer step), or build a new ModelEMA"
+        )
 
 
 def check_no_complex(slots, where: str) -> None:
@@ -80,6 +121,18 @@ def check_no_complex(slots, where: str) -> None:
             )
 
 
+def _forget_when_gone(tracker):
+    """The callback of the tracker's weak reference to its model (it holds the tracker weakly)."""
+    tracker_ref = weakref.ref(tracker)
+
+    def callback(_):
+        t = tracker_ref()
+        if t is not None:
+            t.forget()
+
+    return callback
+
+
 class ModelTracker:
     """The tensors of one model, in the EMA's order, with a cheap change check per call.
 
@@ -91,18 +144,26 @@ class ModelTracker:
     identity: the op raises then, and ``ModelEMA`` re-checks to name it.
     """
 
-    def __init__(self, model, names, ema, where: str):
+    def __init__(self, model, names, ema, where: str, prepare=None):
         src = _unwrap(model)
         if not isinstance(src, nn.Module):
             raise TypeError(f"{where}: argument `model` must be an nn.Module, got {type(model).__name__}")
-        self._names, self._ema = names, ema
-        self.model = weakref.ref(src)
+        self._names, self._ema, self._prepare = names, ema, prepare
+        self.model = weakref.ref(src, _forget_when_gone(self))
         self._snapshot(src, where)
+
+    def forget(self):
+        """Drops every reference to the model's tables, submodules and tensors (the model was
+        garbage-collected: the EMA must not keep its tensors alive)."""
+        self._owner = self._key = self._tables = self._sizes = []
+        self._child_tables = self._child_keys = self._child_mods = self._tensors = self._lists = []
 
     def follows(self, model) -> bool:
         return self.model() is _unwrap(model)
 
     def _snapshot(self, src, where):
+        if self._prepare is not None:  # e.g. reshard an FSDP2 model left unsharded
+            self._prepare(src)
         slots = check_structure(src, self._names, self._ema, where)
         # Column lists, so that the per-call check below runs in C (map over builtins and
         # operator functions): ~20 ns per entry instead of a Python generator step.
@@ -116,24 +177,22 @@ class ModelTracker:
         self._child_keys = [k for _, k, _ in children]
         self._child_mods = [c for _, _, c in children]
         self._tensors = list(map(dict.get, self._owner, self._key))
-        self._updaters = []  # [(the src tensors, their EmaUpdater objects)], the newest first
+        self._lists = []  # [(the src tensors, the argument lists of ema_update_lists)], the newest first
 
-    def run_updaters(self, groups, copy_to, copy_idx, src, d):
-        """One update through C++ ``EmaUpdater`` objects (one per device group), built for the
-        tensors of ``src`` and reused while the same tensor objects come again: then only ``d``
-        crosses into C++ (each call still runs the op's checks and version bumps). Two sets
-        are kept: a CPU EMA of a GPU model alternates between two sets of staging buffers."""
-        ups = next(
-            (u for seen, u in self._updaters if len(src) == len(seen) and all(map(operator.is_, src, seen))), None
-        )
-        if ups is None:
-            make = torch.classes.shardkit.EmaUpdater
-            ups = [make(e, [src[i] for i in idx], [], []) for e, idx in groups]
-            if copy_to:
-                ups.append(make([], [], copy_to, [src[i] for i in copy_idx]))
-            self._updaters = [(list(src), ups)] + self._updaters[:1]
-        for u in ups:
-            u.update(d)
+    def lists_for(self, groups, copy_to, copy_idx, src):
+        """The four argument lists of ``shardkit._C.ema_update_lists`` for the tensors of ``src``,
+        built once and reused while the same tensor objects come again (each call still runs
+        the op's checks and version bumps, but no list is rebuilt or converted to the op's
+        arguments). Two sets are kept: a CPU EMA of a GPU model alternates between two sets of
+        staging buffers. Only Python lists of the Python tensor objects are kept, no C++
+        reference: a conversion that swaps tensors (``torch.utils.swap_tensors``) keeps the
+        objects, so the lists stay valid and the next update reads the new values."""
+        found = next((e for e in self._lists if len(src) == len(e[0]) and all(map(operator.is_, src, e[0]))), None)
+        if found is None:
+            model_groups = [[src[i] for i in idx] for _, idx in groups]
+            found = (list(src), ([e for e, _ in groups], model_groups, copy_to, [src[i] for i in copy_idx]))
+            self._lists = [found] + self._lists[:1]
+        return found[1]
 
     def tensors(self, where: str) -> list:
         tensors = list(map(dict.get, self._owner, self._key))  # a removed entry reads None
@@ -147,14 +206,41 @@ class ModelTracker:
         return list(self._tensors)
 
 
-def apply_update(tracker, groups, copy_to, copy_idx, src, d):
+def _flat_ok(e: torch.Tensor, m: torch.Tensor) -> bool:
+    if e.is_contiguous() and m.is_contiguous():
+        return True
+    return e.dim() == 4 and e.stride() == m.stride() and e.is_contiguous(memory_format=torch.channels_last)
+
+
+def plan_swap(ema, src):
+    """How ``ModelEMA.swap`` puts each EMA tensor into the model's: (EMA tensors, model tensors)
+    that the swap ops exchange or pack in place (same device, and the same dtype or a float32
+    EMA of a flat-compatible bfloat16 tensor), and (EMA, model, host copy of the model's) for
+    every other pair, which is copied over with the model's values stashed in host memory."""
+    ex_e, ex_m, stash = [], [], []
+    for e, m in zip(ema, src):
+        if e.device == m.device and (
+            e.dtype == m.dtype or (e.dtype == torch.float32 and m.dtype == torch.bfloat16 and _flat_ok(e, m))
+        ):
+            ex_e.append(e)
+            ex_m.append(m)
+        else:
+            stash.append((e, m, m.detach().to("cpu", copy=True)))
+    return ex_e, ex_m, stash
+
+
+def apply_update(tracker, groups, copy_to, copy_idx, src, d, graph=None):
     """``ModelEMA``'s update of its EMA tensors from ``src`` (the model's, in the EMA's order,
     on the EMA's devices) with decay ``d``: ``groups`` are (EMA tensors, indices into ``src``)
     per device, ``copy_to`` the integer buffers copied from ``src[copy_idx]``. Through the
-    tracker's C++ updaters when there is a tracker (not while torch.compile traces: it calls
-    the ops), else one fused op call per group and one foreach copy."""
+    tracker's cached lists when there is a tracker (not while torch.compile traces: it calls
+    the ops), replayed from a CUDA graph when ``graph`` (ema/graph.py) can, else one fused op
+    call per group and one foreach copy."""
     if tracker is not None and not torch.compiler.is_compiling():
-        return tracker.run_updaters(groups, copy_to, copy_idx, src, d)
+        lists = tracker.lists_for(groups, copy_to, copy_idx, src)
+        if graph is None or not graph.run(lists, d):
+            update_lists(*lists, d)
+        return
     for ema_k, idx_k in groups:
         torch.ops.shardkit.ema_update_.default(ema_k, [src[i] for i in idx_k], d)
     if copy_to:

@@ -5,7 +5,7 @@ One private module per op family; this module re-exports the public functions.
 """
 
 # ---- ema ----
-from shardkit.ops._ema import ema_swap_, ema_unswap_, ema_update_  # noqa: F401
+from shardkit.ops._ema import ema_swap_, ema_unswap_, ema_update_, ema_update_device_decay_  # noqa: F401
 
 # ---- end distributed ----
 # ---- normalize ----
@@ -32,6 +32,7 @@ from shardkit.ops._sharded_ce import (  # noqa: F401
 
 __all__ = [
     "ema_update_",
+    "ema_update_device_decay_",
     "ema_swap_",
     "ema_unswap_",
     "ce_shard_stats",

@@ -9,7 +9,9 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["ema_update_", "ema_swap_", "ema_unswap_"]
+from shardkit import _C
+
+__all__ = ["ema_update_", "ema_update_device_decay_", "ema_swap_", "ema_unswap_"]
 
 
 def _as_list(name: str, tensors) -> list:
@@ -90,6 +92,31 @@ def ema_update_(ema_tensors: Sequence[torch.Tensor], model_tensors: Sequence[tor
     torch.ops.shardkit.ema_update_(ema_tensors, model_tensors, decay)
 
 
+def ema_update_device_decay_(
+    ema_tensors: Sequence[torch.Tensor], model_tensors: Sequence[torch.Tensor], decay: torch.Tensor
+) -> None:
+    """:func:`ema_update_` with the decay in a tensor that the kernel reads: a call captured in
+    a CUDA graph then takes the tensor's value at each replay (``ModelEMA(cuda_graph=True)``).
+
+    Args:
+        ema_tensors, model_tensors: as for :func:`ema_update_`, except that on CUDA every pair
+            must be contiguous or dense with equal strides (RuntimeError naming the pair).
+        decay: one-element float64 tensor on the EMA's device, in [0, 1]. On the CPU it is
+            read and checked like ``ema_update_``'s; on CUDA it is not checked (that would need
+            the value on the host, a sync): keep it in range.
+
+    The result is ``ema_update_``'s with ``decay.item()``, bit for bit (same arithmetic, decay
+    1 keeps and decay 0 copies exactly). On CUDA the first launcher runs (a launch per 96
+    tensors, the addresses in the kernel arguments, nothing cached), so the call can be
+    captured; a replay does not bump the version counters (the capture did).
+    """
+    ema_tensors, model_tensors = _paired_lists(ema_tensors, model_tensors)
+    if not isinstance(decay, torch.Tensor):
+        raise TypeError(f"argument `decay` must be a one-element float64 tensor, got {type(decay).__name__}")
+    if ema_tensors:
+        torch.ops.shardkit.ema_update_device_decay_(ema_tensors, model_tensors, decay)
+
+
 def ema_swap_(ema_tensors: Sequence[torch.Tensor], model_tensors: Sequence[torch.Tensor]) -> None:
     """Puts the EMA weights into the model in place; :func:`ema_unswap_` undoes it exactly.
 
@@ -117,10 +144,25 @@ def ema_unswap_(ema_tensors: Sequence[torch.Tensor], model_tensors: Sequence[tor
         torch.ops.shardkit.ema_unswap_(ema_tensors, model_tensors)
 
 
+# ModelEMA's per-update call (csrc/composite/ema_inplace.cpp): for every group g,
+# ema_update_(ema_groups[g], model_groups[g], decay), then torch._foreach_copy_(copy_to,
+# copy_from); arguments are Python lists of tensors (no IValue conversion) and nothing is kept
+# after the call. Internal: ModelEMA gives it lists it built and checked.
+update_lists = _C.ema_update_lists
+# What a CUDA graph capturing ema_update_lists' work bakes in (addresses, sizes, strides, dtypes
+# of every tensor, as bytes), or None when a pair cannot be captured (not flat-compatible).
+update_layout = _C.ema_layout
+
+
 # Fake kernels: the ops mutate their inputs in place and return nothing, so the fake
 # implementations only need to exist (shapes and dtypes do not change).
 @torch.library.register_fake("shardkit::ema_update_")
 def _ema_update_fake(ema, model, decay):
+    return None
+
+
+@torch.library.register_fake("shardkit::ema_update_device_decay_")
+def _ema_update_device_decay_fake(ema, model, decay):
     return None
 
 
