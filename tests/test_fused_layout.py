@@ -16,16 +16,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _cutlass_include():
-    candidates = []
-    if os.environ.get("CUTLASS_PATH"):
-        candidates.append(os.path.join(os.environ["CUTLASS_PATH"], "include"))
-    spec = importlib.util.find_spec("cutlass_library")
-    for loc in (spec.submodule_search_locations or []) if spec else []:
-        candidates.append(os.path.join(loc, "source", "include"))
-    for inc in candidates:
-        if os.path.isfile(os.path.join(inc, "cute", "tensor.hpp")):
-            return inc
-    return None
+    """(include dir or None, reason): the headers setup.py would build with, found by its search."""
+    spec = importlib.util.spec_from_file_location("cutlass_headers", os.path.join(ROOT, "tools", "cutlass_headers.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.find_cutlass_include(ROOT)
 
 
 def _nvcc():
@@ -40,11 +35,11 @@ def _nvcc():
 
 
 def test_fused_accumulator_layout(tmp_path):
-    nvcc, inc = _nvcc(), _cutlass_include()
+    nvcc, (inc, why) = _nvcc(), _cutlass_include()
     if nvcc is None:
         pytest.skip("nvcc not found (the fused kernels are not built without it either)")
     if inc is None:
-        pytest.skip("CUTLASS headers not found (pip install nvidia-cutlass==4.2.0.0, or set CUTLASS_PATH)")
+        pytest.skip(f"CUTLASS headers: {why}")
     exe = str(tmp_path / "fused_layout_check")
     src = os.path.join(ROOT, "tests", "native", "fused_layout_check.cu")
     cmd = [nvcc, "-std=c++17", "--expt-relaxed-constexpr", "-I", os.path.join(ROOT, "csrc"), "-I", inc, src, "-o", exe]
