@@ -135,12 +135,12 @@ def normalize_images(
 
     Raises:
         ValueError: bad ``input_layout``/``memory_format``/``dtype``, mean/std lengths, no
-        channels or more than 64, a zero or non-finite std, one so small (e.g. 1e-45) that
-        1 / (255 std) is not finite in float32, or mean/std whose normalized values would not
-        fit ``dtype``.
+            channels or more than 64, a zero or non-finite std, one so small (e.g. 1e-45) that
+            1 / (255 std) is not finite in float32, or mean/std whose normalized values would
+            not fit ``dtype``.
         TypeError: ``mean``/``std`` not a sequence of numbers (e.g. a string).
-        RuntimeError (from the op): images not uint8, wrong rank, channel count not matching
-        ``len(mean)`` (the op repeats every check above for direct ``torch.ops`` callers).
+        RuntimeError: from the op: images not uint8, wrong rank, channel count not matching
+            ``len(mean)`` (the op repeats every check above for direct ``torch.ops`` callers).
     """
     _check_options(input_layout, dtype, memory_format)
     if not isinstance(images, torch.Tensor):
