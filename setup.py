@@ -205,6 +205,8 @@ def _extension():
 setup(
     packages=find_packages("python"),
     package_dir={"": "python"},
+    # py.typed: type checkers read the package's annotations; _C.pyi: the compiled module's stub
+    package_data={"shardkit": ["py.typed", "_C.pyi"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True), "build_py": BuildPy},
 )

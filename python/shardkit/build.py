@@ -41,7 +41,7 @@ def check_torch_version(installed: str | None = None, built: str | None = None) 
     )
 
 
-def _arch_list(text) -> list:
+def _arch_list(text: str | None) -> list:
     if not text or text.startswith("("):
         return []
     return [a.strip() for a in text.replace(",", ";").replace(" ", ";").split(";") if a.strip()]

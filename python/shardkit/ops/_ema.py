@@ -5,14 +5,14 @@ Python entry points with their argument checks.
 """
 
 import numbers
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
 __all__ = ["ema_update_", "ema_swap_", "ema_unswap_"]
 
 
-def _as_list(name: str, tensors) -> list:
+def _as_list(name: str, tensors: Any) -> list:
     if isinstance(tensors, torch.Tensor):
         raise TypeError(f"argument `{name}` must be a list or tuple of tensors, got a single Tensor")
     tensors = list(tensors)
