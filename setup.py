@@ -86,11 +86,15 @@ _BUILD_INFO = {}
 
 
 def _load_cutlass_headers():
-    """tools/cutlass_headers.py, loaded by path (no sys.path change; it is not a package)."""
+    """tools/cutlass_headers.py, loaded by path (no sys.path change; it is not a package).
+    Loaded by every build, CPU-only ones too, so an sdist that lacks it fails at once."""
     spec = importlib.util.spec_from_file_location("cutlass_headers", os.path.join(ROOT, "tools", "cutlass_headers.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+cutlass_headers = _load_cutlass_headers()
 
 
 def _hopper_arch_list(arch):
@@ -153,7 +157,7 @@ def _extension():
                 os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
         arch = os.environ["TORCH_CUDA_ARCH_LIST"]
         hopper = _hopper_arch_list(arch)
-        cutlass_inc, cutlass_why = _load_cutlass_headers().find_cutlass_include(ROOT) if hopper else (None, None)
+        cutlass_inc, cutlass_why = cutlass_headers.find_cutlass_include(ROOT) if hopper else (None, None)
         include_dirs = [os.path.join(ROOT, "csrc")]
         if cutlass_inc:
             os.environ["TORCH_CUDA_ARCH_LIST"] = hopper
