@@ -13,10 +13,13 @@ Switches (environment variables):
 * ``FORCE_CPU=1``   build the CPU kernels only, even where CUDA is available.
 * ``SHARDKIT_DEBUG=1`` compile with ``-O0 -g``.
 * ``CUTLASS_PATH=/path/to/cutlass`` CUTLASS's checkout for the fused Hopper kernels (its
-  ``include/``); without it the headers of the ``nvidia-cutlass`` package are used where it
-  is installed (``pip install nvidia-cutlass==4.2.0.0``).  Without either, or without 9.0 in
-  the architectures, the build leaves the fused kernels out (the unfused ones run everywhere).
-  With them, architecture 9.0 is built as ``9.0a`` (the warpgroup-MMA instructions need it).
+  ``include/``); without it, the header tree of the nvidia-cutlass wheel that
+  ``pip download --no-deps -d third_party nvidia-cutlass==4.2.0.0`` puts into ``third_party/``
+  (hash-checked, extracted once), or of an installed ``nvidia-cutlass`` package
+  (``tools/cutlass_headers.py`` has the search and the version check).  Without any, or
+  without 9.0 in the architectures, the build leaves the fused kernels out, and records why
+  (``python -m shardkit.info``); the unfused kernels run everywhere.  With them,
+  architecture 9.0 is built as ``9.0a`` (the warpgroup-MMA instructions need it).
 
 Without either switch, CUDA kernels are built when torch has CUDA, ``nvcc`` is
 found and a GPU is visible.
@@ -25,7 +28,6 @@ found and a GPU is visible.
 import glob
 import importlib.util
 import os
-import re
 import sys
 
 import torch
@@ -82,30 +84,17 @@ def _write_build_info(with_cuda, reason):
 
 _BUILD_INFO = {}
 
-# The CUTLASS release the fused kernels are written and tested against.
-CUTLASS_VERSION = (4, 2)
+
+def _load_cutlass_headers():
+    """tools/cutlass_headers.py, loaded by path (no sys.path change; it is not a package).
+    Loaded by every build, CPU-only ones too, so an sdist that lacks it fails at once."""
+    spec = importlib.util.spec_from_file_location("cutlass_headers", os.path.join(ROOT, "tools", "cutlass_headers.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def _cutlass_include():
-    """(include dir, reason): CUTLASS's headers from $CUTLASS_PATH/include or the nvidia-cutlass
-    package, at the pinned version; (None, why not) when there are none."""
-    candidates = []
-    if os.environ.get("CUTLASS_PATH"):
-        candidates.append(os.path.join(os.environ["CUTLASS_PATH"], "include"))
-    spec = importlib.util.find_spec("cutlass_library")  # located, not imported
-    for loc in (spec.submodule_search_locations or []) if spec else []:
-        candidates.append(os.path.join(loc, "source", "include"))
-    for inc in candidates:
-        version_h = os.path.join(inc, "cutlass", "version.h")
-        if not (os.path.isfile(version_h) and os.path.isdir(os.path.join(inc, "cute"))):
-            continue
-        with open(version_h) as f:
-            text = f.read()
-        got = tuple(int(re.search(rf"#define CUTLASS_{k} (\d+)", text).group(1)) for k in ("MAJOR", "MINOR"))
-        if got != CUTLASS_VERSION:
-            return None, f"CUTLASS {got[0]}.{got[1]} at {inc}, not the pinned {CUTLASS_VERSION[0]}.{CUTLASS_VERSION[1]}"
-        return inc, f"CUTLASS {got[0]}.{got[1]} at {inc}"
-    return None, "no CUTLASS headers (pip install nvidia-cutlass==4.2.0.0, or set CUTLASS_PATH)"
+cutlass_headers = _load_cutlass_headers()
 
 
 def _hopper_arch_list(arch):
@@ -166,18 +155,20 @@ def _extension():
                 os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(f"{a}.{b}" for a, b in sorted(caps))
             else:
                 os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
-        cutlass_inc, cutlass_why = _cutlass_include()
-        hopper = _hopper_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
+        arch = os.environ["TORCH_CUDA_ARCH_LIST"]
+        hopper = _hopper_arch_list(arch)
+        cutlass_inc, cutlass_why = cutlass_headers.find_cutlass_include(ROOT) if hopper else (None, None)
         include_dirs = [os.path.join(ROOT, "csrc")]
-        if cutlass_inc and hopper:
+        if cutlass_inc:
             os.environ["TORCH_CUDA_ARCH_LIST"] = hopper
             include_dirs.append(cutlass_inc)
             define_macros.append(("SHARDKIT_WITH_CUTLASS", None))
             print(f"shardkit setup: fused sm90 kernels with {cutlass_why}", flush=True)
         else:
-            why = cutlass_why if not cutlass_inc else "no 9.0 in TORCH_CUDA_ARCH_LIST"
-            print(f"shardkit setup: fused sm90 kernels left out ({why})", flush=True)
-        _BUILD_INFO["fused_kernels"] = bool(cutlass_inc and hopper)
+            cutlass_why = cutlass_why or f"no 9.0 in TORCH_CUDA_ARCH_LIST={arch}"
+            print(f"shardkit setup: fused sm90 kernels left out ({cutlass_why})", flush=True)
+        _BUILD_INFO["fused_kernels"] = bool(cutlass_inc)
+        _BUILD_INFO["fused_reason"] = cutlass_why
         sources += sorted(
             glob.glob(os.path.join("csrc", "cuda", "*.cu")) + glob.glob(os.path.join("csrc", "cuda", "*.cpp"))
         )
@@ -201,6 +192,8 @@ def _extension():
             extra_compile_args={"cxx": cxx, "nvcc": nvcc},
             extra_link_args=extra_link + ["-lcublas"],
         )
+    _BUILD_INFO["fused_kernels"] = False
+    _BUILD_INFO["fused_reason"] = "this build has no CUDA kernels"
     _write_build_info(False, reason)
     print(f"shardkit setup: building CPU kernels only ({reason}); torch {torch.__version__}", flush=True)
     return CppExtension(
@@ -216,6 +209,8 @@ def _extension():
 setup(
     packages=find_packages("python"),
     package_dir={"": "python"},
+    # py.typed: type checkers read the package's annotations; _C.pyi: the compiled module's stub
+    package_data={"shardkit": ["py.typed", "_C.pyi"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True), "build_py": BuildPy},
 )

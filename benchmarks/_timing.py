@@ -29,7 +29,7 @@ def prefer_in_place_build():
     the one imported (a source tree without ``_C`` would shadow it). Call before importing
     shardkit."""
     src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")
-    if glob.glob(os.path.join(src, "shardkit", "_C*")):
+    if glob.glob(os.path.join(src, "shardkit", "_C*.so")):  # the compiled module, not its _C.pyi stub
         sys.path.insert(0, src)
 
 

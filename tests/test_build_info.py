@@ -51,6 +51,15 @@ def test_build_info_on_this_machine():
         assert info["gpus"] == [] and info["problems"] == []
     text = format_info(info)
     assert f"installed torch {torch.__version__}" in text and "CUDA kernels: " in text
+    if info["torch_built"] is not None:  # setup.py records where the fused kernels' headers came from, or why not
+        assert isinstance(info["fused_reason"], str) and f"({info['fused_reason']})" in text
+
+
+def test_info_says_why_the_fused_kernels_are_left_out():
+    info = dict(shardkit.build_info(), fused_kernels=False, fused_reason="no CUTLASS 4.2 headers found: ...")
+    assert "kernels (CUTLASS): no (no CUTLASS 4.2 headers found: ...)" in format_info(info)
+    info.update(fused_kernels=True, fused_reason="CUTLASS 4.2 at /x/include (from CUTLASS_PATH)")
+    assert "kernels (CUTLASS): yes (CUTLASS 4.2 at /x/include (from CUTLASS_PATH))" in format_info(info)
 
 
 def test_architecture_coverage():

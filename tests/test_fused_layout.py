@@ -3,14 +3,13 @@ tests/native/fused_layout_check.cu (host code over CUTLASS's own layouts) with n
 it. Its epilogue reduces a row's statistics over the columns a thread holds and the four
 threads of a quad; a CUTLASS release that laid the accumulators out otherwise would make
 those statistics silently wrong, and this test fails first. It needs nvcc and CUTLASS's headers
-at the version setup.py pins (the README's commands install them: nvidia-cutlass). Where the
-installed extension was built with the fused kernels (CI's FORCE_CUDA=1 build), missing ones are
-a failure: the kernels this checks are in the build; elsewhere the test is skipped with the
-reason."""
+at the version setup.py pins (the README's commands download them; tools/cutlass_headers.py
+finds them as setup.py does). Where the installed extension was built with the fused kernels
+(CI's FORCE_CUDA=1 build), missing ones are a failure: the kernels this checks are in the
+build; elsewhere the test is skipped with the reason."""
 
 import importlib.util
 import os
-import re
 import shutil
 import subprocess
 
@@ -21,33 +20,12 @@ import shardkit
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _pinned_cutlass():
-    """setup.py's CUTLASS_VERSION, (major, minor)."""
-    with open(os.path.join(ROOT, "setup.py")) as f:
-        found = re.search(r"^CUTLASS_VERSION = \((\d+), (\d+)\)", f.read(), re.M)
-    return int(found.group(1)), int(found.group(2))
-
-
 def _cutlass_include():
-    """(include dir, None) of CUTLASS's headers at the pinned version, as setup.py finds them
-    ($CUTLASS_PATH/include, then the nvidia-cutlass package), or (None, why not)."""
-    candidates = []
-    if os.environ.get("CUTLASS_PATH"):
-        candidates.append(os.path.join(os.environ["CUTLASS_PATH"], "include"))
-    spec = importlib.util.find_spec("cutlass_library")
-    for loc in (spec.submodule_search_locations or []) if spec else []:
-        candidates.append(os.path.join(loc, "source", "include"))
-    for inc in candidates:
-        version_h = os.path.join(inc, "cutlass", "version.h")
-        if not (os.path.isfile(version_h) and os.path.isfile(os.path.join(inc, "cute", "tensor.hpp"))):
-            continue
-        with open(version_h) as f:
-            text = f.read()
-        got = tuple(int(re.search(rf"#define CUTLASS_{k} (\d+)", text).group(1)) for k in ("MAJOR", "MINOR"))
-        if got != _pinned_cutlass():
-            return None, f"CUTLASS {got} at {inc}, not the pinned {_pinned_cutlass()}"
-        return inc, None
-    return None, "CUTLASS headers not found (pip install --no-deps nvidia-cutlass==4.2.0.0, or set CUTLASS_PATH)"
+    """(include dir or None, reason): the headers setup.py would build with, found by its search."""
+    spec = importlib.util.spec_from_file_location("cutlass_headers", os.path.join(ROOT, "tools", "cutlass_headers.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.find_cutlass_include(ROOT)
 
 
 def _nvcc():
@@ -65,7 +43,9 @@ def test_fused_accumulator_layout(tmp_path):
     nvcc, (inc, why) = _nvcc(), _cutlass_include()
     if nvcc is None:
         why = "nvcc not found (the fused kernels are not built without it either)"
-    if why:
+    elif inc is None:
+        why = f"CUTLASS headers: {why}"
+    if inc is None or nvcc is None:
         # A build with the fused kernels had both: their layout check must run where they are.
         assert not shardkit.build_info()["fused_kernels"], f"the build has the fused kernels, but {why}"
         pytest.skip(why)

@@ -41,7 +41,7 @@ def check_torch_version(installed: str | None = None, built: str | None = None) 
     )
 
 
-def _arch_list(text) -> list:
+def _arch_list(text: str | None) -> list:
     if not text or text.startswith("("):
         return []
     return [a.strip() for a in text.replace(",", ";").replace(" ", ";").split(";") if a.strip()]
@@ -69,7 +69,8 @@ def build_info() -> dict:
     Returns a dict: ``shardkit`` (version), ``torch_built`` / ``torch_installed`` (versions),
     ``torch_cuda_built`` (the CUDA of the torch it was built against), ``cuda_kernels`` (bool)
     and ``reason`` (the build's choice: why the CUDA kernels are in or not), ``fused_kernels``
-    (bool: the fused sm90 sharded cross-entropy kernels, built with CUTLASS), ``arch_list``
+    (bool: the fused sm90 sharded cross-entropy kernels, built with CUTLASS) and
+    ``fused_reason`` (where their CUTLASS headers came from, or why they are left out), ``arch_list``
     (the CUDA architectures compiled), ``gpus`` (one dict per visible GPU: ``index``,
     ``name``, ``capability``, ``supported``: whether its architecture is among those
     compiled) and ``problems`` (one sentence per thing that will not work, with the fix).
@@ -87,6 +88,7 @@ def build_info() -> dict:
         "cuda_kernels": bool(_C.cuda_built()),
         "reason": rec.get("reason", "unknown (no build record: the extension was not built by setup.py)"),
         "fused_kernels": bool(rec.get("fused_kernels", False)),
+        "fused_reason": rec.get("fused_reason"),
         "arch_list": rec.get("arch_list"),
         "gpus": [],
         "problems": [],
@@ -119,7 +121,8 @@ def format_info(info: dict) -> str:
         f"installed torch {info['torch_installed']}",
         f"  CUDA kernels: {'yes' if info['cuda_kernels'] else 'no'} ({info['reason']})",
         f"  CUDA architectures compiled: {info['arch_list'] or '-'}",
-        f"  fused sm90 sharded cross-entropy kernels (CUTLASS): {'yes' if info.get('fused_kernels') else 'no'}",
+        f"  fused sm90 sharded cross-entropy kernels (CUTLASS): {'yes' if info.get('fused_kernels') else 'no'}"
+        + (f" ({info['fused_reason']})" if info.get("fused_reason") else ""),
     ]
     for g in info["gpus"]:
         state = "supported" if g["supported"] else "NOT supported by this build"

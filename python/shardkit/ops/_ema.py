@@ -5,7 +5,7 @@ Python entry points with their argument checks.
 """
 
 import numbers
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -14,7 +14,7 @@ from shardkit import _C
 __all__ = ["ema_update_", "ema_update_device_decay_", "ema_swap_", "ema_unswap_"]
 
 
-def _as_list(name: str, tensors) -> list:
+def _as_list(name: str, tensors: Any) -> list:
     if isinstance(tensors, torch.Tensor):
         raise TypeError(f"argument `{name}` must be a list or tuple of tensors, got a single Tensor")
     tensors = list(tensors)
@@ -71,13 +71,13 @@ def ema_update_(ema_tensors: Sequence[torch.Tensor], model_tensors: Sequence[tor
     every written tensor is bumped, so autograd detects a saved tensor modified by the op.
 
     Raises:
-        TypeError / ValueError naming ``decay``: not a real number, or outside [0, 1] (NaN
-        included).
-        RuntimeError naming the argument: lengths, shapes or devices that do not match, a
-        non-floating tensor, tensors on a device type other than
-        CPU/CUDA (e.g. meta), a written tensor that requires grad while grad mode is on
-        (torch's "a leaf Variable that requires grad is being used in an in-place
-        operation"), memory shared by an EMA tensor and any other tensor of the call.
+        TypeError: naming ``decay``: not a real number.
+        ValueError: naming ``decay``: outside [0, 1] (NaN included).
+        RuntimeError: naming the argument: lengths, shapes or devices that do not match, a
+            non-floating tensor, tensors on a device type other than CPU/CUDA (e.g. meta), a
+            written tensor that requires grad while grad mode is on (torch's "a leaf Variable
+            that requires grad is being used in an in-place operation"), memory shared by an
+            EMA tensor and any other tensor of the call.
     """
     ema_tensors, model_tensors = _paired_lists(ema_tensors, model_tensors)
     if isinstance(decay, (bool, str)) or not isinstance(decay, (numbers.Real, torch.Tensor)):

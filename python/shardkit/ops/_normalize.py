@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -37,7 +37,7 @@ def _normalize_images_fake(images, mean, std, channels_last_input, out_dtype, ch
     return out.squeeze(0) if images.dim() == 3 else out
 
 
-def _as_floats(name: str, values) -> list[float]:
+def _as_floats(name: str, values: Any) -> list[float]:
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().double().flatten().tolist()  # setup time, not the hot path
     # A string is a sequence too: "0.5" would be read character by character.
@@ -57,7 +57,7 @@ _FLOAT32_MAX = torch.finfo(torch.float32).max
 _MAX_CHANNELS = 64  # the kernels' per-channel constants travel by value (csrc/normalize_common.h)
 
 
-def _check_options(input_layout, dtype, memory_format) -> None:
+def _check_options(input_layout: object, dtype: object, memory_format: object) -> None:
     """The options of a normalize call (also checked by ``Normalize`` at construction)."""
     if input_layout not in _LAYOUTS:
         raise ValueError(f"argument `input_layout` must be 'NHWC' or 'NCHW', got {input_layout!r}")
@@ -135,12 +135,12 @@ def normalize_images(
 
     Raises:
         ValueError: bad ``input_layout``/``memory_format``/``dtype``, mean/std lengths, no
-        channels or more than 64, a zero or non-finite std, one so small (e.g. 1e-45) that
-        1 / (255 std) is not finite in float32, or mean/std whose normalized values would not
-        fit ``dtype``.
+            channels or more than 64, a zero or non-finite std, one so small (e.g. 1e-45) that
+            1 / (255 std) is not finite in float32, or mean/std whose normalized values would
+            not fit ``dtype``.
         TypeError: ``mean``/``std`` not a sequence of numbers (e.g. a string).
-        RuntimeError (from the op): images not uint8, wrong rank, channel count not matching
-        ``len(mean)`` (the op repeats every check above for direct ``torch.ops`` callers).
+        RuntimeError: from the op: images not uint8, wrong rank, channel count not matching
+            ``len(mean)`` (the op repeats every check above for direct ``torch.ops`` callers).
     """
     _check_options(input_layout, dtype, memory_format)
     if not isinstance(images, torch.Tensor):

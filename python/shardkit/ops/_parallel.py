@@ -38,7 +38,7 @@ def check_weight(w: Any, what: str) -> None:
         return
     if isinstance(w, bool) or not isinstance(w, numbers.Real):
         raise TypeError(f"{what} must be a one-element tensor or a real number, got {type(w).__name__} {w!r}")
-    if not (math.isfinite(w) and w >= 0):
+    if not (math.isfinite(w) and float(w) >= 0):
         raise ValueError(f"{what} must be finite and non-negative, got {w!r}")
 
 

@@ -56,8 +56,8 @@ def partial_fc_sample(
 
     Raises:
         RuntimeError: naming the argument, for labels not 1-D int64, ``num_local`` < 0,
-        ``class_offset`` < 0, ``num_sample`` outside the range above, or a ``generator``
-        of another device.
+            ``class_offset`` < 0, ``num_sample`` outside the range above, or a ``generator``
+            of another device.
     """
     return torch.ops.shardkit.partial_fc_sample(
         labels, int(class_offset), int(num_local), int(num_sample), generator=generator

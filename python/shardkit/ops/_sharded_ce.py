@@ -89,7 +89,9 @@ def _kept_classes(num_classes: int, chunk_classes: int, keep_chunks: int) -> int
     return num_classes if keep_chunks >= -(-num_classes // chunk) else keep_chunks * chunk
 
 
-def kept_bytes(batch: int, num_classes: int, chunk_classes: int, keep_chunks: int, dtype=torch.float32) -> int:
+def kept_bytes(
+    batch: int, num_classes: int, chunk_classes: int, keep_chunks: int, dtype: torch.dtype = torch.float32
+) -> int:
     """Bytes a forward with ``keep_chunks`` kept chunks holds until its backward: the kept
     logits ``[batch, kept classes]`` and one target logit per row, in the statistics' dtype
     (float32; float64 for float64 ``dtype``). 0 when ``keep_chunks`` is 0."""

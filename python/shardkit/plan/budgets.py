@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
-from shardkit.plan.memory import plan_memory
+from shardkit.plan.memory import MemoryPlan, plan_memory
 
 #: The budget label that stands for "the whole shard's logits".
 FULL = "full"
 
-Budget = Union[int, str]
+Budget = Union[int, str]  # bytes, or FULL
 
 
 @dataclass
@@ -41,22 +41,22 @@ class BudgetPlan:
     largest_classes: Optional[int] = None
 
 
-def kept_logits(batch: int, classes: int, chunk: int, budget: Budget) -> int:
+def kept_logits(batch: int, classes: int, chunk: int, budget: Budget) -> Tuple[int, int]:
     """(kept classes, bytes) of one shard of ``classes`` classes at ``budget`` (bytes or
     :data:`FULL`), as :func:`shardkit.ops.kept_chunks_for_budget` keeps them."""
     if classes <= 0 or batch <= 0 or budget == 0:
         return 0, 0
     whole = batch * (classes + 1) * 4
-    if budget == FULL or whole <= budget:
+    if budget == FULL or (isinstance(budget, int) and whole <= budget):
         return classes, whole
     chunk = max(1, min(chunk, classes))
     keep = max(0, (int(budget) - batch * 4) // (batch * chunk * 4))
     return (keep * chunk, batch * (keep * chunk + 1) * 4) if keep else (0, 0)
 
 
-def _device_kept(plan, budget: Budget):
+def _device_kept(plan: MemoryPlan, budget: Budget) -> Tuple[int, int, float]:
     """(kept classes, bytes, recomputed share) on the device holding the most kept bytes."""
-    best = (0, 0, 1.0)
+    best: Tuple[int, int, float] = (0, 0, 1.0)
     for classes in _used_classes(plan):
         kept, nbytes = kept_logits(plan.global_batch, classes, plan.chunk_classes, budget)
         share = 1.0 - kept / classes if classes else 0.0
@@ -65,7 +65,7 @@ def _device_kept(plan, budget: Budget):
     return best
 
 
-def _used_classes(plan) -> List[int]:
+def _used_classes(plan: MemoryPlan) -> List[int]:
     # The classes each device's op sees: its shard, or the sampled part of it.
     if plan.sample_rate >= 1.0:
         return [d.classes for d in plan.devices]
@@ -73,7 +73,8 @@ def _used_classes(plan) -> List[int]:
     return [min(d.classes, max(math.ceil(rate * d.classes), min(d.classes, batch))) for d in plan.devices]
 
 
-def _fits(plan, budget: Budget) -> bool:
+def _fits(plan: MemoryPlan, budget: Budget) -> bool:
+    assert plan.gpu_memory is not None  # largest_classes is asked only with gpu_memory
     used = _used_classes(plan)
     return all(
         d.total + kept_logits(plan.global_batch, c, plan.chunk_classes, budget)[1] + plan.reserve <= plan.gpu_memory
@@ -81,7 +82,7 @@ def _fits(plan, budget: Budget) -> bool:
     )
 
 
-def plan_budgets(budgets: Sequence[Budget], **plan_args) -> List[BudgetPlan]:
+def plan_budgets(budgets: Sequence[Budget], **plan_args: Any) -> List[BudgetPlan]:
     """:class:`BudgetPlan` per budget (bytes or :data:`FULL`) for the head that
     :func:`shardkit.plan.plan_memory` plans from ``plan_args`` (its arguments, by name)."""
     plan = plan_memory(**plan_args)
@@ -100,7 +101,7 @@ def plan_budgets(budgets: Sequence[Budget], **plan_args) -> List[BudgetPlan]:
     return out
 
 
-def largest_classes(budget: Budget, **plan_args) -> int:
+def largest_classes(budget: Budget, **plan_args: Any) -> int:
     """The largest class count whose plan fits ``gpu_memory`` at ``budget`` (0 if not even
     one class does): doubling, then bisection."""
     args = dict(plan_args)

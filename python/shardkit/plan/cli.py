@@ -9,7 +9,7 @@ import re
 import sys
 from typing import Optional, Sequence
 
-from shardkit.plan.budgets import FULL, BudgetPlan, plan_budgets
+from shardkit.plan.budgets import FULL, Budget, BudgetPlan, plan_budgets
 from shardkit.plan.memory import (
     DEFAULT_CHUNK_BUDGET,
     DTYPE_BYTES,
@@ -70,7 +70,10 @@ def format_budgets(rows: Sequence[BudgetPlan], gpu_memory: Optional[int]) -> str
         head.append(f"largest C in {_short_size(gpu_memory)}")
     table = [head]
     for r in rows:
-        label = "full logits" if r.budget == FULL else ("0 (recompute)" if r.budget == 0 else format_size(r.budget))
+        if isinstance(r.budget, str):
+            label = "full logits"  # FULL, the only string a budget row holds
+        else:
+            label = "0 (recompute)" if r.budget == 0 else format_size(r.budget)
         cells = [label, f"{r.kept_classes:,}", format_size(r.extra), f"{r.time_factor:.2f}x"]
         if gpu_memory is not None:
             cells.append(f"{r.largest_classes:,}")
@@ -86,7 +89,7 @@ def format_budgets(rows: Sequence[BudgetPlan], gpu_memory: Optional[int]) -> str
     return "\n".join(lines)
 
 
-def _budget_arg(text: str):
+def _budget_arg(text: str) -> Budget:
     if text.strip().lower() == FULL:
         return FULL
     return _size_arg(text)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 __all__ = ["DeviceMemory", "MemoryPlan", "parse_size", "format_size", "plan_memory"]
 
@@ -80,7 +80,7 @@ def parse_size(text: Union[str, int, float]) -> int:
     return int(round(value * _UNITS[unit]))
 
 
-def _named_size(name: str, value) -> int:
+def _named_size(name: str, value: Any) -> int:
     """:func:`parse_size` with the ValueError naming the argument."""
     try:
         return parse_size(value)
@@ -151,13 +151,13 @@ class MemoryPlan:
         return max(self.devices, key=lambda d: d.total)
 
 
-def _check_int(name: str, value, minimum: int) -> int:
+def _check_int(name: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"argument `{name}` must be an integer >= {minimum}, got {value!r}")
     return value
 
 
-def _head_parts(rows: int, dim: int, elem: int, states: int, master: bool):
+def _head_parts(rows: int, dim: int, elem: int, states: int, master: bool) -> Tuple[int, int, int]:
     """(weights, master weights, optimizer state) bytes of a [rows, dim] parameter."""
     n = rows * dim
     state_elem = 4 if master else elem
