@@ -31,6 +31,9 @@ class _Slot:
             try:
                 fn()
             finally:
+                # Hold nothing of a finished task while waiting for the next one: a failed
+                # task's closure holds its exception, and so the frames and tensors of its traceback.
+                fn = None
                 done.release()
 
     def submit(self, fn: Callable[[], None]) -> threading.Lock:
@@ -124,8 +127,14 @@ def run_parallel(calls: Sequence[Callable[[], Any]], devices: Sequence[torch.dev
         work(0)
         for done in pending:
             done.acquire()
-    for k, e in enumerate(errors):
-        if e is not None:
-            e.add_note(f"(raised in the {owner} call for chunk {k} of {len(calls)}, on device {devices[k]})")
-            raise e.with_traceback(e.__traceback__)
-    return results
+    failed = next((k for k, e in enumerate(errors) if e is not None), None)
+    if failed is None:
+        return results
+    error = errors[failed]
+    errors.clear()  # the traceback holds this frame, whose closure holds `errors`: no cycle
+    results.clear()
+    error.add_note(f"(raised in the {owner} call for chunk {failed} of {len(calls)}, on device {devices[failed]})")
+    try:
+        raise error.with_traceback(error.__traceback__)
+    finally:
+        error = None
