@@ -292,6 +292,24 @@ def pipeline_shard_sizes(pipeline, num_classes: int, dim: int) -> list:
 # ---- checkpoints -----------------------------------------------------------------
 
 
+def non_finite_state(parts: Parts) -> Optional[str]:
+    """The name of the first floating tensor of the run's weights (backbone parameters and
+    buffers, head shards, EMA) holding a NaN or an infinity, else None: what a checkpoint must
+    not be written from. One device-to-host copy per device (a pass over the weights, cheap
+    beside writing them); the names are looked for only when something is wrong."""
+    named = [(f"backbone {k}", t) for k, t in parts.backbone.state_dict().items()]
+    named += [(f"head shard {k}", w.detach()) for k, w in enumerate(parts.head.weight_shards)]
+    if parts.ema is not None:
+        named += [(f"EMA {k}", t) for k, t in parts.ema.module.state_dict().items()]
+    named = [(name, t) for name, t in named if t.is_floating_point() and t.numel()]
+    by_device: dict = {}
+    for _, t in named:
+        by_device.setdefault(t.device, []).append(torch.isfinite(t).all())
+    if all(bool(torch.stack(flags).all()) for flags in by_device.values()):
+        return None
+    return next(name for name, t in named if not bool(torch.isfinite(t).all()))
+
+
 def save_checkpoint(ckpt_dir: str, parts: Parts, step: int, history, world) -> None:
     """Everything a resume needs, as tensors and plain types, written atomically. The head's
     weight is shard-agnostic (one class-ordered weight; under torchrun, one file per rank via
@@ -341,10 +359,16 @@ def load_checkpoint(ckpt_dir: str, parts: Parts, world):
             parts.ema.load_state_dict(state["ema"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
-        return state["step"], state["history"]
     except (RuntimeError, KeyError, ValueError, TypeError, AttributeError, IndexError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(
             f"checkpoint {path} does not fit this run ({first}); resume it with the version of "
             "shardkit that wrote it, or start a new run without --resume"
         ) from None
+    bad = non_finite_state(parts)
+    if bad is not None:  # written by a diverged run (this version never saves one)
+        raise UsageError(
+            f"checkpoint {path} holds NaN or infinite weights ({bad}): the run that wrote it had diverged, so "
+            "there is nothing to resume; start a new run (with a lower --lr) without --resume"
+        )
+    return state["step"], state["history"]
