@@ -18,6 +18,7 @@ import shardkit
 from shardkit.parallel import DataParallelCriterion, DataParallelModel, PipelineModel
 from shardkit.plan import balance_shards
 from shardkit.train import checkpoint
+from shardkit.train.cpu_bf16 import use_float32_where_bf16_fails
 from shardkit.train.data import (
     ImageFolderDataset,
     SyntheticIdentities,
@@ -201,6 +202,8 @@ def build(args, world) -> Parts:
     devices = list(args.devices)
     dev0 = devices[0]
     backbone = build_backbone(args.backbone, args.dim, checkpointing=args.checkpointing).to(dev0)
+    if args.amp == "bf16" and dev0.type == "cpu":
+        use_float32_where_bf16_fails(backbone)  # torch's bf16 CPU kernel: see shardkit.train.cpu_bf16
     margin = {
         "arcface": lambda: shardkit.ArcFace(s=args.scale, m=args.m),
         "cosface": lambda: shardkit.CosFace(s=args.scale, m=args.m),
