@@ -7,6 +7,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from shardkit.train.log import emit
+
 
 class Progress:
     """A tqdm bar (or, without a terminal or with --no-progress, a line every ~10%); the
@@ -28,7 +30,7 @@ class Progress:
         if due and self.enabled:
             self.last_line = step
             if self.bar is None:
-                print(line, flush=True)
+                emit(line)
             if self.log is not None:
                 self.log.write(line)
 
