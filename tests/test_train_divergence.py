@@ -1,7 +1,7 @@
-"""python -m shardkit.train when training diverges or BatchNorm sees too few images: a step that
-leaves NaN weights writes no checkpoint (the last good one stays the one to resume), a
-checkpoint of NaN weights is refused on --resume, and BatchNorm forwards of fewer than 8
-images are warned about before training."""
+"""python -m shardkit.train's guards on a run: a step that leaves NaN weights writes no
+checkpoint (the last good one stays the one to resume), a checkpoint of NaN weights is refused
+on --resume, BatchNorm forwards of fewer than 8 images are warned about before training, and
+--profile is bounded, its trace holding the first steps only."""
 
 import os
 
@@ -100,3 +100,24 @@ def test_the_warning_is_printed_before_training(tmp_path, capsys):
     captured = capsys.readouterr()
     assert captured.err.count("warning: --batch 8 in --chunks 4 micro-batches (--pipeline) gives BatchNorm 2") == 1
     assert "gives BatchNorm 2 images" in open(tmp_path / "log.txt").read()
+
+
+@pytest.mark.parametrize("steps", ["1000000000000", "1001", "-1"])
+def test_profile_steps_are_bounded(tmp_path, steps):
+    from shardkit.train.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"--profile must be in \[0, 1000\]"):
+        cli.parse(TINY + ["--profile", steps, "--out", str(tmp_path)])
+
+
+def test_the_profiler_keeps_the_events_of_the_first_steps_only(tmp_path, capsys, monkeypatch):
+    import json
+
+    from shardkit.train import profile
+
+    monkeypatch.setattr(profile, "TRACE_STEPS", 2)  # the profiler's memory grows with each traced step
+    assert train.main(TINY + ["--profile", "4", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "profile: 4 steps" in out and "(steps 1-2;" in out
+    events = json.load(open(tmp_path / "profile_trace.json"))["traceEvents"]
+    assert sum(e.get("name") == "optimizer" for e in events) == 2  # one range per traced step

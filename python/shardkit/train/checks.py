@@ -13,6 +13,7 @@ import torch
 
 from shardkit.train import checkpoint
 from shardkit.train.argtypes import (
+    MAX_PROFILE_STEPS,
     MAX_SEED,
     MIN_IMAGE_SIZE,
     _activations_misfit,
@@ -47,8 +48,11 @@ def check_args(a: argparse.Namespace) -> None:
         raise UsageError("--amp fp16 needs a CUDA device; use --amp bf16 on the CPU")
     if not 0 <= a.ema < 1:
         raise UsageError(f"--ema must be in [0, 1), got {a.ema}")
-    if a.profile < 0:
-        raise UsageError(f"--profile must be >= 0, got {a.profile}")
+    if not 0 <= a.profile <= MAX_PROFILE_STEPS:
+        raise UsageError(
+            f"--profile must be in [0, {MAX_PROFILE_STEPS}] (steps to time; a few dozen show where the time "
+            f"goes), got {a.profile}"
+        )
     if a.profile and a.resume:
         raise UsageError("--profile measures a fresh run; drop --resume (or --profile)")
     if a.eval_every is not None and a.eval_every < 0:

@@ -215,8 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         metavar="N",
-        help="time N steps phase by phase, print where the time goes and a verdict, write a profiler "
-        "trace and a chart to --out, then stop; 0: train (default: %(default)s)",
+        help="time N steps (at most 1000) phase by phase, print where the time goes and a verdict, write a "
+        "profiler trace of the first 20 and a chart to --out, then stop; 0: train (default: %(default)s)",
     )
     o.add_argument(
         "--eval-every",
