@@ -38,9 +38,12 @@ def test_a_failed_call_leaves_nothing_behind(ckpt, balance):
     failing = next(m for m in pipe.modules() if isinstance(m, _Failing))
     x = torch.randn(7, 4, dtype=torch.float64)
     failing.fail = True
+    stage = 0 if balance[0] >= 2 else 1
     for _ in range(2):
-        with pytest.raises(RuntimeError, match="fails on purpose"):
+        with pytest.raises(RuntimeError, match="fails on purpose") as err:
             pipe(x)
+        # the note names the task (the stage and micro-batch), not a position in the clock's task list
+        assert f"call for stage {stage} (partitions[{stage}]), micro-batch 0 of 3" in " ".join(err.value.__notes__)
     failing.fail = False
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None  # no hooks left on this thread
     coef = torch.randn(7, 3, dtype=torch.float64)

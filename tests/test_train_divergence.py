@@ -25,15 +25,17 @@ def _one_line(capsys, *needles):
     return err
 
 
-def _nan_after_step(monkeypatch, at_step):
-    """The step that ends the run at ``at_step`` leaves NaN weights, as a diverging step does."""
+def _nan_after_step(monkeypatch, at_step, value=float("nan")):
+    """The step that ends the run at ``at_step`` leaves NaN weights, as a diverging step does
+    (or, with a large finite ``value``, finite weights whose activations overflow)."""
     real = train_loop.train_step
 
     def step(parts, args, index, *a, **k):
         out = real(parts, args, index, *a, **k)
         if index + 1 == at_step:
             with torch.no_grad():
-                next(parts.backbone.parameters()).view(-1)[0] = float("nan")
+                for p in list(parts.backbone.parameters())[: 1 if value != value else None]:
+                    p.view(-1)[0] = value
         return out
 
     monkeypatch.setattr(train_loop, "train_step", step)
@@ -44,6 +46,15 @@ def test_a_step_that_diverges_writes_no_checkpoint(tmp_path, capsys, monkeypatch
     out = tmp_path / "run"
     assert train.main(TINY + ["--steps", "1", "--out", str(out)]) == 2
     _one_line(capsys, "training diverged by step 1", "NaN or infinite", "backbone ", "no checkpoint of it was written")
+    assert not (out / CKPT).exists()
+
+
+def test_finite_weights_whose_embeddings_overflow_write_no_checkpoint(tmp_path, capsys, monkeypatch):
+    # e.g. BatchNorm over 2 images per device: the weights stay finite, evaluation overflows
+    _nan_after_step(monkeypatch, 1, value=1e30)
+    out = tmp_path / "run"
+    assert train.main(TINY + ["--steps", "1", "--out", str(out)]) == 2
+    _one_line(capsys, "diverged by step 1", "backbone's embeddings of held-out images are NaN or infinite")
     assert not (out / CKPT).exists()
 
 
@@ -68,7 +79,7 @@ def test_a_checkpoint_of_nan_weights_is_refused_on_resume(tmp_path, capsys):
     checkpoint.write_atomic(state, str(out / CKPT))
     capsys.readouterr()
     assert train.main(["--resume", str(out), "--steps", "2"]) == 2
-    _one_line(capsys, "holds NaN or infinite weights", key, "nothing to resume")
+    _one_line(capsys, "is of a diverged run", "NaN or infinite values", key, "nothing to resume")
 
 
 @pytest.mark.parametrize(

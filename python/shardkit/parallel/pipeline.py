@@ -242,7 +242,8 @@ class PipelineModel(nn.Module):
         for clock in range(m + k - 1):
             tasks = [(s, clock - s) for s in range(k) if 0 <= clock - s < m]
             calls = [functools.partial(self._run_task, s, i, acts[i], events[i], streams) for s, i in tasks]
-            results = run_parallel(calls, [self.stage_devices[s] for s, _ in tasks], "PipelineModel")
+            labels = [f"stage {s} (partitions[{s}]), micro-batch {i} of {m}" for s, i in tasks]
+            results = run_parallel(calls, [self.stage_devices[s] for s, _ in tasks], "PipelineModel", labels)
             for (_, i), (y, event) in zip(tasks, results):
                 acts[i], events[i] = y, event
         out = torch.cat(

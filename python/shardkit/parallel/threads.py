@@ -94,11 +94,16 @@ class ThreadState:
             yield
 
 
-def run_parallel(calls: Sequence[Callable[[], Any]], devices: Sequence[torch.device], owner: str) -> list[Any]:
+def run_parallel(
+    calls: Sequence[Callable[[], Any]],
+    devices: Sequence[torch.device],
+    owner: str,
+    labels: Sequence[str] | None = None,
+) -> list[Any]:
     """Runs ``calls[k]()`` for every k concurrently, call k on ``devices[k]`` under the caller's
     thread state; returns the results in order. Call 0 runs in the calling thread. A failing
     call's exception is re-raised here, same type and message, with its original traceback
-    and a note naming the device."""
+    and a note naming the call (``labels[k]``, default "chunk k of K") and the device."""
     state = ThreadState(devices)
     results: list[Any] = [None] * len(calls)
     errors: list[BaseException | None] = [None] * len(calls)
@@ -133,7 +138,8 @@ def run_parallel(calls: Sequence[Callable[[], Any]], devices: Sequence[torch.dev
     error = errors[failed]
     errors.clear()  # the traceback holds this frame, whose closure holds `errors`: no cycle
     results.clear()
-    error.add_note(f"(raised in the {owner} call for chunk {failed} of {len(calls)}, on device {devices[failed]})")
+    label = labels[failed] if labels is not None else f"chunk {failed} of {len(calls)}"
+    error.add_note(f"(raised in the {owner} call for {label}, on device {devices[failed]})")
     try:
         raise error.with_traceback(error.__traceback__)
     finally:

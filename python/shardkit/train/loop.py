@@ -136,10 +136,10 @@ def _diverged(where: str, args, what: str = "the embeddings became NaN or infini
 
 
 def _save_if_finite(ckpt_dir: str, parts, step: int, history, world: World, args, last_saved) -> int:
-    """Saves the checkpoint of ``step`` and returns ``step``, unless the weights hold a NaN or an
-    infinity on any rank: then nothing is written (the last checkpoint stays the one to
-    resume) and the run stops with the divergence error."""
-    bad = setup.non_finite_state(parts)
+    """Saves the checkpoint of ``step`` and returns ``step``, unless the run diverged on any rank
+    (NaN or infinite weights, or embeddings: :func:`setup.diverged`): then nothing is written
+    (the last checkpoint stays the one to resume) and the run stops with the divergence error."""
+    bad = setup.diverged(parts)
     if world.size > 1 and dist.is_initialized():  # every rank saves, or none does
         flag = torch.tensor([0.0 if bad is None else 1.0], device=world.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -153,7 +153,7 @@ def _save_if_finite(ckpt_dir: str, parts, step: int, history, world: World, args
         if last_saved is not None
         else f"; no checkpoint of it was written to {ckpt_dir}"
     )
-    raise _diverged(f"by step {step}", args, f"the weights hold NaN or infinite values: {bad}", kept)
+    raise _diverged(f"by step {step}", args, bad, kept)
 
 
 def _run(args, world: World, log: RunLog, earlier: bool) -> int:

@@ -82,6 +82,24 @@ def _models(parts) -> dict:
     return models
 
 
+@torch.no_grad()
+def non_finite_embeddings(parts, images: int = 16):
+    """The name of the backbone ("raw" or "ema") whose evaluation-mode embeddings of the first
+    ``images`` held-out images hold a NaN or an infinity, else None: a model that diverged
+    with finite weights (BatchNorm's running statistics no longer tame its activations)."""
+    batch = parts.val_set.images[:images]
+    for name, model in _models(parts).items():
+        was_training = model.training
+        model.eval()
+        try:
+            emb = _embed_fn(parts, model)(batch)
+        finally:
+            model.train(was_training)
+        if not bool(torch.isfinite(emb).all()):
+            return name
+    return None
+
+
 def verify_now(parts, args) -> dict:
     """Held-out verification (accuracy, TAR@FAR) of the raw and the EMA backbone, on this
     process (rank 0 during training): {name: (accuracy, tar)}."""

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Sampler, Subset
 import shardkit
 from shardkit.parallel import DataParallelCriterion, DataParallelModel, PipelineModel
 from shardkit.plan import balance_shards
-from shardkit.train import checkpoint
+from shardkit.train import checkpoint, report
 from shardkit.train.cpu_bf16 import use_float32_where_bf16_fails
 from shardkit.train.data import (
     ImageFolderDataset,
@@ -295,6 +295,19 @@ def pipeline_shard_sizes(pipeline, num_classes: int, dim: int) -> list:
 # ---- checkpoints -----------------------------------------------------------------
 
 
+def diverged(parts: Parts) -> Optional[str]:
+    """What shows the run diverged, else None: weights holding a NaN or an infinity
+    (:func:`non_finite_state`), or finite weights whose evaluation-mode embeddings of a few
+    held-out images do (two small forwards)."""
+    bad = non_finite_state(parts)
+    if bad is not None:
+        return f"the weights hold NaN or infinite values: {bad}"
+    model = report.non_finite_embeddings(parts)
+    if model is not None:
+        return f"the {model} backbone's embeddings of held-out images are NaN or infinite"
+    return None
+
+
 def non_finite_state(parts: Parts) -> Optional[str]:
     """The name of the first floating tensor of the run's weights (backbone parameters and
     buffers, head shards, EMA) holding a NaN or an infinity, else None: what a checkpoint must
@@ -368,10 +381,10 @@ def load_checkpoint(ckpt_dir: str, parts: Parts, world):
             f"checkpoint {path} does not fit this run ({first}); resume it with the version of "
             "shardkit that wrote it, or start a new run without --resume"
         ) from None
-    bad = non_finite_state(parts)
+    bad = diverged(parts)
     if bad is not None:  # written by a diverged run (this version never saves one)
         raise UsageError(
-            f"checkpoint {path} holds NaN or infinite weights ({bad}): the run that wrote it had diverged, so "
-            "there is nothing to resume; start a new run (with a lower --lr) without --resume"
+            f"checkpoint {path} is of a diverged run ({bad}): there is nothing to resume; start a new run "
+            "(with a lower --lr) without --resume"
         )
     return state["step"], state["history"]
