@@ -72,3 +72,14 @@ def test_an_error_before_the_group_exists_is_printed_by_every_rank(tmp_path):
     assert r.returncode != 0
     for rank in (0, 1):
         assert f"python -m shardkit.train: error: [rank {rank} of 2] --data " in out, out[-3000:]
+
+
+@pytest.mark.parametrize("flag", ["--dp", "--pipeline"])
+def test_one_process_flags_are_refused_under_torchrun(tmp_path, monkeypatch, flag):
+    # --dp under torchrun left the backbone without DDP: every rank trained a backbone of its own.
+    from shardkit.train import cli
+    from shardkit.train.errors import UsageError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(UsageError, match=f"{flag} runs in one process"):
+        cli.parse([flag, "--devices", "cpu,cpu", "--out", str(tmp_path)])

@@ -61,6 +61,13 @@ def check_args(a: argparse.Namespace) -> None:
         raise UsageError("--pipeline and --dp are two ways to use --devices; pick one")
     if a.pipeline and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UsageError("--pipeline runs in one process; launch it without torchrun")
+    if a.dp and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Each rank has one device under torchrun, and the backbone would not be wrapped in DDP:
+        # every rank would train a backbone of its own.
+        raise UsageError(
+            "--dp runs in one process over --devices; under torchrun each rank has one device and the "
+            "backbone is data-parallel through DDP already: drop --dp"
+        )
     if a.chunks < 1:
         raise UsageError(f"--chunks must be >= 1, got {a.chunks}")
     if not 0 <= a.workers <= _max_workers():
