@@ -114,7 +114,8 @@ def _state_kept(layers: Sequence[nn.Module], device: torch.device):
     grads = [(p, p.grad) for layer in layers for p in layer.parameters()]
     for p, _ in grads:
         p.grad = None
-    cuda = sorted({d.index or 0 for d in [device, *(b.device for b, _ in buffers)] if d.type == "cuda"})
+    places = [device, *(b.device for b, _ in buffers), *(p.device for p, _ in grads)]
+    cuda = sorted({d.index or 0 for d in places if d.type == "cuda"})  # dropout on a GPU draws there
     try:
         with torch.random.fork_rng(devices=cuda):
             yield
