@@ -7,6 +7,7 @@ import contextlib
 import functools
 import queue
 import threading
+import traceback
 from typing import Any, Callable, Sequence
 
 import torch
@@ -118,6 +119,13 @@ def run_parallel(
             with state.applied(devices[k]):
                 results[k] = calls[k]()
         except BaseException as e:  # noqa: BLE001 (re-raised in the caller)
+            # Drop the failed call's frames' locals here, in the thread that ran it: a call that
+            # raised inside torch.utils.checkpoint leaves that checkpoint's saved-tensor hooks
+            # installed on this thread until its suspended generator is collected, and collected
+            # later in the caller's thread it would pop that thread's hooks instead (torch's
+            # "!tls.stack.empty()" assert) and leave this worker saving into the failed call.
+            # The traceback keeps its lines; only the frames' local variables go.
+            traceback.clear_frames(e.__traceback__)
             errors[k] = e
         finally:
             _worker.active = nested

@@ -1,5 +1,6 @@
-"""shardkit.parallel.PipelineModel under faults and bad arguments: a call whose stage raises
-leaves nothing behind (the next call equals the unsplit model in float64), devices it cannot
+"""shardkit.parallel under faults and bad arguments: a PipelineModel call whose stage raises,
+or a DataParallelModel call whose replica raises inside torch.utils.checkpoint, leaves nothing
+behind (the next call equals the unsplit model in float64); devices PipelineModel cannot
 compute on are refused before the caller's layers move, and `balance` / `sample` errors name
 the argument."""
 
@@ -8,8 +9,9 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from shardkit.parallel import PipelineModel
+from shardkit.parallel import DataParallelModel, PipelineModel
 
 
 class _Failing(nn.Module):
@@ -123,3 +125,42 @@ def test_profiling_leaves_the_layers_and_the_random_state_as_they_were(by):
     for p, g in zip(model.parameters(), grads):
         assert torch.equal(p.grad, g)
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+class _CheckpointedNet(nn.Module):
+    """A user model that recomputes its body (torch.utils.checkpoint), failing on a chunk size."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 3)
+        self.fail_on = None
+
+    def body(self, x):
+        if x.shape[0] == self.fail_on:
+            raise RuntimeError("this replica fails on purpose")
+        return torch.tanh(self.a(x))
+
+    def forward(self, x):
+        return self.b(checkpoint(self.body, x, use_reentrant=False))
+
+
+@pytest.mark.parametrize("fail_on", [4, 3])  # chunks of 4 and 3: the caller's thread, or a worker's
+def test_a_data_parallel_call_that_failed_inside_a_checkpoint_leaves_nothing_behind(fail_on):
+    torch.manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    net = _CheckpointedNet().double()
+    ref = copy.deepcopy(net)
+    model = DataParallelModel(net, device_ids=["cpu"] * 2)
+    x = torch.randn(7, 4, dtype=torch.float64)
+    net.fail_on = fail_on
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="fails on purpose"):
+            model(x)
+    net.fail_on = None
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    out = torch.cat(model(x))
+    coef = torch.randn(7, 3, dtype=torch.float64)
+    (out * coef).sum().backward()
+    (ref(x) * coef).sum().backward()
+    torch.testing.assert_close(out, ref(x), rtol=1e-12, atol=1e-12)
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
