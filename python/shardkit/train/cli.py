@@ -63,7 +63,8 @@ differently). Any other flag given with a value other than the checkpoint's is a
 
 exit status: 0 done, 2 a user error (one line on stderr saying what to do), 1 an internal
 error (with its traceback), 130 interrupted by Ctrl-C (checkpoint saved; a second Ctrl-C
-stops at once and keeps the last checkpoint).
+stops at once and keeps the last checkpoint). Under torchrun the rank that meets an error
+prints it, tagged [rank R of W], and the other ranks stop naming that rank.
 """
 
 
