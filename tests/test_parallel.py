@@ -407,7 +407,7 @@ def test_bad_inputs_get_clear_errors():
     with pytest.raises(TypeError, match="`outputs` must be the list of per-device outputs"):
         gather(torch.randn(3), "cpu")
     shape_varies = DataParallelCriterion(Lambda(lambda out, t: out.sum(0)[: out.shape[0]]), device_ids=["cpu"] * 3)
-    with pytest.raises(ValueError, match="losses of different shapes on different devices.*reduction='none'"):
+    with pytest.raises(ValueError, match="losses of shapes .*must be a scalar.*reduction='none'"):
         shape_varies(net3(torch.randn(8, 7)), torch.randint(0, 5, (8,)))  # chunks 3, 3, 2
     with pytest.raises(ValueError, match="different structures on different devices"):
         DataParallelCriterion(

@@ -203,6 +203,36 @@ def test_deferred_batchnorm_keeps_whole_batch_running_stats(ckpt):
     torch.testing.assert_close(pipe(x), ref(x), rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("ckpt", ["never", "always"])
+def test_deferred_batchnorm_keeps_the_running_stats_of_each_layers_own_inputs(ckpt):
+    # What holds for every layer: one update per step from all the inputs the layer saw in
+    # the step's micro-batches (their mean and unbiased variance, momentum applied once).
+    # Those inputs equal the unsplit model's only up to the first BatchNorm: a later layer
+    # sees activations normalized per micro-batch, so its statistics differ from the
+    # unsplit model's (the README says so).
+    ref = _bn_net(5, bns=2)
+    pipe = PipelineModel(copy.deepcopy(ref), ["cpu", "cpu"], chunks=3, checkpoint=ckpt)
+    x = torch.randn(11, 4, dtype=torch.float64)
+    pipe(x).sum().backward()
+    per_micro = copy.deepcopy(ref)  # plain BatchNorm run micro-batch by micro-batch: the inputs each layer sees
+    seen = {id(m): [] for m in _bn_layers(per_micro)}
+    for m in _bn_layers(per_micro):
+        m.register_forward_pre_hook(lambda mod, args: seen[id(mod)].append(args[0].detach()))
+    for c in x.tensor_split(3):
+        per_micro(c)
+    for b, r, plain in zip(_bn_layers(pipe), _bn_layers(ref), _bn_layers(per_micro)):
+        inputs = torch.cat(seen[id(plain)])
+        want_mean = 0.9 * r.running_mean + 0.1 * inputs.mean(0)
+        want_var = 0.9 * r.running_var + 0.1 * inputs.var(0, unbiased=True)
+        torch.testing.assert_close(b.running_mean, want_mean, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(b.running_var, want_var, rtol=1e-10, atol=1e-12)
+        assert int(b.num_batches_tracked) == 1
+    ref(x)  # the unsplit model: equal statistics for the first layer only
+    first, second = _bn_layers(pipe)
+    torch.testing.assert_close(first.running_var, _bn_layers(ref)[0].running_var, rtol=1e-10, atol=1e-12)
+    assert (second.running_var - _bn_layers(ref)[1].running_var).abs().max() > 1e-6
+
+
 @pytest.mark.parametrize("ckpt", ["never", "except_last", "always"])
 def test_micro_batchnorm_updates_per_micro_batch_once(ckpt):
     ref = _bn_net(5)

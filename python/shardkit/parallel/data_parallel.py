@@ -31,30 +31,19 @@ from __future__ import annotations
 import functools
 import numbers
 from itertools import chain
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
 from shardkit.ops import weighted_loss_reduce
-from shardkit.ops._parallel import check_weight
 from shardkit.parallel import scatter as U
+from shardkit.parallel.loss_weights import WeightedLoss, _call, _chunk_loss, _strip_weight
 from shardkit.parallel.replicate import replicate_module, share_replicas
 from shardkit.parallel.sync import execute_replication_callbacks
 from shardkit.parallel.threads import profiler_range, run_parallel
 
-
-class WeightedLoss(NamedTuple):
-    """What a criterion may return to set its own weight in the cross-device reduction.
-
-    ``loss``: a tensor (or a dict/tuple of tensors) already averaged over this device's
-    chunk; ``weight``: what that average was divided by (valid elements, a weight sum):
-    a finite, non-negative number or a one-element tensor on any device (no host sync
-    needed; its value is not checked).
-    """
-
-    loss: Any
-    weight: Any
+__all__ = ["DataParallelModel", "DataParallelCriterion", "WeightedLoss"]
 
 
 def _init_parallel(self: nn.DataParallel, module: nn.Module, device_ids, output_device, dim: int) -> None:
@@ -88,12 +77,6 @@ def _init_parallel(self: nn.DataParallel, module: nn.Module, device_ids, output_
         if len(devices) == 1:
             module.to(devices[0])
     self._devices, self._shared = devices, shared
-
-
-def _call(module: nn.Module, output: Any, targets: tuple, kwargs: dict) -> Any:
-    if isinstance(output, tuple):
-        return module(*output, *targets, **kwargs)
-    return module(output, *targets, **kwargs)
 
 
 class DataParallelModel(nn.DataParallel):
@@ -217,13 +200,19 @@ class DataParallelCriterion(nn.DataParallel):
     the criterion has ``weight``; all positions for probability targets); for any other
     criterion with ``reduction='mean'`` and an int ``ignore_index`` attribute, the integer
     target elements != ignore_index; or the weight the criterion reports by returning
-    :class:`WeightedLoss` or a dict with a ``"weight"`` entry. ``reduction='sum'``
-    criteria are summed; ``reduction='none'`` results are concatenated along ``dim``.
-    A dict or tuple of losses is reduced entry by entry (non-tensor entries come back as
-    the list of per-device values).
+    :class:`WeightedLoss` or a dict with a ``"weight"`` entry. The target is the first
+    positional target, or in the keyword form (``criterion(outputs, target=y)``) the
+    keyword bound to the parameter after the outputs in the criterion's ``forward``.
+    ``reduction='sum'`` criteria are summed; ``reduction='none'`` results (one loss per
+    sample) are concatenated along ``dim`` in batch order. Any other criterion must return
+    one-element losses. A dict or tuple of losses is reduced entry by entry (non-tensor
+    entries come back as the list of per-device values).
 
     Raises ValueError for bad device arguments (as DataParallelModel), outputs of 0 samples,
-    or targets whose batch does not match the outputs' sizes (naming the argument).
+    targets whose batch does not match the outputs' sizes (naming the argument), a keyword
+    form whose target cannot be told for a criterion weighed by its targets, losses of more
+    than one element without ``reduction='none'`` (whatever the split), or per-sample losses
+    that do not match the chunks with it.
     """
 
     def __init__(
@@ -273,7 +262,7 @@ class DataParallelCriterion(nn.DataParallel):
                 for m, out, (t, k), n in zip(replicas, inputs, per_device, sizes)
             ]
             results = run_parallel(calls, devices, "DataParallelCriterion")
-            return self._reduce(results)
+            return self._reduce(results, sizes)
 
     def replicate(self, module: nn.Module, device_ids) -> list[nn.Module]:
         """Replicas of a criterion with state (e.g. a class ``weight``) for ``device_ids``,
@@ -312,8 +301,9 @@ class DataParallelCriterion(nn.DataParallel):
             )
         return devices, sizes
 
-    def _reduce(self, results: list[tuple[Any, Any]]) -> Any:
-        """Reduces the workers' (value, weight) pairs (see _chunk_loss)."""
+    def _reduce(self, results: list[tuple[Any, Any]], sizes: list[int]) -> Any:
+        """Reduces the workers' (value, weight) pairs (see _chunk_loss); ``sizes``: the samples
+        of each chunk."""
         reduction = getattr(self.module, "reduction", "mean")
         values = [value for value, _ in results]
         weights = [1 if self.legacy_mean or reduction == "sum" else weight for _, weight in results]
@@ -321,13 +311,26 @@ class DataParallelCriterion(nn.DataParallel):
         normalize = reduction != "sum"
 
         def combine(leaves: list[Any]) -> Any:
-            if reduction == "none":
+            shapes = [tuple(x.shape) for x in leaves]
+            if reduction == "none":  # per-sample losses, gathered in batch order
+                d = self.dim if self.dim >= 0 else self.dim + max(len(shape) for shape in shapes)
+                if any(len(shape) <= d or shape[d] != n for shape, n in zip(shapes, sizes)):
+                    raise ValueError(
+                        f"DataParallelCriterion: the criterion has reduction='none' but returned losses of shapes "
+                        f"{shapes} for chunks of {sizes} samples; with reduction='none' it must return one loss "
+                        f"per sample (the chunk's size along dim {self.dim}), which are concatenated in batch order"
+                    )
                 return torch.cat([x.to(out_dev, non_blocking=out_dev.type == "cuda") for x in leaves], self.dim)
-            if len({tuple(x.shape) for x in leaves}) > 1:
+            if any(x.numel() != 1 for x in leaves):
+                # Per-sample (or any non-scalar) losses cannot be averaged across devices
+                # element by element: that would pair unrelated samples, and fail when the
+                # chunks differ in size. Refused whatever the split, so a script fails alike
+                # on every batch size and device count.
                 raise ValueError(
-                    f"DataParallelCriterion: the criterion returned losses of different shapes on "
-                    f"different devices ({[tuple(x.shape) for x in leaves]}); give per-sample "
-                    f"criteria reduction='none'"
+                    f"DataParallelCriterion: the criterion returned losses of shapes {shapes} (chunks of {sizes} "
+                    f"samples), but its reduction is {reduction!r}: each device's loss must be a scalar (one "
+                    f"element) to be reduced across devices; for per-sample losses give the criterion "
+                    f"reduction='none' (a `reduction` attribute), and they are concatenated in batch order"
                 )
             return weighted_loss_reduce(leaves, weights, out_dev, normalize)
 
@@ -347,57 +350,3 @@ class DataParallelCriterion(nn.DataParallel):
             return list(vals)
 
         return combine_nested(values)
-
-
-def _chunk_loss(module: nn.Module, output: Any, targets: tuple, kwargs: dict, samples: int, auto: bool) -> tuple:
-    """One worker's part of DataParallelCriterion: (loss value, its weight). The weight is
-    what the criterion reports, else (when ``auto``) the denominator of its mean on this
-    chunk, else the chunk's sample count."""
-    value, weight = _split_weight(_call(module, output, targets, kwargs))
-    if weight is None:
-        weight = _auto_weight(module, targets, samples) if auto else samples
-    return value, weight
-
-
-def _split_weight(result: Any) -> tuple[Any, Any]:
-    """(loss, the weight the criterion reports or None), the weight checked: a tensor or a
-    finite, non-negative number (in every device mode, so a criterion fails the same way)."""
-    if isinstance(result, WeightedLoss):
-        check_weight(result.weight, "WeightedLoss.weight (the criterion's loss weight)")
-        return result.loss, result.weight
-    if isinstance(result, dict) and "weight" in result:
-        check_weight(result["weight"], 'the "weight" entry of the criterion\'s dict')
-        rest = type(result)((k, v) for k, v in result.items() if k != "weight")
-        return rest, result["weight"]
-    return result, None
-
-
-def _strip_weight(result: Any) -> Any:
-    return _split_weight(result)[0]
-
-
-def _auto_weight(criterion: nn.Module, targets: tuple, samples: int) -> Any:
-    """The denominator of a mean-reduced criterion on one chunk, without a host sync."""
-    if (
-        isinstance(criterion, (nn.CrossEntropyLoss, nn.NLLLoss))
-        and criterion.reduction == "mean"
-        and targets
-        and isinstance(targets[0], torch.Tensor)
-    ):
-        target = targets[0]
-        if target.is_floating_point():  # class probabilities: the mean is over every position
-            return target.numel() // target.size(1) if target.dim() > 1 else 1
-        valid = target != criterion.ignore_index
-        if criterion.weight is None:
-            return valid.sum()
-        class_weight = criterion.weight.to(target.device)[target.masked_fill(~valid, 0)]
-        return (class_weight * valid).sum()
-    if (
-        getattr(criterion, "reduction", None) == "mean"
-        and isinstance(getattr(criterion, "ignore_index", None), int)
-        and targets
-        and isinstance(targets[0], torch.Tensor)
-        and not targets[0].is_floating_point()
-    ):
-        return (targets[0] != criterion.ignore_index).sum()  # e.g. ShardedSoftmaxLoss: mean over valid rows
-    return samples

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import time
 from typing import Any, Sequence
 
 import torch
@@ -38,6 +37,7 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from shardkit.ops._devices import unavailable_cuda, visible_gpus
 from shardkit.parallel.pipeline_bn import DeferredBatchNorm, no_running_stats_update
+from shardkit.parallel.pipeline_plan import BALANCE_BY, layer_costs, partition, split_evenly
 from shardkit.parallel.scatter import as_device
 from shardkit.parallel.threads import run_parallel
 
@@ -52,7 +52,6 @@ def _rng_lock(dev: torch.device):
 
 
 BATCHNORM_MODES = ("deferred", "micro")
-BALANCE_BY = ("time", "memory")  # what balance_by / layer_costs profile
 
 
 def _layers(stages) -> list[nn.Module]:
@@ -63,73 +62,18 @@ def _layers(stages) -> list[nn.Module]:
     raise TypeError(f"argument `stages` must be an nn.Sequential or a list of nn.Modules, got {type(stages).__name__}")
 
 
-def split_evenly(num_layers: int, parts: int) -> list[int]:
-    """Layer counts of ``parts`` contiguous stages as even as possible (first ones larger)."""
-    base, extra = divmod(num_layers, parts)
-    return [base + (k < extra) for k in range(parts)]
-
-
-def partition(costs: Sequence[float], parts: int) -> list[int]:
-    """Layer counts of ``parts`` contiguous, non-empty stages minimizing the largest stage
-    cost (exact, by dynamic programming over the prefix sums)."""
-    n = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + float(c))
-    inf = float("inf")
-    # best[p][i]: the smallest max-stage cost of the first i layers in p stages
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]
-    cut = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0.0
-    for p in range(1, parts + 1):
-        for i in range(p, n + 1):
-            for j in range(p - 1, i):
-                value = max(best[p - 1][j], prefix[i] - prefix[j])
-                if value < best[p][i]:
-                    best[p][i], cut[p][i] = value, j
-    sizes, i = [], n
-    for p in range(parts, 0, -1):
-        j = cut[p][i]
-        sizes.append(i - j)
-        i = j
-    return sizes[::-1]
-
-
-def layer_costs(layers: Sequence[nn.Module], sample: torch.Tensor, by: str, repeats: int = 3) -> list[float]:
-    """Per-layer cost on ``sample`` (run through the layers in order, where the layers are):
-    ``"time"``: the median of ``repeats`` forward + backward times in seconds;
-    ``"memory"``: bytes of parameters, their gradients and buffers plus the output
-    activation kept for the backward. The layers' buffers (BatchNorm's running statistics)
-    are restored afterwards: profiling does not count as training."""
-    if by not in BALANCE_BY:
-        raise ValueError(f"argument `by` must be 'time' or 'memory', got {by!r}")
-    costs, x = [], sample
-    for layer in layers:
-        buffers = [t.detach().clone() for t in layer.buffers()]  # put back after profiling
-        state = 2 * sum(t.numel() * t.element_size() for t in layer.parameters())  # with their gradients
-        state += sum(t.numel() * t.element_size() for t in buffers)
-        if by == "memory":
-            with torch.no_grad():
-                y = layer(x)
-            costs.append(float(state + y.numel() * y.element_size()))
-        else:
-            times = []
-            for _ in range(repeats):
-                inp = x.detach().requires_grad_(x.is_floating_point())
-                _sync(inp.device)
-                start = time.perf_counter()
-                y = layer(inp)
-                if y.requires_grad:
-                    y.backward(torch.ones_like(y))
-                _sync(inp.device)
-                times.append(time.perf_counter() - start)
-            costs.append(sorted(times)[len(times) // 2])
-            layer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for t, saved in zip(layer.buffers(), buffers):
-                t.copy_(saved)
-        x = y.detach()
-    return costs
+def _device_arg(value: Any, name: str) -> torch.device:
+    """``value`` as a CPU or visible CUDA device; ValueError naming argument ``name`` otherwise.
+    Other device types are refused before any layer moves: a "meta" stage would take the
+    caller's layers there and drop their values, and nothing can run on it."""
+    try:
+        dev = as_device(value)
+    except ValueError as e:
+        raise ValueError(f"argument `{name}`: {e}") from None
+    if dev.type not in ("cpu", "cuda"):
+        what = "hold CPU or CUDA devices" if name == "devices" else "be a CPU or CUDA device"
+        raise ValueError(f"argument `{name}` must {what} (e.g. 'cpu', 'cuda:0'), got {dev}")
+    return dev
 
 
 def _check_visible(devices: Sequence[torch.device], name: str) -> None:
@@ -149,11 +93,6 @@ def _check_visible(devices: Sequence[torch.device], name: str) -> None:
         f"argument `{name}` names {', '.join(map(str, missing))} but only {count} CUDA GPU(s) are visible "
         f"(cuda:0 to cuda:{count - 1})"
     )
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class PipelineModel(nn.Module):
@@ -197,8 +136,10 @@ class PipelineModel(nn.Module):
         layers = _layers(stages)
         if isinstance(devices, (str, int, torch.device)) or not devices:
             raise ValueError(f"argument `devices` must be a non-empty list of devices, got {devices!r}")
-        devs = [as_device(d) for d in devices]
+        devs = [_device_arg(d, "devices") for d in devices]
         _check_visible(devs, "devices")
+        out_dev = devs[-1] if output_device is None else _device_arg(output_device, "output_device")
+        _check_visible([out_dev], "output_device")
         if len(devs) > len(layers):
             raise ValueError(
                 f"argument `devices` names {len(devs)} devices for {len(layers)} layers; each device needs "
@@ -218,6 +159,11 @@ class PipelineModel(nn.Module):
             balance = self.balance_by(layers, sample, len(devs), by=balance)
         elif balance is None:
             balance = split_evenly(len(layers), len(devs))
+        elif not isinstance(balance, (list, tuple)):
+            raise TypeError(
+                f"argument `balance` must be a list of ints (layers per device), 'time', 'memory' or None, "
+                f"got {type(balance).__name__} {balance!r}"
+            )
         balance = list(balance)
         if len(balance) != len(devs) or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in balance):
             raise ValueError(f"argument `balance` must hold one positive int per device ({len(devs)}), got {balance}")
@@ -241,8 +187,7 @@ class PipelineModel(nn.Module):
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.batchnorm = batchnorm
-        self.output_device = devs[-1] if output_device is None else as_device(output_device)
-        _check_visible([self.output_device], "output_device")
+        self.output_device = out_dev
         self._streams: dict = {}
         self._micro_count = 1
 
@@ -297,7 +242,8 @@ class PipelineModel(nn.Module):
         for clock in range(m + k - 1):
             tasks = [(s, clock - s) for s in range(k) if 0 <= clock - s < m]
             calls = [functools.partial(self._run_task, s, i, acts[i], events[i], streams) for s, i in tasks]
-            results = run_parallel(calls, [self.stage_devices[s] for s, _ in tasks], "PipelineModel")
+            labels = [f"stage {s} (partitions[{s}]), micro-batch {i} of {m}" for s, i in tasks]
+            results = run_parallel(calls, [self.stage_devices[s] for s, _ in tasks], "PipelineModel", labels)
             for (_, i), (y, event) in zip(tasks, results):
                 acts[i], events[i] = y, event
         # A non-blocking copy to the CPU would return before its data arrived (torch.cat on the
@@ -360,15 +306,30 @@ class PipelineModel(nn.Module):
     def _apply(self, part: nn.Module, x: torch.Tensor, use_ckpt: bool, s: int) -> torch.Tensor:
         if use_ckpt and torch.is_grad_enabled():
             calls = {"n": 0}
+            failed: list = []
 
             def run(inp):
                 calls["n"] += 1
-                if calls["n"] == 1:
+                if calls["n"] > 1:
+                    with no_running_stats_update(part):  # the recomputation in the backward
+                        return part(inp)
+                # torch's checkpoint installs its saved-tensor hooks on this thread and removes
+                # them only after the function returns: an exception would leave them in place
+                # (until the exception is collected, possibly on another thread), and every
+                # later forward on this thread would save its tensors into this failed call.
+                try:
                     return part(inp)
-                with no_running_stats_update(part):  # the recomputation in the backward
-                    return part(inp)
+                except BaseException as e:  # noqa: BLE001 (re-raised below, once checkpoint is done)
+                    failed.append(e)
+                    return inp.new_empty(0)
 
             y = _checkpoint(run, x, use_reentrant=False)
+            if failed:
+                error = failed.pop()
+                try:
+                    raise error
+                finally:
+                    error = None  # no reference cycle through this frame
         else:
             y = part(x)
         if not isinstance(y, torch.Tensor):

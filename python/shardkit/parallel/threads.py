@@ -7,6 +7,7 @@ import contextlib
 import functools
 import queue
 import threading
+import traceback
 from typing import Any, Callable, Sequence
 
 import torch
@@ -31,6 +32,9 @@ class _Slot:
             try:
                 fn()
             finally:
+                # Hold nothing of a finished task while waiting for the next one: a failed
+                # task's closure holds its exception, and so the frames and tensors of its traceback.
+                fn = None
                 done.release()
 
     def submit(self, fn: Callable[[], None]) -> threading.Lock:
@@ -91,11 +95,16 @@ class ThreadState:
             yield
 
 
-def run_parallel(calls: Sequence[Callable[[], Any]], devices: Sequence[torch.device], owner: str) -> list[Any]:
+def run_parallel(
+    calls: Sequence[Callable[[], Any]],
+    devices: Sequence[torch.device],
+    owner: str,
+    labels: Sequence[str] | None = None,
+) -> list[Any]:
     """Runs ``calls[k]()`` for every k concurrently, call k on ``devices[k]`` under the caller's
     thread state; returns the results in order. Call 0 runs in the calling thread. A failing
     call's exception is re-raised here, same type and message, with its original traceback
-    and a note naming the device."""
+    and a note naming the call (``labels[k]``, default "chunk k of K") and the device."""
     state = ThreadState(devices)
     results: list[Any] = [None] * len(calls)
     errors: list[BaseException | None] = [None] * len(calls)
@@ -110,6 +119,13 @@ def run_parallel(calls: Sequence[Callable[[], Any]], devices: Sequence[torch.dev
             with state.applied(devices[k]):
                 results[k] = calls[k]()
         except BaseException as e:  # noqa: BLE001 (re-raised in the caller)
+            # Drop the failed call's frames' locals here, in the thread that ran it: a call that
+            # raised inside torch.utils.checkpoint leaves that checkpoint's saved-tensor hooks
+            # installed on this thread until its suspended generator is collected, and collected
+            # later in the caller's thread it would pop that thread's hooks instead (torch's
+            # "!tls.stack.empty()" assert) and leave this worker saving into the failed call.
+            # The traceback keeps its lines; only the frames' local variables go.
+            traceback.clear_frames(e.__traceback__)
             errors[k] = e
         finally:
             _worker.active = nested
@@ -124,8 +140,15 @@ def run_parallel(calls: Sequence[Callable[[], Any]], devices: Sequence[torch.dev
         work(0)
         for done in pending:
             done.acquire()
-    for k, e in enumerate(errors):
-        if e is not None:
-            e.add_note(f"(raised in the {owner} call for chunk {k} of {len(calls)}, on device {devices[k]})")
-            raise e.with_traceback(e.__traceback__)
-    return results
+    failed = next((k for k, e in enumerate(errors) if e is not None), None)
+    if failed is None:
+        return results
+    error = errors[failed]
+    errors.clear()  # the traceback holds this frame, whose closure holds `errors`: no cycle
+    results.clear()
+    label = labels[failed] if labels is not None else f"chunk {failed} of {len(calls)}"
+    error.add_note(f"(raised in the {owner} call for {label}, on device {devices[failed]})")
+    try:
+        raise error.with_traceback(error.__traceback__)
+    finally:
+        error = None

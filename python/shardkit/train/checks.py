@@ -13,6 +13,7 @@ import torch
 
 from shardkit.train import checkpoint
 from shardkit.train.argtypes import (
+    MAX_PROFILE_STEPS,
     MAX_SEED,
     MIN_IMAGE_SIZE,
     _activations_misfit,
@@ -47,8 +48,11 @@ def check_args(a: argparse.Namespace) -> None:
         raise UsageError("--amp fp16 needs a CUDA device; use --amp bf16 on the CPU")
     if not 0 <= a.ema < 1:
         raise UsageError(f"--ema must be in [0, 1), got {a.ema}")
-    if a.profile < 0:
-        raise UsageError(f"--profile must be >= 0, got {a.profile}")
+    if not 0 <= a.profile <= MAX_PROFILE_STEPS:
+        raise UsageError(
+            f"--profile must be in [0, {MAX_PROFILE_STEPS}] (steps to time; a few dozen show where the time "
+            f"goes), got {a.profile}"
+        )
     if a.profile and a.resume:
         raise UsageError("--profile measures a fresh run; drop --resume (or --profile)")
     if a.eval_every is not None and a.eval_every < 0:
@@ -57,6 +61,13 @@ def check_args(a: argparse.Namespace) -> None:
         raise UsageError("--pipeline and --dp are two ways to use --devices; pick one")
     if a.pipeline and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UsageError("--pipeline runs in one process; launch it without torchrun")
+    if a.dp and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Each rank has one device under torchrun, and the backbone would not be wrapped in DDP:
+        # every rank would train a backbone of its own.
+        raise UsageError(
+            "--dp runs in one process over --devices; under torchrun each rank has one device and the "
+            "backbone is data-parallel through DDP already: drop --dp"
+        )
     if a.chunks < 1:
         raise UsageError(f"--chunks must be >= 1, got {a.chunks}")
     if not 0 <= a.workers <= _max_workers():
@@ -135,20 +146,54 @@ def check_saved_settings(parser: argparse.ArgumentParser, saved: dict, path: str
             )
 
 
+BATCH_NORM_WARN_BELOW = 8  # images per BatchNorm forward below which the run is warned about
+
+
+def batch_norm_piece(a, world_size: int) -> tuple:
+    """(the fewest images one BatchNorm forward of the backbone sees, where they come from,
+    "dp" | "pipeline" | "batch"): per device under --dp, per micro-batch under --pipeline, per
+    batch otherwise (--batch is per process under torchrun; --accumulate runs --batch images
+    per forward)."""
+    n = len(a.devices) if world_size == 1 else 1
+    if a.dp and n > 1:
+        return a.batch // n, f"--batch {a.batch} over {n} devices (--dp)", "dp"
+    if a.pipeline:
+        chunks = min(a.chunks, a.batch)
+        return a.batch // chunks, f"--batch {a.batch} in --chunks {a.chunks} micro-batches (--pipeline)", "pipeline"
+    return a.batch, f"--batch {a.batch}", "batch"
+
+
+def batch_norm_warning(a, world_size: int):
+    """A warning when BatchNorm normalizes too few images at once to train well, else None:
+    its batch statistics are then mostly noise (with 2 images every channel normalizes to
+    about -1 and +1) and what evaluation uses, the running statistics, differs from what
+    training saw; such runs often diverge."""
+    images, source, kind = batch_norm_piece(a, world_size)
+    if images >= BATCH_NORM_WARN_BELOW:
+        return None
+    return (
+        f"{source} gives BatchNorm {images} images per forward; its statistics of fewer than "
+        f"{BATCH_NORM_WARN_BELOW} images are mostly noise (with 2, every channel becomes about -1 or +1) and training "
+        f"can diverge: give it {BATCH_NORM_WARN_BELOW} or more (a larger --batch"
+        + {"pipeline": ", fewer --chunks", "dp": ", fewer --devices"}.get(kind, "")
+        + "; --accumulate adds images per step, not per forward)"
+    )
+
+
 def _check_batch_norm_pieces(a, world_size: int) -> None:
     """The backbone's BatchNorm layers need 2 images in every piece of a batch a forward
-    sees: per device under --dp, per micro-batch under --pipeline (--batch is per process
-    under torchrun)."""
-    n = len(a.devices) if world_size == 1 else 1
-    if a.dp and n > 1 and a.batch // n < 2:
+    sees (see :func:`batch_norm_piece`)."""
+    images, source, kind = batch_norm_piece(a, world_size)
+    if images >= 2:
+        return
+    if kind == "dp":
         raise UsageError(
-            f"--batch {a.batch} over {n} devices (--dp) leaves {a.batch // n} image(s) on a device; BatchNorm "
-            f"needs 2: use --batch {2 * n} or more"
+            f"{source} leaves {images} image(s) on a device; BatchNorm needs 2: use --batch {2 * len(a.devices)} "
+            "or more"
         )
-    if a.pipeline and a.batch // min(a.chunks, a.batch) < 2:
+    if kind == "pipeline":
         raise UsageError(
-            f"--batch {a.batch} in --chunks {a.chunks} micro-batches leaves {a.batch // min(a.chunks, a.batch)} "
-            f"image(s) in one; BatchNorm needs 2: use fewer --chunks or --batch {2 * a.chunks} or more"
+            f"{source} leaves {images} image(s) in one; BatchNorm needs 2: use fewer --chunks or "
+            f"--batch {2 * a.chunks} or more"
         )
-    if a.batch < 2:
-        raise UsageError(f"--batch {a.batch}: BatchNorm needs 2 images per batch; use --batch 2 or more")
+    raise UsageError(f"--batch {a.batch}: BatchNorm needs 2 images per batch; use --batch 2 or more")

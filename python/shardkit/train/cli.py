@@ -22,11 +22,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from shardkit.train import checkpoint, checks, loop
+from shardkit.train import checkpoint, checks, loop, ranks
 from shardkit.train.argtypes import (
     FLOAT32_MAX,
     MAX_LR,
@@ -62,7 +63,8 @@ differently). Any other flag given with a value other than the checkpoint's is a
 
 exit status: 0 done, 2 a user error (one line on stderr saying what to do), 1 an internal
 error (with its traceback), 130 interrupted by Ctrl-C (checkpoint saved; a second Ctrl-C
-stops at once and keeps the last checkpoint).
+stops at once and keeps the last checkpoint). Under torchrun the rank that meets an error
+prints it, tagged [rank R of W], and the other ranks stop naming that rank.
 """
 
 
@@ -215,8 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         metavar="N",
-        help="time N steps phase by phase, print where the time goes and a verdict, write a profiler "
-        "trace and a chart to --out, then stop; 0: train (default: %(default)s)",
+        help="time N steps (at most 1000) phase by phase, print where the time goes and a verdict, write a "
+        "profiler trace of the first 20 and a chart to --out, then stop; 0: train (default: %(default)s)",
     )
     o.add_argument(
         "--eval-every",
@@ -274,31 +276,27 @@ def _out_of_memory(e: BaseException) -> bool:
     return "DefaultCPUAllocator: can't allocate memory" in str(e)
 
 
-def main(argv=None) -> int:
-    """Entry point of ``python -m shardkit.train`` and the ``shardkit-train`` script; returns
-    the exit code: 2 with one line on stderr for a user error."""
-    try:
-        args = parse(sys.argv[1:] if argv is None else argv)
-        had_group = dist.is_available() and dist.is_initialized()
-        world = loop.init_distributed(args)
-    except UsageError as e:
-        print(f"python -m shardkit.train: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:  # Ctrl-C before the run started: nothing to save
-        print("\npython -m shardkit.train: interrupted before training started", file=sys.stderr)
-        return 130
-    try:
-        code = loop.run(args, world)
-        if world.size > 1 and dist.is_initialized():
-            # Tear down together: rank 0 still plots while the others would close their gloo
-            # connections, and a peer's socket closing under a rank that still reads it aborts it.
-            dist.barrier()
-        return code
-    except UsageError as e:
-        if world.rank == 0:
-            print(f"python -m shardkit.train: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:  # a second Ctrl-C: stop now (the first one saves at the end of its step)
+def _user_error_line(e: BaseException):
+    """The one line of a user error (a UsageError, an image of --data that does not decode
+    outside a training step, running out of memory), else None."""
+    if isinstance(e, UsageError):
+        return str(e)
+    if isinstance(e, ValueError):  # an image of --data that fails outside a training step (the evaluation's)
+        line = decode_error_line(e)
+        return None if line is None else f"{line}; remove or replace that file in --data"
+    if isinstance(e, (RuntimeError, MemoryError)) and _out_of_memory(e):
+        said = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return (
+            f"out of memory ({said}); lower --batch or --image-size, use a smaller --backbone, add "
+            "--checkpointing or --amp bf16, or give the head more --devices or a --sample-rate"
+        )
+    return None
+
+
+def _failed(e: BaseException, args, world) -> Optional[int]:
+    """The exit code of a run that raised ``e`` (after saying why), or None to re-raise it (an
+    internal error, recorded for the other ranks first). See :mod:`shardkit.train.ranks`."""
+    if isinstance(e, KeyboardInterrupt):  # a second Ctrl-C: stop now (the first one saves at its step's end)
         if world.rank == 0:
             print(
                 "\npython -m shardkit.train: stopped by a second Ctrl-C without saving; the last checkpoint in "
@@ -306,23 +304,47 @@ def main(argv=None) -> int:
                 file=sys.stderr,
             )
         return 130
-    except ValueError as e:  # an image of --data that fails outside a training step (the evaluation's)
-        line = decode_error_line(e)
-        if line is None:
-            raise
-        if world.rank == 0:
-            print(f"python -m shardkit.train: error: {line}; remove or replace that file in --data", file=sys.stderr)
+    line = _user_error_line(e)
+    if line is not None:
+        return ranks.fail(world, 2, line)
+    peer = ranks.peer_failure(world)
+    if peer is not None:  # this rank's error follows another rank's failure
+        return ranks.stopped_by_peer(world, peer, e)
+    if isinstance(e, ranks.Terminated):
+        ranks.say(f"{ranks.tag(world.rank, world.size)}stopped by the launcher (SIGTERM)")
+        return 143
+    said = (str(e).strip().splitlines() or [""])[0]
+    ranks.record(world, 1, f"internal error {type(e).__name__}: {said} (its traceback is in that rank's output)")
+    return None
+
+
+def main(argv=None) -> int:
+    """Entry point of ``python -m shardkit.train`` and the ``shardkit-train`` script; returns
+    the exit code: 2 with one line on stderr for a user error (under torchrun on the rank that
+    met it, the others naming that rank: :mod:`shardkit.train.ranks`)."""
+    try:
+        args = parse(sys.argv[1:] if argv is None else argv)
+        had_group = dist.is_available() and dist.is_initialized()
+        world = loop.init_distributed(args)
+    except UsageError as e:
+        ranks.say(f"{ranks.env_tag()}{e}")
         return 2
-    except (RuntimeError, MemoryError) as e:
-        if not _out_of_memory(e):
+    except KeyboardInterrupt:  # Ctrl-C before the run started: nothing to save
+        print("\npython -m shardkit.train: interrupted before training started", file=sys.stderr)
+        return 130
+    try:
+        with ranks.sigterm_raises(world):
+            code = loop.run(args, world)
+            if world.size > 1 and dist.is_initialized():
+                # Tear down together: rank 0 still plots while the others would close their gloo
+                # connections, and a peer's socket closing under a rank that still reads it aborts it.
+                dist.barrier()
+        return code
+    except BaseException as e:  # noqa: BLE001 (what is ours is re-raised)
+        code = _failed(e, args, world)
+        if code is None:
             raise
-        said = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        print(
-            f"python -m shardkit.train: error: out of memory ({said}); lower --batch or --image-size, use a smaller "
-            "--backbone, add --checkpointing or --amp bf16, or give the head more --devices or a --sample-rate",
-            file=sys.stderr,
-        )
-        return 2
+        return code
     finally:
         # Leave the process as we found it.
         if not had_group and dist.is_available() and dist.is_initialized():

@@ -11,6 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from shardkit.distributed import sampled_class_counts
 from shardkit.plan import format_size, plan_memory
+from shardkit.train.checks import batch_norm_warning
 
 
 def backbone_flops(backbone: torch.nn.Module, image_size: int, device: torch.device) -> int:
@@ -111,6 +112,9 @@ def warnings(parts, args, world) -> list:
                 "classes; this run equals --sample-rate 1 (sampling pays off when a shard's classes far "
                 "outnumber the batch)"
             )
+    small = batch_norm_warning(args, world.size)
+    if small is not None:
+        out.append(small)
     if args.amp == "bf16" and parts.devices[0].type == "cpu" and _cpu_has_fast_bf16() is False:
         out.append(
             "--amp bf16 on a CPU without native bf16 instructions (no avx512_bf16 / amx_bf16): bf16 is "

@@ -8,6 +8,20 @@ import sys
 import time
 
 
+def emit(text: str, stream=None) -> None:
+    """``print(text)`` to stdout (or ``stream``), flushed; when the reader has left (``python -m
+    shardkit.train ... | head``), the stream goes to /dev/null from then on and the run goes
+    on: everything is in log.txt."""
+    stream = sys.stdout if stream is None else stream
+    try:
+        print(text, file=stream, flush=True)
+    except BrokenPipeError:
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())  # no second error at exit
+        except (OSError, ValueError):
+            pass
+
+
 def _printable(text: str) -> str:
     """``text`` with what UTF-8 cannot encode (a path's undecodable bytes, which Python keeps
     as lone surrogates) written as backslash escapes."""
@@ -35,14 +49,14 @@ class RunLog:
     def line(self, text: str = "") -> None:
         """Printed on stdout and written to the log."""
         if self.enabled:
-            print(_printable(text), flush=True)
+            emit(_printable(text))
             self.write(text)
 
     def warn(self, text: str) -> None:
         """``warning: ...`` on stderr and in the log, once per distinct text."""
         if self.enabled and text not in self._warned:
             self._warned.add(text)
-            print(f"warning: {_printable(text)}", file=sys.stderr, flush=True)
+            emit(f"warning: {_printable(text)}", sys.stderr)
             self.write(f"warning: {text}")
 
     def close(self) -> None:

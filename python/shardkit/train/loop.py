@@ -127,12 +127,33 @@ def run(args, world: World) -> int:
         log.close()
 
 
-def _diverged(where: str, args) -> UsageError:
-    """The one-line error of a run whose embeddings became NaN or infinite."""
+def _diverged(where: str, args, what: str = "the embeddings became NaN or infinite", kept: str = "") -> UsageError:
+    """The one-line error of a run whose embeddings (or weights) became NaN or infinite."""
     return UsageError(
-        f"training diverged {where} (the embeddings became NaN or infinite); lower --lr (now {args.lr:g}), "
+        f"training diverged {where} ({what}){kept}; lower --lr (now {args.lr:g}), "
         f"--weight-decay (now {args.weight_decay:g}) or --scale"
     )
+
+
+def _save_if_finite(ckpt_dir: str, parts, step: int, history, world: World, args, last_saved) -> int:
+    """Saves the checkpoint of ``step`` and returns ``step``, unless the run diverged on any rank
+    (NaN or infinite weights, or embeddings: :func:`setup.diverged`): then nothing is written
+    (the last checkpoint stays the one to resume) and the run stops with the divergence error."""
+    bad = setup.diverged(parts)
+    if world.size > 1 and dist.is_initialized():  # every rank saves, or none does
+        flag = torch.tensor([0.0 if bad is None else 1.0], device=world.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if bad is None and flag.item() > 0:
+            bad = "on another rank"
+    if bad is None:
+        setup.save_checkpoint(ckpt_dir, parts, step, history, world)
+        return step
+    kept = (
+        f"; no checkpoint of step {step} was written, {ckpt_dir} keeps step {last_saved}'s"
+        if last_saved is not None
+        else f"; no checkpoint of it was written to {ckpt_dir}"
+    )
+    raise _diverged(f"by step {step}", args, bad, kept)
 
 
 def _run(args, world: World, log: RunLog, earlier: bool) -> int:
@@ -189,6 +210,7 @@ def _run(args, world: World, log: RunLog, earlier: bool) -> int:
         stop["flag"] = True
 
     signal.signal(signal.SIGINT, on_sigint)
+    last_saved = start if args.resume else None  # the step of the checkpoint a resume would use
     bar = report_mod.Progress(total, start, enabled=lead, bar=not args.no_progress, log=log)
     per_step = args.batch * args.accumulate * world.size
     eval_every = steps_per_epoch if args.eval_every is None else args.eval_every
@@ -219,11 +241,11 @@ def _run(args, world: World, log: RunLog, earlier: bool) -> int:
                     stats["top1"] = f"{100 * top1:.1f}%"
                 bar.set(step + 1, stats)
             if (step + 1) % steps_per_epoch == 0 or step + 1 == total:
-                setup.save_checkpoint(ckpt_dir, parts, step + 1, history, world)
+                last_saved = _save_if_finite(ckpt_dir, parts, step + 1, history, world, args, last_saved)
             if stop["flag"]:
                 raise _Interrupted
     except _Interrupted:
-        setup.save_checkpoint(ckpt_dir, parts, step + 1, history, world)
+        _save_if_finite(ckpt_dir, parts, step + 1, history, world, args, last_saved)
         bar.close()
         log.line(f"\ninterrupted: checkpoint of step {step + 1} saved in {ckpt_dir}; continue with --resume {args.out}")
         return 130

@@ -1,7 +1,8 @@
-"""``--profile N``: where the time of a step goes. N optimizer steps (after one warm-up step)
-with each phase timed, a verdict naming the flag to try, a torch profiler trace
-(``<out>/profile_trace.json``, open it in https://ui.perfetto.dev or chrome://tracing) and a
-bar chart (``<out>/profile.png``). Nothing is saved to the checkpoint.
+"""``--profile N``: where the time of a step goes. N optimizer steps (after one warm-up step;
+N <= MAX_PROFILE_STEPS) with each phase timed, a verdict naming the flag to try, a torch
+profiler trace of the first TRACE_STEPS of them (``<out>/profile_trace.json``, open it in
+https://ui.perfetto.dev or chrome://tracing) and a bar chart (``<out>/profile.png``).
+Nothing is saved to the checkpoint.
 
 Phases are timed on the host. On GPUs each phase is also timed on the devices, by CUDA
 events recorded on each device's current stream where the phase starts and ends, read once
@@ -16,10 +17,12 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import warnings
 from collections import defaultdict
 
 import torch
 
+TRACE_STEPS = 20  # profiled steps kept in the trace (the profiler's memory grows with each)
 PHASES = ("data wait", "host-to-device", "normalize", "backbone fwd", "head", "backward", "optimizer", "EMA")
 
 
@@ -120,9 +123,17 @@ def run(parts, args, steps_per_epoch: int, lr: float, log) -> int:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if timer.cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities, acc_events=True) as prof:
+    # The trace holds the first TRACE_STEPS profiled steps: the profiler keeps every event it
+    # records in host memory (tens of MB per step), so a long --profile would run out of it.
+    # The phase table covers all n steps.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Profiler won't be using warmup")  # the warm-up step ran above
+        schedule = torch.profiler.schedule(wait=0, warmup=0, active=min(n, TRACE_STEPS), repeat=1)
+        prof = torch.profiler.profile(activities=activities, schedule=schedule, acc_events=True)
+    with prof:
         for i in range(1, n + 1):
             _step(parts, args, i, steps_per_epoch, timer)
+            prof.step()
         device = timer.device_seconds() if timer.cuda else None  # waits for the devices
         wall = time.perf_counter() - t0  # before the profiler stops (processing its events takes long)
     os.makedirs(args.out, exist_ok=True)
@@ -150,7 +161,8 @@ def run(parts, args, steps_per_epoch: int, lr: float, log) -> int:
     log.line(f"verdict: {verdict(shares, device is not None)}")
     chart = os.path.join(args.out, "profile.png")
     _chart(shares, {p: 1000 * used.get(p, 0.0) / n for p in PHASES}, chart)
-    log.line(f"trace: {trace} (open in https://ui.perfetto.dev)   chart: {chart}")
+    traced = f"steps 1-{min(n, TRACE_STEPS)}" if n > 1 else "step 1"
+    log.line(f"trace: {trace} ({traced}; open in https://ui.perfetto.dev)   chart: {chart}")
     return 0
 
 

@@ -7,6 +7,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from shardkit.train.log import emit
+
 
 class Progress:
     """A tqdm bar (or, without a terminal or with --no-progress, a line every ~10%); the
@@ -28,7 +30,7 @@ class Progress:
         if due and self.enabled:
             self.last_line = step
             if self.bar is None:
-                print(line, flush=True)
+                emit(line)
             if self.log is not None:
                 self.log.write(line)
 
@@ -78,6 +80,24 @@ def _models(parts) -> dict:
     if parts.ema is not None:
         models["ema"] = parts.ema.module
     return models
+
+
+@torch.no_grad()
+def non_finite_embeddings(parts, images: int = 16):
+    """The name of the backbone ("raw" or "ema") whose evaluation-mode embeddings of the first
+    ``images`` held-out images hold a NaN or an infinity, else None: a model that diverged
+    with finite weights (BatchNorm's running statistics no longer tame its activations)."""
+    batch = parts.val_set.images[:images]
+    for name, model in _models(parts).items():
+        was_training = model.training
+        model.eval()
+        try:
+            emb = _embed_fn(parts, model)(batch)
+        finally:
+            model.train(was_training)
+        if not bool(torch.isfinite(emb).all()):
+            return name
+    return None
 
 
 def verify_now(parts, args) -> dict:

@@ -17,7 +17,8 @@ from torch.utils.data import DataLoader, Sampler, Subset
 import shardkit
 from shardkit.parallel import DataParallelCriterion, DataParallelModel, PipelineModel
 from shardkit.plan import balance_shards
-from shardkit.train import checkpoint
+from shardkit.train import checkpoint, report
+from shardkit.train.cpu_bf16 import use_float32_where_bf16_fails
 from shardkit.train.data import (
     ImageFolderDataset,
     SyntheticIdentities,
@@ -201,6 +202,8 @@ def build(args, world) -> Parts:
     devices = list(args.devices)
     dev0 = devices[0]
     backbone = build_backbone(args.backbone, args.dim, checkpointing=args.checkpointing).to(dev0)
+    if args.amp == "bf16" and dev0.type == "cpu":
+        use_float32_where_bf16_fails(backbone)  # torch's bf16 CPU kernel: see shardkit.train.cpu_bf16
     margin = {
         "arcface": lambda: shardkit.ArcFace(s=args.scale, m=args.m),
         "cosface": lambda: shardkit.CosFace(s=args.scale, m=args.m),
@@ -292,6 +295,37 @@ def pipeline_shard_sizes(pipeline, num_classes: int, dim: int) -> list:
 # ---- checkpoints -----------------------------------------------------------------
 
 
+def diverged(parts: Parts) -> Optional[str]:
+    """What shows the run diverged, else None: weights holding a NaN or an infinity
+    (:func:`non_finite_state`), or finite weights whose evaluation-mode embeddings of a few
+    held-out images do (two small forwards)."""
+    bad = non_finite_state(parts)
+    if bad is not None:
+        return f"the weights hold NaN or infinite values: {bad}"
+    model = report.non_finite_embeddings(parts)
+    if model is not None:
+        return f"the {model} backbone's embeddings of held-out images are NaN or infinite"
+    return None
+
+
+def non_finite_state(parts: Parts) -> Optional[str]:
+    """The name of the first floating tensor of the run's weights (backbone parameters and
+    buffers, head shards, EMA) holding a NaN or an infinity, else None: what a checkpoint must
+    not be written from. One device-to-host copy per device (a pass over the weights, cheap
+    beside writing them); the names are looked for only when something is wrong."""
+    named = [(f"backbone {k}", t) for k, t in parts.backbone.state_dict().items()]
+    named += [(f"head shard {k}", w.detach()) for k, w in enumerate(parts.head.weight_shards)]
+    if parts.ema is not None:
+        named += [(f"EMA {k}", t) for k, t in parts.ema.module.state_dict().items()]
+    named = [(name, t) for name, t in named if t.is_floating_point() and t.numel()]
+    by_device: dict = {}
+    for _, t in named:
+        by_device.setdefault(t.device, []).append(torch.isfinite(t).all())
+    if all(bool(torch.stack(flags).all()) for flags in by_device.values()):
+        return None
+    return next(name for name, t in named if not bool(torch.isfinite(t).all()))
+
+
 def save_checkpoint(ckpt_dir: str, parts: Parts, step: int, history, world) -> None:
     """Everything a resume needs, as tensors and plain types, written atomically. The head's
     weight is shard-agnostic (one class-ordered weight; under torchrun, one file per rank via
@@ -341,10 +375,16 @@ def load_checkpoint(ckpt_dir: str, parts: Parts, world):
             parts.ema.load_state_dict(state["ema"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
-        return state["step"], state["history"]
     except (RuntimeError, KeyError, ValueError, TypeError, AttributeError, IndexError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(
             f"checkpoint {path} does not fit this run ({first}); resume it with the version of "
             "shardkit that wrote it, or start a new run without --resume"
         ) from None
+    bad = diverged(parts)
+    if bad is not None:  # written by a diverged run (this version never saves one)
+        raise UsageError(
+            f"checkpoint {path} is of a diverged run ({bad}): there is nothing to resume; start a new run "
+            "(with a lower --lr) without --resume"
+        )
+    return state["step"], state["history"]

@@ -1,0 +1,120 @@
+"""What DataParallelCriterion weighs each device's loss by: the weight a criterion reports
+(:class:`WeightedLoss`, a ``"weight"`` dict entry), else the denominator of a mean criterion
+on its chunk (its valid targets, found positionally or by keyword), else the chunk's samples."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from shardkit.ops._parallel import check_weight
+
+
+class WeightedLoss(NamedTuple):
+    """What a criterion may return to set its own weight in the cross-device reduction.
+
+    ``loss``: a tensor (or a dict/tuple of tensors) already averaged over this device's
+    chunk; ``weight``: what that average was divided by (valid elements, a weight sum):
+    a finite, non-negative number or a one-element tensor on any device (no host sync
+    needed; its value is not checked).
+    """
+
+    loss: Any
+    weight: Any
+
+
+def _call(module: nn.Module, output: Any, targets: tuple, kwargs: dict) -> Any:
+    if isinstance(output, tuple):
+        return module(*output, *targets, **kwargs)
+    return module(output, *targets, **kwargs)
+
+
+def _chunk_loss(module: nn.Module, output: Any, targets: tuple, kwargs: dict, samples: int, auto: bool) -> tuple:
+    """One worker's part of DataParallelCriterion: (loss value, its weight). The weight is
+    what the criterion reports, else (when ``auto``) the denominator of its mean on this
+    chunk, else the chunk's sample count."""
+    value, weight = _split_weight(_call(module, output, targets, kwargs))
+    if weight is None:
+        weight = _auto_weight(module, _target_of(module, output, targets, kwargs), samples) if auto else samples
+    return value, weight
+
+
+def _target_of(criterion: nn.Module, output: Any, targets: tuple, kwargs: dict) -> tuple:
+    """The criterion's target as a one-element tuple (or empty): the first positional target,
+    or, in the keyword form (``criterion(outputs, target=y)``), the keyword argument bound to
+    the parameter after the outputs in the criterion's ``forward`` signature. ValueError when
+    keywords are given but none can be told to be the target of a criterion that averages
+    over its valid targets (the weights would otherwise silently count samples)."""
+    if targets or not kwargs:
+        return targets
+    n_out = len(output) if isinstance(output, tuple) else 1
+    try:
+        params = list(inspect.signature(criterion.forward).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) > n_out and positional[n_out].name in kwargs:
+        return (kwargs[positional[n_out].name],)
+    if _weighs_targets(criterion):
+        raise ValueError(
+            f"DataParallelCriterion: cannot tell which of the keyword arguments {sorted(kwargs)} is the target of "
+            f"{type(criterion).__name__} (its forward's parameter after the outputs is not among them); pass the "
+            "target positionally: criterion(outputs, target)"
+        )
+    return ()
+
+
+def _weighs_targets(criterion: nn.Module) -> bool:
+    """Whether a mean criterion's denominator depends on its target (ignore_index, class weight)."""
+    if getattr(criterion, "reduction", None) != "mean":
+        return False
+    return isinstance(criterion, (nn.CrossEntropyLoss, nn.NLLLoss)) or isinstance(
+        getattr(criterion, "ignore_index", None), int
+    )
+
+
+def _split_weight(result: Any) -> tuple[Any, Any]:
+    """(loss, the weight the criterion reports or None), the weight checked: a tensor or a
+    finite, non-negative number (in every device mode, so a criterion fails the same way)."""
+    if isinstance(result, WeightedLoss):
+        check_weight(result.weight, "WeightedLoss.weight (the criterion's loss weight)")
+        return result.loss, result.weight
+    if isinstance(result, dict) and "weight" in result:
+        check_weight(result["weight"], 'the "weight" entry of the criterion\'s dict')
+        rest = type(result)((k, v) for k, v in result.items() if k != "weight")
+        return rest, result["weight"]
+    return result, None
+
+
+def _strip_weight(result: Any) -> Any:
+    return _split_weight(result)[0]
+
+
+def _auto_weight(criterion: nn.Module, targets: tuple, samples: int) -> Any:
+    """The denominator of a mean-reduced criterion on one chunk, without a host sync."""
+    if (
+        isinstance(criterion, (nn.CrossEntropyLoss, nn.NLLLoss))
+        and criterion.reduction == "mean"
+        and targets
+        and isinstance(targets[0], torch.Tensor)
+    ):
+        target = targets[0]
+        if target.is_floating_point():  # class probabilities: the mean is over every position
+            return target.numel() // target.size(1) if target.dim() > 1 else 1
+        valid = target != criterion.ignore_index
+        if criterion.weight is None:
+            return valid.sum()
+        class_weight = criterion.weight.to(target.device)[target.masked_fill(~valid, 0)]
+        return (class_weight * valid).sum()
+    if (
+        getattr(criterion, "reduction", None) == "mean"
+        and isinstance(getattr(criterion, "ignore_index", None), int)
+        and targets
+        and isinstance(targets[0], torch.Tensor)
+        and not targets[0].is_floating_point()
+    ):
+        return (targets[0] != criterion.ignore_index).sum()  # e.g. ShardedSoftmaxLoss: mean over valid rows
+    return samples
