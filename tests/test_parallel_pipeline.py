@@ -347,15 +347,14 @@ def test_with_sharded_head_on_the_pipeline_devices():
     assert set(pipe.memory_per_device()) == {torch.device("cpu")}
 
 
-def test_output_device_other_than_the_last_stage():
-    # Without a GPU the one device other than the CPU is "meta": the output goes there from a
-    # CPU pipeline (shape and dtype kept). The GPU twin below checks values and gradients.
+def test_output_device_defaults_to_the_last_stage_and_must_compute():
+    # Without a GPU the CPU is the one device an output can go to: the default is the last
+    # stage's device, and "meta" (where values are lost) is refused. The GPU twin below moves
+    # the output to a device other than the last stage's and checks values and gradients.
     ref = _mlp(int(torch.randint(0, 2**31, ()).item()))
     assert PipelineModel(copy.deepcopy(ref), ["cpu", "cpu"]).output_device == torch.device("cpu")
-    pipe = PipelineModel(copy.deepcopy(ref), ["cpu", "cpu"], chunks=3, output_device="meta")
-    assert pipe.output_device == torch.device("meta")
-    out = pipe(torch.randn(7, 4, dtype=torch.float64))
-    assert out.device == torch.device("meta") and out.shape == (7, 3) and out.dtype == torch.float64
+    with pytest.raises(ValueError, match=r"argument `output_device` must be a CPU or CUDA device"):
+        PipelineModel(copy.deepcopy(ref), ["cpu", "cpu"], chunks=3, output_device="meta")
 
 
 @pytest.mark.gpu
@@ -393,3 +392,24 @@ def test_gpu_matches_unsplit_model(ckpt):
     torch.testing.assert_close(x2.grad, x1.grad, rtol=1e-12, atol=1e-12)
     for g, h in zip(_grads(pipe), _grads(ref)):
         torch.testing.assert_close(g.to(h.device), h, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("devices", [["cuda:0", "cpu"], ["cpu", "cuda:0", "cpu"]])
+def test_gpu_stage_then_cpu_stage_reads_finished_activations(devices):
+    # A CPU stage copies a GPU stage's output on its device's current stream; that output was
+    # made on the GPU stage's side stream, so the copy must wait for it. A wide first stage
+    # keeps the GPU busy long enough for an unordered copy to read unfinished values.
+    torch.manual_seed(0)
+    width = 2048
+    layers = [nn.Linear(4, width), nn.Tanh()] + [m for _ in range(6) for m in (nn.Linear(width, width), nn.Tanh())]
+    ref = nn.Sequential(*layers, nn.Linear(width, 3)).double()
+    k = len(ref)
+    balance = [k - 1, 1] if len(devices) == 2 else [1, k - 2, 1]
+    pipe = PipelineModel(copy.deepcopy(ref), devices, chunks=4, balance=balance)
+    for _ in range(3):
+        x = torch.randn(64, 4, dtype=torch.float64)
+        out = pipe(x.to(devices[0]))
+        assert out.device == torch.device("cpu")
+        torch.testing.assert_close(out, ref(x), rtol=1e-10, atol=1e-10)

@@ -113,3 +113,12 @@ def test_errors():
         kfold_accuracy(torch.rand(4), torch.tensor([True, False, True, False]), folds=5)
     with pytest.raises(ValueError, match=r"must both be \[P, D\]"):
         cosine_scores(torch.rand(3, 2), torch.rand(3, 3))
+
+
+def test_evaluation_batches_are_not_tiny():
+    # The evaluation forwards hold no gradients: a tiny training batch (--accumulate 4
+    # --batch 2) evaluates 32 images at a time (8x the batch below that), a batch of 32 or
+    # more as it is.
+    from shardkit.train.report import eval_batch
+
+    assert [eval_batch(b) for b in (1, 2, 3, 4, 5, 31, 32, 33, 128, 1000)] == [8, 16, 24, 32, 32, 32, 32, 33, 128, 1000]

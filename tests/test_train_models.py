@@ -97,3 +97,37 @@ def test_checkpointing_updates_batchnorm_statistics_once():
         else:
             assert torch.allclose(buf, bufs_b[name], rtol=1e-5, atol=1e-6), name
     assert all(m.track_running_stats for m in b.modules() if isinstance(m, torch.nn.BatchNorm2d))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,checkpointing", [("small", False), ("r18", True), ("iresnet50", False)])
+def test_a_backbone_split_inside_a_stage_runs_its_own_forward(name, checkpointing):
+    # PipelineModel splits at block boundaries, so one stage's blocks can sit on two devices;
+    # the backbone's own forward (evaluation, the pre-save check) must follow them block by block.
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs (a stage split over devices)")
+    size = 112 if name == "iresnet50" else 32
+    ref = build_backbone(name, 32, checkpointing=checkpointing).double().eval()
+    m = build_backbone(name, 32, checkpointing=checkpointing).double()
+    m.load_state_dict(ref.state_dict())
+    layers = m.as_layers()
+    # the layers are [stem, every block in order, neck]: cut inside the first stage of 2+ blocks
+    before = 1
+    for stage in m.stages:
+        if len(stage) >= 2:
+            break
+        before += len(stage)
+    assert len(stage) >= 2, "the preset has no stage of two blocks to split"
+    cut = before + len(stage) // 2
+    shardkit.parallel.PipelineModel(layers, ["cuda:0", "cuda:1"], balance=[cut, len(layers) - cut])
+    m.eval()
+    x = torch.randn(2, 3, size, size, dtype=torch.float64)
+    out = m(x.to("cuda:0"))
+    torch.testing.assert_close(out.cpu(), ref(x), rtol=1e-9, atol=1e-9)
+    m.train()  # and the training forward, checkpointed or not, with its gradients
+    ref.train()
+    m(x.to("cuda:0")).square().sum().backward()
+    ref(x).square().sum().backward()
+    for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-7, atol=1e-9, msg=n)

@@ -289,6 +289,10 @@ class PipelineModel(nn.Module):
     def _launch(self, s: int, x: torch.Tensor, ready, streams, use_ckpt: bool) -> tuple:
         dev, stream, part = self.stage_devices[s], streams[s], self.partitions[s]
         if stream is None:
+            if ready is not None and x.device.type == "cuda":
+                # x was made on the previous stage's side stream; the copy to this (CPU) stage
+                # runs on its device's current stream, which must wait for that work first
+                torch.cuda.current_stream(x.device).wait_event(ready)
             y = self._apply(part, x.to(dev) if x.device != dev else x, use_ckpt, s)
             return y, None
         prev = streams[s - 1] if s > 0 and x.device.type == "cuda" else None

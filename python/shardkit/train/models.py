@@ -164,11 +164,7 @@ class Backbone(nn.Module):
         x = self.stem(x)
         use_ckpt = self.checkpointing and self.training and torch.is_grad_enabled()
         for stage in self.stages:
-            x = _to_device_of(stage, x)  # a backbone split by PipelineModel spans devices
-            if use_ckpt:
-                x = checkpoint(stage, x, use_reentrant=False, context_fn=_no_bn_update_on_recompute(stage))
-            else:
-                x = stage(x)
+            x = _run_stage(stage, x, use_ckpt)
         return _neck(self, _to_device_of(self.fc, x))
 
     def as_layers(self) -> list:
@@ -176,6 +172,21 @@ class Backbone(nn.Module):
         sharing this module's submodules (and so its state_dict), for
         :class:`shardkit.parallel.PipelineModel`."""
         return [self.stem] + [block for stage in self.stages for block in stage] + [_Neck(self)]
+
+
+def _run_blocks(stage: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+    # Block by block, each on its own parameters' device: PipelineModel splits a backbone at
+    # block boundaries (as_layers), so one stage's blocks may sit on different devices.
+    for block in stage:
+        x = block(_to_device_of(block, x))
+    return x
+
+
+def _run_stage(stage: nn.Sequential, x: torch.Tensor, use_ckpt: bool) -> torch.Tensor:
+    """One stage of blocks, recomputed in the backward when ``use_ckpt``."""
+    if use_ckpt:
+        return checkpoint(_run_blocks, stage, x, use_reentrant=False, context_fn=_no_bn_update_on_recompute(stage))
+    return _run_blocks(stage, x)
 
 
 def _to_device_of(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -308,11 +319,7 @@ class IResNet(nn.Module):
         x = self.stem(x)
         use_ckpt = self.checkpointing and self.training and torch.is_grad_enabled()
         for stage in self.stages:
-            x = _to_device_of(stage, x)
-            if use_ckpt:
-                x = checkpoint(stage, x, use_reentrant=False, context_fn=_no_bn_update_on_recompute(stage))
-            else:
-                x = stage(x)
+            x = _run_stage(stage, x, use_ckpt)
         return _neck(self, _fit_side(_to_device_of(self.fc, x), self.feature_side))
 
     def as_layers(self) -> list:

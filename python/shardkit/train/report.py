@@ -40,6 +40,14 @@ class Progress:
             self.bar = None
 
 
+def eval_batch(batch: int) -> int:
+    """Images per evaluation forward: the training batch, but at least 32 (or 8x the batch,
+    if less). A forward without gradients holds a fraction of a training step's activations,
+    and a tiny --batch (--accumulate 4 --batch 2) would otherwise spend the evaluation's
+    thousands of images on per-batch overhead."""
+    return batch if batch >= 32 else min(32, 8 * batch)
+
+
 @torch.no_grad()
 def _embed_fn(parts, model):
     def embed(images_u8):
@@ -59,7 +67,7 @@ def _train_top1(parts, model, limit: int = 4096) -> float:
     idx = list(range(world.rank * per_rank, (world.rank + 1) * per_rank))
     correct = torch.zeros((), dtype=torch.int64)
     valid = torch.zeros((), dtype=torch.int64)
-    bs = parts.args.batch
+    bs = eval_batch(parts.args.batch)
     for i in range(0, per_rank, bs):
         from shardkit.train.data import collate_uint8
 
@@ -107,7 +115,7 @@ def verify_now(parts, args) -> dict:
     for name, model in _models(parts).items():
         was_training = model.training
         model.eval()
-        v = parts.val_set.evaluate(parts.val_set.embed(_embed_fn(parts, model), batch_size=args.batch))
+        v = parts.val_set.evaluate(parts.val_set.embed(_embed_fn(parts, model), batch_size=eval_batch(args.batch)))
         model.train(was_training)
         out[name] = (v.accuracy, v.tar)
     return out
@@ -122,7 +130,7 @@ def evaluate(parts, args, world) -> dict:
         top1 = _train_top1(parts, model)
         ver = None
         if world.rank == 0:
-            emb = parts.val_set.embed(_embed_fn(parts, model), batch_size=args.batch)
+            emb = parts.val_set.embed(_embed_fn(parts, model), batch_size=eval_batch(args.batch))
             ver = parts.val_set.evaluate(emb)
         report[name] = {"top1": top1, "verification": ver}
         model.train(was_training)
