@@ -198,7 +198,8 @@ def test_cuda_kept_slots_hold_the_documented_values(dtype, normalize):
     raw = xin.double() @ w.double().T
     scale = 16.0 if normalize else 0.7
     nchunks, full = -(-C // chunk), C // chunk
-    rounding = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 1e-6}[dtype]
+    # Twice the unit roundoff of the kept dtype (a wrong slot is off by ~1.4); fp32: the GEMM's sums.
+    rounding = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 1e-5}[dtype]
     for keep in (1, 5, nchunks - 1, nchunks):
         args = (x, w, labels, None, 0, scale, 1.0, 0.0, 0.0, normalize, chunk, keep)
         out = torch.ops.shardkit.ce_shard_stats_keep(*args)

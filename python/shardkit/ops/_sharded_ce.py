@@ -130,7 +130,7 @@ def kept_bytes(
     float64 ``dtype``). 0 when ``keep_chunks`` is 0."""
     if keep_chunks <= 0:
         return 0
-    elem = torch.empty((), dtype=kept_logits_dtype(dtype, device)).element_size()
+    elem = kept_logits_dtype(dtype, device).itemsize
     target = 8 if dtype == torch.float64 else 4
     return batch * (_kept_classes(num_classes, chunk_classes, keep_chunks) * elem + target)
 
