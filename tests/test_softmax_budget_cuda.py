@@ -161,12 +161,13 @@ def test_cuda_op_matches_reference_and_budget_zero(keep_on, dtype, name, B, D, C
     for budget in cuda_budgets(B, C, chunk, dtype):
         tol = 1e-3 if D <= 3 and name in ("arcface", "combined") else 1e-5  # see test_softmax_ops
         check_against_reference(x, w, labels, off, name, chunk, tol=tol, memory_budget=budget)
-        # Not bit for bit: cuBLAS may take another algorithm for a kept slot's alignment.
+        # Not bit for bit: cuBLAS may take another algorithm for a kept slot's alignment (and
+        # D <= 3 margins magnify a last-bit difference as they do the reference's).
         out, grads = run(budget)
         for a, b in zip(out[:3], base[:3]):
-            assert torch.equal(a, b) or rel(a, b) <= 1e-5
+            assert torch.equal(a, b) or rel(a, b) <= tol
         for a, b in zip(grads, base_g):
-            assert rel(a, b, floor=1e-30) <= 1e-5
+            assert rel(a, b, floor=1e-30) <= tol
 
 
 @pytest.mark.gpu
