@@ -26,8 +26,9 @@ BUDGET_PREFIX = "shardkit@"
 INSTALL_HINT = (
     "pip install -r benchmarks/requirements.txt (benchmarks/fetch_wheels.sh gets the wheels gpu_suite.sh installs)"
 )
-# QuACK's CuTe-DSL kernels come with nvidia-cutlass-dsl and its CUDA libraries (~90 MiB of
-# binary wheels), beyond the pure-Python wheels fetch_wheels.sh brings: installed by hand.
+# QuACK's CuTe-DSL kernels come with nvidia-cutlass-dsl and its CUDA libraries, beyond the
+# pure-Python wheels fetch_wheels.sh brings (see there): installed by hand where a GPU machine
+# reaches PyPI.
 QUACK_HINT = "pip install quack-kernels (needs an sm90+ GPU; brings nvidia-cutlass-dsl)"
 QUACK_CHUNK = 4096  # its default: tokens per chunk of bf16 logits (1 GiB at V=128,256)
 
@@ -51,7 +52,8 @@ def method_notes():
         "cce_torch_compile": 'cut-cross-entropy, impl="torch_compile": its torch.compile\'d path (CPU and GPU)',
         "quack_lce": f"QuACK chunked_linear_cross_entropy, chunk_size={QUACK_CHUNK} tokens (its default)",
         "shardkit@<budget>": "ShardedSoftmaxLoss(memory_budget=<budget>): logits kept for the backward "
-        "('full' = the whole shard's, 'N%' = that share of them); CUDA shards recompute at every budget",
+        "('full' = the whole shard's, 'N%' = that share of them); CUDA shards keep logits only with "
+        "SHARDKIT_CUDA_KEEP=1 (experimental: 16-bit logits, unfused kernels), else recompute at every budget",
     }
 
 
@@ -75,17 +77,17 @@ def check_budget_spec(spec):
     return spec
 
 
-def budget_bytes(spec, batch, classes, dtype, shards=1):
+def budget_bytes(spec, batch, classes, dtype, shards=1, device="cpu"):
     """The memory_budget (bytes per device) a spec gives a head of ``classes`` classes in
-    ``shards`` shards on one device: "full" holds every shard's logits (and row of target
-    logits), "N%" that share of it."""
+    ``shards`` shards on one ``device``: "full" holds every shard's logits (and row of target
+    values, in the kept dtype of that device: shardkit.ops.kept_bytes), "N%" that share of it."""
+    from shardkit.ops import kept_bytes
     from shardkit.softmax.budget import check_memory_budget
 
-    elem = 8 if dtype == torch.float64 else 4
     # The device's budget is shared by its shards in proportion to their classes: "full" is
     # the least that grants every shard (the head's even split) all its logits.
     sizes = [classes // shards + (k < classes % shards) for k in range(shards)]
-    full = max(-(-batch * (c + 1) * elem * classes // c) for c in sizes if c > 0)
+    full = max(-(-kept_bytes(batch, c, 1, 1 << 62, dtype, device) * classes // c) for c in sizes if c > 0)
     if spec == "full":
         return full
     if spec.endswith("%"):

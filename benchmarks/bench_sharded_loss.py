@@ -34,8 +34,9 @@ Usage:
       shardkit@25% shardkit@50% shardkit@full cce_torch_compile --rounds 2 --repeat 5
       # the memory-budget CPU targets only (on a shared machine add --clock user --threads 1)
   python benchmarks/bench_sharded_loss.py --device cuda         # D=512, B {256,1024}, C {100k,1M} bf16
-  python benchmarks/bench_sharded_loss.py --device cuda --llm-shapes --budgets full
-      # also tokens {4096,8192} x vocabulary {128256,256000} x hidden 4096
+  SHARDKIT_CUDA_KEEP=1 python benchmarks/bench_sharded_loss.py --device cuda --llm-shapes --budgets full
+      # also tokens {4096,8192} x vocabulary {128256,256000} x hidden 4096, with shardkit keeping
+      # the logits (the experimental CUDA kept path; without the switch CUDA budgets recompute)
   python benchmarks/bench_sharded_loss.py --device cuda --max-classes-only   # largest trainable C per method
   python benchmarks/bench_sharded_loss.py --device cuda --max-classes-only --master-weights
       # the same with fp32 master weights and momentum beside the 16-bit ones, and an SGD step
@@ -92,7 +93,8 @@ MAXC_METHODS = ("shardkit", "linear+cross_entropy", *CCE, "liger_flce", "quack_l
 SHARDKIT_SHARE = 2
 # The large-vocabulary LLM shapes (tokens, vocabulary, hidden) beside the face-recognition ones.
 LLM_SHAPES = [(b, c, 4096) for c in (128_256, 256_000) for b in (4096, 8192)]
-DEFAULT_CPU_BUDGETS = ("25%", "50%", "full")  # --budgets on the CPU; none on GPUs (they recompute)
+# --budgets on the CPU; none on GPUs (the CUDA kept path is experimental: SHARDKIT_CUDA_KEEP=1)
+DEFAULT_CPU_BUDGETS = ("25%", "50%", "full")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -135,7 +137,7 @@ def build_step(method, batch, classes, dim, dtype, device, master=False):
     y = torch.randint(0, classes, (batch,), device=device)
     if method.startswith("shardkit"):
         spec = budget_of(method)
-        budget = 0 if spec is None else budget_bytes(spec, batch, classes, dtype, SHARDS)
+        budget = 0 if spec is None else budget_bytes(spec, batch, classes, dtype, SHARDS, device)
         head = _head_without_default_init(
             dim, classes, [device] * SHARDS, dtype, method == "shardkit+checks", memory_budget=budget
         )
@@ -613,7 +615,7 @@ def main():
         default=None,
         help="shardkit memory budgets to time beside budget 0: sizes (256MiB), N%% of the full logits, or "
         f"full (default: {' '.join(DEFAULT_CPU_BUDGETS).replace('%', '%%')} on the CPU, none on GPUs, where "
-        "shards recompute)",
+        "shards recompute unless SHARDKIT_CUDA_KEEP=1)",
     )
     p.add_argument(
         "--shape",
@@ -678,6 +680,9 @@ def main():
         return
     if args.budgets is None:
         args.budgets = [] if gpu else list(DEFAULT_CPU_BUDGETS)
+    budgeted = args.budgets or any(budget_of(m) for m in args.methods or [])
+    if gpu and budgeted and os.environ.get("SHARDKIT_CUDA_KEEP") != "1":
+        print("note: SHARDKIT_CUDA_KEEP is not 1: the shardkit@<budget> rows recompute like budget 0", flush=True)
     if args.shape:
         args.shapes = [tuple(shape) for shape in args.shape]
     if args.llm_shapes:

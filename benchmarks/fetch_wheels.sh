@@ -11,6 +11,15 @@
 # packaging and tqdm, imported by liger-kernel); the script lists every wheel's
 # Requires-Dist (extras left out) so a new version that needs more shows up here, not on
 # the GPU machine.
+#
+# QuACK (quack-kernels, a peer of the sharded loss) is not among them: it cannot come this way.
+# quack-kernels 0.6.5 (0.7 MB, pure Python) needs nvidia-cutlass-dsl >= 4.7, whose 4.8.1 pulls
+# nvidia-cutlass-dsl-libs-cu13 (or -cu12 without the cu13 extra): one 92 MB wheel (a 193 MB MLIR
+# shared library and a 44 MB runtime), alone over this folder's 60 MiB cap (and over the 64 MiB
+# a device call carries). With libs-base 3.0 MB, libs-core 1.6 MB, apache-tvm-ffi 3.3 MB,
+# torch-c-dlpack-ext 0.9 MB, einops and protobuf, the set is ~101 MB, mostly cp312
+# manylinux_2_28 binaries; cuda-bindings (8.4 MB) comes with torch 2.11's CUDA 13 wheels.
+# (Measured 2026-11-27 with pip download --no-deps for Python 3.12, x86-64.)
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 DIR=$ROOT/wheels

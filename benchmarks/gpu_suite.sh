@@ -22,6 +22,18 @@
 # wheels/ along): a fresh build on the GPU machine takes ~3 of the ten minutes, and the timings
 # that no longer fit are reported SKIPPED.
 #
+# The memory budget's CUDA kept path (SHARDKIT_CUDA_KEEP=1, experimental: never run on a GPU yet)
+# has a stage of its own, one call, under ten minutes with the build prebuilt:
+#
+#   bash benchmarks/gpu_suite.sh budget
+#
+# It runs the kept path's GPU tests first (tests/test_softmax_budget_cuda.py: against float64 and
+# budget 0 at budgets keeping none / some / all chunks, bf16 / fp16 / fp32, margins, smoothing,
+# ignore_index, sampling, compile, the bytes held), then memcheck over a small kept-path run, and
+# only if both pass times the module with SHARDKIT_CUDA_KEEP=1 at budgets 0, 50% and the full
+# logits against Liger, QuACK and Cut Cross-Entropy (exact) where installed, at B=1024 C=1M D=512
+# and the large-vocabulary shapes (--llm-shapes), each interleaved with the three cuBLAS GEMMs.
+#
 #   bash benchmarks/gpu_suite.sh quick     # the most informative 10 minutes (tests, memcheck, CE)
 #   bash benchmarks/gpu_suite.sh quick-b   # its follow-up: EMA and normalize bandwidth, CE profiles
 #   bash benchmarks/gpu_suite.sh rest      # the CPU tests (-m 'not gpu') on the CUDA machine
@@ -31,6 +43,7 @@
 #   bash benchmarks/gpu_suite.sh fused     # the fused sm90 kernels: tests, timings, sanitizers, peers, profiles
 #   bash benchmarks/gpu_suite.sh fused-b   # their follow-up: Nsight Compute, the sharded loss against its peers
 #   bash benchmarks/gpu_suite.sh next      # the next session's command (above); next-b its follow-up
+#   bash benchmarks/gpu_suite.sh budget    # the memory budget's CUDA kept path (above)
 #   bash benchmarks/gpu_suite.sh STAGE BUDGET_S   # another time budget (default 540 s)
 #   SKIP_STEPS="bench-maxc profile-fused" bash benchmarks/gpu_suite.sh fused   # leave steps out
 #
@@ -82,8 +95,15 @@
 #       2 shares, the 4 others 1 each); a search cut short reports its lower bound;
 #     bench-maxc-master: the same searches with fp32 master weights and momentum (not yet run;
 #       it starts only if the budget has room: SKIP_STEPS="bench-maxc" gives it bench-maxc's).
+#   budget   ~7-9 min with the build unpacked (estimated, not yet run):
+#     tests-budget ~1.5-3 min [200] (~130 small cases; torch.compile traces the module 3 times);
+#     sanitize-budget ~0.5-1 min [90] (8 tiny forward+backward runs under memcheck);
+#     bench-budget ~4-5.5 min [330, or what is left]: 5 shapes x 6 methods, 2 s of timed steps
+#       each beside the interleaved GEMMs, plus the peers' first compiles (Triton for Liger and
+#       Cut Cross-Entropy, QuACK's CuTe-DSL JIT per shape); at 8192 x 256000 the full logits
+#       take 4 GiB in bf16.
 set -u
-STAGE=${1:?usage: gpu_suite.sh next|next-b|quick|quick-b|rest|test|bench-a|bench-b|fused|fused-b [budget_s]}
+STAGE=${1:?usage: gpu_suite.sh next|next-b|budget|quick|quick-b|rest|test|bench-a|bench-b|fused|fused-b [budget_s]}
 BUDGET=${2:-540}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -503,6 +523,53 @@ PYEOF
     step bench-sharded-loss-fused 240 "SHARDKIT_FUSED=1 $B/bench_sharded_loss.py --device cuda --batch 1024 \
       --classes 1000000 --method-budget 3"
     ;;
-  *) echo "unknown stage $STAGE (next, next-b, quick, quick-b, rest, test, bench-a, bench-b, fused, fused-b)"; exit 2 ;;
+  budget)
+    # The memory budget's CUDA kept path (see the header): its tests, memcheck, then its timings.
+    info; wheels; build
+    step tests-budget 200 "$PY -m pytest -m gpu tests/test_softmax_budget_cuda.py $PYTEST_OPTS -q \
+      --junitxml=$WORK/out/junit_budget.xml"
+    tests_ok=$?
+    # A small kept-path forward+backward under memcheck (every tensor its own allocation): bf16 and
+    # fp32, plain and ArcFace, kept slots at odd element phases, budgets keeping some and all chunks,
+    # each against the CPU kernels in float64.
+    cat > "$WORK/budget_smoke.py" <<'PYEOF'
+import os
+import torch
+from shardkit.ops import ce_shard_stats, kept_bytes
+os.environ["SHARDKIT_CUDA_KEEP"] = "1"
+B, D, C, chunk = 37, 64, 1000, 61  # 17 chunks, the last one 24 classes; 37 * 61 % 4 == 1
+for dtype in (torch.bfloat16, torch.float32):
+    for margin in ({}, dict(scale=30.0, m2=0.5, normalize=True)):
+        x = torch.randn(B, D, dtype=dtype)
+        w = torch.randn(C, D, dtype=dtype)
+        y = torch.randint(0, C, (B,))
+        g = torch.randn(B, dtype=torch.float64)
+        ref = None
+        for device, budget in (("cpu", 0), ("cuda", kept_bytes(B, C, chunk, 5, dtype, "cuda")),
+                               ("cuda", 1 << 40)):
+            xx = x.double().to(device).requires_grad_() if device == "cpu" else x.to(device).requires_grad_()
+            ww = w.double().to(device).requires_grad_() if device == "cpu" else w.to(device).requires_grad_()
+            lse, t, s, _ = ce_shard_stats(xx, ww, y.to(device), chunk_classes=chunk, memory_budget=budget, **margin)
+            stats = [v.double().cpu() for v in (lse, t, s)]
+            out = (stats[0] * g).sum() - (stats[1] * g).sum() + 0.1 * (stats[2] * g).sum()
+            gx, gw = torch.autograd.grad(out, (xx, ww))
+            got = [v.detach() for v in stats] + [gx.double().cpu(), gw.double().cpu()]
+            if ref is None:
+                ref = got
+                continue
+            torch.cuda.synchronize()
+            errs = [float((a - b).norm() / b.norm()) for a, b in zip(got, ref)]
+            tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+            print(dtype, "margin" if margin else "plain", budget, "errors vs float64", [f"{e:.1e}" for e in errs])
+            assert all(e <= tol for e in errs), errs
+print("budget_smoke: all results match")
+PYEOF
+    step sanitize-budget 90 "$SAN --tool memcheck $PY $WORK/budget_smoke.py"
+    smoke_ok=$?
+    if (( tests_ok != 0 || smoke_ok != 0 )); then echo "the kept path's tests or memcheck failed: no timings"; finish; exit 1; fi
+    step bench-budget 330 "SHARDKIT_CUDA_KEEP=1 $B/bench_sharded_loss.py --device cuda --shape 1024 1000000 512 \
+      --llm-shapes --methods shardkit shardkit@50% shardkit@full liger_flce quack_lce cce_exact --method-budget 2"
+    ;;
+  *) echo "unknown stage $STAGE (next, next-b, budget, quick, quick-b, rest, test, bench-a, bench-b, fused, fused-b)"; exit 2 ;;
 esac
 finish

@@ -87,6 +87,27 @@ struct KeptChunks {
   SCE_HD int64_t classes(int64_t C) const { return all ? C : keep * chunk; }
 };
 
+// The kept_logits / kept_target pair a ce_shard_stats_keep returned, as its backward takes it
+// back: logits [B * KeptChunks.classes(C)] of `kept_dtype` (the CPU: the statistics' dtype; CUDA:
+// x's dtype for 16-bit x), target [B] of `target_dtype` (the statistics'), both contiguous on x's
+// device.
+inline void check_kept(const at::Tensor& x, const at::Tensor& w, const at::Tensor& logits,
+                       const at::Tensor& target, int64_t chunk_classes, int64_t keep_chunks,
+                       at::ScalarType kept_dtype, at::ScalarType target_dtype) {
+  TORCH_CHECK(keep_chunks >= 0, "argument `keep_chunks` must be >= 0, got ", keep_chunks);
+  const KeptChunks set(w.size(0), chunk_classes, keep_chunks);
+  const int64_t want = x.size(0) * set.classes(w.size(0));
+  TORCH_CHECK(logits.dim() == 1 && logits.size(0) == want && logits.scalar_type() == kept_dtype &&
+                  logits.is_contiguous() && logits.device() == x.device(),
+              "argument `kept_logits` must be the contiguous [", want, "] ", kept_dtype,
+              " tensor ce_shard_stats_keep returned for these arguments, got ", logits.sizes(), " ",
+              logits.scalar_type());
+  TORCH_CHECK(target.dim() == 1 && target.size(0) == x.size(0) && target.scalar_type() == target_dtype &&
+                  target.is_contiguous() && target.device() == x.device(),
+              "argument `kept_target` must be the contiguous [", x.size(0), "] ", target_dtype,
+              " tensor ce_shard_stats_keep returned, got ", target.sizes(), " ", target.scalar_type());
+}
+
 // Dtype of the statistics and of the internal accumulation: fp64 for fp64 inputs (so that
 // gradcheck works), fp32 otherwise.
 inline at::ScalarType acc_dtype(at::ScalarType t) {

@@ -38,9 +38,12 @@ TORCH_LIBRARY(shardkit, m) {
       "float m3, bool normalize, int chunk_classes) -> (Tensor grad_x, Tensor grad_w)");
   // The memory-budget pair: ce_shard_stats that also keeps the logits of keep_chunks of its
   // class chunks (spread evenly; all of them when keep_chunks reaches the chunk count) for
-  // its backward, which recomputes only the others. kept_logits: [B * kept classes] in the
-  // statistics' dtype; kept_target: [B] the raw target logit (cosine or x . w) of rows whose
-  // target lies in a kept chunk. Same statistics and gradients as the pair above.
+  // its backward, which recomputes only the others. kept_logits: [B * kept classes], on the CPU
+  // the logits after scale and margin in the statistics' dtype, on CUDA the raw dots (x . w_j),
+  // in x's dtype for bf16 / fp16 x, else the statistics' (csrc/cuda/sharded_ce_kept.cuh);
+  // kept_target: [B] the raw target logit (cosine or x . w, statistics' dtype) of rows whose
+  // target lies in a kept chunk. Same statistics and gradients as the pair above (on CUDA with
+  // 16-bit x, within the 16-bit logits' rounding).
   m.def(
       "ce_shard_stats_keep(Tensor x, Tensor w, Tensor labels, Tensor? target_ref, int class_offset, "
       "float scale, float m1, float m2, float m3, bool normalize, int chunk_classes, int keep_chunks) "

@@ -204,17 +204,22 @@ def check_low_precision(
     shape=(33, 64, 257),
     labels_below=None,
     memory_budget=0,
+    near_target=None,
 ):
     """Ours vs the float64 reference within 2x the error of torch's own computation at
     ``dtype``, for the three outputs and both gradients. ``margin``: explicit
     (scale, m1, m2, m3, normalize) instead of ``MARGINS[name]``; ``noncontiguous``: a
     column-major ``x`` and a transposed ``w`` (strided weight reads in every kernel); ``shape``:
     (B, D, C); ``labels_below``: labels drawn from [0, labels_below) instead of [0, C);
-    ``memory_budget``: the op's (bytes of kept logits)."""
+    ``memory_budget``: the op's (bytes of kept logits); ``near_target``: each row is its target's
+    weight row plus that much Gaussian noise (cosines near 1, as a trained model's: an angular
+    margin's derivative magnifies the cosine's rounding there)."""
     k = kw(name) if margin is None else dict(zip(("scale", "m1", "m2", "m3", "normalize"), margin))
     B, D, C = shape
     x32, w32, labels = make_case(B, D, C, 0)
     labels = torch.randint(0, labels_below or C, (B,))
+    if near_target is not None:
+        x32 = w32[labels] + near_target * torch.randn(B, D)
     if noncontiguous:
         x32, w32 = x32.t().contiguous().t(), w32.t().contiguous().t()
     x = x32.to(device, dtype).requires_grad_()
@@ -385,7 +390,16 @@ def check_large_scale(scale, m, device):
 
 
 def check_module_low_precision(
-    device, dtype, margin_name, *, shape=(96, 128, 3001), shards=2, eps=0.1, mixed=False, chunk_memory=None
+    device,
+    dtype,
+    margin_name,
+    *,
+    shape=(96, 128, 3001),
+    shards=2,
+    eps=0.1,
+    mixed=False,
+    chunk_memory=None,
+    memory_budget=0,
 ):
     """The module's loss (label smoothing ``eps``: the statistics' gradients weighted 1, -(1 - eps)
     and -eps / C) and both gradients against the float64 reference of the same inputs, within
@@ -393,7 +407,7 @@ def check_module_low_precision(
     (normalized in fp32 and rounded, as autocast does), the rest in fp32. ``mixed``: fp32 weights
     under a ``dtype`` autocast, else weights in ``dtype``. ``shape``: (B, D, C) over ``shards``
     shards on ``device``; D a multiple of 64 and 16-bit inputs: the fused kernels' case.
-    ``chunk_memory``: the module's (None: its default)."""
+    ``chunk_memory``, ``memory_budget``: the module's (None: its default; 0: keep nothing)."""
     margin = LOSS_MARGINS[margin_name]
     B, D, C = shape
     head = shardkit.ShardedSoftmaxLoss(
@@ -405,6 +419,7 @@ def check_module_low_precision(
         label_smoothing=eps,
         check_inputs=False,
         chunk_memory=chunk_memory,
+        memory_budget=memory_budget,
     )
     with torch.no_grad():  # weights of unit-order rows (the init's are ~1/sqrt(D))
         for p in head.weight_shards:

@@ -110,12 +110,17 @@ def test_the_budget_specs_grant_what_they_say(bench_path):
 
     methods = importlib.import_module("_sharded_loss_methods")
     for shards, batch, classes in ((1, 9, 101), (3, 7, 10), (4, 5, 1003)):
-        full = methods.budget_bytes("full", batch, classes, torch.float32, shards)
-        sizes = [classes // shards + (k < classes % shards) for k in range(shards)]
-        fake = [torch.empty(c, 1) for c in sizes]  # one device: the shards share its budget
-        for size, granted in zip(sizes, shard_budgets(full, fake)):
-            assert granted >= kept_bytes(batch, size, 1, 1 << 62)  # every class of every shard
-        assert methods.budget_bytes("50%", batch, classes, torch.float32, shards) == full // 2
+        # (CUDA keeps 16-bit logits for 16-bit inputs: "full" is about half the fp32 size there.)
+        for dtype, device in ((torch.float32, "cpu"), (torch.bfloat16, "cpu"), (torch.bfloat16, "cuda")):
+            full = methods.budget_bytes("full", batch, classes, dtype, shards, device)
+            sizes = [classes // shards + (k < classes % shards) for k in range(shards)]
+            fake = [torch.empty(c, 1) for c in sizes]  # one device: the shards share its budget
+            for size, granted in zip(sizes, shard_budgets(full, fake)):
+                assert granted >= kept_bytes(batch, size, 1, 1 << 62, dtype, device)  # every class of every shard
+            assert methods.budget_bytes("50%", batch, classes, dtype, shards, device) == full // 2
+        full32 = methods.budget_bytes("full", batch, classes, torch.float32, shards)
+        full16 = methods.budget_bytes("full", batch, classes, torch.bfloat16, shards, "cuda")
+        assert full16 < full32 <= 2 * full16
     assert methods.budget_bytes("1MiB", 9, 101, torch.float32) == 1 << 20
     assert methods.budget_of("shardkit@25%") == "25%" and methods.budget_of("shardkit") is None
     for bad in ("0%", "101%", "lots", "-1"):

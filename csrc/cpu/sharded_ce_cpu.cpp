@@ -54,23 +54,6 @@ Kept make_kept(const Tensor& x, int64_t C, int64_t chunk, int64_t keep_chunks) {
   return kept;
 }
 
-void check_kept(const Tensor& x, const Tensor& w, const Tensor& logits, const Tensor& target_raw,
-                int64_t chunk_classes, int64_t keep_chunks) {
-  TORCH_CHECK(keep_chunks >= 0, "argument `keep_chunks` must be >= 0, got ", keep_chunks);
-  const KeptChunks set(w.size(0), chunk_classes, keep_chunks);
-  const auto acc = acc_dtype(x.scalar_type());
-  TORCH_CHECK(logits.dim() == 1 && logits.size(0) == x.size(0) * set.classes(w.size(0)) &&
-                  logits.scalar_type() == acc && logits.is_contiguous() && logits.device() == x.device(),
-              "argument `kept_logits` must be the contiguous [", x.size(0) * set.classes(w.size(0)), "] ",
-              acc, " tensor ce_shard_stats_keep returned for these arguments, got ", logits.sizes(), " ",
-              logits.scalar_type());
-  TORCH_CHECK(target_raw.dim() == 1 && target_raw.size(0) == x.size(0) && target_raw.scalar_type() == acc &&
-                  target_raw.is_contiguous() && target_raw.device() == x.device(),
-              "argument `kept_target` must be the contiguous [", x.size(0), "] ", acc,
-              " tensor ce_shard_stats_keep returned, got ", target_raw.sizes(), " ",
-              target_raw.scalar_type());
-}
-
 // The forward of both ops: kept == nullptr keeps nothing.
 Stats stats_forward(const Tensor& x, const Tensor& w, const Tensor& labels,
                     const c10::optional<Tensor>& target_ref, int64_t class_offset, double scale, double m1,
@@ -285,7 +268,8 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_kept_cpu(
   check_backward(grad_lse, grad_target, grad_sum, x, w, labels, lse, class_offset, scale, m1, m2, m3,
                  normalize, chunk_classes);
   const int64_t chunk = std::max<int64_t>(1, std::min(chunk_classes, w.size(0)));
-  check_kept(x, w, kept_logits, kept_target, chunk, keep_chunks);
+  const auto acc = acc_dtype(x.scalar_type());
+  check_kept(x, w, kept_logits, kept_target, chunk, keep_chunks, acc, acc);
   const Kept kept{KeptChunks(w.size(0), chunk, keep_chunks), kept_logits, kept_target};
   return stats_backward(grad_lse, grad_target, grad_sum, x, w, labels, lse, class_offset, scale, m1, m2, m3,
                         normalize, chunk_classes, &kept);

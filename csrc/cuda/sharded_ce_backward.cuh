@@ -81,19 +81,20 @@ bool overlap_enabled() {
 }
 
 // The buffers of one chunk of the backward: its dlogits G ([B, chunk], x's dtype; 16-bit only:
-// fp32 / fp64 write them over the logits), the fp32 / fp64 logits (unfused only), its rows
-// converted to x's dtype (mixed), normalized (16-bit normalize), their inverse norms
-// (normalize) and the fp32 dW rows before their fix-up (16-bit, normalized, not mixed).
+// fp32 / fp64 write them over the logits), the fp32 / fp64 logits (with_logits: the unfused
+// kernels), its rows converted to x's dtype (mixed), normalized (16-bit normalize), their inverse
+// norms (normalize) and the fp32 dW rows before their fix-up (16-bit, normalized, not mixed).
+// G and the logits get `pad` elements more (the memory budget's phase shift).
 struct ChunkBuffers {
   Tensor g, logits, wbuf, what, rw, tmp;
 };
 
-ChunkBuffers chunk_buffers(const Tensor& x, int64_t chunk, int64_t D, bool fz, bool low, bool mixed,
-                           bool normalize, const at::TensorOptions& acc_opts) {
+ChunkBuffers chunk_buffers(const Tensor& x, int64_t chunk, int64_t D, bool with_logits, bool low, bool mixed,
+                           bool normalize, const at::TensorOptions& acc_opts, int64_t pad = 0) {
   ChunkBuffers b;
   const int64_t B = x.size(0);
-  b.logits = fz ? Tensor() : at::empty({B * chunk}, acc_opts);
-  b.g = low ? at::empty({B * chunk}, x.options()) : Tensor();
+  b.logits = with_logits ? at::empty({B * chunk + pad}, acc_opts) : Tensor();
+  b.g = low ? at::empty({B * chunk + pad}, x.options()) : Tensor();
   b.wbuf = mixed ? at::empty({chunk * D}, x.options()) : Tensor();
   b.what = low && normalize ? at::empty({chunk * D}, x.options()) : Tensor();
   b.rw = normalize ? at::empty({chunk}, acc_opts) : Tensor();
@@ -157,34 +158,53 @@ void chunk_grads(const Tensor& G, const Tensor& v, const Tensor& xin, const Tens
   });
 }
 
-// The chunk's dlogits from its fp32 / fp64 logits L into G (unfused; G may alias L).
+// The chunk's dlogits into G (unfused): from its fp32 / fp64 logits L, recomputed here (G may
+// alias L), or, where `kept` is defined, from that kept chunk's raw dots (memory budget: no GEMM,
+// the chunk's norms only; traw: the fp32 target values of 16-bit kept dots).
 void unfused_dlogits(const Prepared& p, const Tensor& wc, const Tensor& what, Tensor& L, Tensor& G,
                      Tensor& rw, int64_t n, int64_t j0, bool normalize, bool hat, const Tensor& lab,
                      int64_t class_offset, const Tensor& lse, const Tensor& gl, const Tensor& gt,
-                     const Tensor& gs, const Margin& mg, cudaStream_t stream) {
-  chunk_logits(p, wc, n, normalize, L, rw, what, stream);
-  const int64_t B = L.size(0);
+                     const Tensor& gs, const Margin& mg, cudaStream_t stream, const Tensor& kept = Tensor(),
+                     const float* traw = nullptr) {
+  if (kept.defined()) {
+    if (normalize) chunk_norms(wc, n, rw, what, stream);
+  } else {
+    chunk_logits(p, wc, n, normalize, L, rw, what, stream);
+  }
+  const Tensor& src = kept.defined() ? kept : L;
+  const int64_t B = G.size(0);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, G.scalar_type(), "sce_dlogit", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
       const dim3 grid((n + kBlock - 1) / kBlock, std::min<int64_t>(B, 65535));
       dlogit_kernel<double, double><<<grid, kBlock, 0, stream>>>(
-          L.const_data_ptr<double>(), G.mutable_data_ptr<double>(), B, n, j0,
+          src.const_data_ptr<double>(), G.mutable_data_ptr<double>(), B, n, j0,
           normalize ? rw.const_data_ptr<double>() : nullptr, /*g_times_r=*/true,
           lab.const_data_ptr<int64_t>(), class_offset, lse.const_data_ptr<double>(),
           gl.const_data_ptr<double>(), gt.const_data_ptr<double>(), gs.const_data_ptr<double>(),
           to_device_margin<double>(mg));
     } else {
-      TORCH_INTERNAL_ASSERT(
-          is_aligned(L.const_data_ptr(), 16) && is_aligned(G.const_data_ptr(), 4 * sizeof(scalar_t)),
-          "the chunk buffers are not aligned for the vectorized dlogit kernel");
+      // The vectors of src and G line up: the same element phase (the fresh buffers: 0; a kept
+      // slot's G is shifted to the slot's phase).
+      TORCH_INTERNAL_ASSERT(element_phase(src) == element_phase(G),
+                            "the logits and dlogits of a chunk are not at the same element phase");
       // Vectors of a row across x (at most 8 per thread), rows across y: ~4 waves in all.
       const int64_t gx = std::max<int64_t>(1, (n / 4 + 8 * kBlock - 1) / (8 * kBlock));
       const int64_t gy = std::min<int64_t>({B, 65535, std::max<int64_t>(1, 32 * sm_count() / gx)});
-      dlogit_v2_kernel<scalar_t><<<dim3(gx, gy), kBlock, 0, stream>>>(
-          L.const_data_ptr<float>(), G.mutable_data_ptr<scalar_t>(), B, n, j0,
-          normalize ? rw.const_data_ptr<float>() : nullptr, /*g_times_r=*/!hat, lab.const_data_ptr<int64_t>(),
-          class_offset, lse.const_data_ptr<float>(), gl.const_data_ptr<float>(), gt.const_data_ptr<float>(),
-          gs.const_data_ptr<float>(), to_device_margin<float>(mg));
+      const auto launch = [&](auto* in) {
+        using in_t = std::remove_const_t<std::remove_pointer_t<decltype(in)>>;
+        dlogit_v2_kernel<in_t, scalar_t><<<dim3(gx, gy), kBlock, 0, stream>>>(
+            in, G.mutable_data_ptr<scalar_t>(), B, n, j0, normalize ? rw.const_data_ptr<float>() : nullptr,
+            traw,
+            /*g_times_r=*/!hat, lab.const_data_ptr<int64_t>(), class_offset, lse.const_data_ptr<float>(),
+            gl.const_data_ptr<float>(), gt.const_data_ptr<float>(), gs.const_data_ptr<float>(),
+            to_device_margin<float>(mg));
+      };
+      // 16-bit kept raw dots are read in their dtype (a type that only 16-bit G instantiates).
+      using low_t = std::conditional_t<std::is_same_v<scalar_t, double>, float, scalar_t>;
+      if (src.scalar_type() != at::kFloat)
+        launch(src.const_data_ptr<low_t>());
+      else
+        launch(src.const_data_ptr<float>());
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

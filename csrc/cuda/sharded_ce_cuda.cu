@@ -177,6 +177,7 @@ __global__ void row_stats_kernel(const T* __restrict__ L, int64_t n, int64_t j0,
 }  // namespace shardkit
 
 #include "sharded_ce_v2.cuh"
+#include "sharded_ce_kept.cuh"
 
 namespace shardkit {
 namespace sce {
@@ -298,13 +299,40 @@ void chunk_logits(const Prepared& p, const Tensor& wc, int64_t n, bool normalize
     at::mm_out(L, p.xin, wc.t(), acc);  // bf16/fp16 inputs, fp32 accumulation and output
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> ce_shard_stats_cuda(const Tensor& x, const Tensor& w,
-                                                               const Tensor& labels,
-                                                               const c10::optional<Tensor>& target_ref,
-                                                               int64_t class_offset, double scale, double m1,
-                                                               double m2, double m3, bool normalize,
-                                                               int64_t chunk_classes) {
-  check_forward(x, w, labels, target_ref, class_offset, scale, m1, m2, m3, normalize, chunk_classes);
+// The per-chunk statistics of the unfused kernels over L [B, n] (fp32 logits, or a kept chunk's
+// raw dots in their dtype), folded into the running [B] statistics.
+template <typename in_t>
+void row_stats_v2(const Tensor& L, int64_t n, int64_t j0, const Tensor& rw, const float* traw,
+                  const Tensor& lab, int64_t class_offset, const Tensor& tref, const Margin& mg, int parts,
+                  int max_parts, Tensor& part_f, Tensor& part_c, Tensor& M, Tensor& S, Tensor& LS, Tensor& TG,
+                  Tensor& CN, cudaStream_t stream) {
+  const int64_t B = L.size(0);
+  float* pf = parts > 1 ? part_f.mutable_data_ptr<float>() : nullptr;
+  row_stats_v2_kernel<in_t><<<B * parts, kBlock, 0, stream>>>(
+      L.const_data_ptr<in_t>(), n, j0, rw.defined() ? rw.const_data_ptr<float>() : nullptr, traw,
+      lab.const_data_ptr<int64_t>(), class_offset, tref.defined() ? tref.const_data_ptr<float>() : nullptr,
+      to_device_margin<float>(mg), parts, B, M.mutable_data_ptr<float>(), S.mutable_data_ptr<float>(),
+      LS.mutable_data_ptr<float>(), TG.mutable_data_ptr<float>(), CN.mutable_data_ptr<int64_t>(), pf,
+      pf ? pf + max_parts * B : nullptr, pf ? pf + 2 * max_parts * B : nullptr,
+      parts > 1 ? part_c.mutable_data_ptr<int64_t>() : nullptr);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (parts > 1) {
+    merge_parts_kernel<<<(B + kBlock - 1) / kBlock, kBlock, 0, stream>>>(
+        B, parts, pf, pf + max_parts * B, pf + 2 * max_parts * B, part_c.const_data_ptr<int64_t>(),
+        M.mutable_data_ptr<float>(), S.mutable_data_ptr<float>(), LS.mutable_data_ptr<float>(),
+        CN.mutable_data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+// The forward of both ops (arguments checked): kept == nullptr keeps nothing, else the chunks
+// kept->set names write their GEMM into kept->logits (unfused kernels for every chunk).
+std::tuple<Tensor, Tensor, Tensor, Tensor> stats_forward(const Tensor& x, const Tensor& w,
+                                                         const Tensor& labels,
+                                                         const c10::optional<Tensor>& target_ref,
+                                                         int64_t class_offset, double scale, double m1,
+                                                         double m2, double m3, bool normalize,
+                                                         int64_t chunk_classes, KeptLogits* kept) {
   // Called below autograd (register_autograd handles it); inputs may still require grad,
   // which out= ATen calls refuse.
   const at::NoGradGuard no_grad;
@@ -324,7 +352,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> ce_shard_stats_cuda(const Tensor& x, 
   const Tensor lab = labels.contiguous();
   const Prepared p = prepare_x(x, normalize);
   const bool mixed = w.scalar_type() != x.scalar_type();
-  const bool fz = acc == at::kFloat && use_fused(p.xin, w, mixed);
+  const bool fz = kept == nullptr && acc == at::kFloat && use_fused(p.xin, w, mixed);
   // The fused kernels' first chunk sets the statistics and their last turns M into lse: no fills
   // before, no log and add after.
   Tensor M = fz ? at::empty({B}, opts) : at::full({B}, -std::numeric_limits<double>::infinity(), opts);
@@ -364,36 +392,36 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> ce_shard_stats_cuda(const Tensor& x, 
     }
     return {M, TG, LS, CN};  // M holds lse
   }
-  Tensor lbuf = at::empty({B * chunk}, opts);
+  if (kept != nullptr) fill_kept_target(*kept, p.xin, w, lab, class_offset, normalize, stream);
+  // The fp32 / fp64 logits of the chunks not kept (none when every chunk is).
+  const Tensor lbuf = kept == nullptr || !kept->set.all ? at::empty({B * chunk}, opts) : Tensor();
   // The wider kernels (float statistics; double runs row_stats_kernel): per-range partials, [parts, B] each.
   const bool v2 = acc == at::kFloat;
-  TORCH_INTERNAL_ASSERT(!v2 || is_aligned(lbuf.const_data_ptr(), 16),
+  TORCH_INTERNAL_ASSERT(!v2 || !lbuf.defined() || is_aligned(lbuf.const_data_ptr(), 16),
                         "the logits buffer is not 16-byte aligned");
   const int max_parts = v2 ? row_parts(B, chunk) : 1;
   Tensor part_f = max_parts > 1 ? at::empty({3, max_parts * B}, opts) : Tensor();
   Tensor part_c = max_parts > 1 ? at::empty({max_parts * B}, CN.options()) : Tensor();
-  for (int64_t j0 = 0; j0 < C; j0 += chunk) {
+  int64_t k = 0;
+  for (int64_t j0 = 0; j0 < C; j0 += chunk, ++k) {
     const int64_t n = std::min(chunk, C - j0);
-    Tensor L = lbuf.narrow(0, 0, B * n).view({B, n});
+    const bool keep = kept != nullptr && kept->set.kept(k);
+    // A kept chunk's GEMM writes its slot (in the kept dtype): the statistics read it there.
+    Tensor L = keep ? kept->slot(k, n) : lbuf.narrow(0, 0, B * n).view({B, n});
     chunk_logits(p, weight_chunk(w, wbuf, j0, n), n, normalize, L, rw, Tensor(), stream);
     if (v2) {
       const int parts = std::min(max_parts, row_parts(B, n));
-      float* pf = parts > 1 ? part_f.mutable_data_ptr<float>() : nullptr;
-      row_stats_v2_kernel<<<B * parts, kBlock, 0, stream>>>(
-          L.const_data_ptr<float>(), n, j0, normalize ? rw.const_data_ptr<float>() : nullptr,
-          lab.const_data_ptr<int64_t>(), class_offset, count ? tref.const_data_ptr<float>() : nullptr,
-          to_device_margin<float>(mg), parts, B, M.mutable_data_ptr<float>(), S.mutable_data_ptr<float>(),
-          LS.mutable_data_ptr<float>(), TG.mutable_data_ptr<float>(), CN.mutable_data_ptr<int64_t>(), pf,
-          pf ? pf + max_parts * B : nullptr, pf ? pf + 2 * max_parts * B : nullptr,
-          parts > 1 ? part_c.mutable_data_ptr<int64_t>() : nullptr);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      if (parts > 1) {
-        merge_parts_kernel<<<(B + kBlock - 1) / kBlock, kBlock, 0, stream>>>(
-            B, parts, pf, pf + max_parts * B, pf + 2 * max_parts * B, part_c.const_data_ptr<int64_t>(),
-            M.mutable_data_ptr<float>(), S.mutable_data_ptr<float>(), LS.mutable_data_ptr<float>(),
-            CN.mutable_data_ptr<int64_t>());
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      }
+      const float* traw = keep ? kept->target_override() : nullptr;
+      const auto run = [&](auto tag) {
+        row_stats_v2<decltype(tag)>(L, n, j0, rw, traw, lab, class_offset, tref, mg, parts, max_parts, part_f,
+                                    part_c, M, S, LS, TG, CN, stream);
+      };
+      if (L.scalar_type() == at::kBFloat16)
+        run(c10::BFloat16());
+      else if (L.scalar_type() == at::kHalf)
+        run(c10::Half());
+      else
+        run(float());
       continue;
     }
     using T = double;
@@ -418,14 +446,14 @@ namespace shardkit {
 namespace sce {
 namespace {
 
-std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, const Tensor& grad_target,
-                                                        const Tensor& grad_sum, const Tensor& x,
-                                                        const Tensor& w, const Tensor& labels,
-                                                        const Tensor& lse_in, int64_t class_offset,
-                                                        double scale, double m1, double m2, double m3,
-                                                        bool normalize, int64_t chunk_classes) {
-  check_backward(grad_lse, grad_target, grad_sum, x, w, labels, lse_in, class_offset, scale, m1, m2, m3,
-                 normalize, chunk_classes);
+// The backward of both ops (arguments checked): kept == nullptr recomputes every chunk, else
+// the chunks kept->set names form their dlogits from kept->logits (unfused kernels for every
+// chunk).
+std::tuple<Tensor, Tensor> stats_backward(const Tensor& grad_lse, const Tensor& grad_target,
+                                          const Tensor& grad_sum, const Tensor& x, const Tensor& w,
+                                          const Tensor& labels, const Tensor& lse_in, int64_t class_offset,
+                                          double scale, double m1, double m2, double m3, bool normalize,
+                                          int64_t chunk_classes, const KeptLogits* kept) {
   // Called below autograd (register_autograd handles it); inputs may still require grad,
   // which out= ATen calls refuse.
   const at::NoGradGuard no_grad;
@@ -448,7 +476,7 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
   const bool mixed = w.scalar_type() != dt;
   // The fused kernels write the dlogits straight from the GEMM (no fp32 logits), so their
   // chunks are larger within the same memory.
-  const bool fz = acc == at::kFloat && low && use_fused(p.xin, w, mixed);
+  const bool fz = kept == nullptr && acc == at::kFloat && low && use_fused(p.xin, w, mixed);
   const bool overlap = fz && overlap_enabled();
   const int64_t tile_cols = fz ? fused::backward_tile_cols() : 0;  // read once: the chunk and scratch agree
   const int64_t chunk = fz ? fused::backward_chunk(B, D, C, std::min(chunk_classes, C), x.element_size(),
@@ -458,9 +486,15 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
   // 16-bit with normalize: G stays d loss / d cos (bounded like torch's own 16-bit dlogits)
   // and the dX GEMM uses the chunk's normalized rows, [chunk, D] in the input dtype.
   const bool hat = low && normalize;
+  // The fp32 / fp64 logits buffer: for the unfused kernels' recomputed chunks, and for the fp32 /
+  // fp64 dlogits of kept chunks (which must not overwrite what was kept: a retained graph's second
+  // backward reads it again). A kept chunk's dlogits start at its slot's element phase (the
+  // vectorized kernel's loads and stores line up), hence 3 elements more.
+  const bool with_logits = !fz && (kept == nullptr || !kept->set.all || !low);
+  const int64_t pad = kept != nullptr ? 3 : 0;
   ChunkBuffers bufs[2];
   for (int k = 0; k < (overlap ? 2 : 1); ++k)
-    bufs[k] = chunk_buffers(x, chunk, D, fz, low, mixed, normalize, opts);
+    bufs[k] = chunk_buffers(x, chunk, D, with_logits, low, mixed, normalize, opts, pad);
   // w.r.t. the GEMM's x (normalized x when normalize): where cuBLAS accumulates every chunk's dX
   // into it, the first chunk's GEMM initializes it.
   const bool own_rows = hat || mixed;  // the dX GEMM's rows: a contiguous buffer, or w's own
@@ -491,8 +525,12 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
       released[slot].block(main);  // the side stream is done with this slot's chunk k - 2
     const Tensor what = hat ? b.what.narrow(0, 0, n * D).view({n, D}) : Tensor();
     const Tensor wc = weight_chunk(w, b.wbuf, j0, n);  // x's dtype
-    Tensor L = fz ? Tensor() : b.logits.narrow(0, 0, B * n).view({B, n});
-    Tensor G = low ? b.g.narrow(0, 0, B * n).view({B, n}) : L;
+    const bool keep = kept != nullptr && kept->set.kept(k);
+    const Tensor KL = keep ? kept->slot(k, n) : Tensor();  // the kept raw dots (read only)
+    const int64_t ph = keep ? element_phase(KL) : 0;
+    Tensor L = fz || keep ? Tensor() : b.logits.narrow(0, 0, B * n).view({B, n});
+    Tensor G =
+        low ? b.g.narrow(0, ph, B * n).view({B, n}) : (keep ? b.logits.narrow(0, ph, B * n).view({B, n}) : L);
     if (fz) {
       if (normalize) chunk_norms(wc, n, b.rw, what, stream);
       fused::EpiParams e = epi_params(mg, lab, class_offset, j0, b.rw);
@@ -506,7 +544,7 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
       fused::backward(p.xin, wc, e, sc, stream);
     } else {
       unfused_dlogits(p, wc, what, L, G, b.rw, n, j0, normalize, hat, lab, class_offset, lse, gl, gt, gs, mg,
-                      stream);
+                      stream, KL, keep ? kept->target_override() : nullptr);
     }
     const Tensor& v = hat ? what : wc;  // the rows the dX GEMM and the dW fix-up use
     if (overlap) {
@@ -529,6 +567,64 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
   return {dx.to(dt), grad_w};
 }
 
+std::tuple<Tensor, Tensor, Tensor, Tensor> ce_shard_stats_cuda(const Tensor& x, const Tensor& w,
+                                                               const Tensor& labels,
+                                                               const c10::optional<Tensor>& target_ref,
+                                                               int64_t class_offset, double scale, double m1,
+                                                               double m2, double m3, bool normalize,
+                                                               int64_t chunk_classes) {
+  check_forward(x, w, labels, target_ref, class_offset, scale, m1, m2, m3, normalize, chunk_classes);
+  return stats_forward(x, w, labels, target_ref, class_offset, scale, m1, m2, m3, normalize, chunk_classes,
+                       nullptr);
+}
+
+std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, const Tensor& grad_target,
+                                                        const Tensor& grad_sum, const Tensor& x,
+                                                        const Tensor& w, const Tensor& labels,
+                                                        const Tensor& lse, int64_t class_offset, double scale,
+                                                        double m1, double m2, double m3, bool normalize,
+                                                        int64_t chunk_classes) {
+  check_backward(grad_lse, grad_target, grad_sum, x, w, labels, lse, class_offset, scale, m1, m2, m3,
+                 normalize, chunk_classes);
+  return stats_backward(grad_lse, grad_target, grad_sum, x, w, labels, lse, class_offset, scale, m1, m2, m3,
+                        normalize, chunk_classes, nullptr);
+}
+
+// The memory-budget pair (sharded_ce_kept.cuh): the chunks KeptChunks(C, chunk, keep_chunks) names
+// keep their raw dots from the forward to the backward.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> ce_shard_stats_keep_cuda(
+    const Tensor& x, const Tensor& w, const Tensor& labels, const c10::optional<Tensor>& target_ref,
+    int64_t class_offset, double scale, double m1, double m2, double m3, bool normalize,
+    int64_t chunk_classes, int64_t keep_chunks) {
+  check_forward(x, w, labels, target_ref, class_offset, scale, m1, m2, m3, normalize, chunk_classes);
+  TORCH_CHECK(keep_chunks >= 0, "argument `keep_chunks` must be >= 0, got ", keep_chunks);
+  TORCH_CHECK(x.is_cuda(), "argument `x` must be a CUDA tensor here, got ", x.device());
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t B = x.size(0), C = w.size(0);
+  const KeptChunks set(C, std::max<int64_t>(1, std::min(chunk_classes, C)), keep_chunks);
+  KeptLogits kept{set, at::empty({B * set.classes(C)}, x.options().dtype(kept_dtype(x.scalar_type()))),
+                  at::zeros({B}, x.options().dtype(acc_dtype(x.scalar_type()))), B, is_low(x.scalar_type())};
+  auto [lse, tgt, lsum, cnt] = stats_forward(x, w, labels, target_ref, class_offset, scale, m1, m2, m3,
+                                             normalize, chunk_classes, &kept);
+  return {lse, tgt, lsum, cnt, kept.logits, kept.target};
+}
+
+std::tuple<Tensor, Tensor> ce_shard_stats_backward_kept_cuda(
+    const Tensor& grad_lse, const Tensor& grad_target, const Tensor& grad_sum, const Tensor& x,
+    const Tensor& w, const Tensor& labels, const Tensor& lse, const Tensor& kept_logits,
+    const Tensor& kept_target, int64_t class_offset, double scale, double m1, double m2, double m3,
+    bool normalize, int64_t chunk_classes, int64_t keep_chunks) {
+  check_backward(grad_lse, grad_target, grad_sum, x, w, labels, lse, class_offset, scale, m1, m2, m3,
+                 normalize, chunk_classes);
+  const int64_t chunk = std::max<int64_t>(1, std::min(chunk_classes, w.size(0)));
+  check_kept(x, w, kept_logits, kept_target, chunk, keep_chunks, kept_dtype(x.scalar_type()),
+             acc_dtype(x.scalar_type()));
+  const KeptLogits kept{KeptChunks(w.size(0), chunk, keep_chunks), kept_logits, kept_target, x.size(0),
+                        is_low(x.scalar_type())};
+  return stats_backward(grad_lse, grad_target, grad_sum, x, w, labels, lse, class_offset, scale, m1, m2, m3,
+                        normalize, chunk_classes, &kept);
+}
+
 }  // namespace
 }  // namespace sce
 }  // namespace shardkit
@@ -536,4 +632,6 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
 TORCH_LIBRARY_IMPL(shardkit, CUDA, m) {
   m.impl("ce_shard_stats", &shardkit::sce::ce_shard_stats_cuda);
   m.impl("ce_shard_stats_backward", &shardkit::sce::ce_shard_stats_backward_cuda);
+  m.impl("ce_shard_stats_keep", &shardkit::sce::ce_shard_stats_keep_cuda);
+  m.impl("ce_shard_stats_backward_kept", &shardkit::sce::ce_shard_stats_backward_kept_cuda);
 }

@@ -1,4 +1,4 @@
-// The unfused kernels of the sharded cross-entropy's fp32-logit passes (bf16 / fp16 / fp32 inputs;
+// The unfused kernels of the sharded cross-entropy's logit passes (bf16 / fp16 / fp32 inputs;
 // included by sharded_ce_cuda.cu, whose helpers they use; fp64 runs its simpler row_stats_kernel
 // and dlogit_kernel).
 //
@@ -6,17 +6,21 @@
 // thread) reached ~0.9-1.0 TB/s on an H200 whose copy rate is ~4 TB/s, and at B=256 the
 // one-block-per-row statistics fill a quarter of the GPU. These:
 //   row_stats_v2: a row is split into `parts` column ranges (a 1-D grid of B * parts blocks,
-//     enough for two waves at any B); each thread reads 16-byte vectors, two in flight, and
-//     folds 4 logits per online-softmax rescale. parts > 1 leaves per-range partials that
-//     merge_parts_kernel folds into the running statistics in a fixed order (deterministic,
-//     no atomics);
-//   dlogit_v2: 2-D grid (vectors of a row x rows), 16-byte loads of the fp32 logits and one
-//     8-byte (16-bit dlogits) or 16-byte (fp32, in place) store per 4 elements; the per-row
-//     scalars are read once per row.
-// A row need not start on a 16-byte boundary (B * n logits, n odd): the columns before the
+//     enough for two waves at any B); each thread reads vectors of 4 logits (16 bytes of fp32,
+//     8 of 16-bit kept logits), two in flight, and folds 4 logits per online-softmax rescale.
+//     parts > 1 leaves per-range partials that merge_parts_kernel folds into the running
+//     statistics in a fixed order (deterministic, no atomics);
+//   dlogit_v2: 2-D grid (vectors of a row x rows), vector loads of the logits and one 8-byte
+//     (16-bit dlogits) or 16-byte (fp32) store per 4 elements; the per-row scalars are read once
+//     per row.
+// The logits are the fp32 GEMM output, or (memory budget, sharded_ce_kept.cuh) a kept chunk's
+// 16-bit raw dots, whose target column then comes from `traw` (fp32) instead.
+// A row need not start on a vector boundary (B * n logits, n odd): the columns before the
 // first boundary and after the last whole vector are taken one by one (at most 3 each).
 // Only float statistics (bf16 / fp16 / fp32 inputs).
 #pragma once
+
+#include <cuda_fp16.h>
 
 #include <cstdint>
 
@@ -57,15 +61,57 @@ __device__ __forceinline__ void online_add4(float z0, float z1, float z2, float 
     if (zz[k] != -INFINITY) s += __expf(zz[k] - m);
 }
 
-// Columns of a row of L (float, row i starting at element i * n of a buffer whose base is
-// 16-byte aligned): [0, head) one by one, nvec 16-byte vectors from column head, the rest
-// one by one.
+// Four dlogits (aligned to 4 elements) stored with one 16-byte (fp32) or 8-byte (16-bit) write,
+// through the store intrinsic with the default write-back policy: a plain store of an aligned
+// struct (or of a float4 / uint2) compiled to four / two scalar stores here (nvcc 13.0, PTX).
+__device__ __forceinline__ void store4(float* p, const float (&v)[4]) {
+  __stwb(reinterpret_cast<float4*>(p), make_float4(v[0], v[1], v[2], v[3]));
+}
+template <typename h_t>  // c10::BFloat16, c10::Half: element 0 in the low half of the first word
+__device__ __forceinline__ void store4(h_t* p, const h_t (&v)[4]) {
+  static_assert(sizeof(h_t) == 2, "store4: a 16-bit type");
+  uint2 u;
+  u.x = static_cast<uint32_t>(v[0].x) | (static_cast<uint32_t>(v[1].x) << 16);
+  u.y = static_cast<uint32_t>(v[2].x) | (static_cast<uint32_t>(v[3].x) << 16);
+  __stwb(reinterpret_cast<uint2*>(p), u);
+}
+__device__ __forceinline__ void store4(double* p, const double (&v)[4]) {  // (compiled, never launched)
+  for (int k = 0; k < 4; ++k) p[k] = v[k];
+}
+
+// Four logits from p (aligned to 4 elements) as floats, in one vector load.
+__device__ __forceinline__ void load4(const float* p, float (&o)[4]) {
+  const float4 a = *reinterpret_cast<const float4*>(p);
+  o[0] = a.x;
+  o[1] = a.y;
+  o[2] = a.z;
+  o[3] = a.w;
+}
+__device__ __forceinline__ void load4(const c10::BFloat16* p, float (&o)[4]) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);  // element 0 in the low half of u.x
+  o[0] = __uint_as_float(u.x << 16);
+  o[1] = __uint_as_float(u.x & 0xffff0000u);
+  o[2] = __uint_as_float(u.y << 16);
+  o[3] = __uint_as_float(u.y & 0xffff0000u);
+}
+__device__ __forceinline__ void load4(const c10::Half* p, float (&o)[4]) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  o[0] = __half2float(__ushort_as_half(static_cast<unsigned short>(u.x & 0xffffu)));
+  o[1] = __half2float(__ushort_as_half(static_cast<unsigned short>(u.x >> 16)));
+  o[2] = __half2float(__ushort_as_half(static_cast<unsigned short>(u.y & 0xffffu)));
+  o[3] = __half2float(__ushort_as_half(static_cast<unsigned short>(u.y >> 16)));
+}
+
+// Columns of a row of L (element type T, row i starting at element i * n of a buffer aligned
+// to its element size): [0, head) one by one, nvec vectors of 4 elements from column head, the
+// rest one by one.
 struct RowSplit {
   int64_t head, nvec, tail0;
 };
 
-__device__ __forceinline__ RowSplit split_row(const float* row, int64_t n) {
-  const int64_t mis = static_cast<int64_t>((reinterpret_cast<uintptr_t>(row) / sizeof(float)) & 3);
+template <typename T>
+__device__ __forceinline__ RowSplit split_row(const T* row, int64_t n) {
+  const int64_t mis = static_cast<int64_t>((reinterpret_cast<uintptr_t>(row) / sizeof(T)) & 3);
   RowSplit r;
   r.head = mis == 0 ? 0 : (4 - mis < n ? 4 - mis : n);
   r.nvec = (n - r.head) / 4;
@@ -73,49 +119,59 @@ __device__ __forceinline__ RowSplit split_row(const float* row, int64_t n) {
   return r;
 }
 
-__global__ void row_stats_v2_kernel(const float* __restrict__ L, int64_t n, int64_t j0,
-                                    const float* __restrict__ rw, const int64_t* __restrict__ labels,
-                                    int64_t class_offset, const float* __restrict__ tref, MarginT<float> mg,
-                                    int parts, int64_t B, float* M, float* S, float* LS, float* TG,
-                                    int64_t* CN, float* pm, float* ps, float* pz, int64_t* pc) {
+// traw (kept 16-bit logits): the target column's value c, fp32 [B], instead of the logit there.
+template <typename in_t>
+__global__ void row_stats_v2_kernel(const in_t* __restrict__ L, int64_t n, int64_t j0,
+                                    const float* __restrict__ rw, const float* __restrict__ traw,
+                                    const int64_t* __restrict__ labels, int64_t class_offset,
+                                    const float* __restrict__ tref, MarginT<float> mg, int parts, int64_t B,
+                                    float* M, float* S, float* LS, float* TG, int64_t* CN, float* pm,
+                                    float* ps, float* pz, int64_t* pc) {
   const int64_t i = blockIdx.x / parts;
   const int p = static_cast<int>(blockIdx.x % parts);
-  const float* row = L + i * n;
+  const in_t* row = L + i * n;
   const int64_t t = labels[i] - class_offset - j0;
   const float ref = tref ? tref[i] : 0.f;
+  const float traw_i = traw ? traw[i] : 0.f;
   float m = -INFINITY, s = 0.f, zs = 0.f;
   int64_t cnt = 0;
   // The logit of column j from its raw dot (times 1/|w_j| when normalizing): see stat_logit.
   auto logit = [&](float raw, int64_t j) -> float {
-    return stat_logit<float>(rw ? raw * rw[j] : raw, j == t, tref != nullptr, ref, mg, cnt, zs, TG + i);
+    const bool at_t = j == t;
+    const float c = traw && at_t ? traw_i : (rw ? raw * rw[j] : raw);
+    return stat_logit<float>(c, at_t, tref != nullptr, ref, mg, cnt, zs, TG + i);
   };
   const RowSplit rs = split_row(row, n);
   const int64_t per = (rs.nvec + parts - 1) / parts;
   const int64_t v0 = p * per, v1 = v0 + per < rs.nvec ? v0 + per : rs.nvec;
-  const float4* row4 = reinterpret_cast<const float4*>(row + rs.head);
+  const in_t* vec0 = row + rs.head;
   const int64_t step = blockDim.x;
   int64_t v = v0 + threadIdx.x;
-  for (; v + step < v1; v += 2 * step) {  // two 16-byte loads in flight
-    const float4 a = row4[v], b = row4[v + step];
+  for (; v + step < v1; v += 2 * step) {  // two vector loads in flight
+    float a[4], b[4];
+    load4(vec0 + 4 * v, a);
+    load4(vec0 + 4 * (v + step), b);
     const int64_t ja = rs.head + 4 * v, jb = rs.head + 4 * (v + step);
-    const float a0 = logit(a.x, ja), a1 = logit(a.y, ja + 1), a2 = logit(a.z, ja + 2),
-                a3 = logit(a.w, ja + 3);
+    const float a0 = logit(a[0], ja), a1 = logit(a[1], ja + 1), a2 = logit(a[2], ja + 2),
+                a3 = logit(a[3], ja + 3);
     online_add4(a0, a1, a2, a3, m, s);
-    const float b0 = logit(b.x, jb), b1 = logit(b.y, jb + 1), b2 = logit(b.z, jb + 2),
-                b3 = logit(b.w, jb + 3);
+    const float b0 = logit(b[0], jb), b1 = logit(b[1], jb + 1), b2 = logit(b[2], jb + 2),
+                b3 = logit(b[3], jb + 3);
     online_add4(b0, b1, b2, b3, m, s);
   }
   if (v < v1) {
-    const float4 a = row4[v];
+    float a[4];
+    load4(vec0 + 4 * v, a);
     const int64_t ja = rs.head + 4 * v;
-    const float a0 = logit(a.x, ja), a1 = logit(a.y, ja + 1), a2 = logit(a.z, ja + 2),
-                a3 = logit(a.w, ja + 3);
+    const float a0 = logit(a[0], ja), a1 = logit(a[1], ja + 1), a2 = logit(a[2], ja + 2),
+                a3 = logit(a[3], ja + 3);
     online_add4(a0, a1, a2, a3, m, s);
   }
-  if (p == 0 && threadIdx.x < rs.head) online_add(logit(row[threadIdx.x], threadIdx.x), m, s);
+  if (p == 0 && threadIdx.x < rs.head)
+    online_add(logit(static_cast<float>(row[threadIdx.x]), threadIdx.x), m, s);
   if (p == parts - 1 && rs.tail0 + threadIdx.x < n) {
     const int64_t j = rs.tail0 + threadIdx.x;
-    online_add(logit(row[j], j), m, s);
+    online_add(logit(static_cast<float>(row[j]), j), m, s);
   }
   block_reduce_stats(m, s, zs, cnt);
   if (threadIdx.x != 0) return;
@@ -148,29 +204,25 @@ __global__ void merge_parts_kernel(int64_t B, int parts, const float* __restrict
   fold_stats(i, m, s, z, c, M, S, LS, CN);
 }
 
-// Four values of the GEMM dtype stored with one 8-byte (16-bit) or 16-byte (fp32) write.
-template <typename g_t>
-struct alignas(4 * sizeof(g_t)) Vec4 {
-  g_t v[4];
-};
-
-// dlogits of the chunk (see dlogit_kernel for the formula); G may alias L (fp32).
-template <typename g_t>
-__global__ void dlogit_v2_kernel(const float* L, g_t* G, int64_t B, int64_t n, int64_t j0,
-                                 const float* __restrict__ rw, bool g_times_r,
+// dlogits of the chunk (see dlogit_kernel for the formula); G may alias L (fp32). L and G must
+// sit at the same element phase modulo 4 (their vectors then line up); traw: as in row_stats_v2.
+template <typename in_t, typename g_t>
+__global__ void dlogit_v2_kernel(const in_t* L, g_t* G, int64_t B, int64_t n, int64_t j0,
+                                 const float* __restrict__ rw, const float* __restrict__ traw, bool g_times_r,
                                  const int64_t* __restrict__ labels, int64_t class_offset,
                                  const float* __restrict__ lse, const float* __restrict__ gl,
                                  const float* __restrict__ gt, const float* __restrict__ gs,
                                  MarginT<float> mg) {
   for (int64_t i = blockIdx.y; i < B; i += gridDim.y) {
-    const float* row = L + i * n;
+    const in_t* row = L + i * n;
     g_t* grow = G + i * n;
     const int64_t t = labels[i] - class_offset - j0;
     const float lse_i = lse[i], gl_i = gl[i], gs_i = gs[i], gt_i = gt[i];
+    const float traw_i = traw ? traw[i] : 0.f;
     auto dlogit = [&](float raw, int64_t j) -> g_t {
       const float r = rw ? rw[j] : 1.f;
-      const float c = raw * r;
       const bool is_t = j == t;
+      const float c = traw && is_t ? traw_i : raw * r;
       float z = scaled_logit(mg.scale, c), dpsi = 1.f;
       if (is_t && mg.normalize) {
         float psi;
@@ -184,18 +236,16 @@ __global__ void dlogit_v2_kernel(const float* L, g_t* G, int64_t B, int64_t n, i
     for (int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < rs.nvec;
          v += static_cast<int64_t>(gridDim.x) * blockDim.x) {
       const int64_t j = rs.head + 4 * v;
-      const float4 a = *reinterpret_cast<const float4*>(row + j);
-      Vec4<g_t> out;
-      out.v[0] = dlogit(a.x, j);
-      out.v[1] = dlogit(a.y, j + 1);
-      out.v[2] = dlogit(a.z, j + 2);
-      out.v[3] = dlogit(a.w, j + 3);
-      *reinterpret_cast<Vec4<g_t>*>(grow + j) = out;
+      float a[4];
+      load4(row + j, a);
+      const g_t out[4] = {dlogit(a[0], j), dlogit(a[1], j + 1), dlogit(a[2], j + 2), dlogit(a[3], j + 3)};
+      store4(grow + j, out);
     }
     if (blockIdx.x == 0) {
-      if (threadIdx.x < rs.head) grow[threadIdx.x] = dlogit(row[threadIdx.x], threadIdx.x);
+      if (threadIdx.x < rs.head)
+        grow[threadIdx.x] = dlogit(static_cast<float>(row[threadIdx.x]), threadIdx.x);
       const int64_t j = rs.tail0 + threadIdx.x;
-      if (j < n) grow[j] = dlogit(row[j], j);
+      if (j < n) grow[j] = dlogit(static_cast<float>(row[j]), j);
     }
   }
 }

@@ -26,6 +26,7 @@ from shardkit.ops._sharded_ce import (  # noqa: F401
     chunk_classes_for_budget,
     kept_bytes,
     kept_chunks_for_budget,
+    kept_logits_dtype,
 )
 
 # ---- end normalize ----
@@ -39,6 +40,7 @@ __all__ = [
     "chunk_classes_for_budget",
     "kept_chunks_for_budget",
     "kept_bytes",
+    "kept_logits_dtype",
     "split_to_devices",
     "weighted_loss_reduce",
     "partial_fc_sample",

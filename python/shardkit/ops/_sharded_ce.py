@@ -8,12 +8,25 @@ differentiable torch code (see :mod:`shardkit.softmax.core`).
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import os
+import warnings
+from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
-__all__ = ["ce_shard_stats", "chunk_classes_for_budget", "kept_chunks_for_budget", "kept_bytes"]
+__all__ = [
+    "ce_shard_stats",
+    "chunk_classes_for_budget",
+    "kept_chunks_for_budget",
+    "kept_bytes",
+    "kept_logits_dtype",
+]
+
+#: The environment switch of the memory budget on CUDA: "1" lets CUDA shards keep logits (the
+#: kept path has run on no GPU yet: experimental); unset or "0", they recompute at every budget.
+CUDA_KEEP_ENV = "SHARDKIT_CUDA_KEEP"
+_warned_env: set[str] = set()
 
 #: Working-set budget of one call when ``chunk_classes`` is not given (GPU). Each chunk
 #: costs a fixed ~15 kernel launches of host time, so chunks must be large enough for
@@ -89,20 +102,46 @@ def _kept_classes(num_classes: int, chunk_classes: int, keep_chunks: int) -> int
     return num_classes if keep_chunks >= -(-num_classes // chunk) else keep_chunks * chunk
 
 
+def _device_type(device: Union[str, torch.device]) -> str:
+    return device if isinstance(device, str) and ":" not in device else torch.device(device).type
+
+
+def kept_logits_dtype(dtype: torch.dtype, device: Union[str, torch.device] = "cpu") -> torch.dtype:
+    """The dtype of the logits a forward keeps for ``dtype`` embeddings on ``device``: on CUDA,
+    bfloat16 / float16 for those inputs (the raw dots as cuBLAS rounds them, with each row's
+    target value kept in float32 beside them), else the statistics' dtype (float32; float64
+    for float64), as the CPU kernels keep them whatever the input."""
+    if _device_type(device) == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        return dtype
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def kept_bytes(
-    batch: int, num_classes: int, chunk_classes: int, keep_chunks: int, dtype: torch.dtype = torch.float32
+    batch: int,
+    num_classes: int,
+    chunk_classes: int,
+    keep_chunks: int,
+    dtype: torch.dtype = torch.float32,
+    device: Union[str, torch.device] = "cpu",
 ) -> int:
     """Bytes a forward with ``keep_chunks`` kept chunks holds until its backward: the kept
-    logits ``[batch, kept classes]`` and one target logit per row, in the statistics' dtype
-    (float32; float64 for float64 ``dtype``). 0 when ``keep_chunks`` is 0."""
+    logits ``[batch, kept classes]`` in :func:`kept_logits_dtype` (``dtype`` is the
+    embeddings') and one target value per row in the statistics' dtype (float32; float64 for
+    float64 ``dtype``). 0 when ``keep_chunks`` is 0."""
     if keep_chunks <= 0:
         return 0
-    elem = 8 if dtype == torch.float64 else 4
-    return batch * (_kept_classes(num_classes, chunk_classes, keep_chunks) + 1) * elem
+    elem = kept_logits_dtype(dtype, device).itemsize
+    target = 8 if dtype == torch.float64 else 4
+    return batch * (_kept_classes(num_classes, chunk_classes, keep_chunks) * elem + target)
 
 
 def kept_chunks_for_budget(
-    batch: int, num_classes: int, chunk_classes: int, budget_bytes: int, dtype: torch.dtype = torch.float32
+    batch: int,
+    num_classes: int,
+    chunk_classes: int,
+    budget_bytes: int,
+    dtype: torch.dtype = torch.float32,
+    device: Union[str, torch.device] = "cpu",
 ) -> int:
     """The most class chunks whose logits fit ``budget_bytes`` (:func:`kept_bytes`), at most
     all of them (``ceil(num_classes / chunk_classes)``); 0 when not even one fits.
@@ -111,7 +150,8 @@ def kept_chunks_for_budget(
         batch, num_classes: B and the shard's classes C_k (ints >= 0).
         chunk_classes: the op's ``chunk_classes`` (int >= 1).
         budget_bytes: bytes the forward may hold for its backward (int >= 0).
-        dtype: the embeddings' dtype (kept logits are float32, float64 for float64).
+        dtype: the embeddings' dtype; device: where the shard lives (the kept logits' dtype,
+            :func:`kept_logits_dtype`, depends on both).
     """
     for name, value, low in (("batch", batch, 0), ("num_classes", num_classes, 0), ("chunk_classes", chunk_classes, 1)):
         if isinstance(value, bool) or int(value) < low:
@@ -123,17 +163,35 @@ def kept_chunks_for_budget(
         return 0
     chunk = min(int(chunk_classes), num_classes)
     nchunks = -(-num_classes // chunk)
-    if kept_bytes(batch, num_classes, chunk, nchunks, dtype) <= budget:
+    if kept_bytes(batch, num_classes, chunk, nchunks, dtype, device) <= budget:
         return nchunks
-    per_chunk = kept_bytes(batch, num_classes, chunk, 1, dtype) - kept_bytes(batch, 0, 1, 1, dtype)
-    return max(0, (budget - kept_bytes(batch, 0, 1, 1, dtype)) // per_chunk)
+    rows = kept_bytes(batch, 0, 1, 1, dtype, device)  # the target values alone
+    per_chunk = kept_bytes(batch, num_classes, chunk, 1, dtype, device) - rows
+    return max(0, (budget - rows) // per_chunk)
+
+
+@torch.compiler.assume_constant_result
+def cuda_keep_enabled() -> bool:
+    """Whether CUDA shards keep logits for a memory budget: ``SHARDKIT_CUDA_KEEP=1`` in the
+    environment (read at each call; under torch.compile at trace time). Off by default: the
+    CUDA kept path is experimental until a GPU run has tested and measured it. Values other
+    than 0 and 1 warn once and count as 0."""
+    value = os.environ.get(CUDA_KEEP_ENV, "")
+    if value in ("", "0"):
+        return False
+    if value == "1":
+        return True
+    if value not in _warned_env:
+        _warned_env.add(value)
+        warnings.warn(f"{CUDA_KEEP_ENV}={value!r} is neither 0 nor 1: CUDA shards recompute", stacklevel=2)
+    return False
 
 
 def _keeps(x: Tensor, w: Tensor, keep_chunks: int) -> bool:
-    # The kept path runs where it has kernels (the CPU) and when a backward will use it.
-    return (
-        keep_chunks > 0 and x.device.type == "cpu" and torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
-    )
+    # The kept path runs where it has kernels (the CPU; CUDA behind its switch) and when a
+    # backward will use it.
+    device_keeps = x.device.type == "cpu" or (x.device.type == "cuda" and cuda_keep_enabled())
+    return keep_chunks > 0 and device_keeps and torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
 
 
 def ce_shard_stats(
@@ -185,8 +243,12 @@ def ce_shard_stats(
         memory_budget: bytes (int >= 0) the call may hold from its forward to its backward to
             keep the logits of as many class chunks as fit (:func:`kept_chunks_for_budget`):
             the backward then forms their gradients from them and recomputes only the other
-            chunks' logits. Same results at every budget. Used on the CPU when a gradient is
-            needed; CUDA shards recompute every chunk (0, the default: keep nothing).
+            chunks' logits. Same results at every budget (within the dtype's rounding: on CUDA,
+            bf16 / fp16 inputs keep 16-bit logits, :func:`kept_logits_dtype`). Used when a
+            gradient is needed, on the CPU, and on CUDA with ``SHARDKIT_CUDA_KEEP=1``
+            (:func:`cuda_keep_enabled`; experimental: the unfused kernels and cuBLAS then run
+            every chunk, the fused sm90 kernels none); otherwise every chunk is recomputed (0,
+            the default: keep nothing).
 
     Returns:
         ``(lse, target_logit, logit_sum, greater_count)``, each [B]: float32 (float64 for
@@ -215,7 +277,7 @@ def ce_shard_stats(
         raise ValueError(f"argument `memory_budget` must be an int >= 0 (bytes), got {memory_budget!r}")
     keep = 0
     if memory_budget > 0 and x.dim() == 2 and w.dim() == 2 and chunk_classes >= 1:
-        keep = kept_chunks_for_budget(x.shape[0], w.shape[0], int(chunk_classes), memory_budget, x.dtype)
+        keep = kept_chunks_for_budget(x.shape[0], w.shape[0], int(chunk_classes), memory_budget, x.dtype, x.device)
     if _keeps(x, w, keep):
         return torch.ops.shardkit.ce_shard_stats_keep.default(*args, keep)[:4]
     return torch.ops.shardkit.ce_shard_stats.default(*args)
@@ -321,8 +383,11 @@ def _ce_shard_stats_keep_fake(
     stats = _ce_shard_stats_fake(x, w, labels, target_ref, class_offset, scale, m1, m2, m3, normalize, chunk_classes)
     torch._check(keep_chunks >= 0, lambda: f"argument `keep_chunks` must be >= 0, got {keep_chunks}")
     kept = x.shape[0] * _kept_classes(w.shape[0], chunk_classes, keep_chunks)
-    dt = _stats_dtype(x)
-    return (*stats, x.new_empty(kept, dtype=dt), x.new_empty(x.shape[0], dtype=dt))
+    return (
+        *stats,
+        x.new_empty(kept, dtype=kept_logits_dtype(x.dtype, x.device)),
+        x.new_empty(x.shape[0], dtype=_stats_dtype(x)),
+    )
 
 
 @torch.library.register_fake("shardkit::ce_shard_stats_backward_kept")

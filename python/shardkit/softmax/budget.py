@@ -8,16 +8,19 @@ gradients from them. The results are the same at every budget.
 
 The budget is per device: the shards of one device share it in proportion to their classes.
 "auto" takes :data:`AUTO_SHARE` of the memory the device has available at each forward (on the
-CPU, ``MemAvailable`` of ``/proc/meminfo``). The kept path has CPU kernels only: CUDA shards
-recompute whatever the budget (an "auto" budget there resolves to 0 without asking the device).
+CPU, ``MemAvailable`` of ``/proc/meminfo``; on CUDA, :func:`cuda_available_bytes`). CUDA shards
+keep logits only with ``SHARDKIT_CUDA_KEEP=1`` (:func:`shardkit.ops._sharded_ce.cuda_keep_enabled`:
+the CUDA kept path is experimental until measured on a GPU); without it they recompute whatever
+the budget, and an "auto" budget there resolves to 0 without asking the device.
 """
 
 import os
 from numbers import Integral
-from typing import List, Sequence, Union
+from typing import List, Optional, Sequence, Union
 
 import torch
 
+from shardkit.ops._sharded_ce import cuda_keep_enabled
 from shardkit.softmax.checks import parse_memory
 
 #: Share of the device's available memory an "auto" budget takes at each forward: the loss's
@@ -63,14 +66,29 @@ def cpu_available_bytes() -> int:
         return 0
 
 
+@torch.compiler.assume_constant_result
+def cuda_available_bytes(index: Optional[int]) -> int:
+    """Bytes CUDA device ``index`` (None: the current one) can still give tensors: the driver's
+    free memory (``torch.cuda.mem_get_info``) plus what torch's caching allocator holds unused
+    there (reserved minus allocated; after the first training step most free memory sits in
+    that cache). Read at trace time under torch.compile (the compiled graph keeps the value)."""
+    if index is None:
+        index = torch.cuda.current_device()
+    free, _total = torch.cuda.mem_get_info(index)
+    return int(free + torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index))
+
+
 def device_budget(budget: Budget, device: torch.device) -> int:
     """The bytes a budget grants on ``device``: the budget itself, or for "auto"
-    :data:`AUTO_SHARE` of the CPU's available memory (0 on other devices, which keep nothing)."""
+    :data:`AUTO_SHARE` of the available memory: the CPU's, or a CUDA device's with
+    ``SHARDKIT_CUDA_KEEP=1`` (0 otherwise, and on other devices, which keep nothing)."""
     if budget != "auto":
         return int(budget)
-    if device.type != "cpu":
-        return 0
-    return int(AUTO_SHARE * cpu_available_bytes())
+    if device.type == "cpu":
+        return int(AUTO_SHARE * cpu_available_bytes())
+    if device.type == "cuda" and cuda_keep_enabled():
+        return int(AUTO_SHARE * cuda_available_bytes(device.index))
+    return 0
 
 
 def shard_budgets(budget: Budget, shards: Sequence[torch.Tensor]) -> List[int]:
