@@ -13,6 +13,7 @@ from softmax_reference import (
     margin_kwargs,
     margin_psi,
     reference_grad_x_terms,
+    reference_loss,
     reference_loss_and_grads,
 )
 
@@ -433,7 +434,7 @@ def check_module_low_precision(
     # (The weights as stored: in fp32 (mixed), the exact values torch and the GPU kernels round.)
     ref = reference_loss_and_grads(xin, w, y, label_smoothing=eps, **margin_kwargs(margin))
 
-    def torch_own(xt, wt):
+    def torch_own(xt, wt, reduction="mean"):
         # fp32 normalization rounded to dtype, the GEMM in dtype, the rest in fp32.
         if margin is not None:
             xt, wt = F.normalize(xt.float(), dim=1), F.normalize(wt.float(), dim=1)
@@ -441,7 +442,7 @@ def check_module_low_precision(
         if margin is not None:
             zt = z.gather(1, y.to(device)[:, None])
             z = margin.scale * z.scatter(1, y.to(device)[:, None], margin_psi(zt, margin.m1, margin.m2, margin.m3))
-        return F.cross_entropy(z, y.to(device), label_smoothing=eps)
+        return F.cross_entropy(z, y.to(device), label_smoothing=eps, reduction=reduction)
 
     xt = xin.to(device).requires_grad_()
     wt = w.to(device, torch.float32 if mixed else dtype).requires_grad_()
@@ -454,8 +455,20 @@ def check_module_low_precision(
     gw = torch.cat([g.to("cpu") for g in gws])
     assert loss.dtype == torch.float32 and gw.dtype == (torch.float32 if mixed else dtype)
     assert torch.isfinite(gx).all() and torch.isfinite(gw).all()
+    # The loss is compared row by row (reduction="none"): a scalar's error against float64 is
+    # one rounding draw, and torch's can be near zero by luck (its row errors cancel), which
+    # would make "2x torch's error" a coin toss. The mean is then checked against those rows.
+    head.reduction = "none"
+    with torch.no_grad(), torch.autocast(torch.device(device).type, dtype=dtype, enabled=mixed):
+        rows = head(x.to(device), y.to(device))
+    head.reduction = "mean"
+    with torch.no_grad():
+        t_rows = torch_own(xt, wt, reduction="none")
+    ref_rows = reference_loss(xin, w, y, label_smoothing=eps, reduction="none", **margin_kwargs(margin))
+    assert rows.shape == (B,) and rows.dtype == torch.float32
+    torch.testing.assert_close(loss.double().cpu(), rows.double().mean().cpu(), rtol=1e-5, atol=1e-6)
     for what, ours, theirs, exact in (
-        ("loss", loss, t_loss, ref.loss),
+        ("loss rows", rows, t_rows, ref_rows),
         ("x", gx, t_gx, ref.grad_x),
         ("w", gw, t_gw, ref.grad_w),
     ):
