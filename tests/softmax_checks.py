@@ -16,6 +16,7 @@ from softmax_reference import (
     reference_loss,
     reference_loss_and_grads,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardkit
 from shardkit.ops import ce_shard_stats
@@ -474,3 +475,16 @@ def check_module_low_precision(
     ):
         err_ours, err_torch = rel(ours.cpu(), exact), rel(theirs.cpu(), exact)
         assert err_ours <= 2 * err_torch + 1e-6, (what, err_ours, err_torch)
+
+
+class OpLog(TorchDispatchMode):
+    """The names of the shardkit ops dispatched while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "shardkit":
+            self.names.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))

@@ -8,8 +8,8 @@ Used by test_softmax_distributed.py (gloo, spawned CPU processes) and test_softm
 (NCCL on GPUs)."""
 
 import torch
+from softmax_checks import OpLog
 from softmax_reference import margin_kwargs, reference_loss_and_grads, reference_lse
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardkit
 from shardkit.distributed import class_offsets, split_classes
@@ -196,19 +196,6 @@ def run_scenario(rank, world, name, d, group, device=torch.device("cpu"), sample
                 ref = one(d["x"].to(dtype), d["labels"], return_details=True, topk=(1, 3))
                 out["one_process_correct"] = {k: int(v) for k, v in ref.correct.items()}
     return out
-
-
-class OpLog(TorchDispatchMode):
-    """The names of the shardkit ops dispatched while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "shardkit":
-            self.names.append(func.__name__.split(".")[0])
-        return func(*args, **(kwargs or {}))
 
 
 def rel(a, b):

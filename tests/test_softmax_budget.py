@@ -14,6 +14,7 @@ import torch
 from softmax_checks import (
     LOSS_MARGINS,
     MARGINS,
+    OpLog,
     assert_matches_reference,
     check_against_reference,
     check_low_precision,
@@ -23,7 +24,6 @@ from softmax_checks import (
     opcheck_samples,
     rel,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardkit
 from shardkit.ops import ce_shard_stats, kept_bytes, kept_chunks_for_budget
@@ -45,19 +45,6 @@ def saved_bytes(fn):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
     return sum(seen.values()), out
-
-
-class OpLog(TorchDispatchMode):
-    """The names of the shardkit ops dispatched while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "shardkit":
-            self.names.append(func.__name__.split(".")[0])
-        return func(*args, **(kwargs or {}))
 
 
 def budgets_for(B, C, chunk, dtype=torch.float32):
