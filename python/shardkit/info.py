@@ -20,7 +20,9 @@ class _Parser(argparse.ArgumentParser):
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Prints the build record; returns 0, or 1 when it lists problems."""
-    _Parser(prog="python -m shardkit.info", description=(__doc__ or "").split("\n\n")[0].replace("``", "")).parse_args(argv)
+    _Parser(prog="python -m shardkit.info", description=(__doc__ or "").split("\n\n")[0].replace("``", "")).parse_args(
+        argv
+    )
     info = build_info()
     try:
         print(format_info(info), flush=True)
