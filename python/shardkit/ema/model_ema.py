@@ -59,7 +59,7 @@ from shardkit.ops._ema import ema_swap_, ema_unswap_
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-_Model = TypeVar("_Model", bound=nn.Module)
+ModelT = TypeVar("ModelT", bound=nn.Module)
 
 __all__ = ["ModelEMA"]
 
@@ -308,7 +308,7 @@ class ModelEMA:
 
     # ---- swap --------------------------------------------------------------------------
     @contextlib.contextmanager
-    def swap(self, model: _Model) -> Iterator[_Model]:
+    def swap(self, model: ModelT) -> Iterator[ModelT]:
         """``with ema.swap(model): evaluate(model)``: the model holds the EMA weights inside
         the block and its own weights, bit-exactly, after it (also on an exception).
 

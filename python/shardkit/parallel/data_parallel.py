@@ -121,8 +121,8 @@ class DataParallelModel(nn.DataParallel):
     def __init__(
         self,
         module: nn.Module,
-        device_ids: Sequence[DeviceLike] | None = None,
-        output_device: DeviceLike | None = None,
+        device_ids: Sequence[int | str | torch.device] | None = None,
+        output_device: int | str | torch.device | None = None,
         dim: int = 0,
         *,
         chunk_sizes: Sequence[int] | None = None,
@@ -241,8 +241,8 @@ class DataParallelCriterion(nn.DataParallel):
     def __init__(
         self,
         module: nn.Module,
-        device_ids: Sequence[DeviceLike] | None = None,
-        output_device: DeviceLike | None = None,
+        device_ids: Sequence[int | str | torch.device] | None = None,
+        output_device: int | str | torch.device | None = None,
         dim: int = 0,
         *,
         legacy_mean: bool = False,

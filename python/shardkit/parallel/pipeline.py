@@ -45,7 +45,6 @@ CHECKPOINT_MODES = ("never", "except_last", "always")
 _RNG_LOCKS: dict[str, threading.RLock] = {}  # device -> RLock: one task at a time per random generator (checkpointing)
 _RNG_LOCKS_GUARD = threading.Lock()
 
-DeviceLike = Union[torch.device, str, int]
 Stages = Union[nn.Sequential, Sequence[nn.Module]]
 Stream = torch.cuda.Stream
 Event = torch.cuda.Event
@@ -128,13 +127,13 @@ class PipelineModel(nn.Module):
 
     def __init__(
         self,
-        stages: Stages,
-        devices: Sequence[DeviceLike],
+        stages: nn.Sequential | Sequence[nn.Module],
+        devices: Sequence[torch.device | str | int],
         chunks: int = 4,
         balance: list[int] | tuple[int, ...] | Literal["time", "memory"] | None = None,
         checkpoint: Literal["never", "except_last", "always"] = "never",
         batchnorm: Literal["deferred", "micro"] = "deferred",
-        output_device: DeviceLike | None = None,
+        output_device: torch.device | str | int | None = None,
         sample: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
@@ -204,7 +203,10 @@ class PipelineModel(nn.Module):
 
     @staticmethod
     def balance_by(
-        stages: Stages, sample: torch.Tensor, partitions: int, by: Literal["time", "memory"] = "time"
+        stages: nn.Sequential | Sequence[nn.Module],
+        sample: torch.Tensor,
+        partitions: int,
+        by: Literal["time", "memory"] = "time",
     ) -> list[int]:
         """Layers per stage that balance ``by`` "time" (forward + backward, profiled on
         ``sample``) or "memory" (parameters, gradients, buffers, activations) over
