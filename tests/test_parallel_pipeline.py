@@ -49,6 +49,20 @@ def test_matches_unsplit_model(stages, chunks, ckpt):
         torch.testing.assert_close(g, h, rtol=1e-12, atol=1e-12)
 
 
+def test_dtype_conversions_reach_every_stage():
+    # .to(dtype) / .float() / .double() go through nn.Module._apply, which the pipeline must
+    # not shadow: the stages change dtype and the pipeline still equals the unsplit model.
+    seed = int(torch.randint(0, 2**31, ()).item())
+    ref = _mlp(seed).float()
+    pipe = PipelineModel(copy.deepcopy(ref).double(), ["cpu", "cpu"], chunks=3)
+    assert pipe.float() is pipe and all(p.dtype == torch.float32 for p in pipe.parameters())
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(pipe(x), ref(x))
+    pipe.to(torch.float64)
+    assert all(p.dtype == torch.float64 for p in pipe.parameters())
+    torch.testing.assert_close(pipe(x.double()), ref.double()(x.double()), rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("balance", [[1, 10], [4, 7], [9, 2], [3, 3, 5], "time", "memory"])
 def test_balance_lists_and_automatic_plans(balance):
     ref = _mlp(3)

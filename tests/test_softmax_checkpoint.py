@@ -138,6 +138,25 @@ class _RunsCode:
         return (open, (self.marker, "w"))
 
 
+def test_momentum_rows_without_seen_flags_load_as_started(tmp_path):
+    # A shard file may hold `momentum_buffer` without `momentum_seen` (the format makes both
+    # optional): its rows' buffers count as started, as a torch.optim.SGD buffer does.
+    num_classes, dim = 7, 3
+    full, momentum = torch.randn(num_classes, dim), torch.randn(num_classes, dim)
+    _save_world(full, 2, str(tmp_path), momentum)
+    for name in os.listdir(tmp_path):
+        blob = torch.load(tmp_path / name, weights_only=True)
+        del blob["momentum_seen"]
+        torch.save(blob, tmp_path / name)
+    weight, buf = _load_world(num_classes, dim, 3, str(tmp_path), full.dtype, with_momentum=True)
+    assert torch.equal(weight, full) and torch.equal(buf, momentum)
+    head = _rank_head(num_classes, dim, 1, 0)
+    opt = shardkit.SparseRowSGD(head.weight_shards, lr=0.1, momentum=0.9)
+    shardkit.load_sharded(head, str(tmp_path), opt)
+    state = opt.state[head.weight_shards[0]]
+    assert state["seen"].dtype == torch.bool and bool(state["seen"].all()) and state["seen"].shape == (num_classes,)
+
+
 def _valid_checkpoint(tmp_path, num_classes=10, dim=4, world=2):
     full = torch.randn(num_classes, dim)
     directory = tmp_path / "ckpt"

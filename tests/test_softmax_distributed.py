@@ -117,6 +117,15 @@ def _constructor_errors(rank, groups):
             out[key] = None
         except ValueError as err:
             out[key] = str(err)
+    # One shard per rank: a list of generators (the one-process mode's form) is refused when
+    # set, on this rank alone (no collective waits on it).
+    head = shardkit.ShardedSoftmaxLoss(D, 11, process_group=groups[4], sample_rate=0.5)
+    try:
+        head.sample_generator = [torch.Generator()]
+        out["generators"] = None
+    except TypeError as err:
+        out["generators"] = str(err)
+    head.sample_generator = torch.Generator()  # one generator is what this mode takes
     return out
 
 
@@ -392,6 +401,7 @@ def test_constructor_errors_with_a_process_group(runs):
         assert "argument `input_layout` must be one of" in errs["layout"]
         assert "argument `shard_sizes` is not used with `process_group`" in errs["sizes"]
         assert "argument `devices` must name ONE device per rank" in errs["devices"]
+        assert "`sample_generator` with a `process_group` must be None or one torch.Generator" in errs["generators"]
         if rank > 0:
             assert "argument `process_group` does not contain this process" in errs["member"]
 

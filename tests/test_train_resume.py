@@ -78,6 +78,22 @@ def test_resume_finished_run_says_so(finished_run, capsys):
     assert os.path.getmtime(os.path.join(finished_run, "curves.png")) == before  # no re-evaluation
 
 
+def test_checkpoint_gone_after_the_flags_were_read_exits_2(finished_run, tmp_path, capsys, monkeypatch):
+    # --resume is looked up when the flags are read and again when the run starts; a checkpoint
+    # removed in between is a user error naming the flag, not a crash.
+    run = _copy(finished_run, tmp_path / "run")
+    real_find, calls = checkpoint.find, []
+
+    def find_once(path):
+        calls.append(path)
+        return real_find(path) if len(calls) == 1 else None
+
+    monkeypatch.setattr(checkpoint, "find", find_once)
+    assert train.main(["--resume", run, "--steps", "5"]) == 2
+    err = capsys.readouterr().err
+    assert len(calls) == 2 and f"--resume {run!r}: no checkpoint found there any more" in err
+
+
 class _Evil:
     def __reduce__(self):
         return (os.system, (f"touch {self.marker}",))

@@ -8,12 +8,14 @@ with an unreadable ``undefined symbol``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 REBUILD = "pip install --no-build-isolation --force-reinstall --no-deps ."
 
 
-def recorded() -> dict:
+def recorded() -> dict[str, Any]:
     """The build's record, or {} when there is none (an extension built by other means)."""
     try:
         from shardkit._build_info import BUILD
@@ -41,13 +43,13 @@ def check_torch_version(installed: str | None = None, built: str | None = None) 
     )
 
 
-def _arch_list(text: str | None) -> list:
+def _arch_list(text: str | None) -> list[str]:
     if not text or text.startswith("("):
         return []
     return [a.strip() for a in text.replace(",", ";").replace(" ", ";").split(";") if a.strip()]
 
 
-def covers(archs: list, major: int, minor: int) -> bool:
+def covers(archs: list[str], major: int, minor: int) -> bool:
     """Whether kernels compiled for ``archs`` (TORCH_CUDA_ARCH_LIST entries such as "8.0",
     "9.0a", "8.6+PTX") run on a GPU of compute capability major.minor: machine code of the
     same major and a minor up to the GPU's, or PTX of an older architecture."""
@@ -63,7 +65,7 @@ def covers(archs: list, major: int, minor: int) -> bool:
     return False
 
 
-def build_info() -> dict:
+def build_info() -> dict[str, Any]:
     """What the installed shardkit was built with and how it fits this machine.
 
     Returns a dict: ``shardkit`` (version), ``torch_built`` / ``torch_installed`` (versions),
@@ -113,7 +115,7 @@ def build_info() -> dict:
     return info
 
 
-def format_info(info: dict) -> str:
+def format_info(info: dict[str, Any]) -> str:
     """The report ``python -m shardkit.info`` prints."""
     lines = [
         f"shardkit {info['shardkit']}",

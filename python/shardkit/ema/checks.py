@@ -1,8 +1,11 @@
 """Argument checks of ``ModelEMA``: numbers, counters, the schedule and a saved state,
 each refused with an error naming it before anything changes; and the schedule's formula."""
 
+from __future__ import annotations
+
 import math
 import numbers
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 
@@ -12,8 +15,11 @@ from shardkit.ops._devices import check_visible
 # float math of the schedule).
 _MAX_COUNT = 2**63 - 1
 
+# check_schedule's result: decay, tau, warmup_gamma, warmup_power, min_decay, update_after_step, update_every
+Schedule = Tuple[float, Optional[float], Optional[float], Optional[float], float, int, int]
 
-def _short(value) -> str:
+
+def _short(value: object) -> str:
     """``repr(value)`` cut short (a huge int's repr is long, or refused past 4300 digits)."""
     if isinstance(value, int) and value.bit_length() > 128:
         return f"an int of {value.bit_length()} bits"
@@ -21,18 +27,20 @@ def _short(value) -> str:
     return r if len(r) <= 40 else f"{r[:20]}...({len(r)} characters)"
 
 
-def _real(name, value) -> float:
+def _real(name: str, value: object) -> float:
     # float(None) / float("0.9") would give a TypeError not naming the argument, or accept a string.
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        if not (isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point()):
-            raise TypeError(f"argument `{name}` must be a float, got {type(value).__name__} {value!r}")
-    try:
-        return float(value)
-    except OverflowError:  # an int (or Fraction) beyond the float range
-        raise ValueError(f"argument `{name}` must be a finite float, got {_short(value)}") from None
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1 and value.is_floating_point():
+            return float(value)
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except OverflowError:  # an int (or Fraction) beyond the float range
+            raise ValueError(f"argument `{name}` must be a finite float, got {_short(value)}") from None
+    raise TypeError(f"argument `{name}` must be a float, got {type(value).__name__} {value!r}")
 
 
-def _check_int(name, value, minimum, maximum=None):
+def _check_int(name: str, value: object, minimum: int, maximum: Optional[int] = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"argument `{name}` must be an int >= {minimum}, got {_short(value)}")
     if maximum is not None and value > maximum:
@@ -40,7 +48,7 @@ def _check_int(name, value, minimum, maximum=None):
     return value
 
 
-def _check_step(step) -> int:
+def _check_step(step: object) -> int:
     """``update``'s ``step`` when it is not a plain int in range (the slow path)."""
     if isinstance(step, bool) or not isinstance(step, numbers.Integral):
         raise TypeError(
@@ -59,26 +67,42 @@ def _dtype_kind(dtype: torch.dtype) -> str:
     return "complex" if dtype.is_complex else "integer"
 
 
-def check_schedule(decay, tau, warmup_gamma, warmup_power, min_decay, update_after_step, update_every):
+def check_schedule(
+    decay: object,
+    tau: object,
+    warmup_gamma: object,
+    warmup_power: object,
+    min_decay: object,
+    update_after_step: object,
+    update_every: object,
+) -> Schedule:
     """The schedule arguments, checked and converted (floats, ints); changes nothing."""
-    decay, min_decay = _real("decay", decay), _real("min_decay", min_decay)
-    tau = None if tau is None else _real("tau", tau)
-    warmup_gamma = None if warmup_gamma is None else _real("warmup_gamma", warmup_gamma)
-    warmup_power = None if warmup_power is None else _real("warmup_power", warmup_power)
-    if not 0.0 <= decay <= 1.0:  # (NaN fails every comparison)
-        raise ValueError(f"argument `decay` must lie in [0, 1], got {decay}")
-    if not 0.0 <= min_decay <= decay:
-        raise ValueError(f"argument `min_decay` must lie in [0, decay={decay}], got {min_decay}")
+    d, min_d = _real("decay", decay), _real("min_decay", min_decay)
+    t = None if tau is None else _real("tau", tau)
+    gamma = None if warmup_gamma is None else _real("warmup_gamma", warmup_gamma)
+    power = None if warmup_power is None else _real("warmup_power", warmup_power)
+    if not 0.0 <= d <= 1.0:  # (NaN fails every comparison)
+        raise ValueError(f"argument `decay` must lie in [0, 1], got {d}")
+    if not 0.0 <= min_d <= d:
+        raise ValueError(f"argument `min_decay` must lie in [0, decay={d}], got {min_d}")
     # inf would make the decay 0 forever (the EMA a plain copy of the model), silently.
-    for name, v in (("tau", tau), ("warmup_gamma", warmup_gamma), ("warmup_power", warmup_power)):
+    for name, v in (("tau", t), ("warmup_gamma", gamma), ("warmup_power", power)):
         if v is not None and not (v > 0 and math.isfinite(v)):
             raise ValueError(f"argument `{name}` must be > 0 and finite, or None, got {v}")
-    update_after_step = _check_int("update_after_step", update_after_step, 0)
-    update_every = _check_int("update_every", update_every, 1)
-    return decay, tau, warmup_gamma, warmup_power, min_decay, update_after_step, update_every
+    after = _check_int("update_after_step", update_after_step, 0)
+    every = _check_int("update_every", update_every, 1)
+    return d, t, gamma, power, min_d, after, every
 
 
-def schedule_decay(step, decay, tau, warmup_gamma, warmup_power, min_decay, update_after_step) -> float:
+def schedule_decay(
+    step: int,
+    decay: float,
+    tau: Optional[float],
+    warmup_gamma: Optional[float],
+    warmup_power: Optional[float],
+    min_decay: float,
+    update_after_step: int,
+) -> float:
     """The decay at schedule step ``step`` (``ModelEMA.get_decay``; the class docstring)."""
     uas = update_after_step
     if warmup_gamma is not None or warmup_power is not None:
@@ -97,7 +121,7 @@ def schedule_decay(step, decay, tau, warmup_gamma, warmup_power, min_decay, upda
 
 
 # Every key of a state_dict and the types it may hold (load_state_dict names a bad one).
-_STATE_KEYS = {
+_STATE_KEYS: Dict[str, Tuple[type, ...]] = {
     "module": (dict,),
     "updates": (int,),
     "calls": (int,),
@@ -113,7 +137,7 @@ _STATE_KEYS = {
 }
 
 
-def check_state(state_dict, expected_format: str, copy_float_buffers: bool):
+def check_state(state_dict: object, expected_format: str, copy_float_buffers: bool) -> Schedule:
     """A ModelEMA state_dict's keys, counters and schedule (not its tensors), checked; returns
     the schedule as :func:`check_schedule` gives it. ValueError naming the bad entry."""
     if not isinstance(state_dict, dict) or state_dict.get("format") != expected_format:
@@ -154,7 +178,7 @@ def check_state(state_dict, expected_format: str, copy_float_buffers: bool):
     return schedule
 
 
-def check_module_state(expected: dict, module_state: dict) -> None:
+def check_module_state(expected: Dict[str, Any], module_state: Dict[str, Any]) -> None:
     """``module_state`` against the EMA's own module state (``expected``: key -> tensor, a
     DTensor view for a shard, or a module's extra state), before anything is copied
     (``nn.Module.load_state_dict`` copies tensor by tensor and raises only at the end)."""
@@ -181,7 +205,7 @@ def check_module_state(expected: dict, module_state: dict) -> None:
             raise ValueError(f"{where}: a {v.layout} tensor on {v.device} holds no loadable values")
 
 
-def check_device(device):
+def check_device(device: Union[torch.device, str, int, None]) -> Optional[torch.device]:
     """``ModelEMA(device=...)``: None, or a cpu / visible cuda device (a clear error instead of
     the driver's at the first copy)."""
     if device is None:

@@ -12,9 +12,16 @@ not contiguous or dense with equal strides, a capture of the caller's already ru
 the eager update runs.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, Optional
+
 import torch
 
 from shardkit.ops._ema import update_layout
+
+if TYPE_CHECKING:
+    from shardkit.ema.structure import UpdateLists
 
 __all__ = ["GraphedEMA"]
 
@@ -22,7 +29,7 @@ __all__ = ["GraphedEMA"]
 class _Captured:
     """One captured update: the graph, the decay tensor it reads, the layout it baked in."""
 
-    def __init__(self, lists, layout, device):
+    def __init__(self, lists: UpdateLists, layout: bytes, device: torch.device) -> None:
         ema_groups, model_groups, copy_to, copy_from = lists
         self.layout = layout
         self.decay = torch.zeros((), dtype=torch.float64, device=device)
@@ -39,15 +46,15 @@ class _Captured:
 class GraphedEMA:
     """ModelEMA's graph state for an EMA on one CUDA device: the last capture, and how many."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device) -> None:
         self.device = device
         self.captures = 0
-        self._captured = None
+        self._captured: Optional[_Captured] = None
 
-    def __getstate__(self):  # a pickled ModelEMA captures again where it is loaded
+    def __getstate__(self) -> Dict[str, Any]:  # a pickled ModelEMA captures again where it is loaded
         return {"device": self.device, "captures": 0, "_captured": None}
 
-    def run(self, lists, d: float) -> bool:
+    def run(self, lists: UpdateLists, d: float) -> bool:
         """The update of ``lists`` (``ema_update_lists``' four lists) with decay ``d`` from the
         graph; False (nothing done) where the eager update must run instead."""
         if torch.cuda.is_current_stream_capturing():

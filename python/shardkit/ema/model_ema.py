@@ -7,12 +7,28 @@ Drop-in for the ModelEMA of yolov3/ultralytics (``ema.update(model)``, ``ema.ema
 -power`` clamped to ``[min_decay, decay]``, ``update_after_step``).
 """
 
+from __future__ import annotations
+
 import contextlib
 import weakref
-from typing import Optional
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Collection,
+    Dict,
+    Iterator,
+    List,
+    Optional,
+    Sequence,
+    Tuple,
+    TypeVar,
+    Union,
+)
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from shardkit.ema import sharded
 from shardkit.ema.checks import (
@@ -36,8 +52,14 @@ from shardkit.ema.structure import (
     check_structure,
     copy_module,
     plan_swap,
+    slot_tensor,
 )
 from shardkit.ops._ema import ema_swap_, ema_unswap_
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+ModelT = TypeVar("ModelT", bound=nn.Module)
 
 __all__ = ["ModelEMA"]
 
@@ -51,7 +73,7 @@ _NO_MODULE = (
 )
 
 
-def _no_model():  # the model link of an unpickled ModelEMA (a weak reference cannot be pickled)
+def _no_model() -> None:  # the model link of an unpickled ModelEMA (a weak reference cannot be pickled)
     return None
 
 
@@ -112,6 +134,15 @@ class ModelEMA:
     then). FSDP1 (``FullyShardedDataParallel``'s flat parameters) is refused with a TypeError.
     """
 
+    # the schedule (set from the arguments of the same names, checked)
+    decay: float
+    tau: Optional[float]
+    warmup_gamma: Optional[float]
+    warmup_power: Optional[float]
+    min_decay: float
+    update_after_step: int
+    update_every: int
+
     def __init__(
         self,
         model: nn.Module,
@@ -124,11 +155,11 @@ class ModelEMA:
         update_after_step: int = 0,
         update_every: int = 1,
         dtype: Optional[torch.dtype] = None,
-        device=None,
+        device: Union[torch.device, str, int, None] = None,
         copy_float_buffers: bool = False,
         updates: int = 0,
         cuda_graph: bool = False,
-    ):
+    ) -> None:
         src = _unwrap(model)
         if not isinstance(src, nn.Module):
             raise TypeError(f"argument `model` must be an nn.Module, got {type(model).__name__}")
@@ -140,25 +171,28 @@ class ModelEMA:
         self._calls = 0
         self.enabled = True
         self._swapped = False
-        self._model_ref = weakref.ref(model)
-        device = check_device(device)
+        self._model_ref: Callable[[], Optional[nn.Module]] = weakref.ref(model)
+        ema_device = check_device(device)
 
         slots = _slots(src)
         check_no_complex(slots, "ModelEMA")
         sharded.check_not_fsdp1(src, "ModelEMA")
         dtensor = sharded.dtensor_type()
         # A sharded model (DTensor parameters or buffers): set when the EMA holds local shards.
-        self._dtensor = dtensor if any(type(table[key]) is dtensor for _, table, key, _ in slots) else None
-        self._keys = None  # (state_dict key, tensor index) of a sharded model's EMA
+        self._dtensor: Optional[type[DTensor]] = (
+            dtensor if any(type(table[key]) is dtensor for _, table, key, _ in slots) else None
+        )
+        self._keys: List[Tuple[str, int]] = []  # (state_dict key, tensor index) of a sharded model's EMA
+        self._module: Optional[nn.Module]
         if self._dtensor is None:
-            self._module = copy_module(src, slots, device, dtype)
-            self._ema = [table[key] for _, table, key, _ in _slots(self._module)]
+            self._module = copy_module(src, slots, ema_device, dtype)
+            self._ema = [slot_tensor(s) for s in _slots(self._module)]
             self._refs = self._ema  # what the model's tensors are checked against
         else:
             # No module copy (FSDP2 refuses deepcopy, and it would be a full copy): each rank keeps
             # its local shards, with DTensor views of them as the references (ema/sharded.py).
             self._module = None
-            self._ema, self._refs = sharded.build_local_ema(slots, device, dtype, "ModelEMA")
+            self._ema, self._refs = sharded.build_local_ema(slots, ema_device, dtype, "ModelEMA")
             self._keys = sharded.state_keys(src, slots)
         self._names = [name for name, _, _, _ in slots]
         self._avg = [
@@ -169,20 +203,20 @@ class ModelEMA:
         self._cp_idx = [i for i, a in enumerate(self._avg) if not a]
         # One fused call per device: a model spread over devices (a pipelined backbone) has its
         # EMA spread alike, and the op takes the tensors of one device per call.
-        by_device = {}
+        by_device: Dict[torch.device, List[int]] = {}
         for i in self._avg_idx:
             by_device.setdefault(self._ema[i].device, []).append(i)
         self._avg_groups = [([self._ema[i] for i in idx], idx) for idx in by_device.values()]
         self._cp_e = [self._ema[i] for i in self._cp_idx]
-        self._tracker = None  # the last model seen and its tensors (ModelTracker)
-        self._stage = None
+        self._tracker: Optional[ModelTracker] = None  # the last model seen and its tensors
+        self._stage: Optional[HostStage] = None
         if not isinstance(cuda_graph, bool):
             raise TypeError(f"argument `cuda_graph` must be a bool, got {type(cuda_graph).__name__}")
         devices = list({e.device for e in self._ema})
         one_gpu = cuda_graph and len(devices) == 1 and devices[0].type == "cuda"
         self._graph = GraphedEMA(devices[0]) if one_gpu else None  # (ema/graph.py)
 
-    def __getstate__(self):
+    def __getstate__(self) -> Dict[str, Any]:
         """Pickling (``torch.save(ema)``, ``copy.deepcopy``) keeps the weights, schedule and
         counters (pending staged updates applied first), not the weak link to the model:
         :meth:`attach` then needs its ``model`` argument."""
@@ -190,7 +224,7 @@ class ModelEMA:
         return dict(self.__dict__, _model_ref=_no_model, _tracker=None, _stage=None)
 
     # ---- schedule --------------------------------------------------------------------
-    def _set_schedule(self, *args):
+    def _set_schedule(self, *args: object) -> None:
         for name, value in zip(_SCHEDULE, check_schedule(*args)):
             setattr(self, name, value)
 
@@ -210,18 +244,19 @@ class ModelEMA:
 
     ema = module  # ultralytics' name
 
-    def _flush(self):
+    def _flush(self) -> None:
         if self._stage is not None:
             self._stage.drain(self._apply)
 
-    def _model_tensors(self, model, where):
-        if self._tracker is None or not self._tracker.follows(model):
+    def _model_tensors(self, model: nn.Module, where: str) -> List[torch.Tensor]:
+        tracker = self._tracker
+        if tracker is None or not tracker.follows(model):
             prepare = None if self._dtensor is None else sharded.reshard
-            self._tracker = ModelTracker(model, self._names, self._refs, where, prepare)
-        tensors = self._tracker.tensors(where)
+            self._tracker = tracker = ModelTracker(model, self._names, self._refs, where, prepare)
+        tensors = tracker.tensors(where)
         return tensors if self._dtensor is None else sharded.local_tensors(tensors, self._dtensor)
 
-    def _feeds_host(self, src) -> bool:
+    def _feeds_host(self, src: Sequence[torch.Tensor]) -> bool:
         """Whether this update goes through the pinned host staging (CPU EMA, CUDA model)."""
         return len(self._ema) > 0 and self._ema[0].device.type == "cpu" and src[0].is_cuda
 
@@ -255,7 +290,7 @@ class ModelEMA:
             self._flush()  # updates still staged (the model was on the GPU before) go first
             self._apply(src, d)
 
-    def _apply(self, src, d):
+    def _apply(self, src: Sequence[torch.Tensor], d: float) -> None:
         # The hot path (structure.apply_update: the tracker's cached lists, or one fused op call
         # per device); devices are compared on the first and last tensors.
         moved = src and (src[0].device != self._ema[0].device or src[-1].device != self._ema[-1].device)
@@ -273,7 +308,7 @@ class ModelEMA:
 
     # ---- swap --------------------------------------------------------------------------
     @contextlib.contextmanager
-    def swap(self, model: nn.Module):
+    def swap(self, model: ModelT) -> Iterator[ModelT]:
         """``with ema.swap(model): evaluate(model)``: the model holds the EMA weights inside
         the block and its own weights, bit-exactly, after it (also on an exception).
 
@@ -308,13 +343,13 @@ class ModelEMA:
             self._swapped = False
 
     # ---- checkpoints -------------------------------------------------------------------
-    def _module_state(self, keep_vars=False) -> dict:
+    def _module_state(self, keep_vars: bool = False) -> Dict[str, Any]:
         self._flush()
         if self._module is not None:
             return self._module.state_dict(keep_vars=keep_vars)
         return {key: self._refs[i] for key, i in self._keys}
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> Dict[str, Any]:
         """Everything to resume: EMA weights (``module``, a plain module state_dict), the
         counters and the schedule. Only tensors, numbers, None and strings, so
         ``torch.load(..., weights_only=True)`` reads it.
@@ -342,7 +377,7 @@ class ModelEMA:
             "enabled": self.enabled,
         }
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restores what :meth:`state_dict` saved (weights copied into the EMA's tensors,
         keeping its dtype and device).
 
@@ -370,7 +405,7 @@ class ModelEMA:
         self._calls = state_dict["calls"]
         self.enabled = state_dict["enabled"]
 
-    def full_state_dict(self) -> dict:
+    def full_state_dict(self) -> Dict[str, Any]:
         """:meth:`state_dict` with every tensor whole and in host memory, for export: a sharded
         model's EMA gathers its tensors one at a time (collectives: call it on every rank of
         the model's mesh); a plain model (or any ModelEMA) loads its ``module`` entry."""
@@ -383,7 +418,7 @@ class ModelEMA:
         return state
 
     # ---- conveniences ------------------------------------------------------------------
-    def attach(self, optimizer: torch.optim.Optimizer, model: Optional[nn.Module] = None):
+    def attach(self, optimizer: torch.optim.Optimizer, model: Optional[nn.Module] = None) -> RemovableHandle:
         """Updates the EMA after every ``optimizer.step()`` (an optimizer step post-hook)
         from ``model`` (default: the model given to the constructor). Returns the hook's
         handle; ``handle.remove()`` detaches."""
@@ -391,7 +426,7 @@ class ModelEMA:
             raise TypeError(f"argument `optimizer` must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         ref = weakref.ref(model) if model is not None else self._model_ref
 
-        def hook(opt, args, kwargs):
+        def hook(opt: torch.optim.Optimizer, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
             m = ref()
             if m is None:
                 msg = "no model (garbage-collected, or this EMA was unpickled); attach(optimizer, model)"
@@ -400,7 +435,9 @@ class ModelEMA:
 
         return optimizer.register_step_post_hook(hook)
 
-    def update_attr(self, model, include=(), exclude=("process_group", "reducer")):
+    def update_attr(
+        self, model: nn.Module, include: Collection[str] = (), exclude: Collection[str] = ("process_group", "reducer")
+    ) -> None:
         """Copies ``model``'s public non-module attributes to the EMA module (ultralytics):
         only the names in ``include`` when given, never those in ``exclude``."""
         if self._module is None:
@@ -410,7 +447,7 @@ class ModelEMA:
                 continue
             setattr(self._module, k, v)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         warm = self.warmup_gamma is not None or self.warmup_power is not None
         sched = "warmup" if warm else "constant" if self.tau is None else f"ramp(tau={self.tau})"
         return f"ModelEMA(decay={self.decay}, schedule={sched}, updates={self.updates}, tensors={len(self._ema)})"

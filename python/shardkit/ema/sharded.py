@@ -10,12 +10,18 @@ model tensor's mesh and placements, for checkpoints (``torch.distributed.checkpo
 reshards between world sizes) and for a gathered export.
 """
 
+from __future__ import annotations
+
 import sys
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from shardkit.ema.structure import ema_copy
+from shardkit.ema.structure import Slot, ema_copy, slot_tensor
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = [
     "dtensor_type",
@@ -29,7 +35,7 @@ __all__ = [
 ]
 
 
-def dtensor_type():
+def dtensor_type() -> Optional[type[DTensor]]:
     """torch's DTensor class, or None while ``torch.distributed.tensor`` is not imported (no
     DTensor can exist then, and a plain model does not pay for the import)."""
     module = sys.modules.get("torch.distributed.tensor")
@@ -68,31 +74,33 @@ def reshard(model: nn.Module) -> None:
                 mod.reshard()
 
 
-def local_tensors(tensors, dtensor):
+def local_tensors(tensors: Sequence[torch.Tensor], dtensor: type[DTensor]) -> List[torch.Tensor]:
     """The local shard of each DTensor of ``tensors`` (the others as they are). Read on every
     update: FSDP2 may give a parameter a new local tensor (e.g. at its lazy initialization)."""
     return [t._local_tensor if type(t) is dtensor else t for t in tensors]
 
 
-def build_local_ema(slots, device, dtype, where: str):
+def build_local_ema(
+    slots: Sequence[Slot], device: Optional[torch.device], dtype: Optional[torch.dtype], where: str
+) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
     """For each slot of the model (:func:`shardkit.ema.structure._slots`): the EMA tensor (a
     copy of the local shard, converted to ``dtype`` / ``device``) and its reference view (a
     DTensor over that very memory with the model tensor's mesh, placements, global shape and
     strides; the EMA tensor itself for a plain one). Copies one shard at a time."""
     dtensor = dtensor_type()
-    ema, views = [], []
-    for name, table, key, _ in slots:
-        t = table[key].detach()
-        is_dt = type(t) is dtensor
-        loc = t._local_tensor if is_dt else t
-        if is_dt and device is not None and device.type != t.device_mesh.device_type:
+    ema: List[torch.Tensor] = []
+    views: List[torch.Tensor] = []
+    for slot in slots:
+        name, t = slot[0], slot_tensor(slot).detach()
+        loc = t._local_tensor if type(t) is dtensor else t
+        if type(t) is dtensor and device is not None and device.type != t.device_mesh.device_type:
             raise ValueError(
                 f"{where}: argument `device` is {device}, but {name} is a DTensor on a "
                 f"{t.device_mesh.device_type} mesh; the EMA of a sharded model lives on its mesh's device type"
             )
         e = ema_copy(loc, device, dtype)
         view = e
-        if is_dt:
+        if type(t) is dtensor:
             view = dtensor.from_local(e, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
             # the view must be the EMA's memory (a checkpoint loads into it in place)
             assert view._local_tensor.data_ptr() == e.data_ptr() or e.numel() == 0
@@ -101,7 +109,7 @@ def build_local_ema(slots, device, dtype, where: str):
     return ema, views
 
 
-def state_keys(src: nn.Module, slots):
+def state_keys(src: nn.Module, slots: Sequence[Slot]) -> List[Tuple[str, int]]:
     """(state_dict key, slot index) for every tensor of ``src.state_dict()``: parameters and
     persistent buffers, tied tensors under each of their names, as the model saves them."""
     index = {id(table[key]): i for i, (_, table, key, _) in enumerate(slots)}
@@ -112,7 +120,7 @@ def state_keys(src: nn.Module, slots):
     return out
 
 
-def check_entry(view: torch.Tensor, value, key: str) -> None:
+def check_entry(view: torch.Tensor, value: object, key: str) -> None:
     """A state-dict entry for a sharded EMA tensor (``view``) that :func:`load_entry` can
     load: a DTensor must have the view's mesh and placements. ValueError naming ``key``."""
     dtensor = dtensor_type()

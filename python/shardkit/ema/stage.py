@@ -9,12 +9,18 @@ flight) or at ``drain`` (which waits). The host never blocks on the GPU in the s
 state; the GPU stream pays the copy time (model bytes / host link bandwidth).
 """
 
+from __future__ import annotations
+
 import collections
+from typing import Callable, List, Sequence, Tuple
 
 import torch
 
+# apply(buffers, decay): the CPU-side average of one landed set of buffers
+Apply = Callable[[List[torch.Tensor], float], None]
 
-def _pinned_like(t):
+
+def _pinned_like(t: torch.Tensor) -> torch.Tensor:
     """A pinned host buffer with ``t``'s shape, dtype and, when ``t`` is dense, strides.
 
     Keeping the strides of a dense tensor (e.g. a channels_last conv weight) makes the
@@ -36,15 +42,16 @@ class HostStage:
     """Two sets of pinned buffers shaped like ``tensors`` (same dtypes), and the queue of
     copies in flight."""
 
-    def __init__(self, tensors):
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         self._bufs = [[_pinned_like(t) for t in tensors] for _ in range(2)]
         # Every CUDA device the model lives on (a model split over GPUs copies from each
         # device's current stream): one event per device per push.
         self._devices = list(dict.fromkeys(t.device for t in tensors if t.is_cuda))
-        self._pending = collections.deque()  # (events, buffer set, decay)
+        self._pending: collections.deque[Tuple[List[torch.cuda.Event], int, float]] = collections.deque()
+        # (events, buffer set, decay)
         self._next = 0
 
-    def push(self, tensors, decay, apply):
+    def push(self, tensors: Sequence[torch.Tensor], decay: float, apply: Apply) -> None:
         """Starts copying ``tensors``; ``apply(buffers, decay)`` runs once they landed."""
         while self._pending and (len(self._pending) == 2 or all(e.query() for e in self._pending[0][0])):
             self._pop(apply)
@@ -58,12 +65,12 @@ class HostStage:
             events.append(event)
         self._pending.append((events, idx, decay))
 
-    def drain(self, apply):
+    def drain(self, apply: Apply) -> None:
         """Waits for every copy in flight and applies it, oldest first."""
         while self._pending:
             self._pop(apply)
 
-    def _pop(self, apply):
+    def _pop(self, apply: Apply) -> None:
         events, idx, decay = self._pending.popleft()
         for event in events:
             event.synchronize()

@@ -1,36 +1,54 @@
 """The model side of ``ModelEMA``: finding a model's parameters and buffers, checking them
 against the EMA's, and noticing cheaply, on every update, that the model has changed."""
 
+from __future__ import annotations
+
 import copy
 import operator
 import weakref
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import nn
 
 from shardkit.ops._ema import update_lists
 
+if TYPE_CHECKING:
+    from shardkit.ema.graph import GraphedEMA
+
+Tensor = torch.Tensor
+# (name, owner table, key, is_param) of one parameter or buffer: the tensor is table[key], the
+# table a module's _parameters or _buffers (read with dict.get in bulk: a plain dict)
+Slot = Tuple[str, Dict[str, Any], str, bool]
+# (EMA tensors, indices into the model's tensors) of one device
+Groups = Sequence[Tuple[List[Tensor], List[int]]]
+# the four argument lists of shardkit._C.ema_update_lists
+UpdateLists = Tuple[List[List[Tensor]], List[List[Tensor]], List[Tensor], List[Tensor]]
+
 __all__ = ["ModelTracker", "check_structure", "check_no_complex", "copy_module", "ema_copy", "plan_swap"]
 
 
-def _unwrap(model):
+def _unwrap(model: nn.Module) -> nn.Module:
     """The user's module inside DataParallel / DistributedDataParallel (and so shardkit's
     DataParallelModel, a DataParallel subclass) and torch.compile wrappers."""
     while True:
         if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
             model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod
-        else:
+            continue
+        inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
             return model
+        model = inner
 
 
-def _slots(root: nn.Module):
+def _slots(root: nn.Module) -> List[Slot]:
     """(name, owner dict, key, is_param) for every parameter and buffer, once per tensor
     (tied weights appear once, so they are averaged once), in a fixed order."""
-    out, seen = [], set()
+    out: List[Slot] = []
+    seen = set()
     for prefix, mod in root.named_modules():
-        for is_param, table in ((True, mod._parameters), (False, mod._buffers)):
+        tables: Tuple[Tuple[bool, Dict[str, Any]], ...] = ((True, mod._parameters), (False, mod._buffers))
+        for is_param, table in tables:
             for key, t in table.items():
                 if t is None or id(t) in seen:
                     continue
@@ -39,25 +57,36 @@ def _slots(root: nn.Module):
     return out
 
 
-def ema_copy(t: torch.Tensor, device, dtype) -> torch.Tensor:
+def slot_tensor(slot: Slot) -> Tensor:
+    """The tensor of a slot, as :func:`_slots` found it."""
+    _, table, key, _ = slot
+    t = table[key]
+    assert t is not None  # _slots lists only the entries that hold a tensor
+    return t
+
+
+def ema_copy(t: torch.Tensor, device: Optional[torch.device], dtype: Optional[torch.dtype]) -> torch.Tensor:
     """``t`` detached and copied to the EMA's ``device`` and, if floating, ``dtype`` (None: t's)."""
     dtype = dtype if dtype and t.is_floating_point() else t.dtype
     return t.detach().to(device=device or t.device, dtype=dtype, copy=True)
 
 
-def copy_module(src: nn.Module, slots, device, dtype) -> nn.Module:
+def copy_module(
+    src: nn.Module, slots: Sequence[Slot], device: Optional[torch.device], dtype: Optional[torch.dtype]
+) -> nn.Module:
     """The EMA's module: a deep copy of ``src`` in eval mode without gradients, its tensors
     converted on the way (a memo entry per tensor), so that a CPU EMA of a GPU model never
     holds a second copy on the GPU, even transiently."""
-    memo = {}
-    for _, table, key, is_param in slots:
-        t = ema_copy(table[key], device, dtype)
-        memo[id(table[key])] = nn.Parameter(t, requires_grad=False) if is_param else t
+    memo: Dict[int, Any] = {}
+    for slot in slots:
+        original = slot_tensor(slot)
+        t = ema_copy(original, device, dtype)
+        memo[id(original)] = nn.Parameter(t, requires_grad=False) if slot[3] else t
     module = copy.deepcopy(src, memo).eval()
     return module.requires_grad_(False)
 
 
-def check_structure(src: nn.Module, names, ema, where: str):
+def check_structure(src: nn.Module, names: Sequence[str], ema: Sequence[Tensor], where: str) -> List[Slot]:
     """``src``'s slots (:func:`_slots`), after checking their names and shapes against the
     EMA's ``names`` / ``ema`` tensors; ValueError naming the first parameter or buffer that
     differs."""
@@ -72,8 +101,8 @@ def check_structure(src: nn.Module, names, ema, where: str):
             "removed or renamed after the EMA was made is not averaged: build a new ModelEMA "
             "(or load its state into one made from the changed model)"
         )
-    for (name, table, key, _), e in zip(slots, ema):
-        t = table[key]
+    for slot, e in zip(slots, ema):
+        name, t = slot[0], slot_tensor(slot)
         if t.shape != e.shape:
             raise ValueError(
                 f"{where}: argument `model` has {name} of shape {tuple(t.shape)}, "
@@ -92,10 +121,10 @@ def check_structure(src: nn.Module, names, ema, where: str):
     return slots
 
 
-def _check_layout(name, t, e, where):
+def _check_layout(name: str, t: Tensor, e: Tensor, where: str) -> None:
     """The model's tensor ``t`` against the EMA's reference ``e`` when either is a DTensor."""
 
-    def layout(x):
+    def layout(x: Any) -> str:
         return (
             f"a DTensor on {x.device_mesh} with placements {tuple(x.placements)}"
             if hasattr(x, "placements")
@@ -110,22 +139,23 @@ def _check_layout(name, t, e, where):
         )
 
 
-def check_no_complex(slots, where: str) -> None:
+def check_no_complex(slots: Sequence[Slot], where: str) -> None:
     """TypeError naming the first complex parameter or buffer: the EMA averages real ones."""
-    for name, table, key, _ in slots:
-        if table[key].is_complex():
+    for slot in slots:
+        t = slot_tensor(slot)
+        if t.is_complex():
             raise TypeError(
-                f"{where}: argument `model` has {name} of dtype {table[key].dtype}; ModelEMA averages "
+                f"{where}: argument `model` has {slot[0]} of dtype {t.dtype}; ModelEMA averages "
                 "real floating tensors (and copies integer ones): keep a complex value as a real "
                 "parameter of torch.view_as_real's shape [..., 2]"
             )
 
 
-def _forget_when_gone(tracker):
+def _forget_when_gone(tracker: ModelTracker) -> Callable[[object], None]:
     """The callback of the tracker's weak reference to its model (it holds the tracker weakly)."""
     tracker_ref = weakref.ref(tracker)
 
-    def callback(_):
+    def callback(_: object) -> None:
         t = tracker_ref()
         if t is not None:
             t.forget()
@@ -144,7 +174,24 @@ class ModelTracker:
     identity: the op raises then, and ``ModelEMA`` re-checks to name it.
     """
 
-    def __init__(self, model, names, ema, where: str, prepare=None):
+    _owner: List[Dict[str, Any]]  # each tensor's owner table, in the EMA's order
+    _key: List[str]  # and its key there
+    _tables: List[Dict[str, Any]]  # every module's parameter, buffer and child tables
+    _sizes: List[int]  # their sizes
+    _child_tables: List[Dict[str, Any]]  # (table, key, child) of every submodule
+    _child_keys: List[str]
+    _child_mods: List[Optional[nn.Module]]
+    _tensors: List[Tensor]  # the tensors of the last full check
+    _lists: List[Tuple[List[Tensor], UpdateLists]]  # [(the src tensors, their ema_update_lists)]
+
+    def __init__(
+        self,
+        model: nn.Module,
+        names: Sequence[str],
+        ema: Sequence[Tensor],
+        where: str,
+        prepare: Optional[Callable[[nn.Module], None]] = None,
+    ) -> None:
         src = _unwrap(model)
         if not isinstance(src, nn.Module):
             raise TypeError(f"{where}: argument `model` must be an nn.Module, got {type(model).__name__}")
@@ -152,16 +199,16 @@ class ModelTracker:
         self.model = weakref.ref(src, _forget_when_gone(self))
         self._snapshot(src, where)
 
-    def forget(self):
+    def forget(self) -> None:
         """Drops every reference to the model's tables, submodules and tensors (the model was
         garbage-collected: the EMA must not keep its tensors alive)."""
-        self._owner = self._key = self._tables = self._sizes = []
-        self._child_tables = self._child_keys = self._child_mods = self._tensors = self._lists = []
+        self._owner, self._key, self._tables, self._sizes = [], [], [], []
+        self._child_tables, self._child_keys, self._child_mods, self._tensors, self._lists = [], [], [], [], []
 
-    def follows(self, model) -> bool:
+    def follows(self, model: nn.Module) -> bool:
         return self.model() is _unwrap(model)
 
-    def _snapshot(self, src, where):
+    def _snapshot(self, src: nn.Module, where: str) -> None:
         if self._prepare is not None:  # e.g. reshard an FSDP2 model left unsharded
             self._prepare(src)
         slots = check_structure(src, self._names, self._ema, where)
@@ -176,10 +223,12 @@ class ModelTracker:
         self._child_tables = [t for t, _, _ in children]
         self._child_keys = [k for _, k, _ in children]
         self._child_mods = [c for _, _, c in children]
-        self._tensors = list(map(dict.get, self._owner, self._key))
+        self._tensors = [slot_tensor(s) for s in slots]
         self._lists = []  # [(the src tensors, the argument lists of ema_update_lists)], the newest first
 
-    def lists_for(self, groups, copy_to, copy_idx, src):
+    def lists_for(
+        self, groups: Groups, copy_to: List[Tensor], copy_idx: Sequence[int], src: Sequence[Tensor]
+    ) -> UpdateLists:
         """The four argument lists of ``shardkit._C.ema_update_lists`` for the tensors of ``src``,
         built once and reused while the same tensor objects come again (each call still runs
         the op's checks and version bumps, but no list is rebuilt or converted to the op's
@@ -194,15 +243,17 @@ class ModelTracker:
             self._lists = [found] + self._lists[:1]
         return found[1]
 
-    def tensors(self, where: str) -> list:
+    def tensors(self, where: str) -> List[Tensor]:
         tensors = list(map(dict.get, self._owner, self._key))  # a removed entry reads None
         if (
             all(map(operator.is_, tensors, self._tensors))
             and list(map(len, self._tables)) == self._sizes
             and all(map(operator.is_, map(dict.get, self._child_tables, self._child_keys), self._child_mods))
         ):
-            return tensors
-        self._snapshot(self.model(), where)
+            return cast(List[Tensor], tensors)  # each one of self._tensors: no None
+        model = self.model()
+        assert model is not None  # the caller holds it (ModelEMA checks follows() first)
+        self._snapshot(model, where)
         return list(self._tensors)
 
 
@@ -212,12 +263,16 @@ def _flat_ok(e: torch.Tensor, m: torch.Tensor) -> bool:
     return e.dim() == 4 and e.stride() == m.stride() and e.is_contiguous(memory_format=torch.channels_last)
 
 
-def plan_swap(ema, src):
+def plan_swap(
+    ema: Sequence[Tensor], src: Sequence[Tensor]
+) -> Tuple[List[Tensor], List[Tensor], List[Tuple[Tensor, Tensor, Tensor]]]:
     """How ``ModelEMA.swap`` puts each EMA tensor into the model's: (EMA tensors, model tensors)
     that the swap ops exchange or pack in place (same device, and the same dtype or a float32
     EMA of a flat-compatible bfloat16 tensor), and (EMA, model, host copy of the model's) for
     every other pair, which is copied over with the model's values stashed in host memory."""
-    ex_e, ex_m, stash = [], [], []
+    ex_e: List[Tensor] = []
+    ex_m: List[Tensor] = []
+    stash: List[Tuple[Tensor, Tensor, Tensor]] = []
     for e, m in zip(ema, src):
         if e.device == m.device and (
             e.dtype == m.dtype or (e.dtype == torch.float32 and m.dtype == torch.bfloat16 and _flat_ok(e, m))
@@ -229,7 +284,15 @@ def plan_swap(ema, src):
     return ex_e, ex_m, stash
 
 
-def apply_update(tracker, groups, copy_to, copy_idx, src, d, graph=None):
+def apply_update(
+    tracker: Optional[ModelTracker],
+    groups: Groups,
+    copy_to: List[Tensor],
+    copy_idx: Sequence[int],
+    src: Sequence[Tensor],
+    d: float,
+    graph: Optional[GraphedEMA] = None,
+) -> None:
     """``ModelEMA``'s update of its EMA tensors from ``src`` (the model's, in the EMA's order,
     on the EMA's devices) with decay ``d``: ``groups`` are (EMA tensors, indices into ``src``)
     per device, ``copy_to`` the integer buffers copied from ``src[copy_idx]``. Through the

@@ -12,7 +12,7 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def unavailable_cuda(devices: Iterable[torch.device]) -> list:
+def unavailable_cuda(devices: Iterable[torch.device]) -> list[torch.device]:
     """The CUDA devices of ``devices`` whose index is past the visible GPUs (``cuda`` counts as
     ``cuda:0``), in order, each once."""
     visible = visible_gpus()

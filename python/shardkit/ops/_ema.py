@@ -14,7 +14,7 @@ from shardkit import _C
 __all__ = ["ema_update_", "ema_update_device_decay_", "ema_swap_", "ema_unswap_"]
 
 
-def _as_list(name: str, tensors: Any) -> list:
+def _as_list(name: str, tensors: Any) -> list[Any]:
     if isinstance(tensors, torch.Tensor):
         raise TypeError(f"argument `{name}` must be a list or tuple of tensors, got a single Tensor")
     tensors = list(tensors)

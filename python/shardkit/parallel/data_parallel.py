@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import numbers
 from itertools import chain
-from typing import Any, Sequence
+from typing import Any, Sequence, Union
 
 import torch
 from torch import nn
@@ -45,8 +45,16 @@ from shardkit.parallel.threads import profiler_range, run_parallel
 
 __all__ = ["DataParallelModel", "DataParallelCriterion", "WeightedLoss"]
 
+DeviceLike = Union[int, str, torch.device]
 
-def _init_parallel(self: nn.DataParallel, module: nn.Module, device_ids, output_device, dim: int) -> None:
+
+def _init_parallel(
+    self: DataParallelModel | DataParallelCriterion,
+    module: nn.Module,
+    device_ids: Sequence[DeviceLike] | None,
+    output_device: DeviceLike | None,
+    dim: int,
+) -> None:
     """nn.DataParallel.__init__ for CUDA lists of distinct devices; for repeated devices
     (``["cpu"] * k``, ``[0, 0]``), which nn.DataParallel rejects, the same public
     attributes (module, device_ids, output_device, dim) are set here."""
@@ -107,17 +115,19 @@ class DataParallelModel(nn.DataParallel):
     # Its replicate() runs the __data_parallel_replicate__ callbacks already, so
     # patch_replication_callback leaves it alone.
     _runs_replication_callbacks = True
+    _devices: list[torch.device]  # one per chunk (repeats allowed); empty: direct calls
+    _shared: bool  # replicas share the module's parameters (CPU or repeated devices)
 
     def __init__(
         self,
         module: nn.Module,
-        device_ids=None,
-        output_device=None,
+        device_ids: Sequence[int | str | torch.device] | None = None,
+        output_device: int | str | torch.device | None = None,
         dim: int = 0,
         *,
         chunk_sizes: Sequence[int] | None = None,
         gpu0_bsz: int | None = None,
-    ):
+    ) -> None:
         _init_parallel(self, module, device_ids, output_device, dim)
         self.chunk_sizes, self.gpu0_bsz = U.check_split_options(max(len(self._devices), 1), chunk_sizes, gpu0_bsz)
 
@@ -143,7 +153,9 @@ class DataParallelModel(nn.DataParallel):
             )
             return self.gather(outputs, self.output_device)
 
-    def _split(self, inputs: tuple, kwargs: dict):
+    def _split(
+        self, inputs: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[list[torch.device], list[tuple[tuple[Any, ...], dict[str, Any]]]]:
         first = U.first_batched_tensor((inputs, kwargs), self.dim)
         if first is None:
             raise ValueError("DataParallelModel: the inputs hold no tensor with a batch dimension to split")
@@ -157,25 +169,33 @@ class DataParallelModel(nn.DataParallel):
         devices = [self._devices[k] for k in used]
         return devices, U.split_args(inputs, kwargs, [sizes[k] for k in used], devices, self.dim, "DataParallelModel")
 
-    def scatter(self, inputs: tuple, kwargs: dict | None, device_ids) -> tuple[tuple, tuple]:
+    def scatter(
+        self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, device_ids: Sequence[int | torch.device]
+    ) -> tuple[tuple[tuple[Any, ...], ...], tuple[dict[str, Any], ...]]:
         """Per-device (args, kwargs) with the balanced split (nn.DataParallel's hook)."""
         _, per_device = self._split(inputs, kwargs or {})
         return tuple(a for a, _ in per_device), tuple(k for _, k in per_device)
 
-    def replicate(self, module: nn.Module, device_ids) -> list[nn.Module]:
+    def replicate(self, module: nn.Module, device_ids: Sequence[int | torch.device]) -> list[nn.Module]:
         """Replicas for ``device_ids`` (sharing the parameters where the devices repeat or are
         CPUs), then the ``__data_parallel_replicate__`` callbacks, as encoding.parallel does."""
         modules = share_replicas(module, len(device_ids)) if self._shared else replicate_module(module, device_ids)
         execute_replication_callbacks(modules)
         return modules
 
-    def parallel_apply(self, replicas, inputs, kwargs, devices=None) -> list[Any]:
+    def parallel_apply(
+        self,
+        replicas: Sequence[nn.Module],
+        inputs: Sequence[Any],
+        kwargs: Sequence[Any],
+        devices: Sequence[torch.device] | None = None,
+    ) -> list[Any]:
         """Calls replica k on (inputs[k], kwargs[k]) in its device's thread; the outputs."""
         devices = devices if devices is not None else self._devices[: len(replicas)]
         calls = [functools.partial(m, *a, **k) for m, a, k in zip(replicas, inputs, kwargs)]
         return run_parallel(calls, devices, "DataParallelModel")
 
-    def gather(self, outputs: list[Any], output_device) -> list[Any]:
+    def gather(self, outputs: list[Any], output_device: int | torch.device | None) -> list[Any]:
         """No gather: the per-device outputs, for DataParallelCriterion."""
         return outputs
 
@@ -215,9 +235,18 @@ class DataParallelCriterion(nn.DataParallel):
     that do not match the chunks with it.
     """
 
+    _devices: list[torch.device]  # as DataParallelModel's
+    _shared: bool
+
     def __init__(
-        self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0, *, legacy_mean: bool = False
-    ):
+        self,
+        module: nn.Module,
+        device_ids: Sequence[int | str | torch.device] | None = None,
+        output_device: int | str | torch.device | None = None,
+        dim: int = 0,
+        *,
+        legacy_mean: bool = False,
+    ) -> None:
         _init_parallel(self, module, device_ids, output_device, dim)
         if not isinstance(legacy_mean, bool):
             raise TypeError(f"argument `legacy_mean` must be True or False, got {type(legacy_mean).__name__}")
@@ -264,7 +293,7 @@ class DataParallelCriterion(nn.DataParallel):
             results = run_parallel(calls, devices, "DataParallelCriterion")
             return self._reduce(results, sizes)
 
-    def replicate(self, module: nn.Module, device_ids) -> list[nn.Module]:
+    def replicate(self, module: nn.Module, device_ids: Sequence[int | torch.device]) -> list[nn.Module]:
         """Replicas of a criterion with state (e.g. a class ``weight``) for ``device_ids``,
         broadcast from the device that holds it."""
         return replicate_module(module, device_ids, "DataParallelCriterion")

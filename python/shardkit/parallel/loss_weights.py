@@ -26,13 +26,15 @@ class WeightedLoss(NamedTuple):
     weight: Any
 
 
-def _call(module: nn.Module, output: Any, targets: tuple, kwargs: dict) -> Any:
+def _call(module: nn.Module, output: Any, targets: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if isinstance(output, tuple):
         return module(*output, *targets, **kwargs)
     return module(output, *targets, **kwargs)
 
 
-def _chunk_loss(module: nn.Module, output: Any, targets: tuple, kwargs: dict, samples: int, auto: bool) -> tuple:
+def _chunk_loss(
+    module: nn.Module, output: Any, targets: tuple[Any, ...], kwargs: dict[str, Any], samples: int, auto: bool
+) -> tuple[Any, Any]:
     """One worker's part of DataParallelCriterion: (loss value, its weight). The weight is
     what the criterion reports, else (when ``auto``) the denominator of its mean on this
     chunk, else the chunk's sample count."""
@@ -42,7 +44,7 @@ def _chunk_loss(module: nn.Module, output: Any, targets: tuple, kwargs: dict, sa
     return value, weight
 
 
-def _target_of(criterion: nn.Module, output: Any, targets: tuple, kwargs: dict) -> tuple:
+def _target_of(criterion: nn.Module, output: Any, targets: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
     """The criterion's target as a one-element tuple (or empty): the first positional target,
     or, in the keyword form (``criterion(outputs, target=y)``), the keyword argument bound to
     the parameter after the outputs in the criterion's ``forward`` signature. ValueError when
@@ -93,7 +95,7 @@ def _strip_weight(result: Any) -> Any:
     return _split_weight(result)[0]
 
 
-def _auto_weight(criterion: nn.Module, targets: tuple, samples: int) -> Any:
+def _auto_weight(criterion: nn.Module, targets: tuple[Any, ...], samples: int) -> Any:
     """The denominator of a mean-reduced criterion on one chunk, without a host sync."""
     if (
         isinstance(criterion, (nn.CrossEntropyLoss, nn.NLLLoss))
@@ -109,12 +111,13 @@ def _auto_weight(criterion: nn.Module, targets: tuple, samples: int) -> Any:
             return valid.sum()
         class_weight = criterion.weight.to(target.device)[target.masked_fill(~valid, 0)]
         return (class_weight * valid).sum()
+    first = targets[0] if targets else None
+    ignore_index = getattr(criterion, "ignore_index", None)
     if (
         getattr(criterion, "reduction", None) == "mean"
-        and isinstance(getattr(criterion, "ignore_index", None), int)
-        and targets
-        and isinstance(targets[0], torch.Tensor)
-        and not targets[0].is_floating_point()
+        and isinstance(ignore_index, int)
+        and isinstance(first, torch.Tensor)
+        and not first.is_floating_point()
     ):
-        return (targets[0] != criterion.ignore_index).sum()  # e.g. ShardedSoftmaxLoss: mean over valid rows
+        return (first != ignore_index).sum()  # e.g. ShardedSoftmaxLoss: mean over valid rows
     return samples

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence, Union
 
 import torch
 from torch import nn
@@ -42,11 +42,15 @@ from shardkit.parallel.scatter import as_device
 from shardkit.parallel.threads import run_parallel
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
-_RNG_LOCKS: dict = {}  # device -> RLock: one task at a time per random generator (checkpointing)
+_RNG_LOCKS: dict[str, threading.RLock] = {}  # device -> RLock: one task at a time per random generator (checkpointing)
 _RNG_LOCKS_GUARD = threading.Lock()
 
+Stages = Union[nn.Sequential, Sequence[nn.Module]]
+Stream = torch.cuda.Stream
+Event = torch.cuda.Event
 
-def _rng_lock(dev: torch.device):
+
+def _rng_lock(dev: torch.device) -> threading.RLock:
     with _RNG_LOCKS_GUARD:
         return _RNG_LOCKS.setdefault(str(dev), threading.RLock())
 
@@ -54,7 +58,7 @@ def _rng_lock(dev: torch.device):
 BATCHNORM_MODES = ("deferred", "micro")
 
 
-def _layers(stages) -> list[nn.Module]:
+def _layers(stages: Stages) -> list[nn.Module]:
     if isinstance(stages, nn.Sequential):
         return list(stages.children())
     if isinstance(stages, (list, tuple)) and all(isinstance(m, nn.Module) for m in stages):
@@ -123,15 +127,15 @@ class PipelineModel(nn.Module):
 
     def __init__(
         self,
-        stages,
-        devices: Sequence[Any],
+        stages: nn.Sequential | Sequence[nn.Module],
+        devices: Sequence[torch.device | str | int],
         chunks: int = 4,
-        balance=None,
-        checkpoint: str = "never",
-        batchnorm: str = "deferred",
-        output_device=None,
+        balance: list[int] | tuple[int, ...] | Literal["time", "memory"] | None = None,
+        checkpoint: Literal["never", "except_last", "always"] = "never",
+        batchnorm: Literal["deferred", "micro"] = "deferred",
+        output_device: torch.device | str | int | None = None,
         sample: torch.Tensor | None = None,
-    ):
+    ) -> None:
         super().__init__()
         layers = _layers(stages)
         if isinstance(devices, (str, int, torch.device)) or not devices:
@@ -177,7 +181,8 @@ class PipelineModel(nn.Module):
                 layers = _layers(stages)
             else:
                 layers = [DeferredBatchNorm.convert(m) for m in layers]
-        parts, start = [], 0
+        parts: list[nn.Module] = []
+        start = 0
         for size, dev in zip(balance, devs):
             parts.append(nn.Sequential(*layers[start : start + size]).to(dev))
             start += size
@@ -188,7 +193,7 @@ class PipelineModel(nn.Module):
         self.checkpoint = checkpoint
         self.batchnorm = batchnorm
         self.output_device = out_dev
-        self._streams: dict = {}
+        self._streams: dict[int, Stream] = {}
         self._micro_count = 1
 
     @property
@@ -197,7 +202,12 @@ class PipelineModel(nn.Module):
         return list(dict.fromkeys(self.stage_devices))
 
     @staticmethod
-    def balance_by(stages, sample: torch.Tensor, partitions: int, by: str = "time") -> list[int]:
+    def balance_by(
+        stages: nn.Sequential | Sequence[nn.Module],
+        sample: torch.Tensor,
+        partitions: int,
+        by: Literal["time", "memory"] = "time",
+    ) -> list[int]:
         """Layers per stage that balance ``by`` "time" (forward + backward, profiled on
         ``sample``) or "memory" (parameters, gradients, buffers, activations) over
         ``partitions`` stages. The layers are profiled where they are; returns the plan
@@ -212,7 +222,7 @@ class PipelineModel(nn.Module):
             raise ValueError(f"argument `partitions` must be an int in [1, {len(layers)}], got {partitions!r}")
         return partition(layer_costs(layers, sample, by), partitions)
 
-    def memory_per_device(self) -> dict:
+    def memory_per_device(self) -> dict[torch.device, int]:
         """Bytes of parameters and buffers each device holds for the stages (what the head's
         ``shard_sizes`` can be balanced against, see :func:`shardkit.plan.balance_shards`)."""
         out = {d: 0 for d in self.devices}
@@ -237,8 +247,8 @@ class PipelineModel(nn.Module):
         streams = self._stage_streams(x)
         if streams[0] is not None and x.device == self.stage_devices[0]:
             x.record_stream(streams[0])  # the caller's tensor, read on stage 0's stream
-        acts: list = list(micro)
-        events: list = [None] * m
+        acts: list[torch.Tensor] = list(micro)
+        events: list[Event | None] = [None] * m
         for clock in range(m + k - 1):
             tasks = [(s, clock - s) for s in range(k) if 0 <= clock - s < m]
             calls = [functools.partial(self._run_task, s, i, acts[i], events[i], streams) for s, i in tasks]
@@ -259,12 +269,12 @@ class PipelineModel(nn.Module):
 
     # ---- internals -----------------------------------------------------------------
 
-    def _stage_streams(self, x: torch.Tensor) -> list:
+    def _stage_streams(self, x: torch.Tensor) -> list[Stream | None]:
         """One CUDA stream per stage (None on CPUs); each first waits for the caller's stream
         on its device, which produced the input and the parameters."""
         if not any(d.type == "cuda" for d in self.stage_devices):
             return [None] * len(self.stage_devices)
-        out = []
+        out: list[Stream | None] = []
         for s, dev in enumerate(self.stage_devices):
             if dev.type != "cuda":
                 out.append(None)
@@ -278,7 +288,9 @@ class PipelineModel(nn.Module):
             out.append(stream)
         return out
 
-    def _run_task(self, s: int, i: int, x: torch.Tensor, ready, streams) -> tuple:
+    def _run_task(
+        self, s: int, i: int, x: torch.Tensor, ready: Event | None, streams: Sequence[Stream | None]
+    ) -> tuple[torch.Tensor, Event | None]:
         last = i == self._micro_count - 1
         use_ckpt = self.checkpoint == "always" or (self.checkpoint == "except_last" and not last)
         if self.checkpoint != "never" and torch.is_grad_enabled():
@@ -286,14 +298,16 @@ class PipelineModel(nn.Module):
                 return self._launch(s, x, ready, streams, use_ckpt)
         return self._launch(s, x, ready, streams, use_ckpt)
 
-    def _launch(self, s: int, x: torch.Tensor, ready, streams, use_ckpt: bool) -> tuple:
+    def _launch(
+        self, s: int, x: torch.Tensor, ready: Event | None, streams: Sequence[Stream | None], use_ckpt: bool
+    ) -> tuple[torch.Tensor, Event | None]:
         dev, stream, part = self.stage_devices[s], streams[s], self.partitions[s]
         if stream is None:
             if ready is not None and x.device.type == "cuda":
                 # x was made on the previous stage's side stream; the copy to this (CPU) stage
                 # runs on its device's current stream, which must wait for that work first
                 torch.cuda.current_stream(x.device).wait_event(ready)
-            y = self._apply(part, x.to(dev) if x.device != dev else x, use_ckpt, s)
+            y = self._run_stage(part, x.to(dev) if x.device != dev else x, use_ckpt, s)
             return y, None
         prev = streams[s - 1] if s > 0 and x.device.type == "cuda" else None
         with torch.cuda.stream(prev) if prev is not None else _null(), torch.cuda.stream(stream):
@@ -302,17 +316,17 @@ class PipelineModel(nn.Module):
             x_in = x.to(dev, non_blocking=True) if x.device != dev else x
             if x_in is x and x.device.type == "cuda":
                 x.record_stream(stream)  # made on the previous stage's stream, used on this one
-            y = self._apply(part, x_in, use_ckpt, s)
+            y = self._run_stage(part, x_in, use_ckpt, s)
             event = torch.cuda.Event()
             event.record(stream)
         return y, event
 
-    def _apply(self, part: nn.Module, x: torch.Tensor, use_ckpt: bool, s: int) -> torch.Tensor:
+    def _run_stage(self, part: nn.Module, x: torch.Tensor, use_ckpt: bool, s: int) -> torch.Tensor:
         if use_ckpt and torch.is_grad_enabled():
             calls = {"n": 0}
-            failed: list = []
+            failed: list[BaseException] = []
 
-            def run(inp):
+            def run(inp: torch.Tensor) -> torch.Tensor:
                 calls["n"] += 1
                 if calls["n"] > 1:
                     with no_running_stats_update(part):  # the recomputation in the backward
@@ -333,7 +347,7 @@ class PipelineModel(nn.Module):
                 try:
                     raise error
                 finally:
-                    error = None  # no reference cycle through this frame
+                    del error  # no reference cycle through this frame
         else:
             y = part(x)
         if not isinstance(y, torch.Tensor):
@@ -352,7 +366,9 @@ class PipelineModel(nn.Module):
             )
         return y
 
-    def _join(self, acts, events, streams):
+    def _join(
+        self, acts: list[torch.Tensor], events: Sequence[Event | None], streams: Sequence[Stream | None]
+    ) -> list[torch.Tensor]:
         """The caller's streams wait for the last stage's work on every output."""
         last = streams[-1]
         if last is not None:
@@ -370,10 +386,10 @@ class PipelineModel(nn.Module):
 
 
 class _null:
-    def __enter__(self):
+    def __enter__(self) -> None:
         return None
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> Literal[False]:
         return False
 
 

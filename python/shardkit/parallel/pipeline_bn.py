@@ -6,6 +6,7 @@ and a checkpoint's recomputation must not update them twice
 from __future__ import annotations
 
 import contextlib
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -14,13 +15,13 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 
 @contextlib.contextmanager
-def no_running_stats_update(module: nn.Module):
+def no_running_stats_update(module: nn.Module) -> Iterator[None]:
     """Within the block, BatchNorm layers of ``module`` in training mode normalize with the
     batch's statistics as usual but leave running statistics and counters as they were
     (what a recomputation of an already-counted forward needs). The layers still get their
     running buffers (momentum 0), so a checkpoint's recomputation saves the same tensors as
     the original forward did."""
-    saved = []
+    saved: list[tuple[nn.Module, str, object, torch.Tensor | None]] = []
     for m in module.modules():
         if isinstance(m, DeferredBatchNorm):
             saved.append((m, "recomputing", m.recomputing, None))
@@ -49,14 +50,15 @@ class DeferredBatchNorm(_BatchNorm):
         eps: float = 1e-5,
         momentum: float | None = 0.1,
         affine: bool = True,
-        device=None,
-        dtype=None,
-    ):
+        device: torch.device | str | int | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__(num_features, eps, momentum, affine, True, device=device, dtype=dtype)
         self.recomputing = False
         self._expected = 1
         self._seen = 0
-        self._acc = None
+        # this step's (sum, sum of squares, count) so far
+        self._acc: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
     @classmethod
     def convert(cls, module: nn.Module) -> nn.Module:
@@ -79,7 +81,7 @@ class DeferredBatchNorm(_BatchNorm):
                 setattr(module, name, converted)
         return module
 
-    def _check_input_dim(self, input):
+    def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
@@ -97,14 +99,17 @@ class DeferredBatchNorm(_BatchNorm):
 
     @torch.no_grad()
     def _accumulate(self, x: torch.Tensor) -> None:
+        # built with track_running_stats=True (convert() replaces only such layers)
+        assert self.running_mean is not None and self.running_var is not None and self.num_batches_tracked is not None
         dims = [0] + list(range(2, x.dim()))
         xf = x.to(self.running_mean.dtype)
         part = (xf.sum(dims), (xf * xf).sum(dims), x.numel() // x.shape[1])
-        self._acc = part if self._acc is None else tuple(a + b for a, b in zip(self._acc, part))
+        prev = self._acc
+        self._acc = acc = part if prev is None else (prev[0] + part[0], prev[1] + part[1], prev[2] + part[2])
         self._seen += 1
         if self._seen < self._expected:
             return
-        total, total_sq, count = self._acc
+        total, total_sq, count = acc
         self._acc, self._seen = None, 0
         mean = total / count
         var = (total_sq / count - mean * mean).clamp_min(0)

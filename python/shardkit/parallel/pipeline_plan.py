@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -109,7 +109,7 @@ def _profiled_call(layer: nn.Module, i: int, x: torch.Tensor, sample: torch.Tens
 
 
 @contextlib.contextmanager
-def _state_kept(layers: Sequence[nn.Module], device: torch.device):
+def _state_kept(layers: Sequence[nn.Module], device: torch.device) -> Iterator[None]:
     """Restores the layers' buffers and gradients and the random generators after the block."""
     buffers = [(b, b.detach().clone()) for layer in layers for b in layer.buffers()]
     grads = [(p, p.grad) for layer in layers for p in layer.parameters()]

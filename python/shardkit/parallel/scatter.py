@@ -97,9 +97,9 @@ def as_int(value: Any, what: str) -> int:
     except TypeError:
         if not isinstance(value, numbers.Real):
             raise TypeError(f"{what} must be a non-negative int, got {type(value).__name__} {value!r}") from None
-        if not math.isfinite(value) or value != int(value):
+        if not math.isfinite(value) or value != math.trunc(value):
             raise ValueError(f"{what} must be a non-negative int, got {value!r}") from None
-        return int(value)
+        return int(math.trunc(value))
 
 
 def check_split_options(
@@ -170,8 +170,13 @@ def first_batched_tensor(obj: Any, dim: int) -> torch.Tensor | None:
 
 
 def split_args(
-    args: tuple, kwargs: dict, sizes: Sequence[int], devices: Sequence[torch.device], dim: int, what: str
-) -> list[tuple[tuple, dict]]:
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    sizes: Sequence[int],
+    devices: Sequence[torch.device],
+    dim: int,
+    what: str,
+) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
     """Splits every tensor of (args, kwargs) by ``sizes`` along ``dim`` onto ``devices`` in one
     ``shardkit::split_to_devices`` call; non-tensors are passed to every device as they are."""
     leaves: list[torch.Tensor] = []

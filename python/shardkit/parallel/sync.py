@@ -13,15 +13,18 @@ from torch import nn
 
 __all__ = ["allreduce", "patch_replication_callback", "execute_replication_callbacks", "CallbackContext"]
 
+# The attribute that marks a data-parallel object whose replicate() runs the callbacks.
+_PATCHED = "_runs_replication_callbacks"
+
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, num_inputs: int, *inputs: torch.Tensor):
+    def forward(ctx: Any, num_inputs: int, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.num_inputs = num_inputs
         return _allreduce_sum(num_inputs, inputs)
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return (None,) + _allreduce_sum(ctx.num_inputs, grads)
 
 
@@ -30,7 +33,7 @@ def _allreduce_sum(num_inputs: int, tensors: Sequence[torch.Tensor]) -> tuple[to
         raise ValueError(f"allreduce: expected groups of `num_inputs`={num_inputs} tensors, got {len(tensors)}")
     groups = [tensors[i : i + num_inputs] for i in range(0, len(tensors), num_inputs)]
     root = groups[0][0].device
-    totals = []
+    totals: list[torch.Tensor] = []
     for j in range(num_inputs):
         total = groups[0][j].clone()
         for g in groups[1:]:
@@ -85,8 +88,9 @@ def execute_replication_callbacks(modules: Sequence[nn.Module]) -> None:
     ctxs = [CallbackContext() for _ in range(n_sub)]
     for copy_id, module in enumerate(modules):
         for j, m in enumerate(module.modules()):
-            if hasattr(m, "__data_parallel_replicate__"):
-                m.__data_parallel_replicate__(ctxs[j], copy_id)
+            callback = getattr(m, "__data_parallel_replicate__", None)
+            if callback is not None:
+                callback(ctxs[j], copy_id)
 
 
 def patch_replication_callback(data_parallel: nn.DataParallel) -> None:
@@ -95,15 +99,16 @@ def patch_replication_callback(data_parallel: nn.DataParallel) -> None:
     already, and for an object patched before (callbacks never run twice)."""
     if not isinstance(data_parallel, nn.DataParallel):
         raise TypeError(f"argument `data_parallel` must be an nn.DataParallel, got {type(data_parallel).__name__}")
-    if getattr(data_parallel, "_runs_replication_callbacks", False):
+    if getattr(data_parallel, _PATCHED, False):
         return
     old_replicate = data_parallel.replicate
 
     @functools.wraps(old_replicate)
-    def new_replicate(module, device_ids):
+    def new_replicate(module: nn.Module, device_ids: Sequence[int | torch.device]) -> list[nn.Module]:
         modules = old_replicate(module, device_ids)
         execute_replication_callbacks(modules)
         return modules
 
-    data_parallel.replicate = new_replicate
-    data_parallel._runs_replication_callbacks = True
+    # Patching this object's own method is the point (encoding.parallel's API).
+    data_parallel.replicate = new_replicate  # type: ignore[method-assign]
+    setattr(data_parallel, _PATCHED, True)

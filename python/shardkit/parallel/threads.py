@@ -8,7 +8,7 @@ import functools
 import queue
 import threading
 import traceback
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
 
@@ -22,8 +22,8 @@ class _Slot:
     shared pool) guarantees the K chunks really run concurrently; starting K threads per
     step would cost more than a small criterion itself."""
 
-    def __init__(self, k: int):
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+    def __init__(self, k: int) -> None:
+        self.queue: queue.SimpleQueue[tuple[Callable[[], None], threading.Lock]] = queue.SimpleQueue()
         threading.Thread(target=self._loop, name=f"shardkit-parallel-{k}", daemon=True).start()
 
     def _loop(self) -> None:
@@ -34,7 +34,7 @@ class _Slot:
             finally:
                 # Hold nothing of a finished task while waiting for the next one: a failed
                 # task's closure holds its exception, and so the frames and tensors of its traceback.
-                fn = None
+                del fn
                 done.release()
 
     def submit(self, fn: Callable[[], None]) -> threading.Lock:
@@ -56,7 +56,7 @@ def _slot(k: int) -> _Slot:
 _NO_RANGE = contextlib.nullcontext()
 
 
-def profiler_range(name: str):
+def profiler_range(name: str) -> ContextManager[object]:
     """``record_function(name)`` while the torch profiler runs, else a no-op: entering a
     record_function costs ~20 us even with no profiler, a tenth of a small criterion call."""
     if torch._C._autograd._profiler_enabled():
@@ -69,7 +69,7 @@ class ThreadState:
     mode, autocast (per device type: enabled, dtype, cache) and the current CUDA stream of
     every device of the call."""
 
-    def __init__(self, devices: Sequence[torch.device]):
+    def __init__(self, devices: Sequence[torch.device]) -> None:
         self.grad = torch.is_grad_enabled()
         self.inference = torch.is_inference_mode_enabled()
         self.autocast = [(dt, torch.get_autocast_dtype(dt)) for dt in ("cpu", "cuda") if torch.is_autocast_enabled(dt)]
@@ -77,7 +77,7 @@ class ThreadState:
         self.streams = {d: torch.cuda.current_stream(d) for d in set(devices) if d.type == "cuda"}
 
     @contextlib.contextmanager
-    def applied(self, device: torch.device):
+    def applied(self, device: torch.device) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
             if self.inference:
                 stack.enter_context(torch.inference_mode())
@@ -144,6 +144,7 @@ def run_parallel(
     if failed is None:
         return results
     error = errors[failed]
+    assert error is not None  # `failed` is the first call whose error is set
     errors.clear()  # the traceback holds this frame, whose closure holds `errors`: no cycle
     results.clear()
     label = labels[failed] if labels is not None else f"chunk {failed} of {len(calls)}"

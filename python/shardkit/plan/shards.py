@@ -4,7 +4,7 @@ the least is used, like water filling the lowest vessels."""
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import List, Optional, Sequence, Union
 
 from shardkit.plan.memory import DTYPE_BYTES, OPTIMIZER_STATES, _check_int, _head_parts, _named_size
 
@@ -30,7 +30,7 @@ def balance_shards(
     dtype: str = "fp32",
     optimizer: str = "sgd-momentum",
     master_weights: Optional[bool] = None,
-) -> list:
+) -> List[int]:
     """Classes per device (ints summing to ``classes``) such that ``used[k]`` plus device k's
     share of the head is as even as possible over the devices.
 

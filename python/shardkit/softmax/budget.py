@@ -30,7 +30,7 @@ AUTO_SHARE = 0.25
 Budget = Union[int, str]
 
 
-def check_memory_budget(value) -> Budget:
+def check_memory_budget(value: Budget) -> Budget:
     """``memory_budget`` as bytes (int >= 0) or ``"auto"``: an int, a size string such as
     ``"2GiB"`` or ``"512MB"``, 0 / ``"0"`` (keep nothing), or ``"auto"``. ValueError /
     TypeError naming the argument otherwise."""
@@ -96,7 +96,7 @@ def shard_budgets(budget: Budget, shards: Sequence[torch.Tensor]) -> List[int]:
     their classes (rounded down, so the device's total stays within it)."""
     if budget == 0:
         return [0] * len(shards)
-    classes = {}
+    classes: dict[torch.device, int] = {}
     for w in shards:
         classes[w.device] = classes.get(w.device, 0) + w.shape[0]
     granted = {dev: device_budget(budget, dev) for dev in classes}

@@ -23,11 +23,16 @@ of another format, or rows/offsets that disagree with its name raise ``ValueErro
 the file.
 """
 
+from __future__ import annotations
+
 import os
 import re
-from typing import List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
+
+if TYPE_CHECKING:
+    from shardkit.softmax.module import ShardedSoftmaxLoss
 
 FORMAT = "shardkit.sharded_weight"
 VERSION = 1
@@ -42,7 +47,9 @@ def _file_name(start: int, end: int) -> str:
 _SHARD_NAME = re.compile(r"classes-(\d{12})-(\d{12})\.pt")
 
 
-def _load_shard(path: str, start: int, end: int, num_classes: Optional[int] = None, dim: Optional[int] = None):
+def _load_shard(
+    path: str, start: int, end: int, num_classes: Optional[int] = None, dim: Optional[int] = None
+) -> Dict[str, Any]:
     """The dict of one shard file, checked against its name (and the checkpoint's class
     count and width when given). ValueError naming the file on anything unexpected."""
     try:
@@ -168,7 +175,7 @@ def read_rows(directory: str, start: int, count: int, key: str = "weight") -> Op
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-def _shards(module) -> Tuple[List[Tuple[int, torch.nn.Parameter]], int]:
+def _shards(module: ShardedSoftmaxLoss) -> Tuple[List[Tuple[int, torch.nn.Parameter]], int]:
     """[(class_offset, parameter)] of the head's local shards, and its total classes."""
     if not all(hasattr(module, a) for a in ("class_offsets", "weight_shards", "num_classes")):
         raise TypeError(
@@ -178,7 +185,9 @@ def _shards(module) -> Tuple[List[Tuple[int, torch.nn.Parameter]], int]:
     return list(zip(module.class_offsets, module.weight_shards)), module.num_classes
 
 
-def save_sharded(module, directory: str, optimizer: Optional[torch.optim.Optimizer] = None) -> List[str]:
+def save_sharded(
+    module: ShardedSoftmaxLoss, directory: str, optimizer: Optional[torch.optim.Optimizer] = None
+) -> List[str]:
     """Save this process's shards of ``module`` (a :class:`shardkit.ShardedSoftmaxLoss`, one-
     process or distributed) into ``directory``. In the distributed mode every rank calls
     it with the same (shared-filesystem) directory; no collective is needed. With
@@ -199,7 +208,7 @@ def save_sharded(module, directory: str, optimizer: Optional[torch.optim.Optimiz
     return paths
 
 
-def load_sharded(module, directory: str, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+def load_sharded(module: ShardedSoftmaxLoss, directory: str, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
     """Fill ``module``'s local shards from a checkpoint saved with any sharding (rows copied
     bit for bit, cast only if the dtypes differ). With ``optimizer``, momentum buffers saved
     with the checkpoint are restored into its state, on each shard's device and dtype.
@@ -219,17 +228,21 @@ def load_sharded(module, directory: str, optimizer: Optional[torch.optim.Optimiz
         )
     with torch.no_grad():
         for offset, p in shards:
-            p.copy_(read_rows(directory, offset, p.shape[0]))
+            rows = read_rows(directory, offset, p.shape[0])
+            assert rows is not None  # every shard file holds `weight` (_load_shard checks it)
+            p.copy_(rows)
             if optimizer is None:
                 continue
             buf = read_rows(directory, offset, p.shape[0], "momentum_buffer")
             if buf is not None:
                 seen = read_rows(directory, offset, p.shape[0], "momentum_seen")
+                if seen is None:  # no flags saved with the rows: every row's buffer was started (as from SGD)
+                    seen = torch.ones(p.shape[0], dtype=torch.bool)
                 optimizer.state[p]["momentum_buffer"] = buf.to(device=p.device, dtype=p.dtype)
                 optimizer.state[p]["seen"] = seen.to(p.device)
 
 
-def export_full_weight(module) -> torch.Tensor:
+def export_full_weight(module: ShardedSoftmaxLoss) -> torch.Tensor:
     """The class-ordered [C, D] weight, detached, in the shards' dtype, on the first shard's
     device (``module.full_weight()``; a collective in the distributed mode: every rank must
     call it). ``TypeError`` when ``module`` is not a :class:`shardkit.ShardedSoftmaxLoss`."""
@@ -237,7 +250,7 @@ def export_full_weight(module) -> torch.Tensor:
     return module.full_weight()
 
 
-def import_full_weight(module, weight: torch.Tensor) -> None:
+def import_full_weight(module: ShardedSoftmaxLoss, weight: torch.Tensor) -> None:
     """Copy the rows of a class-ordered [C, D] ``weight`` (any floating dtype, any device: each
     shard's rows are cast and moved to it) into ``module``'s local shards (every rank passes
     the same full weight; no collective).

@@ -5,9 +5,11 @@ checks (labels in range, finite embeddings) need the device's answer: they are f
 one tiny flag tensor and one host sync, and run only when ``check_inputs`` asks.
 """
 
+from __future__ import annotations
+
 import re
 from numbers import Integral
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -22,7 +24,7 @@ class NonFiniteEmbeddingsError(ValueError):
     diverged backbone. A ValueError, so existing handlers still catch it."""
 
 
-def parse_memory(value, name: str = "chunk_memory") -> int:
+def parse_memory(value: Union[int, str], name: str = "chunk_memory") -> int:
     """Bytes from an int or a string like ``"64MiB"``, ``"512 KiB"``, ``"1GB"``."""
     if isinstance(value, bool):
         raise TypeError(f"argument `{name}` must be a number of bytes or a string like '64MiB', got bool")
@@ -42,7 +44,13 @@ def parse_memory(value, name: str = "chunk_memory") -> int:
     return nbytes
 
 
-def check_options(margin, label_smoothing, ignore_index, reduction, check_inputs) -> None:
+def check_options(
+    margin: Optional[Margin],
+    label_smoothing: float,
+    ignore_index: int,
+    reduction: str,
+    check_inputs: Union[bool, str],
+) -> None:
     if margin is not None and not isinstance(margin, Margin):
         raise TypeError(
             "argument `margin` must be None or a shardkit margin (CosFace, ArcFace, CombinedMargin), "
@@ -75,7 +83,9 @@ def _check_dense(t: torch.Tensor, name: str, device: bool = True) -> None:
         raise ValueError(f"argument `{name}` is on {t.device}; shardkit's kernels run on cpu and cuda")
 
 
-def check_shards(weight_shards, class_offsets) -> Tuple[List[torch.Tensor], List[int], int]:
+def check_shards(
+    weight_shards: Union[torch.Tensor, Iterable[torch.Tensor]], class_offsets: Optional[Iterable[int]]
+) -> Tuple[List[torch.Tensor], List[int], int]:
     """Returns (shards, offsets, num_classes); shards must tile [0, num_classes)."""
     if isinstance(weight_shards, torch.Tensor):
         weight_shards = [weight_shards]
@@ -132,7 +142,7 @@ def check_shards(weight_shards, class_offsets) -> Tuple[List[torch.Tensor], List
     return shards, offsets, num_classes
 
 
-def check_tensors(embeddings, labels, dim: int) -> torch.Tensor:
+def check_tensors(embeddings: torch.Tensor, labels: torch.Tensor, dim: int) -> torch.Tensor:
     """Free checks of embeddings [B, D] and labels [B]; returns labels as int64."""
     if not isinstance(embeddings, torch.Tensor):
         raise TypeError(f"argument `embeddings` must be a tensor, got {type(embeddings).__name__}")
@@ -169,7 +179,9 @@ def check_tensors(embeddings, labels, dim: int) -> torch.Tensor:
     return labels if labels.dtype == torch.int64 else labels.long()
 
 
-def check_values(embeddings, labels, num_classes: int, ignore_index: int, mode) -> None:
+def check_values(
+    embeddings: torch.Tensor, labels: torch.Tensor, num_classes: int, ignore_index: int, mode: Union[bool, str]
+) -> None:
     """Labels in [0, num_classes) or == ignore_index; embeddings finite.
 
     One fused flag tensor; ``mode=True`` syncs once (``.tolist()``) and raises a
@@ -204,16 +216,17 @@ def check_values(embeddings, labels, num_classes: int, ignore_index: int, mode) 
         raise NonFiniteEmbeddingsError("argument `embeddings` contains NaN or infinite values")
 
 
-def check_topk(topk: Optional[Sequence[int]]) -> Tuple[int, ...]:
+def check_topk(topk: Union[int, Sequence[int], None]) -> Tuple[int, ...]:
     if topk is None:
         return ()
     if isinstance(topk, Integral):
-        topk = (topk,)
-    if isinstance(topk, (str, bytes)) or not hasattr(topk, "__iter__"):
+        ks: Tuple[Any, ...] = (topk,)
+    elif isinstance(topk, (str, bytes)) or not hasattr(topk, "__iter__"):
         raise TypeError(f"argument `topk` must be an int or a sequence of ints, got {type(topk).__name__}")
-    topk = tuple(topk)
-    if any(isinstance(k, bool) or not isinstance(k, Integral) for k in topk):
-        raise TypeError(f"argument `topk` must hold ints, got {topk!r}")
-    if any(k < 1 for k in topk):
-        raise ValueError(f"argument `topk` must hold positive ints, got {topk!r}")
-    return tuple(int(k) for k in topk)
+    else:
+        ks = tuple(topk)
+    if any(isinstance(k, bool) or not isinstance(k, Integral) for k in ks):
+        raise TypeError(f"argument `topk` must hold ints, got {ks!r}")
+    if any(k < 1 for k in ks):
+        raise ValueError(f"argument `topk` must hold positive ints, got {ks!r}")
+    return tuple(int(k) for k in ks)

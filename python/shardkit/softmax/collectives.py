@@ -34,7 +34,8 @@ and carries no world_size factor: it is exactly ``dL/dX``.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from datetime import timedelta
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -58,7 +59,8 @@ def split_classes(num_classes: int, world_size: int) -> List[int]:
 
 def class_offsets(sizes: Sequence[int]) -> List[int]:
     """Start class id of each rank's range, from the per-rank ``sizes``."""
-    out, acc = [], 0
+    out: List[int] = []
+    acc = 0
     for s in sizes:
         out.append(acc)
         acc += s
@@ -74,7 +76,7 @@ class DistributedInputError(ValueError):
     """Raised on every rank when any rank's input to the distributed loss is invalid."""
 
 
-def _cpu_group_for(group) -> object:
+def _cpu_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
     """A gloo group with the same ranks as ``group``, for the host-side size exchange.
 
     Reuses ``group`` when it runs CPU tensors on gloo (a gloo group, or "cpu:gloo,cuda:nccl").
@@ -104,7 +106,7 @@ def _cpu_group_for(group) -> object:
         ) from err
 
 
-def _group_timeout(group):
+def _group_timeout(group: dist.ProcessGroup) -> Optional[timedelta]:
     """The timeout ``group`` was created with (so a rank that never arrives fails the size
     exchange as soon as it would fail the device collectives); None (torch's default) when
     torch does not expose it."""
@@ -124,7 +126,9 @@ class DistContext:
     ``num_local`` (this rank's range), ``num_classes``, ``layout``.
     """
 
-    def __init__(self, num_classes: int, process_group=None, input_layout: str = DATA_PARALLEL):
+    def __init__(
+        self, num_classes: int, process_group: Optional[dist.ProcessGroup] = None, input_layout: str = DATA_PARALLEL
+    ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "argument `process_group` needs torch.distributed to be initialized "
@@ -132,7 +136,9 @@ class DistContext:
             )
         if input_layout not in _LAYOUTS:
             raise ValueError(f"argument `input_layout` must be one of {_LAYOUTS}, got {input_layout!r}")
-        self.group = dist.group.WORLD if process_group is None else process_group
+        group = dist.group.WORLD if process_group is None else process_group
+        assert group is not None  # the default group exists once torch.distributed is initialized (checked above)
+        self.group = group
         if self.group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(self.group) < 0:
             raise ValueError(
                 "argument `process_group` does not contain this process: build the loss only on the ranks of its group"
@@ -199,7 +205,9 @@ class _GatherBatch(torch.autograd.Function):
     world_size (the documented convention)."""
 
     @staticmethod
-    def forward(ctx, x, labels, dctx: DistContext, sizes: List[int]):
+    def forward(
+        ctx: Any, x: torch.Tensor, labels: torch.Tensor, dctx: DistContext, sizes: List[int]
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
         b_max = max(sizes)
         packed = _pack(x.detach(), labels, b_max)
         out = packed.new_empty((dctx.world_size * b_max, packed.shape[1]))
@@ -214,7 +222,9 @@ class _GatherBatch(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # the collective has no recorded graph: a second derivative raises
-    def backward(ctx, grad_xg, _grad_yg):
+    def backward(
+        ctx: Any, grad_xg: torch.Tensor, _grad_yg: Optional[torch.Tensor]
+    ) -> Tuple[torch.Tensor, None, None, None]:
         dctx, sizes, b_max = ctx.dctx, ctx.sizes, ctx.b_max
         full = _pad_rows(grad_xg, sizes, b_max)
         mine = full.new_empty((b_max,) + tuple(full.shape[1:]))
@@ -232,13 +242,13 @@ class _ReplicatedInput(torch.autograd.Function):
     the gradient of the same embeddings."""
 
     @staticmethod
-    def forward(ctx, x, dctx: DistContext):
+    def forward(ctx: Any, x: torch.Tensor, dctx: DistContext) -> torch.Tensor:
         ctx.dctx = dctx
         return x.view_as(x)
 
     @staticmethod
     @once_differentiable  # the collective has no recorded graph: a second derivative raises
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:
         grad = grad.contiguous().clone()
         try:
             dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.dctx.group)
@@ -254,7 +264,7 @@ class _GatherStats(torch.autograd.Function):
     gathered statistics and receives the same upstream gradient."""
 
     @staticmethod
-    def forward(ctx, stats, dctx: DistContext):
+    def forward(ctx: Any, stats: torch.Tensor, dctx: DistContext) -> torch.Tensor:
         # Concatenated output form (gloo lacks the stacked one), viewed as [W, k, B].
         out = stats.new_empty((dctx.world_size * stats.shape[0],) + tuple(stats.shape[1:]))
         try:
@@ -265,11 +275,13 @@ class _GatherStats(torch.autograd.Function):
         return out.view((dctx.world_size,) + tuple(stats.shape))
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:
         return grad[ctx.rank], None
 
 
-def gather_batch(dctx: DistContext, x: torch.Tensor, labels: torch.Tensor, sizes: List[int]):
+def gather_batch(
+    dctx: DistContext, x: torch.Tensor, labels: torch.Tensor, sizes: List[int]
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """The global batch as every rank sees it: ``(x_global [B_g, D], labels_global [B_g])``
     in rank order. Differentiable in ``x`` (data-parallel layout) or an identity with an
     all-reduced gradient (replicated layout)."""
@@ -284,7 +296,7 @@ def combine_stats(
     target: torch.Tensor,
     logit_sum: torch.Tensor,
     greater: Optional[torch.Tensor] = None,
-):
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Global ``(LSE, T, S, greater_count)`` [B_g] from this rank's shard statistics with ONE
     all_gather of the packed stats, then logsumexp / sums over ranks (differentiable in
     the first three). The int64 counts (top-k), when given, ride in the same buffer as raw

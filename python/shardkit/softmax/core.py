@@ -8,7 +8,9 @@ differentiable torch code around the op, so autograd runs each shard's fused bac
 the shard's own device.
 """
 
-from typing import Dict, List, NamedTuple, Optional, Sequence
+from __future__ import annotations
+
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -77,13 +79,13 @@ def weights_for(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return weight.to(dtype)
 
 
-def to_device(t: torch.Tensor, device: torch.device, dtype=None) -> torch.Tensor:
+def to_device(t: torch.Tensor, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     # Host-to-device and device-to-device copies may be asynchronous; a copy to the
     # CPU must not be (the host would read before the data lands).
     return t.to(device=device, dtype=dtype, non_blocking=device.type != "cpu")
 
 
-def chunk_classes(batch: int, shard_classes: int, dim: int, dtype: torch.dtype, budget: Optional[int]):
+def chunk_classes(batch: int, shard_classes: int, dim: int, dtype: torch.dtype, budget: Optional[int]) -> Optional[int]:
     # None: the op's own default (192 MiB on GPUs, a cache-sized chunk on the CPU).
     if budget is None:
         return None
@@ -106,13 +108,21 @@ def target_ref_dtype(x_dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if x_dtype == torch.float64 else torch.float32
 
 
-def plain_target_logit(inputs, shards, offsets, labels, margin, device) -> torch.Tensor:
+def plain_target_logit(
+    inputs: Sequence[Tuple[torch.Tensor, torch.Tensor]],
+    shards: Sequence[torch.Tensor],
+    offsets: Sequence[int],
+    labels: torch.Tensor,
+    margin: Optional[Margin],
+    device: torch.device,
+) -> Optional[torch.Tensor]:
     """[B] float32 (float64 for float64 embeddings, :func:`target_ref_dtype`): each row's
     plain target logit (scale * cos, or x . w) plus the rank tolerance, gathered from the
     shard owning its class (labels no shard owns get a value that never matters: their rows
     are ignored). No logits: one [B, D] row gather per shard. The threshold of the top-k
-    counts; not differentiated."""
-    total = None
+    counts; not differentiated. None when every shard is empty (a rank of a process group
+    with fewer classes than ranks)."""
+    total: Optional[torch.Tensor] = None
     with torch.no_grad():
         for (x_k, labels_k), w, offset in zip(inputs, shards, offsets):
             size = w.shape[0]
@@ -144,7 +154,7 @@ def shard_statistics(
     chunk_memory: Optional[int],
     with_rank: bool,
     shard_labels: Optional[Sequence[torch.Tensor]] = None,
-    memory_budget=0,
+    memory_budget: Union[int, str] = 0,
 ) -> List[ShardStatistics]:
     """Launch :func:`shardkit.ops.ce_shard_stats` on every shard's device.
 
@@ -159,8 +169,8 @@ def shard_statistics(
     scale, m1, m2, m3 = margin.params() if margin is not None else (1.0, 1.0, 0.0, 0.0)
     normalize = margin is not None
     batch, dim = embeddings.shape
-    cache = {}
-    inputs = []
+    cache: Dict[Tuple[torch.device, torch.dtype], Tuple[torch.Tensor, torch.Tensor]] = {}
+    inputs: List[Tuple[torch.Tensor, torch.Tensor]] = []
     for w in shards:
         dtype = compute_dtype(w)
         key = (w.device, dtype)
@@ -172,7 +182,7 @@ def shard_statistics(
     target_ref = None
     if with_rank:
         target_ref = plain_target_logit(inputs, shards, offsets, labels, margin, embeddings.device)
-    stats = []
+    stats: List[ShardStatistics] = []
     budgets = shard_budgets(memory_budget, shards)
     for (x_k, labels_k), w, offset, budget in zip(inputs, shards, offsets, budgets):
         w_k = weights_for(w, x_k.dtype)
@@ -220,7 +230,7 @@ def loss_from_statistics(
     label_smoothing: float = 0.0,
     ignore_index: int = -100,
     reduction: str = "mean",
-):
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """The cross-entropy from global statistics, F.cross_entropy's semantics.
 
     loss_i = (1 - eps)(lse_i - z_{i,y_i}) + eps (lse_i - sum_j z_ij / C), smoothing over

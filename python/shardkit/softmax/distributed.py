@@ -8,7 +8,9 @@ when it gets a ``process_group``; it answers the same calls as the one-process
 :class:`shardkit.softmax.local.LocalShards`.
 """
 
-from typing import Optional, Sequence
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -24,6 +26,7 @@ from shardkit.softmax.collectives import (
     gather_batch,
 )
 from shardkit.softmax.core import (
+    ShardedLossOutput,
     ShardStatistics,
     chunk_classes,
     compute_dtype,
@@ -33,11 +36,17 @@ from shardkit.softmax.core import (
     target_ref_dtype,
     weights_for,
 )
-from shardkit.softmax.exchange import check_same_config, exchange_batch_info
+from shardkit.softmax.exchange import ConfigValue, check_same_config, exchange_batch_info
+from shardkit.softmax.margins import Margin
 from shardkit.softmax.sampling import mark_sampled, sample_shard, sampled_class_counts
 
+if TYPE_CHECKING:
+    from shardkit.softmax.module import ShardedSoftmaxLoss
 
-def default_device(group) -> torch.device:
+DeviceLike = Union[torch.device, str, int]
+
+
+def default_device(group: dist.ProcessGroup) -> torch.device:
     """This rank's shard device when ``devices`` is not given: the group's bound device
     (``init_process_group(device_id=...)``) or the current CUDA device when the group
     runs CUDA tensors on NCCL, else the CPU. A group made by ``init_process_group()``
@@ -62,8 +71,14 @@ class ProcessGroupShards:
     re-shardable files."""
 
     def __init__(
-        self, num_classes: int, process_group, input_layout: str, devices, shard_sizes, config: Optional[dict] = None
-    ):
+        self,
+        num_classes: int,
+        process_group: Optional[dist.ProcessGroup],
+        input_layout: str,
+        devices: Union[Sequence[DeviceLike], torch.device, str, None],
+        shard_sizes: Optional[Sequence[float]],
+        config: Optional[dict[str, ConfigValue]] = None,
+    ) -> None:
         """``config``: the head's arguments that every rank must share (checked across the
         group with one small collective, :func:`check_same_config`)."""
         if shard_sizes is not None:
@@ -83,14 +98,14 @@ class ProcessGroupShards:
         self.sizes = [self.ctx.num_local]
         check_same_config(self.ctx, {"num_classes": num_classes, "input_layout": input_layout, **(config or {})})
 
-    def attach(self, module) -> None:
+    def attach(self, module: ShardedSoftmaxLoss) -> None:
         """Nothing to add: ranks keep their own shard in ``state_dict()``."""
 
-    def class_offsets(self, module) -> tuple:
+    def class_offsets(self, module: ShardedSoftmaxLoss) -> Tuple[int, ...]:
         return (self.ctx.class_offset,)
 
     @torch.no_grad()
-    def reset_parameters(self, module) -> None:
+    def reset_parameters(self, module: ShardedSoftmaxLoss) -> None:
         """nn.Linear's U(-1/sqrt(D), 1/sqrt(D)) for this rank's shard, from a CPU generator
         seeded by one draw of the global CPU generator plus the rank: ranks seeded alike still
         give different classes different rows (the one-process draw is not reproduced; use
@@ -102,16 +117,25 @@ class ProcessGroupShards:
             if p.device.type != "meta":
                 p.copy_(torch.empty(p.shape, dtype=p.dtype).uniform_(-bound, bound, generator=gen))
 
-    def full_weight(self, module, device=None) -> torch.Tensor:
+    def full_weight(self, module: ShardedSoftmaxLoss, device: Optional[DeviceLike] = None) -> torch.Tensor:
         """Class-ordered [C, D] copy gathered from every rank (a collective: all ranks call it)."""
         full = all_gather_rows(self.ctx, module.weight_shards[0].detach())
         return full if device is None else full.to(device)
 
-    def forward(self, module, embeddings, labels, return_details: bool, topk: Optional[Sequence[int]]):
+    def forward(
+        self,
+        module: ShardedSoftmaxLoss,
+        embeddings: torch.Tensor,
+        labels: torch.Tensor,
+        return_details: bool,
+        topk: Union[int, Sequence[int], None],
+    ) -> Union[torch.Tensor, ShardedLossOutput]:
         """The loss of the GLOBAL batch on every rank (see :mod:`shardkit.softmax.collectives`
         for the gradient convention)."""
         ks = check_topk(module.topk if topk is None else topk) if return_details else ()
         rate = module.sample_rate if module.training else 1.0  # evaluation uses every class
+        generator = module.sample_generator
+        assert not isinstance(generator, Sequence)  # the module's setter refuses lists in this mode
         stats, labels_g, used = distributed_statistics(
             self.ctx,
             embeddings,
@@ -123,7 +147,7 @@ class ProcessGroupShards:
             ignore_index=module.ignore_index,
             check_inputs=module.check_inputs,
             sample_rate=rate,
-            generator=module.sample_generator,
+            generator=generator,
             return_details=return_details,
             memory_budget=module.memory_budget,
         )
@@ -140,14 +164,14 @@ class ProcessGroupShards:
 
 
 def check_local_input(
-    embeddings,
-    labels,
+    embeddings: torch.Tensor,
+    labels: torch.Tensor,
     dim: int,
     num_classes: int,
     ignore_index: int,
-    check_inputs,
+    check_inputs: Union[bool, str],
     device: Optional[torch.device] = None,
-):
+) -> torch.Tensor:
     """The one-process mode's argument checks, except that a rank may bring an EMPTY batch
     (only the global batch must be non-empty), plus the shard's ``device``: embeddings
     elsewhere would fail in the first collective on this rank alone (NCCL takes no CPU
@@ -178,20 +202,20 @@ def check_local_input(
 
 def distributed_statistics(
     dctx: DistContext,
-    embeddings,
-    labels,
+    embeddings: torch.Tensor,
+    labels: torch.Tensor,
     weight: torch.Tensor,
     *,
-    margin,
+    margin: Optional[Margin],
     chunk_memory: Optional[int],
     with_rank: bool,
     ignore_index: int = -100,
-    check_inputs=True,
+    check_inputs: Union[bool, str] = True,
     sample_rate: float = 1.0,
     generator: Optional[torch.Generator] = None,
     return_details: bool = False,
-    memory_budget=0,
-):
+    memory_budget: Union[int, str] = 0,
+) -> Tuple[ShardStatistics, torch.Tensor, int]:
     """One rank's part of the distributed loss, up to the global statistics.
 
     Args:

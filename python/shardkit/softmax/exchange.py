@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import struct
 import zlib
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from shardkit.softmax.collectives import _LAYOUTS, REPLICATED, DistContext, DistributedInputError
+
+# A value of the configuration fingerprint (see check_same_config).
+ConfigValue = Union[None, str, float, Tuple[float, ...]]
 
 # Dtype codes for the size exchange (ranks must agree on the embeddings' dtype).
 _DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4}
@@ -30,7 +33,7 @@ _KNOWN_STRINGS = {
 }
 
 
-def _encode_field(value) -> List[float]:
+def _encode_field(value: ConfigValue) -> List[float]:
     if value is None:
         out = [0.0]
     elif isinstance(value, str):
@@ -44,7 +47,7 @@ def _encode_field(value) -> List[float]:
     return out + [0.0] * (_SLOTS - len(out))
 
 
-def _decode_field(slots: List[float]):
+def _decode_field(slots: List[float]) -> ConfigValue:
     kind = int(slots[0])
     if kind == 0:
         return None
@@ -56,7 +59,7 @@ def _decode_field(slots: List[float]):
     return int(v) if v == int(v) else v
 
 
-def check_same_config(ctx: DistContext, config: dict) -> None:
+def check_same_config(ctx: DistContext, config: Dict[str, ConfigValue]) -> None:
     """Raises :class:`DistributedInputError` on every rank unless every rank built its head
     with the same ``config`` (a dict of numbers, strings, None or short tuples of numbers,
     the same keys on every rank). One all_gather of ``len(config) * 6`` float64 on the CPU
@@ -101,7 +104,7 @@ def _bits_float(b: int) -> float:
 
 
 def exchange_batch_info(
-    ctx: DistContext, x, error: Optional[str], mode: Sequence = (False, False, 1.0, False)
+    ctx: DistContext, x: object, error: Optional[str], mode: Tuple[bool, bool, float, bool] = (False, False, 1.0, False)
 ) -> List[int]:
     """Host-side exchange of (batch size, width, dtype, error flag) and of this step's mode
     (``(return_details, with_rank, effective sample_rate, embeddings need a gradient)``: a
@@ -112,9 +115,10 @@ def exchange_batch_info(
     replicated layout, on the batch size), or when they call the loss in different modes
     (the collectives that follow would differ and stall until the group's timeout).
     """
-    ok = isinstance(x, torch.Tensor) and x.dim() == 2
-    b, d = (x.shape[0], x.shape[1]) if ok else (-1, -1)
-    code = _DTYPE_CODES.get(x.dtype, 0) if ok else 0
+    if isinstance(x, torch.Tensor) and x.dim() == 2:
+        b, d, code = x.shape[0], x.shape[1], _DTYPE_CODES.get(x.dtype, 0)
+    else:
+        b, d, code = -1, -1, 0
     details, with_rank, rate, grad = mode
     row = [b, d, code, 1 if error else 0, int(bool(details)), int(bool(with_rank)), _float_bits(rate), int(bool(grad))]
     mine = torch.tensor(row, dtype=torch.int64)

@@ -7,18 +7,96 @@ other one. Both answer the same calls (sizes, offsets, init, full weight, forwar
 module never asks which mode it is in.
 """
 
+from __future__ import annotations
+
 import math
 import numbers
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Sequence, Tuple, Union, overload
 
 import torch
 
 from shardkit.ops._devices import check_visible
 from shardkit.softmax.budget import check_memory_budget
 from shardkit.softmax.checks import check_options, check_shards, check_tensors, check_topk, check_values, parse_memory
-from shardkit.softmax.core import combine_statistics, loss_from_statistics, loss_output, shard_statistics, to_device
+from shardkit.softmax.core import (
+    ShardedLossOutput,
+    combine_statistics,
+    loss_from_statistics,
+    loss_output,
+    shard_statistics,
+    to_device,
+)
 from shardkit.softmax.margins import Margin
 from shardkit.softmax.sampling import check_sample_rate, mark_sampled, sample_shard, sampled_class_counts
+
+if TYPE_CHECKING:
+    from shardkit.softmax.module import ShardedSoftmaxLoss
+
+DeviceLike = Union[torch.device, str, int]
+Generators = Union[torch.Generator, Sequence[torch.Generator], None]  # (private helpers)
+
+
+@overload
+def sharded_cross_entropy(
+    embeddings: torch.Tensor,
+    weight_shards: Sequence[torch.Tensor],
+    labels: torch.Tensor,
+    *,
+    margin: Optional[Margin] = None,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+    reduction: Literal["mean", "sum", "none"] = "mean",
+    class_offsets: Optional[Sequence[int]] = None,
+    chunk_memory: Union[int, str, None] = None,
+    check_inputs: Union[bool, Literal["async"]] = True,
+    return_details: Literal[False] = False,
+    topk: Union[int, Sequence[int]] = (1,),
+    sample_rate: float = 1.0,
+    generator: Union[torch.Generator, Sequence[torch.Generator], None] = None,
+    memory_budget: Union[int, str] = 0,
+) -> torch.Tensor: ...
+
+
+@overload
+def sharded_cross_entropy(
+    embeddings: torch.Tensor,
+    weight_shards: Sequence[torch.Tensor],
+    labels: torch.Tensor,
+    *,
+    margin: Optional[Margin] = None,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+    reduction: Literal["mean", "sum", "none"] = "mean",
+    class_offsets: Optional[Sequence[int]] = None,
+    chunk_memory: Union[int, str, None] = None,
+    check_inputs: Union[bool, Literal["async"]] = True,
+    return_details: Literal[True],
+    topk: Union[int, Sequence[int]] = (1,),
+    sample_rate: float = 1.0,
+    generator: Union[torch.Generator, Sequence[torch.Generator], None] = None,
+    memory_budget: Union[int, str] = 0,
+) -> ShardedLossOutput: ...
+
+
+@overload
+def sharded_cross_entropy(
+    embeddings: torch.Tensor,
+    weight_shards: Sequence[torch.Tensor],
+    labels: torch.Tensor,
+    *,
+    margin: Optional[Margin] = None,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+    reduction: Literal["mean", "sum", "none"] = "mean",
+    class_offsets: Optional[Sequence[int]] = None,
+    chunk_memory: Union[int, str, None] = None,
+    check_inputs: Union[bool, Literal["async"]] = True,
+    return_details: bool = False,
+    topk: Union[int, Sequence[int]] = (1,),
+    sample_rate: float = 1.0,
+    generator: Union[torch.Generator, Sequence[torch.Generator], None] = None,
+    memory_budget: Union[int, str] = 0,
+) -> Union[torch.Tensor, ShardedLossOutput]: ...
 
 
 def sharded_cross_entropy(
@@ -29,16 +107,16 @@ def sharded_cross_entropy(
     margin: Optional[Margin] = None,
     label_smoothing: float = 0.0,
     ignore_index: int = -100,
-    reduction: str = "mean",
+    reduction: Literal["mean", "sum", "none"] = "mean",
     class_offsets: Optional[Sequence[int]] = None,
-    chunk_memory=None,
-    check_inputs=True,
+    chunk_memory: Union[int, str, None] = None,
+    check_inputs: Union[bool, Literal["async"]] = True,
     return_details: bool = False,
-    topk: Sequence[int] = (1,),
+    topk: Union[int, Sequence[int]] = (1,),
     sample_rate: float = 1.0,
-    generator=None,
-    memory_budget=0,
-):
+    generator: Union[torch.Generator, Sequence[torch.Generator], None] = None,
+    memory_budget: Union[int, str] = 0,
+) -> Union[torch.Tensor, ShardedLossOutput]:
     """Cross-entropy of ``embeddings @ cat(weight_shards).T`` without forming those logits.
 
     Args:
@@ -137,7 +215,13 @@ def sharded_cross_entropy(
     return loss_output(loss, stats, valid, ks) if return_details else loss
 
 
-def _sample_shards(shards, offsets, labels, sample_rate, generator):
+def _sample_shards(
+    shards: Sequence[torch.Tensor],
+    offsets: Sequence[int],
+    labels: torch.Tensor,
+    sample_rate: float,
+    generator: Generators,
+) -> Tuple[List[torch.Tensor], List[torch.Tensor], int]:
     """PartialFC in the one-process mode: ``(sub_shards, shard_labels, classes_used)``; each
     shard keeps the batch's positives plus sampled negatives (see :mod:`shardkit.softmax.sampling`)."""
     if generator is None or isinstance(generator, torch.Generator):
@@ -159,7 +243,7 @@ def _sample_shards(shards, offsets, labels, sample_rate, generator):
     return subs, sub_labels, sum(counts)
 
 
-def check_devices(devices) -> None:
+def check_devices(devices: Sequence[torch.device]) -> None:
     """cpu and visible cuda devices only (the kernels' backends): a clear error at construction
     instead of torch's driver error or an autocast error at the first forward."""
     for dev in devices:
@@ -168,7 +252,9 @@ def check_devices(devices) -> None:
     check_visible(devices, "devices")
 
 
-def split_sizes(num_classes: int, num_shards: int, shard_sizes) -> list:
+def split_sizes(
+    num_classes: int, num_shards: int, shard_sizes: Union[Sequence[int], Sequence[float], None]
+) -> List[int]:
     """Shard sizes from None (even split, the first shards one larger), explicit ints
     summing to num_classes, or proportions (floats, any positive total; largest remainder)."""
     if shard_sizes is None:
@@ -187,10 +273,11 @@ def split_sizes(num_classes: int, num_shards: int, shard_sizes) -> list:
     sizes = [int(s) if isinstance(s, numbers.Integral) else float(s) for s in sizes]
     if any(not math.isfinite(s) or s < 0 for s in sizes):
         raise ValueError(f"argument `shard_sizes` must hold finite non-negative numbers, got {sizes}")
-    if all(isinstance(s, int) for s in sizes):
-        if sum(sizes) != num_classes:
-            raise ValueError(f"argument `shard_sizes` {sizes} sums to {sum(sizes)}, not num_classes={num_classes}")
-        return sizes
+    ints = [s for s in sizes if isinstance(s, int)]
+    if len(ints) == len(sizes):
+        if sum(ints) != num_classes:
+            raise ValueError(f"argument `shard_sizes` {ints} sums to {sum(ints)}, not num_classes={num_classes}")
+        return ints
     top = max(sizes)
     if top <= 0:
         raise ValueError(f"argument `shard_sizes` proportions must have a positive sum, got {sizes}")
@@ -204,7 +291,9 @@ def split_sizes(num_classes: int, num_shards: int, shard_sizes) -> list:
     return out
 
 
-def _state_dict_post_hook(module, state_dict, prefix, local_metadata):
+def _state_dict_post_hook(
+    module: ShardedSoftmaxLoss, state_dict: Dict[str, Any], prefix: str, local_metadata: Dict[str, Any]
+) -> None:
     # One class-ordered `weight` [C, D] replaces the per-shard entries, so checkpoints do
     # not depend on the shard count.
     for k in range(len(module.weight_shards)):
@@ -212,7 +301,16 @@ def _state_dict_post_hook(module, state_dict, prefix, local_metadata):
     state_dict[prefix + "weight"] = checkpoint_weight(module)
 
 
-def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+def _load_state_dict_pre_hook(
+    module: ShardedSoftmaxLoss,
+    state_dict: Dict[str, Any],
+    prefix: str,
+    local_metadata: Dict[str, Any],
+    strict: bool,
+    missing: List[str],
+    unexpected: List[str],
+    errors: List[str],
+) -> None:
     key = prefix + "weight"
     if key not in state_dict:
         return  # per-shard keys (same shard count) load as ordinary parameters
@@ -229,7 +327,7 @@ def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict
         state_dict[f"{prefix}weight_shards.{k}"] = full[offset : offset + size]
 
 
-def checkpoint_weight(module) -> torch.Tensor:
+def checkpoint_weight(module: ShardedSoftmaxLoss) -> torch.Tensor:
     if len(module.weight_shards) == 1:  # the shard itself, detached (as nn.Module.state_dict gives): no copy
         return module.weight_shards[0].detach()
     devices = {p.device for p in module.weight_shards}
@@ -241,7 +339,12 @@ class LocalShards:
     """Shards on a list of devices of this process: shard k holds ``sizes[k]`` classes on
     ``devices[k]``, in class order. ``state_dict()`` holds one class-ordered ``weight``."""
 
-    def __init__(self, num_classes: int, devices, shard_sizes):
+    def __init__(
+        self,
+        num_classes: int,
+        devices: Union[Sequence[DeviceLike], torch.device, str, None],
+        shard_sizes: Union[Sequence[int], Sequence[float], None],
+    ) -> None:
         if devices is None:
             devices = ["cpu"] if shard_sizes is None else ["cpu"] * len(list(shard_sizes))
         if isinstance(devices, (str, torch.device)):
@@ -256,12 +359,12 @@ class LocalShards:
         check_devices(self.devices)
         self.sizes = split_sizes(num_classes, len(self.devices), shard_sizes)
 
-    def attach(self, module) -> None:
+    def attach(self, module: ShardedSoftmaxLoss) -> None:
         """One class-ordered ``weight`` in checkpoints, whatever the shard count."""
         module.register_state_dict_post_hook(_state_dict_post_hook)
         module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
 
-    def class_offsets(self, module) -> tuple:
+    def class_offsets(self, module: ShardedSoftmaxLoss) -> Tuple[int, ...]:
         out, acc = [], 0
         for size in module.shard_sizes:
             out.append(acc)
@@ -269,7 +372,7 @@ class LocalShards:
         return tuple(out)
 
     @torch.no_grad()
-    def reset_parameters(self, module) -> None:
+    def reset_parameters(self, module: ShardedSoftmaxLoss) -> None:
         # Drawn on the CPU shard by shard in class order: the same numbers as one [C, D] draw.
         bound = 1.0 / module.embedding_dim**0.5
         for p in module.weight_shards:
@@ -277,11 +380,18 @@ class LocalShards:
                 continue
             p.copy_(torch.empty(p.shape, dtype=p.dtype).uniform_(-bound, bound))
 
-    def full_weight(self, module, device=None) -> torch.Tensor:
+    def full_weight(self, module: ShardedSoftmaxLoss, device: Optional[DeviceLike] = None) -> torch.Tensor:
         device = module.weight_shards[0].device if device is None else torch.device(device)
         return torch.cat([p.detach().to(device) for p in module.weight_shards], dim=0)
 
-    def forward(self, module, embeddings, labels, return_details: bool, topk):
+    def forward(
+        self,
+        module: ShardedSoftmaxLoss,
+        embeddings: torch.Tensor,
+        labels: torch.Tensor,
+        return_details: bool,
+        topk: Union[int, Sequence[int], None],
+    ) -> Union[torch.Tensor, ShardedLossOutput]:
         if (
             isinstance(embeddings, torch.Tensor)
             and not embeddings.is_nested

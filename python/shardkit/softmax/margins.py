@@ -24,15 +24,18 @@ are the exact derivative of this function, through the normalizations too.
 The margin objects only carry numbers; the kernels apply them.
 """
 
+from __future__ import annotations
+
 import math
 from numbers import Real
+from typing import Any, NoReturn
 
 __all__ = ["Margin", "CosFace", "ArcFace", "CombinedMargin"]
 
 _FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
 
 
-def _number(name: str, value, *, cls: str) -> float:
+def _number(name: str, value: object, *, cls: str) -> float:
     if isinstance(value, bool) or not isinstance(value, Real):
         raise TypeError(f"{cls}: argument `{name}` must be a real number, got {type(value).__name__}")
     value = float(value)
@@ -50,8 +53,12 @@ class Margin:
     """
 
     __slots__ = ("scale", "m1", "m2", "m3")
+    scale: float
+    m1: float
+    m2: float
+    m3: float
 
-    def __init__(self, scale: float, m1: float, m2: float, m3: float, *, _cls: str = "CombinedMargin"):
+    def __init__(self, scale: float, m1: float, m2: float, m3: float, *, _cls: str = "CombinedMargin") -> None:
         scale = _number("s", scale, cls=_cls)
         m1 = _number("m1", m1, cls=_cls)
         m2 = _number("m2", m2, cls=_cls)
@@ -67,13 +74,13 @@ class Margin:
         for name, value in (("scale", scale), ("m1", m1), ("m2", m2), ("m3", m3)):
             object.__setattr__(self, name, value)
 
-    def __setattr__(self, name, value):
+    def __setattr__(self, name: str, value: Any) -> NoReturn:
         raise AttributeError(f"{type(self).__name__} is immutable; make a new one")
 
-    def __delattr__(self, name):
+    def __delattr__(self, name: str) -> NoReturn:
         raise AttributeError(f"{type(self).__name__} is immutable")
 
-    def params(self):
+    def params(self) -> tuple[float, float, float, float]:
         """``(scale, m1, m2, m3)`` as floats."""
         return (self.scale, self.m1, self.m2, self.m3)
 
@@ -88,16 +95,16 @@ class Margin:
         limit = (math.pi - self.m2) / self.m1
         return -1.0 if limit >= math.pi else math.cos(limit)
 
-    def __eq__(self, other):
+    def __eq__(self, other: object) -> bool:
         return isinstance(other, Margin) and self.params() == other.params()
 
-    def __hash__(self):
+    def __hash__(self) -> int:
         return hash(("shardkit.Margin",) + self.params())
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[Margin], tuple[float, ...]]:
         return (CombinedMargin, self.params())
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"CombinedMargin(s={self.scale}, m1={self.m1}, m2={self.m2}, m3={self.m3})"
 
 
@@ -117,7 +124,7 @@ class CombinedMargin(Margin):
 
     __slots__ = ()
 
-    def __init__(self, s: float, m1: float = 1.0, m2: float = 0.0, m3: float = 0.0):
+    def __init__(self, s: float, m1: float = 1.0, m2: float = 0.0, m3: float = 0.0) -> None:
         super().__init__(s, m1, m2, m3, _cls="CombinedMargin")
 
 
@@ -135,16 +142,16 @@ class CosFace(Margin):
 
     __slots__ = ()
 
-    def __init__(self, s: float = 64.0, m: float = 0.4):
+    def __init__(self, s: float = 64.0, m: float = 0.4) -> None:
         m = _number("m", m, cls="CosFace")
         if m < 0:
             raise ValueError(f"CosFace: argument `m` must be >= 0, got {m}")
         super().__init__(s, 1.0, 0.0, m, _cls="CosFace")
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[Margin], tuple[float, ...]]:
         return (CosFace, (self.scale, self.m3))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"CosFace(s={self.scale}, m={self.m3})"
 
 
@@ -164,14 +171,14 @@ class ArcFace(Margin):
 
     __slots__ = ()
 
-    def __init__(self, s: float = 64.0, m: float = 0.5):
+    def __init__(self, s: float = 64.0, m: float = 0.5) -> None:
         m = _number("m", m, cls="ArcFace")
         if not 0.0 <= m < math.pi:
             raise ValueError(f"ArcFace: argument `m` (radians) must be in [0, pi), got {m}")
         super().__init__(s, 1.0, m, 0.0, _cls="ArcFace")
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[Margin], tuple[float, ...]]:
         return (ArcFace, (self.scale, self.m2))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"ArcFace(s={self.scale}, m={self.m2})"

@@ -10,9 +10,12 @@ four [B] statistics per shard with the fused op :func:`shardkit.ops.ce_shard_sta
 combine them into the loss with differentiable torch code (:mod:`shardkit.softmax.core`).
 """
 
-from typing import Optional, Sequence
+from __future__ import annotations
+
+from typing import Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardkit.softmax.budget import check_memory_budget
@@ -20,6 +23,7 @@ from shardkit.softmax.checks import KERNEL_DTYPES, check_options, check_topk, pa
 from shardkit.softmax.collectives import DATA_PARALLEL
 from shardkit.softmax.core import ShardedLossOutput, ShardStatistics
 from shardkit.softmax.distributed import ProcessGroupShards
+from shardkit.softmax.exchange import ConfigValue
 from shardkit.softmax.local import LocalShards, sharded_cross_entropy
 from shardkit.softmax.margins import Margin
 from shardkit.softmax.sampling import check_sample_rate, mark_sampled
@@ -102,6 +106,7 @@ class ShardedSoftmaxLoss(nn.Module):
     """
 
     _version = 1
+    _sample_generator: Union[torch.Generator, Sequence[torch.Generator], None]
 
     def __init__(
         self,
@@ -109,20 +114,20 @@ class ShardedSoftmaxLoss(nn.Module):
         num_classes: int,
         *,
         margin: Optional[Margin] = None,
-        devices=None,
-        shard_sizes=None,
+        devices: Union[Sequence[Union[torch.device, str, int]], torch.device, str, None] = None,
+        shard_sizes: Union[Sequence[int], Sequence[float], None] = None,
         label_smoothing: float = 0.0,
         ignore_index: int = -100,
-        reduction: str = "mean",
+        reduction: Literal["mean", "sum", "none"] = "mean",
         dtype: Optional[torch.dtype] = None,
-        chunk_memory=None,
-        check_inputs=True,
-        topk: Sequence[int] = (1, 5),
-        process_group=None,
-        input_layout: str = "data_parallel",
+        chunk_memory: Union[int, str, None] = None,
+        check_inputs: Union[bool, Literal["async"]] = True,
+        topk: Union[int, Sequence[int]] = (1, 5),
+        process_group: Optional[dist.ProcessGroup] = None,
+        input_layout: Literal["data_parallel", "replicated"] = "data_parallel",
         sample_rate: float = 1.0,
-        memory_budget=0,
-    ):
+        memory_budget: Union[int, str] = 0,
+    ) -> None:
         super().__init__()
         dtype = torch.get_default_dtype() if dtype is None else dtype
         if dtype not in KERNEL_DTYPES:
@@ -140,12 +145,13 @@ class ShardedSoftmaxLoss(nn.Module):
         # Set to seed the sampling: a torch.Generator of the shard's device (a CPU generator
         # for a CUDA shard is refused by the sampling op), or in the one-process mode one per shard.
         self.sample_generator = None
+        self._mode: Union[LocalShards, ProcessGroupShards]
         if process_group is None:
             if input_layout != DATA_PARALLEL:
                 raise ValueError("argument `input_layout` needs `process_group`")
             self._mode = LocalShards(num_classes, devices, shard_sizes)
         else:
-            config = {
+            config: Dict[str, ConfigValue] = {
                 "embedding_dim": embedding_dim,
                 "dtype": str(dtype),
                 "margin": None if margin is None else tuple(margin.params()),
@@ -179,33 +185,38 @@ class ShardedSoftmaxLoss(nn.Module):
                 mark_sampled(p)
 
     @property
-    def sample_generator(self):
+    def sample_generator(self) -> Union[torch.Generator, Sequence[torch.Generator], None]:
         """The generator(s) of the class sampling: None, a torch.Generator, or (one-process
         mode) a list with one per shard."""
         return self._sample_generator
 
     @sample_generator.setter
-    def sample_generator(self, value):
+    def sample_generator(self, value: Union[torch.Generator, Sequence[torch.Generator], None]) -> None:
         gens = value if isinstance(value, (list, tuple)) else [value]
         if value is not None and not all(isinstance(g, torch.Generator) for g in gens):
             raise TypeError(
                 "`sample_generator` must be None, a torch.Generator or a list of them (one per shard), "
                 f"got {type(value).__name__}"
             )
+        if isinstance(value, (list, tuple)) and isinstance(self.__dict__.get("_mode"), ProcessGroupShards):
+            raise TypeError(
+                "`sample_generator` with a `process_group` must be None or one torch.Generator (this rank "
+                f"holds one shard), got a {type(value).__name__}"
+            )
         self.__dict__["_sample_generator"] = value
 
     @property
-    def shard_sizes(self) -> tuple:
+    def shard_sizes(self) -> Tuple[int, ...]:
         """Classes per shard, in device order."""
         return tuple(p.shape[0] for p in self.weight_shards)
 
     @property
-    def class_offsets(self) -> tuple:
+    def class_offsets(self) -> Tuple[int, ...]:
         """First class id of each shard."""
         return self._mode.class_offsets(self)
 
     @property
-    def devices(self) -> list:
+    def devices(self) -> List[torch.device]:
         """Each shard's current device."""
         return [p.device for p in self.weight_shards]
 
@@ -215,7 +226,7 @@ class ShardedSoftmaxLoss(nn.Module):
         ``process_group``, each rank draws its own shard)."""
         self._mode.reset_parameters(self)
 
-    def full_weight(self, device=None) -> torch.Tensor:
+    def full_weight(self, device: Union[torch.device, str, int, None] = None) -> torch.Tensor:
         """A class-ordered copy [C, D] of the weight (detached) on ``device`` (default:
         the first shard's). With a ``process_group`` it is a collective: every rank calls it."""
         return self._mode.full_weight(self, device)
@@ -226,8 +237,8 @@ class ShardedSoftmaxLoss(nn.Module):
         labels: torch.Tensor,
         *,
         return_details: bool = False,
-        topk: Optional[Sequence[int]] = None,
-    ):
+        topk: Union[int, Sequence[int], None] = None,
+    ) -> Union[torch.Tensor, ShardedLossOutput]:
         """embeddings [B, D] floating (B >= 1), labels [B] integer (int64; other integer
         dtypes are converted) on the embeddings' device: class ids in [0, C) or ``ignore_index``.
 

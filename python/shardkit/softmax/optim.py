@@ -9,16 +9,21 @@ AND the momentum buffer of an unsampled row stay bit-for-bit unchanged, so the r
 misses that step (the PartialFC behaviour).
 """
 
+from __future__ import annotations
+
 import math
 import numbers
-from typing import Iterable
+from typing import TYPE_CHECKING, Any, Callable, overload
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.optim.optimizer import ParamsT
 
 __all__ = ["SparseRowSGD"]
 
 
-def _real(name: str, value, where: str) -> float:
+def _real(name: str, value: object, where: str) -> float:
     """``value`` as a float: a real number (not a bool), or for ``lr`` a one-element tensor
     (as ``torch.optim.SGD`` allows); else a TypeError naming the argument."""
     if name == "lr" and isinstance(value, torch.Tensor):
@@ -30,7 +35,7 @@ def _real(name: str, value, where: str) -> float:
     return float(value)
 
 
-def _check_hyperparameters(group: dict, where: str = "") -> None:
+def _check_hyperparameters(group: dict[str, Any], where: str = "") -> None:
     """ValueError / TypeError naming the first bad hyper-parameter of ``group``."""
     lr, momentum, dampening, wd = (
         _real(name, group[name], where) for name in ("lr", "momentum", "dampening", "weight_decay")
@@ -75,25 +80,25 @@ class SparseRowSGD(torch.optim.Optimizer):
 
     def __init__(
         self,
-        params: Iterable,
+        params: ParamsT,
         lr: float = 1e-3,
         momentum: float = 0.0,
         dampening: float = 0.0,
         weight_decay: float = 0.0,
         nesterov: bool = False,
-    ):
+    ) -> None:
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov)
         _check_hyperparameters(defaults)
         super().__init__(params, defaults)
 
-    def add_param_group(self, param_group: dict) -> None:
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
         """``torch.optim.Optimizer.add_param_group``, with the group's own lr, momentum,
         dampening, weight_decay and nesterov checked as the constructor checks its arguments."""
         if isinstance(param_group, dict):  # else torch's own TypeError
             _check_hyperparameters({**self.defaults, **param_group}, where=f"param group {len(self.param_groups)}: ")
         super().add_param_group(param_group)
 
-    def load_state_dict(self, state_dict) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a SparseRowSGD state_dict, or a ``torch.optim.SGD`` one (same layout; its
         states lack ``seen``).
 
@@ -128,10 +133,16 @@ class SparseRowSGD(torch.optim.Optimizer):
             if "seen" in state:
                 state["seen"] = state["seen"].bool()
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One update of every parameter that has a gradient; returns the closure's loss."""
-        loss = None
+        loss: float | None = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
@@ -153,7 +164,7 @@ class SparseRowSGD(torch.optim.Optimizer):
                 self._update(p, rows, values, group)
         return loss
 
-    def _update(self, p, rows, g, group):
+    def _update(self, p: torch.Tensor, rows: torch.Tensor | None, g: torch.Tensor, group: dict[str, Any]) -> None:
         lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
         current = p if rows is None else p.index_select(0, rows)
         if wd != 0:

@@ -27,20 +27,23 @@ math.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Dict, List, Literal, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from shardkit.softmax.core import ShardedLossOutput
 from shardkit.softmax.margins import ArcFace, CombinedMargin, CosFace, Margin
 from shardkit.softmax.module import ShardedSoftmaxLoss
+from shardkit.softmax.sampling import _SAMPLED
 
 __all__ = ["PartialFC_V2", "SparseRowPartialFC_V2", "margin_from_loss"]
 
 INIT_STD = 0.01  # PartialFC_V2's weight init: N(0, 0.01)
 
 
-def margin_from_loss(margin_loss) -> Margin:
+def margin_from_loss(margin_loss: object) -> Margin:
     """The shardkit margin that computes what ``margin_loss`` computes.
 
     Accepts a shardkit :class:`~shardkit.Margin`, or arcface_torch's loss objects by their
@@ -97,7 +100,7 @@ def _densify_grad(param: torch.Tensor) -> None:
         param.grad = param.grad.to_dense()
     # The tag makes a torch.optim.SGD with momentum warn about rows moved without a gradient;
     # with a dense gradient that is what PartialFC_V2 does, so there is nothing to warn about.
-    param._shardkit_sampled = False
+    setattr(param, _SAMPLED, False)
 
 
 class PartialFC_V2(ShardedSoftmaxLoss):
@@ -133,17 +136,17 @@ class PartialFC_V2(ShardedSoftmaxLoss):
 
     def __init__(
         self,
-        margin_loss,
+        margin_loss: object,
         embedding_size: int,
         num_classes: int,
         sample_rate: float = 1.0,
         fp16: bool = False,
         *,
         sparse_grad: bool = False,
-        chunk_memory=None,
-        check_inputs=True,
+        chunk_memory: Union[int, str, None] = None,
+        check_inputs: Union[bool, Literal["async"]] = True,
         dtype: Optional[torch.dtype] = None,
-    ):
+    ) -> None:
         if not isinstance(fp16, bool):
             raise TypeError(f"argument `fp16` must be True or False, got {fp16!r}")
         if not isinstance(sparse_grad, bool):
@@ -189,12 +192,21 @@ class PartialFC_V2(ShardedSoftmaxLoss):
             elif p.device.type != "meta":
                 p.copy_(torch.empty(p.shape, dtype=p.dtype).normal_(0.0, INIT_STD))
 
-    def forward(self, local_embeddings: torch.Tensor, local_labels: torch.Tensor, **details):
+    # PartialFC_V2's argument names (local_embeddings, local_labels), kept for drop-in use: a
+    # caller passing ShardedSoftmaxLoss's `embeddings=` / `labels=` by keyword gets a TypeError.
+    def forward(  # type: ignore[override]
+        self,
+        local_embeddings: torch.Tensor,
+        local_labels: torch.Tensor,
+        *,
+        return_details: bool = False,
+        topk: Optional[Sequence[int]] = None,
+    ) -> Union[torch.Tensor, ShardedLossOutput]:
         """local_embeddings [B, D] floating, local_labels [B] or [B, 1] integer class ids in
         [0, C) (PartialFC_V2 squeezes them in place; here the caller's tensor is left alone).
 
         Returns the loss of the global batch (a float32 scalar, float64 for float64
-        weights); ``details`` (``return_details``, ``topk``) as :class:`ShardedSoftmaxLoss`.
+        weights); ``return_details`` and ``topk`` as :class:`ShardedSoftmaxLoss`.
         Errors as :meth:`ShardedSoftmaxLoss.forward`.
         """
         labels = local_labels
@@ -202,7 +214,7 @@ class PartialFC_V2(ShardedSoftmaxLoss):
             labels = labels.reshape(-1)
         device_type = local_embeddings.device.type if isinstance(local_embeddings, torch.Tensor) else "cpu"
         with torch.autocast(device_type, dtype=torch.float16, enabled=self.fp16):
-            return super().forward(local_embeddings, labels, **details)
+            return super().forward(local_embeddings, labels, return_details=return_details, topk=topk)
 
 
 class SparseRowPartialFC_V2(PartialFC_V2):
@@ -211,16 +223,33 @@ class SparseRowPartialFC_V2(PartialFC_V2):
     the other rows and their momentum untouched). Import it as ``PartialFC_V2`` to keep the
     script's constructor calls."""
 
-    def __init__(self, margin_loss, embedding_size, num_classes, sample_rate=1.0, fp16=False, **kwargs):
+    def __init__(
+        self,
+        margin_loss: object,
+        embedding_size: int,
+        num_classes: int,
+        sample_rate: float = 1.0,
+        fp16: bool = False,
+        **kwargs: Any,
+    ) -> None:
         kwargs.setdefault("sparse_grad", True)
         super().__init__(margin_loss, embedding_size, num_classes, sample_rate, fp16, **kwargs)
 
 
-def _weight_key_out(module, state_dict, prefix, local_metadata):
+def _weight_key_out(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Dict[str, Any]) -> None:
     # process-group mode: this rank's shard under PartialFC_V2's key
     state_dict[prefix + "weight"] = state_dict.pop(prefix + "weight_shards.0")
 
 
-def _weight_key_in(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+def _weight_key_in(
+    module: nn.Module,
+    state_dict: Dict[str, Any],
+    prefix: str,
+    local_metadata: Dict[str, Any],
+    strict: bool,
+    missing: List[str],
+    unexpected: List[str],
+    errors: List[str],
+) -> None:
     if prefix + "weight" in state_dict:
         state_dict[prefix + "weight_shards.0"] = state_dict.pop(prefix + "weight")

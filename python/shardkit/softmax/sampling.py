@@ -16,14 +16,17 @@ the sampled classes, as PartialFC trains it. ``sample_rate=1`` runs the full pat
 equals the full loss exactly.
 """
 
+from __future__ import annotations
+
 import math
 import warnings
 import weakref
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from shardkit.ops._sampling import partial_fc_sample
 
@@ -47,7 +50,7 @@ def sampled_class_counts(sizes: Sequence[int], sample_rate: float, global_batch:
     return [min(c, max(math.ceil(sample_rate * c), min(global_batch, c))) for c in sizes]
 
 
-def check_sample_rate(sample_rate) -> float:
+def check_sample_rate(sample_rate: float) -> float:
     """``sample_rate`` as a float in (0, 1]; ValueError / TypeError naming the argument."""
     if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)):
         raise TypeError(f"argument `sample_rate` must be a float in (0, 1], got {type(sample_rate).__name__}")
@@ -86,11 +89,14 @@ def sample_shard(
     return F.embedding(index, weight, sparse=True), sub_labels, index
 
 
-_checked = weakref.WeakKeyDictionary()  # optimizer -> parameter count when last checked
-_hook = None
+# optimizer -> parameter count when last checked
+_checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+_hook: Optional[RemovableHandle] = None
+# The attribute that marks a sampled shard (a plain attribute on the Parameter, read by the hook).
+_SAMPLED = "_shardkit_sampled"
 
 
-def _sgd_step_pre_hook(optimizer, args, kwargs):
+def _sgd_step_pre_hook(optimizer: torch.optim.Optimizer, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
     # Runs before every optimizer step in the process: cheap after the first check.
     if not isinstance(optimizer, torch.optim.SGD):
         return
@@ -100,7 +106,7 @@ def _sgd_step_pre_hook(optimizer, args, kwargs):
     _checked[optimizer] = count
     for group in optimizer.param_groups:
         if (group.get("momentum", 0) or group.get("weight_decay", 0)) and any(
-            getattr(p, "_shardkit_sampled", False) for p in group["params"]
+            getattr(p, _SAMPLED, False) for p in group["params"]
         ):
             warnings.warn(
                 "torch.optim.SGD with momentum or weight_decay updates rows of a PartialFC-sampled "
@@ -112,12 +118,12 @@ def _sgd_step_pre_hook(optimizer, args, kwargs):
             return
 
 
-def mark_sampled(weight: torch.nn.Parameter) -> None:
+def mark_sampled(weight: torch.Tensor) -> None:
     """Tag a shard trained with sampling so that a ``torch.optim.SGD`` step with momentum or
     weight decay over it warns (once per optimizer)."""
     global _hook
     if torch.compiler.is_compiling():
         return  # a traced setattr would break the graph; the module marks its shards at construction
-    weight._shardkit_sampled = True
+    setattr(weight, _SAMPLED, True)
     if _hook is None:
         _hook = register_optimizer_step_pre_hook(_sgd_step_pre_hook)

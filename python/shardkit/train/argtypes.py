@@ -6,14 +6,17 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from typing import Callable, List, Optional, TypeVar
 
 import torch
 
 from shardkit.plan import format_size, plan_memory
 from shardkit.train.models import build_backbone
 
+_N = TypeVar("_N", int, float)
 
-def _device_list(text: str):
+
+def _device_list(text: str) -> List[torch.device]:
     out = []
     for part in text.split(","):
         part = part.strip()
@@ -29,7 +32,7 @@ def _device_list(text: str):
     return out
 
 
-def _number(kind, text, rule="a finite number"):
+def _number(kind: type[_N], text: str, rule: str = "a finite number") -> _N:
     """``text`` as a finite ``kind`` (int or float), else an argparse error saying ``rule``."""
     try:
         v = kind(text)
@@ -40,10 +43,10 @@ def _number(kind, text, rule="a finite number"):
     return v
 
 
-def _positive(kind, high=None):
+def _positive(kind: type[_N], high: Optional[float] = None) -> Callable[[str], _N]:
     """argparse type: a finite ``kind`` > 0 (and <= ``high`` when given)."""
 
-    def parse(text):
+    def parse(text: str) -> _N:
         v = _number(kind, text, "a finite number > 0")
         if v <= 0:
             raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
@@ -54,12 +57,12 @@ def _positive(kind, high=None):
     return parse
 
 
-def _finite(text):
+def _finite(text: str) -> float:
     """argparse type: a finite float."""
     return _number(float, text)
 
 
-def _non_negative(text):
+def _non_negative(text: str) -> float:
     """argparse type: a finite float >= 0."""
     v = _number(float, text, "a finite number >= 0")
     if v < 0:
@@ -67,7 +70,7 @@ def _non_negative(text):
     return v
 
 
-def _rate(text):
+def _rate(text: str) -> float:
     v = _positive(float)(text)
     if v > 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
@@ -86,7 +89,7 @@ def _max_workers() -> int:
     return max(64, 8 * (os.cpu_count() or 1))
 
 
-def _ram_bytes():
+def _ram_bytes() -> Optional[int]:
     """This machine's physical memory in bytes, or None where the OS does not say."""
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -103,14 +106,14 @@ def _held_out_bytes(a: argparse.Namespace) -> int:
     return images * (3 * a.image_size**2 + 4 * a.dim) + pairs * (16 + 8 * a.dim)
 
 
-def _capacity(dev: torch.device):
+def _capacity(dev: torch.device) -> Optional[int]:
     """Bytes of memory behind a device: a GPU's total memory, the machine's RAM for the CPU."""
     if dev.type == "cuda":
         return torch.cuda.get_device_properties(dev.index or 0).total_memory
     return _ram_bytes()
 
 
-def _head_misfit(a: argparse.Namespace, world_size: int):
+def _head_misfit(a: argparse.Namespace, world_size: int) -> Optional[str]:
     """None if the head of --classes x --dim (the planner's bytes per shard: weights, momentum,
     gradient, loss working set) fits the memory of the devices holding it, else a message.
     Shards on one device (``--devices cpu,cpu``) add up; under torchrun each rank holds one."""
@@ -142,7 +145,7 @@ def _saved_bytes_per_image(a: argparse.Namespace) -> int:
     def saved(batch: int) -> int:
         total = 0
 
-        def pack(t):
+        def pack(t: torch.Tensor) -> torch.Tensor:
             nonlocal total
             total += t.numel() * t.element_size()
             return t
@@ -154,7 +157,7 @@ def _saved_bytes_per_image(a: argparse.Namespace) -> int:
     return max(0, saved(4) - saved(2)) // 2
 
 
-def _activations_misfit(a: argparse.Namespace, world_size: int):
+def _activations_misfit(a: argparse.Namespace, world_size: int) -> Optional[str]:
     """None if one micro-batch's backbone activations can fit the first device's memory,
     else a message. The figure is a lower bound (half the saved bytes, which count in-place
     results twice; halved again under --amp), so only runs that cannot fit are refused."""

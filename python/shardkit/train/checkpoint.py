@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import os
 import pickle
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set
 
 import torch
 
 from shardkit.train.errors import UsageError
+
+if TYPE_CHECKING:
+    import argparse
+
+    from shardkit.softmax import ShardedSoftmaxLoss
 
 CKPT_FILE = "checkpoint.pt"
 FORMAT = "shardkit.train/2"
@@ -105,7 +110,7 @@ def file_for(ckpt_dir: str, world_size: int, rank: int) -> str:
     return path
 
 
-def write_atomic(state: dict, path: str) -> None:
+def write_atomic(state: Dict[str, Any], path: str) -> None:
     """``torch.save`` to a temporary file beside ``path``, fsync, then rename over ``path``."""
     directory = os.path.dirname(path) or "."
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp{os.getpid()}")
@@ -129,7 +134,7 @@ def write_atomic(state: dict, path: str) -> None:
         os.close(fd)
 
 
-def read(path: str) -> dict:
+def read(path: str) -> Dict[str, Any]:
     """A checkpoint file's contents (tensors and plain types only); a UsageError naming the
     file for an empty, truncated, foreign or unsafe file."""
     again = "resume from another checkpoint, or start a new run without --resume"
@@ -156,7 +161,7 @@ def read(path: str) -> dict:
     return state
 
 
-def _malformed(state: dict) -> Optional[str]:
+def _malformed(state: Dict[str, Any]) -> Optional[str]:
     """What is wrong with the layout of a checkpoint's fields (a file of the right format
     edited or damaged by hand), or None. The values of the settings are checked by the
     flag parser (cli), the tensors by the state dicts that load them."""
@@ -185,14 +190,14 @@ def _malformed(state: dict) -> Optional[str]:
     return None
 
 
-def settings_of(args) -> dict:
+def settings_of(args: argparse.Namespace) -> Dict[str, Any]:
     """The run's settings as plain types (what a checkpoint stores)."""
     out = {k: getattr(args, k) for k in FIXED + CHANGEABLE}
     out["devices"] = [str(d) for d in args.devices]
     return out
 
 
-def restore_settings(args, explicit: set, saved: dict, where: str) -> None:
+def restore_settings(args: argparse.Namespace, explicit: Set[str], saved: Dict[str, Any], where: str) -> None:
     """Fill ``args`` from a checkpoint's settings: a FIXED flag given with another value than
     the checkpoint's is a UsageError naming both; CHANGEABLE flags keep the value given."""
     for key in FIXED:
@@ -215,7 +220,7 @@ def restore_settings(args, explicit: set, saved: dict, where: str) -> None:
             setattr(args, key, saved[key])
 
 
-def head_optimizer_state(opt, head) -> dict:
+def head_optimizer_state(opt: torch.optim.Optimizer, head: ShardedSoftmaxLoss) -> Dict[str, Any]:
     """The head optimizer's (SparseRowSGD) state in class order, whatever the shard count: the
     shards' [rows, D] momentum buffers and [rows] flags of rows whose momentum has started,
     listed in class order (the tensors themselves, no copy; a shard never stepped: zeros and
@@ -234,7 +239,7 @@ def head_optimizer_state(opt, head) -> dict:
     return {"class_ordered": True, "momentum_buffer": bufs, "seen": seen, "group": group}
 
 
-def _rows(parts: list, start: int, n: int) -> torch.Tensor:
+def _rows(parts: List[torch.Tensor], start: int, n: int) -> torch.Tensor:
     """Rows [start, start + n) of the class-ordered concatenation of ``parts`` (one copy)."""
     out, at = [], 0
     for t in parts:
@@ -245,7 +250,7 @@ def _rows(parts: list, start: int, n: int) -> torch.Tensor:
     return torch.cat(out) if out else parts[0][:0].cpu()
 
 
-def load_head_optimizer_state(opt, head, saved: dict) -> None:
+def load_head_optimizer_state(opt: torch.optim.Optimizer, head: ShardedSoftmaxLoss, saved: Dict[str, Any]) -> None:
     """Restore :func:`head_optimizer_state`'s output (or a torchrun rank's own optimizer state
     dict, whose shard is fixed by the world size) into ``opt`` over ``head``'s shards."""
     if not saved.get("class_ordered"):
@@ -253,10 +258,13 @@ def load_head_optimizer_state(opt, head, saved: dict) -> None:
         return
     bufs, seen, group = saved.get("momentum_buffer"), saved.get("seen"), saved.get("group")
     C, D = sum(head.shard_sizes), head.weight_shards[0].shape[1]
-    tensors = (
-        isinstance(bufs, list) and isinstance(seen, list) and all(isinstance(t, torch.Tensor) for t in bufs + seen)
-    )
-    if not (tensors and bufs and all(t.dim() == 2 and t.shape[1] == D for t in bufs)):
+    if not (
+        isinstance(bufs, list)
+        and isinstance(seen, list)
+        and all(isinstance(t, torch.Tensor) for t in bufs + seen)
+        and bufs
+        and all(t.dim() == 2 and t.shape[1] == D for t in bufs)
+    ):
         raise ValueError(f"the head's momentum is not a list of [rows, {D}] tensors")
     if sum(t.shape[0] for t in bufs) != C or sum(t.numel() for t in seen) != C or not isinstance(group, dict):
         raise ValueError(f"the head optimizer's state does not hold {C} classes")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -113,7 +114,7 @@ def check_args(a: argparse.Namespace) -> None:
         )
 
 
-def check_saved_settings(parser: argparse.ArgumentParser, saved: dict, path: str) -> None:
+def check_saved_settings(parser: argparse.ArgumentParser, saved: Dict[str, Any], path: str) -> None:
     """A checkpoint's settings must be what the flags parse to: the type, range and choices of
     each flag (a file edited by hand that says ``classes: "16"`` or ``batch: 0`` is refused
     here, naming the setting, before anything is built from it)."""
@@ -132,7 +133,13 @@ def check_saved_settings(parser: argparse.ArgumentParser, saved: dict, path: str
             ok = isinstance(value, str) and value in act.choices
         elif isinstance(value, (int, float, str)) and not isinstance(value, bool):
             try:
-                parsed = act.type(str(value)) if act.type is not None else str(value)
+                parsed: object
+                if act.type is None:
+                    parsed = str(value)
+                elif callable(act.type):
+                    parsed = act.type(str(value))
+                else:  # a type given by name (argparse.FileType aside, none of the trainer's)
+                    raise TypeError(f"flag type {act.type!r}")
                 ok = type(parsed) is type(value) and parsed == value
             except (argparse.ArgumentTypeError, ValueError, TypeError):
                 ok = False
@@ -149,7 +156,7 @@ def check_saved_settings(parser: argparse.ArgumentParser, saved: dict, path: str
 BATCH_NORM_WARN_BELOW = 8  # images per BatchNorm forward below which the run is warned about
 
 
-def batch_norm_piece(a, world_size: int) -> tuple:
+def batch_norm_piece(a: argparse.Namespace, world_size: int) -> Tuple[int, str, str]:
     """(the fewest images one BatchNorm forward of the backbone sees, where they come from,
     "dp" | "pipeline" | "batch"): per device under --dp, per micro-batch under --pipeline, per
     batch otherwise (--batch is per process under torchrun; --accumulate runs --batch images
@@ -163,7 +170,7 @@ def batch_norm_piece(a, world_size: int) -> tuple:
     return a.batch, f"--batch {a.batch}", "batch"
 
 
-def batch_norm_warning(a, world_size: int):
+def batch_norm_warning(a: argparse.Namespace, world_size: int) -> Optional[str]:
     """A warning when BatchNorm normalizes too few images at once to train well, else None:
     its batch statistics are then mostly noise (with 2 images every channel normalizes to
     about -1 and +1) and what evaluation uses, the running statistics, differs from what
@@ -180,7 +187,7 @@ def batch_norm_warning(a, world_size: int):
     )
 
 
-def _check_batch_norm_pieces(a, world_size: int) -> None:
+def _check_batch_norm_pieces(a: argparse.Namespace, world_size: int) -> None:
     """The backbone's BatchNorm layers need 2 images in every piece of a batch a forward
     sees (see :func:`batch_norm_piece`)."""
     images, source, kind = batch_norm_piece(a, world_size)

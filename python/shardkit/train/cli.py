@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Optional
+from typing import NoReturn, Optional, Sequence, Set
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,7 @@ __all__ = ["main", "build_parser"]
 class _Parser(argparse.ArgumentParser):
     """argparse whose errors are a UsageError (one line, exit 2 in main), not usage + exit."""
 
-    def error(self, message):
+    def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (see --help)")
 
 
@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _explicit(argv) -> set:
+def _explicit(argv: Optional[Sequence[str]]) -> Set[str]:
     """The destinations of the flags given on the command line."""
     p = build_parser()
     for action in p._actions:
@@ -242,7 +242,7 @@ def _explicit(argv) -> set:
     return set(vars(p.parse_args(argv)))
 
 
-def parse(argv=None) -> argparse.Namespace:
+def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """The run's settings: the flags, and on --resume the checkpoint's saved settings."""
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -276,7 +276,7 @@ def _out_of_memory(e: BaseException) -> bool:
     return "DefaultCPUAllocator: can't allocate memory" in str(e)
 
 
-def _user_error_line(e: BaseException):
+def _user_error_line(e: BaseException) -> Optional[str]:
     """The one line of a user error (a UsageError, an image of --data that does not decode
     outside a training step, running out of memory), else None."""
     if isinstance(e, UsageError):
@@ -293,7 +293,7 @@ def _user_error_line(e: BaseException):
     return None
 
 
-def _failed(e: BaseException, args, world) -> Optional[int]:
+def _failed(e: BaseException, args: argparse.Namespace, world: loop.World) -> Optional[int]:
     """The exit code of a run that raised ``e`` (after saying why), or None to re-raise it (an
     internal error, recorded for the other ranks first). See :mod:`shardkit.train.ranks`."""
     if isinstance(e, KeyboardInterrupt):  # a second Ctrl-C: stop now (the first one saves at its step's end)
@@ -318,7 +318,7 @@ def _failed(e: BaseException, args, world) -> Optional[int]:
     return None
 
 
-def main(argv=None) -> int:
+def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``python -m shardkit.train`` and the ``shardkit-train`` script; returns
     the exit code: 2 with one line on stderr for a user error (under torchrun on the rank that
     met it, the others naming that rank: :mod:`shardkit.train.ranks`)."""
@@ -341,10 +341,10 @@ def main(argv=None) -> int:
                 dist.barrier()
         return code
     except BaseException as e:  # noqa: BLE001 (what is ours is re-raised)
-        code = _failed(e, args, world)
-        if code is None:
+        failed = _failed(e, args, world)
+        if failed is None:
             raise
-        return code
+        return failed
     finally:
         # Leave the process as we found it.
         if not had_group and dist.is_available() and dist.is_initialized():

@@ -32,7 +32,7 @@ def _padding_only_tap(size: int, kernel: int, stride: int, padding: int, dilatio
     return any(all(not 0 <= o * stride - padding + t * dilation < size for o in range(outputs)) for t in range(kernel))
 
 
-def has_padding_only_tap(conv: nn.Conv2d, spatial: tuple) -> bool:
+def has_padding_only_tap(conv: nn.Conv2d, spatial: tuple[int, ...]) -> bool:
     """Whether ``conv`` applied to a map of ``spatial`` (H, W) has a kernel tap that sees only
     its zero padding."""
     if conv.padding_mode != "zeros":  # padded by copies of the input, then convolved without padding
@@ -53,7 +53,7 @@ class Float32WhereBf16FailsConv2d(nn.Conv2d):
     """``nn.Conv2d`` that leaves a CPU bf16 autocast for inputs where a tap sees only padding
     (see the module notes); the output is then float32."""
 
-    def _conv_forward(self, input, weight, bias):
+    def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if (
             input.device.type == "cpu"
             and torch.is_autocast_enabled("cpu")

@@ -20,13 +20,17 @@ Every image is a uint8 tensor ``[H, W, C]``; batches are ``[N, H, W, C]`` uint8 
 from __future__ import annotations
 
 import math
+from collections.abc import Sized
 from dataclasses import dataclass
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from shardkit.train.imagefolder import ImageFolderDataset
+
+if TYPE_CHECKING:
+    from shardkit.train.metrics import VerificationResult
 
 __all__ = [
     "Nuisance",
@@ -105,7 +109,7 @@ class SyntheticIdentities(Dataset):
         identity_offset: int = 0,
         nuisance: Nuisance = Nuisance(),
         cache: Optional[bool] = None,
-    ):
+    ) -> None:
         for name, v, lo in [
             ("num_classes", num_classes, 1),
             ("per_class", per_class, 1),
@@ -138,20 +142,20 @@ class SyntheticIdentities(Dataset):
         """int64 ``[len(self)]``: the label of every index."""
         return torch.arange(len(self)) // self.per_class
 
-    def __getitem__(self, index: int):
+    def __getitem__(self, index: int) -> Tuple[torch.Tensor, torch.Tensor]:
         images, labels = self.get_batch([index])
         return images[0], labels[0]
 
-    def __getitems__(self, indices: Sequence[int]):
+    def __getitems__(self, indices: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor]:
         return self.get_batch(indices)
 
-    def get_batch(self, indices) -> Tuple[torch.Tensor, torch.Tensor]:
+    def get_batch(self, indices: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor]:
         """uint8 ``[N, S, S, C]`` images and int64 ``[N]`` labels of ``indices``."""
         idx = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= len(self)):
             raise IndexError(f"index out of range for a dataset of {len(self)} images")
         labels = idx // self.per_class
-        if self._cache is None:
+        if self._cache is None or self._cached is None:  # (both or neither)
             return self.render(labels, idx), labels
         missing = idx[~self._cached[idx]].unique()
         if missing.numel():
@@ -247,7 +251,7 @@ class VerificationSet:
         out = [embed_fn(self.images[i : i + batch_size]).float().cpu() for i in range(0, len(self.images), batch_size)]
         return torch.cat(out)
 
-    def evaluate(self, embeddings: torch.Tensor, *, far: float = 1e-3, folds: int = 10):
+    def evaluate(self, embeddings: torch.Tensor, *, far: float = 1e-3, folds: int = 10) -> VerificationResult:
         """:class:`shardkit.train.metrics.VerificationResult` from per-image ``embeddings [M, D]``:
         accuracy on the balanced pairs, TAR@FAR on all pairs."""
         from shardkit.train import metrics
@@ -304,7 +308,7 @@ def verification_split(
     return VerificationSet(images, ids, pairs, is_same, len(genuine))
 
 
-def collate_uint8(batch) -> Tuple[torch.Tensor, torch.Tensor]:
+def collate_uint8(batch: Sequence[Any]) -> Tuple[torch.Tensor, torch.Tensor]:
     """Stack ``[(uint8 [H, W, C], label), ...]`` to (uint8 ``[N, H, W, C]``, int64 ``[N]``); an
     already batched ``(images, labels)`` pair (from ``__getitems__``) passes through."""
     if isinstance(batch, tuple) and len(batch) == 2 and isinstance(batch[0], torch.Tensor) and batch[0].dim() == 4:
@@ -328,7 +332,7 @@ class EpochBatchSampler(Sampler[List[int]]):
         epoch: int = 0,
         drop_last: bool = True,
         start_batch: int = 0,
-    ):
+    ) -> None:
         if batch_size < 1:
             raise ValueError(f"argument `batch_size` must be >= 1, got {batch_size}")
         self.n, self.batch_size, self.shuffle, self.seed = n, batch_size, shuffle, seed
@@ -348,7 +352,7 @@ class EpochBatchSampler(Sampler[List[int]]):
 
 
 def make_loader(
-    dataset: Dataset,
+    dataset: Dataset[Any],
     batch_size: int,
     *,
     shuffle: bool = True,
@@ -358,10 +362,12 @@ def make_loader(
     drop_last: bool = True,
     num_workers: int = 0,
     pin_memory: Optional[bool] = None,
-) -> DataLoader:
+) -> DataLoader[Tuple[torch.Tensor, torch.Tensor]]:
     """A DataLoader of (uint8 ``[N, H, W, C]``, int64 ``[N]``) batches in the order of
     :class:`EpochBatchSampler`; ``pin_memory`` defaults to ``torch.cuda.is_available()`` so
     ``images.to(device, non_blocking=True)`` overlaps the copy with compute."""
+    if not isinstance(dataset, Sized):
+        raise TypeError(f"argument `dataset` must be a map-style dataset with a length, got {type(dataset).__name__}")
     sampler = EpochBatchSampler(
         len(dataset), batch_size, shuffle=shuffle, seed=seed, epoch=epoch, drop_last=drop_last, start_batch=start_batch
     )

@@ -4,7 +4,9 @@ warnings about settings that do not do what they seem to on this machine."""
 
 from __future__ import annotations
 
+import argparse
 import math
+from typing import TYPE_CHECKING, List, Optional
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -12,6 +14,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from shardkit.distributed import sampled_class_counts
 from shardkit.plan import format_size, plan_memory
 from shardkit.train.checks import batch_norm_warning
+
+if TYPE_CHECKING:
+    from shardkit.train.loop import World
+    from shardkit.train.setup import Parts
 
 
 def backbone_flops(backbone: torch.nn.Module, image_size: int, device: torch.device) -> int:
@@ -26,13 +32,13 @@ def backbone_flops(backbone: torch.nn.Module, image_size: int, device: torch.dev
         backbone.train(was_training)
 
 
-def _margin(args) -> str:
+def _margin(args: argparse.Namespace) -> str:
     if args.margin == "none":
         return f"plain softmax, s={args.scale:g}"
     return f"{'ArcFace' if args.margin == 'arcface' else 'CosFace'} s={args.scale:g} m={args.m:g}"
 
 
-def lines(parts, args, world, total: int, steps_per_epoch: int) -> list:
+def lines(parts: Parts, args: argparse.Namespace, world: World, total: int, steps_per_epoch: int) -> List[str]:
     """The header, as lines."""
     head, dev0 = parts.head, parts.devices[0]
     out = [f"shardkit.train: {total} steps ({steps_per_epoch} per epoch), seed {args.seed}, writing to {args.out}"]
@@ -87,7 +93,7 @@ def lines(parts, args, world, total: int, steps_per_epoch: int) -> list:
     return out
 
 
-def _cpu_has_fast_bf16():
+def _cpu_has_fast_bf16() -> Optional[bool]:
     """Whether this CPU has native bf16 arithmetic (None when it cannot tell)."""
     try:
         with open("/proc/cpuinfo") as f:
@@ -97,7 +103,7 @@ def _cpu_has_fast_bf16():
     return any(flag in flags for flag in ("avx512_bf16", "amx_bf16", " bf16"))
 
 
-def warnings(parts, args, world) -> list:
+def warnings(parts: Parts, args: argparse.Namespace, world: World) -> List[str]:
     """Settings that do not do here what they seem to: one line each."""
     out = []
     if args.sample_rate < 1:

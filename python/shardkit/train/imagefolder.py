@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import io
 import os
-from typing import List, Sequence, Tuple
+from types import ModuleType
+from typing import Dict, List, Literal, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -18,7 +19,7 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".pgm", ".
 _CACHE_MODES = ("none", "encoded", "decoded")
 
 
-def _pil():
+def _pil() -> ModuleType:
     try:
         from PIL import Image
     except ImportError as e:  # pragma: no cover - Pillow is installed with matplotlib
@@ -31,7 +32,7 @@ def _image_files(folder: str, exts: Tuple[str, ...]) -> List[str]:
     by folder in sorted path order, each folder's files sorted (``sorted(os.walk(folder))``'s
     order). A name with an image suffix that is not a regular file (a broken or looping link,
     a pipe, a device) is a ValueError naming it: reading it would fail or block forever."""
-    found = {}
+    found: Dict[str, List[str]] = {}
     todo = [folder]
     while todo:
         here = todo.pop()
@@ -88,7 +89,7 @@ class ImageFolderDataset(Dataset):
         root: str,
         image_size: int = 112,
         *,
-        cache_ram: str = "none",
+        cache_ram: Literal["none", "encoded", "decoded"] = "none",
         channels: int = 3,
         extensions: Sequence[str] = IMAGE_EXTENSIONS,
     ):
@@ -141,7 +142,7 @@ class ImageFolderDataset(Dataset):
             arr = arr[:, :, None]
         return torch.from_numpy(arr.copy())
 
-    def __getitem__(self, index: int):
+    def __getitem__(self, index: int) -> Tuple[torch.Tensor, torch.Tensor]:
         path, label = self.samples[index]
         if self._decoded is not None:
             image = self._decoded[index]
@@ -151,7 +152,7 @@ class ImageFolderDataset(Dataset):
             image = self._decode(_read(path), path)
         return image, self.labels[index]
 
-    def __getitems__(self, indices: Sequence[int]):
+    def __getitems__(self, indices: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor]:
         if self._decoded is not None:
             idx = torch.as_tensor(list(indices), dtype=torch.int64)
             return self._decoded[idx], self.labels[idx]

@@ -6,9 +6,10 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Optional, Set, TextIO
 
 
-def emit(text: str, stream=None) -> None:
+def emit(text: str, stream: Optional[TextIO] = None) -> None:
     """``print(text)`` to stdout (or ``stream``), flushed; when the reader has left (``python -m
     shardkit.train ... | head``), the stream goes to /dev/null from then on and the run goes
     on: everything is in log.txt."""
@@ -31,8 +32,10 @@ def _printable(text: str) -> str:
 class RunLog:
     """Print and log lines (on rank 0; other ranks neither print nor write)."""
 
-    def __init__(self, out_dir: str, enabled: bool, append: bool = False):
-        self.enabled, self.file, self._warned = enabled, None, set()
+    def __init__(self, out_dir: str, enabled: bool, append: bool = False) -> None:
+        self.enabled = enabled
+        self.file: Optional[TextIO] = None
+        self._warned: Set[str] = set()
         self.path = os.path.join(out_dir, "log.txt")
         if enabled:
             os.makedirs(out_dir, exist_ok=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import math
 import os
@@ -10,12 +11,14 @@ import resource
 import signal
 import time
 from dataclasses import dataclass
-from typing import List, Optional
+from types import FrameType
+from typing import Any, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
-from shardkit.softmax import NonFiniteEmbeddingsError
+from shardkit.softmax import NonFiniteEmbeddingsError, ShardedLossOutput
 from shardkit.train import checkpoint, header, plots, setup
 from shardkit.train import report as report_mod
 from shardkit.train.errors import UsageError
@@ -31,7 +34,7 @@ class World:
     device: Optional[torch.device] = None
 
 
-def init_distributed(args) -> World:
+def init_distributed(args: argparse.Namespace) -> World:
     """Under torchrun (WORLD_SIZE > 1): join the process group; one device per rank."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size <= 1:
@@ -72,13 +75,13 @@ def _peak_memory(devices: List[torch.device]) -> str:
     return " ".join(f"{n}{g:.2f}G" for n, g in zip(names, _peak_gib(devices)))
 
 
-def new_history() -> dict:
+def new_history() -> Dict[str, Any]:
     """Per step: loss, batch top-1, images/s, peak GiB per device; every --eval-every steps and
     at the end: held-out verification of the raw and EMA backbones."""
     return dict({k: [] for k in checkpoint.HISTORY_KEYS}, eval={k: [] for k in checkpoint.EVAL_KEYS})
 
 
-def _record_eval(history: dict, step: int, results: dict) -> None:
+def _record_eval(history: Dict[str, Any], step: int, results: Dict[str, Tuple[float, float]]) -> None:
     ev = history["eval"]
     ev["step"].append(step)
     for name, (acc, tar) in results.items():
@@ -110,7 +113,7 @@ def set_deterministic() -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def run(args, world: World) -> int:
+def run(args: argparse.Namespace, world: World) -> int:
     ckpt = os.path.join(args.out, "checkpoint")
     try:
         # A new run in the folder of an earlier one replaces its log now and its checkpoint at
@@ -127,7 +130,9 @@ def run(args, world: World) -> int:
         log.close()
 
 
-def _diverged(where: str, args, what: str = "the embeddings became NaN or infinite", kept: str = "") -> UsageError:
+def _diverged(
+    where: str, args: argparse.Namespace, what: str = "the embeddings became NaN or infinite", kept: str = ""
+) -> UsageError:
     """The one-line error of a run whose embeddings (or weights) became NaN or infinite."""
     return UsageError(
         f"training diverged {where} ({what}){kept}; lower --lr (now {args.lr:g}), "
@@ -135,7 +140,15 @@ def _diverged(where: str, args, what: str = "the embeddings became NaN or infini
     )
 
 
-def _save_if_finite(ckpt_dir: str, parts, step: int, history, world: World, args, last_saved) -> int:
+def _save_if_finite(
+    ckpt_dir: str,
+    parts: setup.Parts,
+    step: int,
+    history: Dict[str, Any],
+    world: World,
+    args: argparse.Namespace,
+    last_saved: Optional[int],
+) -> int:
     """Saves the checkpoint of ``step`` and returns ``step``, unless the run diverged on any rank
     (NaN or infinite weights, or embeddings: :func:`setup.diverged`): then nothing is written
     (the last checkpoint stays the one to resume) and the run stops with the divergence error."""
@@ -156,7 +169,7 @@ def _save_if_finite(ckpt_dir: str, parts, step: int, history, world: World, args
     raise _diverged(f"by step {step}", args, bad, kept)
 
 
-def _run(args, world: World, log: RunLog, earlier: bool) -> int:
+def _run(args: argparse.Namespace, world: World, log: RunLog, earlier: bool) -> int:
     lead = world.rank == 0
     if args.deterministic:
         set_deterministic()
@@ -187,6 +200,8 @@ def _run(args, world: World, log: RunLog, earlier: bool) -> int:
     start = 0
     if args.resume:
         found = checkpoint.find(args.resume)
+        if found is None:  # there when the flags were read (cli.parse), gone since
+            raise UsageError(f"--resume {args.resume!r}: no checkpoint found there any more")
         start, saved = setup.load_checkpoint(found, parts, world)
         history.update(saved)
         log.line(f"resumed from {found} at step {start} of {total}; writing to {args.out}")
@@ -203,7 +218,7 @@ def _run(args, world: World, log: RunLog, earlier: bool) -> int:
     stop = {"flag": False}
     old_handler = signal.getsignal(signal.SIGINT)
 
-    def on_sigint(signum, frame):
+    def on_sigint(signum: int, frame: Optional[FrameType]) -> None:
         if stop["flag"]:  # a second Ctrl-C stops at once
             signal.signal(signal.SIGINT, old_handler)
             raise KeyboardInterrupt
@@ -267,7 +282,9 @@ def _run(args, world: World, log: RunLog, earlier: bool) -> int:
     return 0
 
 
-def train_step(parts, args, step: int, steps_per_epoch: int, total: int, world: World):
+def train_step(
+    parts: setup.Parts, args: argparse.Namespace, step: int, steps_per_epoch: int, total: int, world: World
+) -> Tuple[float, Optional[float]]:
     """One optimizer step over ``args.accumulate`` micro-batches; returns (loss, top-1 or None)."""
     lr = _lr_at(step, total, args.lr)
     for opt in parts.optimizers:
@@ -275,10 +292,12 @@ def train_step(parts, args, step: int, steps_per_epoch: int, total: int, world: 
             g["lr"] = lr
     parts.backbone_train.train()
     loss_sum, correct, valid = 0.0, 0, 0
+    # under torchrun the backbone is DistributedDataParallel (--dp and --pipeline are one-process)
+    ddp = parts.backbone_train if isinstance(parts.backbone_train, DistributedDataParallel) else None
     for micro in range(args.accumulate):
         # DDP all-reduces the backbone's gradients once per step, on the last micro-batch.
         last = micro == args.accumulate - 1
-        sync = contextlib.nullcontext() if last or world.size == 1 else parts.backbone_train.no_sync()
+        sync: ContextManager[object] = contextlib.nullcontext() if last or ddp is None else ddp.no_sync()
         with sync:
             loss, top = _micro_step(parts, args, step * args.accumulate + micro, steps_per_epoch)
         loss_sum += float(loss.detach())
@@ -299,15 +318,18 @@ def train_step(parts, args, step: int, steps_per_epoch: int, total: int, world: 
     return loss_sum / args.accumulate, (correct / valid if valid else None)
 
 
-def _micro_step(parts, args, index: int, steps_per_epoch: int):
+def _micro_step(
+    parts: setup.Parts, args: argparse.Namespace, index: int, steps_per_epoch: int
+) -> Tuple[torch.Tensor, Optional[ShardedLossOutput]]:
     """Forward and backward of micro-batch ``index`` of the run; returns (loss, head output or None)."""
     images, labels = parts.batches.get(index, steps_per_epoch * args.accumulate)
     with parts.autocast():
         x = parts.normalize(images.to(parts.devices[0], non_blocking=True))
         emb = parts.backbone_train(x)
     labels = labels.to(parts.devices[0], non_blocking=True)
-    if args.dp:
-        loss, top = parts.criterion(emb, labels), None
+    top: Optional[ShardedLossOutput] = None
+    if parts.criterion is not None:  # --dp
+        loss = parts.criterion(emb, labels)
     else:
         out = parts.head(emb.float() if args.amp == "fp16" else emb, labels, return_details=True, topk=(1,))
         loss, top = out.loss, out

@@ -55,7 +55,7 @@ def cosine_scores(emb1: torch.Tensor, emb2: torch.Tensor) -> torch.Tensor:
     return (a * b).sum(dim=1)
 
 
-def _accuracy_at_candidates(scores, is_same, candidates):
+def _accuracy_at_candidates(scores: torch.Tensor, is_same: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
     """Accuracy of the rule ``score > t`` for every t in ``candidates`` (vectorized)."""
     gen = torch.sort(scores[is_same]).values
     imp = torch.sort(scores[~is_same]).values
@@ -64,7 +64,7 @@ def _accuracy_at_candidates(scores, is_same, candidates):
     return (gen_accepted + imp_rejected).double() / scores.numel()
 
 
-def _candidates(scores):
+def _candidates(scores: torch.Tensor) -> torch.Tensor:
     # Every distinct score, plus -inf (accept everything): covers every distinct decision.
     return torch.cat([scores.new_tensor([-math.inf]), torch.unique(scores)])
 

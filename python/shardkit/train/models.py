@@ -16,7 +16,7 @@ on 2 CPU cores), ``small``, ``r18`` (ResNet-18 widths and depths), and ``iresnet
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Optional, Sequence
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Literal, Optional, Sequence, Tuple, Union, cast
 
 import torch
 from torch import nn
@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 __all__ = ["BasicBlock", "Backbone", "IBlock", "IResNet", "PRESETS", "build_backbone"]
 
 # "arch" picks the class (Backbone unless "iresnet"); the rest are its keyword arguments.
-PRESETS: Dict[str, dict] = {
+PRESETS: Dict[str, Dict[str, Any]] = {
     "tiny": dict(widths=(16, 32, 64, 128), depths=(1, 1, 1, 1), stem_stride=2),
     "small": dict(widths=(32, 64, 128, 256), depths=(1, 2, 2, 1), stem_stride=2),
     "r18": dict(widths=(64, 128, 256, 512), depths=(2, 2, 2, 2)),
@@ -42,24 +42,28 @@ def _act(kind: str, channels: int) -> nn.Module:
 
 
 @contextlib.contextmanager
-def _frozen_bn_stats(module: nn.Module):
+def _frozen_bn_stats(module: nn.Module) -> Iterator[None]:
     """BatchNorm layers of ``module`` normalize with the batch's statistics (as in training)
     and leave their running statistics and ``num_batches_tracked`` as they were. The op must
     be the same as in the forward (the checkpoint compares what both save), so the running
     statistics are still passed, with momentum 0: ``(1 - 0) * running + 0 * batch`` is exact."""
     bns = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
-    saved = [(m.momentum, m.num_batches_tracked.clone()) for m in bns]  # clone: no device sync
+    saved = []
+    for m in bns:
+        counter = m.num_batches_tracked
+        assert counter is not None  # registered with the running statistics
+        saved.append((m.momentum, counter, counter.clone()))  # clone: no device sync
     for m in bns:
         m.momentum = 0.0
     try:
         yield
     finally:
-        for m, (momentum, tracked) in zip(bns, saved):
+        for m, (momentum, counter, tracked) in zip(bns, saved):
             m.momentum = momentum
-            m.num_batches_tracked.copy_(tracked)
+            counter.copy_(tracked)
 
 
-def _no_bn_update_on_recompute(stage: nn.Module):
+def _no_bn_update_on_recompute(stage: nn.Module) -> Callable[[], Tuple[ContextManager[None], ContextManager[None]]]:
     """A ``context_fn`` for torch.utils.checkpoint: the forward updates BatchNorm's running
     statistics once; the recomputation in the backward leaves them alone."""
     return lambda: (contextlib.nullcontext(), _frozen_bn_stats(stage))
@@ -71,7 +75,7 @@ class BasicBlock(nn.Module):
     Shapes: ``[N, c_in, H, W] -> [N, c_out, ceil(H / stride), ceil(W / stride)]``.
     """
 
-    def __init__(self, c_in: int, c_out: int, stride: int = 1, act: str = "prelu"):
+    def __init__(self, c_in: int, c_out: int, stride: int = 1, act: Literal["prelu", "relu"] = "prelu") -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
         self.bn1 = nn.BatchNorm2d(c_out)
@@ -118,13 +122,13 @@ class Backbone(nn.Module):
         embedding_dim: int = 128,
         *,
         in_channels: int = 3,
-        act: str = "prelu",
-        head: str = "pool",
+        act: Literal["prelu", "relu"] = "prelu",
+        head: Literal["pool", "flatten"] = "pool",
         image_size: Optional[int] = None,
         dropout: float = 0.0,
         stem_stride: int = 1,
         checkpointing: bool = False,
-    ):
+    ) -> None:
         super().__init__()
         if len(widths) != len(depths) or not widths:
             raise ValueError(f"`widths` and `depths` must be non-empty and of equal length, got {widths} and {depths}")
@@ -144,6 +148,7 @@ class Backbone(nn.Module):
             c = w
         self.stages = nn.ModuleList(stages)
         self.head_kind = head
+        self.feature_side: Optional[int] = None  # the final map's side with head="flatten"
         self.bn_features = nn.BatchNorm2d(c)
         if head == "flatten":
             if image_size is None:
@@ -154,7 +159,6 @@ class Backbone(nn.Module):
             self.feature_side = side
             n_in = c * side * side
         else:
-            self.feature_side = None
             n_in = c
         self.dropout = nn.Dropout(dropout)
         self.fc = nn.Linear(n_in, embedding_dim)
@@ -167,22 +171,27 @@ class Backbone(nn.Module):
             x = _run_stage(stage, x, use_ckpt)
         return _neck(self, _to_device_of(self.fc, x))
 
-    def as_layers(self) -> list:
+    def as_layers(self) -> List[nn.Module]:
         """The backbone as a list of layers in order (stem, each block, the embedding neck),
         sharing this module's submodules (and so its state_dict), for
         :class:`shardkit.parallel.PipelineModel`."""
-        return [self.stem] + [block for stage in self.stages for block in stage] + [_Neck(self)]
+        return [self.stem] + _blocks(self.stages) + [_Neck(self)]
 
 
-def _run_blocks(stage: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+def _blocks(stages: nn.ModuleList) -> List[nn.Module]:
+    """Every block of the stages (each an nn.Sequential of blocks), in order."""
+    return [block for stage in stages for block in cast(nn.Sequential, stage)]
+
+
+def _run_blocks(stage: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # Block by block, each on its own parameters' device: PipelineModel splits a backbone at
     # block boundaries (as_layers), so one stage's blocks may sit on different devices.
-    for block in stage:
+    for block in stage.children():  # a stage is an nn.Sequential of blocks
         x = block(_to_device_of(block, x))
     return x
 
 
-def _run_stage(stage: nn.Sequential, x: torch.Tensor, use_ckpt: bool) -> torch.Tensor:
+def _run_stage(stage: nn.Module, x: torch.Tensor, use_ckpt: bool) -> torch.Tensor:
     """One stage of blocks, recomputed in the backward when ``use_ckpt``."""
     if use_ckpt:
         return checkpoint(_run_blocks, stage, x, use_reentrant=False, context_fn=_no_bn_update_on_recompute(stage))
@@ -194,7 +203,7 @@ def _to_device_of(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x if p is None or p.device == x.device else x.to(p.device, non_blocking=True)
 
 
-def _neck(m, x: torch.Tensor) -> torch.Tensor:
+def _neck(m: Union[Backbone, IResNet, _Neck], x: torch.Tensor) -> torch.Tensor:
     """Feature map -> embedding: BN, global pooling or flatten, dropout, FC, BN."""
     x = m.bn_features(x)
     if m.head_kind == "flatten":
@@ -212,7 +221,7 @@ def _neck(m, x: torch.Tensor) -> torch.Tensor:
 class _Neck(nn.Module):
     """The backbone's embedding neck as one pipeline layer (the same module objects)."""
 
-    def __init__(self, backbone: Backbone):
+    def __init__(self, backbone: Union[Backbone, IResNet]) -> None:
         super().__init__()
         self.bn_features, self.dropout, self.fc = backbone.bn_features, backbone.dropout, backbone.fc
         self.bn_embedding = backbone.bn_embedding
@@ -222,7 +231,9 @@ class _Neck(nn.Module):
         return _neck(self, x)
 
 
-def build_backbone(name: str = "tiny", embedding_dim: int = 128, **overrides) -> nn.Module:
+def build_backbone(
+    name: Literal["tiny", "small", "r18", "iresnet50"] = "tiny", embedding_dim: int = 128, **overrides: Any
+) -> Union[Backbone, IResNet]:
     """A backbone from a preset name: a :class:`Backbone` (``tiny``, ``small``, ``r18``) or an
     :class:`IResNet` (``iresnet50``); keyword arguments override the preset or any argument
     of that class."""
@@ -230,8 +241,9 @@ def build_backbone(name: str = "tiny", embedding_dim: int = 128, **overrides) ->
         raise ValueError(f"unknown backbone {name!r}; choose one of {sorted(PRESETS)}")
     kwargs = dict(PRESETS[name])
     kwargs.update(overrides)
-    cls = IResNet if kwargs.pop("arch", "resnet") == "iresnet" else Backbone
-    return cls(embedding_dim=embedding_dim, **kwargs)
+    if kwargs.pop("arch", "resnet") == "iresnet":
+        return IResNet(embedding_dim=embedding_dim, **kwargs)
+    return Backbone(embedding_dim=embedding_dim, **kwargs)
 
 
 class IBlock(nn.Module):
@@ -243,7 +255,7 @@ class IBlock(nn.Module):
     Shapes: ``[N, c_in, H, W] -> [N, c_out, ceil(H / stride), ceil(W / stride)]``.
     """
 
-    def __init__(self, c_in: int, c_out: int, stride: int = 1):
+    def __init__(self, c_in: int, c_out: int, stride: int = 1) -> None:
         super().__init__()
         self.bn_in = nn.BatchNorm2d(c_in)
         self.conv1 = nn.Conv2d(c_in, c_out, 3, 1, 1, bias=False)
@@ -291,7 +303,7 @@ class IResNet(nn.Module):
         dropout: float = 0.0,
         checkpointing: bool = False,
         feature_side: int = 7,
-    ):
+    ) -> None:
         super().__init__()
         if len(widths) != len(depths) or not widths or min(depths) < 1:
             raise ValueError(
@@ -322,10 +334,10 @@ class IResNet(nn.Module):
             x = _run_stage(stage, x, use_ckpt)
         return _neck(self, _fit_side(_to_device_of(self.fc, x), self.feature_side))
 
-    def as_layers(self) -> list:
+    def as_layers(self) -> List[nn.Module]:
         """Stem, each block, the neck: for :class:`shardkit.parallel.PipelineModel` (as
         :meth:`Backbone.as_layers`)."""
-        return [self.stem] + [block for stage in self.stages for block in stage] + [_FittedNeck(self)]
+        return [self.stem] + _blocks(self.stages) + [_FittedNeck(self)]
 
 
 def _fit_side(x: torch.Tensor, side: int) -> torch.Tensor:
@@ -340,4 +352,5 @@ class _FittedNeck(_Neck):
     """IResNet's neck as one pipeline layer: the side fitted, then :func:`_neck`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.feature_side is not None  # IResNet's neck is built for a fixed side
         return _neck(self, _fit_side(x, self.feature_side))

@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
+from typing import Any, Dict, Sequence
 
-def plot(history: dict, devices, path: str) -> None:
+import torch
+
+
+def plot(history: Dict[str, Any], devices: Sequence[torch.device], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -14,13 +14,22 @@ the device times there, and the host time of "data wait" (the loader is host wor
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import time
 import warnings
 from collections import defaultdict
+from typing import TYPE_CHECKING, Dict, Iterator, List, Sequence, Tuple
 
 import torch
+
+if TYPE_CHECKING:
+    from shardkit.train.log import RunLog
+    from shardkit.train.setup import Parts
+
+# (start, end) events of one occurrence of a phase, one pair per CUDA device
+_Pairs = List[Tuple[torch.cuda.Event, torch.cuda.Event]]
 
 TRACE_STEPS = 20  # profiled steps kept in the trace (the profiler's memory grows with each)
 PHASES = ("data wait", "host-to-device", "normalize", "backbone fwd", "head", "backward", "optimizer", "EMA")
@@ -30,13 +39,14 @@ class _Timer:
     """Host seconds per phase; with CUDA devices also a (start, end) event pair per device for
     every occurrence of every phase (see the module notes)."""
 
-    def __init__(self, devices):
+    def __init__(self, devices: Sequence[torch.device]) -> None:
         self.cuda = [d for d in dict.fromkeys(devices) if d.type == "cuda"]
-        self.total = defaultdict(float)
-        self.marks = defaultdict(list)  # phase -> [[(start, end) per CUDA device] per occurrence]
+        self.total: defaultdict[str, float] = defaultdict(float)
+        # phase -> [[(start, end) per CUDA device] per occurrence]
+        self.marks: defaultdict[str, List[_Pairs]] = defaultdict(list)
 
     @contextlib.contextmanager
-    def __call__(self, phase: str):
+    def __call__(self, phase: str) -> Iterator[None]:
         pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in self.cuda]
         for d, (start, _) in zip(self.cuda, pairs):
             start.record(torch.cuda.current_stream(d))
@@ -49,7 +59,7 @@ class _Timer:
         if pairs:
             self.marks[phase].append(pairs)
 
-    def device_seconds(self) -> dict:
+    def device_seconds(self) -> Dict[str, float]:
         """Per phase, the sum over its occurrences of the longest span among the devices
         (waits for every device first)."""
         for d in self.cuda:
@@ -60,7 +70,7 @@ class _Timer:
         }
 
 
-def _step(parts, args, index: int, per_epoch: int, timer: _Timer) -> None:
+def _step(parts: Parts, args: argparse.Namespace, index: int, per_epoch: int, timer: _Timer) -> None:
     dev0 = parts.devices[0]
     for micro in range(args.accumulate):
         with timer("data wait"):
@@ -73,7 +83,7 @@ def _step(parts, args, index: int, per_epoch: int, timer: _Timer) -> None:
             with timer("backbone fwd"):
                 emb = parts.backbone_train(x)
         with timer("head"):
-            if args.dp:
+            if parts.criterion is not None:  # --dp
                 loss = parts.criterion(emb, labels)
             else:
                 loss = parts.head(emb.float() if args.amp == "fp16" else emb, labels)
@@ -92,7 +102,7 @@ def _step(parts, args, index: int, per_epoch: int, timer: _Timer) -> None:
             parts.ema.update(parts.backbone)
 
 
-def verdict(shares: dict, on_gpu: bool) -> str:
+def verdict(shares: Dict[str, float], on_gpu: bool) -> str:
     """The bottleneck and the flag to try, from each phase's share of the step time."""
     data = shares["data wait"]
     host = shares["host-to-device"] + shares["normalize"] + shares["optimizer"] + shares["EMA"]
@@ -108,7 +118,7 @@ def verdict(shares: dict, on_gpu: bool) -> str:
     return "balanced: no phase dominates"
 
 
-def run(parts, args, steps_per_epoch: int, lr: float, log) -> int:
+def run(parts: Parts, args: argparse.Namespace, steps_per_epoch: int, lr: float, log: RunLog) -> int:
     """Profile ``args.profile`` steps from step 0 at learning rate ``lr``; print the table and
     verdict; write the trace and chart."""
     parts.backbone_train.train()
@@ -166,7 +176,7 @@ def run(parts, args, steps_per_epoch: int, lr: float, log) -> int:
     return 0
 
 
-def _chart(shares: dict, ms: dict, path: str) -> None:
+def _chart(shares: Dict[str, float], ms: Dict[str, float], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

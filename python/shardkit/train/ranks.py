@@ -23,9 +23,13 @@ import os
 import signal
 import sys
 import threading
-from typing import Optional, Tuple
+from types import FrameType
+from typing import TYPE_CHECKING, Iterator, Optional, Tuple
 
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from shardkit.train.loop import World
 
 PROG = "python -m shardkit.train"
 KEY = "shardkit.train/first-failure"
@@ -56,7 +60,7 @@ def say(line: str) -> None:
         pass
 
 
-def _store():
+def _store() -> Optional[dist.Store]:
     if not (dist.is_available() and dist.is_initialized()):
         return None
     try:
@@ -65,7 +69,7 @@ def _store():
         return None
 
 
-def record(world, code: int, line: str) -> bool:
+def record(world: World, code: int, line: str) -> bool:
     """Records this rank's failure unless one was recorded first; returns True when the
     recorded failure is another rank's with the same line (already printed there)."""
     store = _store() if world.size > 1 else None
@@ -73,16 +77,16 @@ def record(world, code: int, line: str) -> bool:
         return False
     mine = f"{world.rank}\t{code}\t{line}"
     try:
-        first = store.compare_set(KEY, "", mine)
+        stored = store.compare_set(KEY, "", mine)
     except Exception:  # noqa: BLE001 (the store is gone: nothing to record into)
         return False
-    first = first.decode(errors="replace") if isinstance(first, bytes) else str(first)
+    first = stored.decode(errors="replace") if isinstance(stored, bytes) else str(stored)
     if first == mine:
         return False
     return first.split("\t", 2)[-1] == line
 
 
-def peer_failure(world) -> Optional[Tuple[int, int, str]]:
+def peer_failure(world: World) -> Optional[Tuple[int, int, str]]:
     """(rank, exit code, line) of another rank's recorded failure, else None."""
     store = _store() if world.size > 1 else None
     if store is None:
@@ -98,14 +102,14 @@ def peer_failure(world) -> Optional[Tuple[int, int, str]]:
     return int(rank), int(code), line
 
 
-def fail(world, code: int, line: str) -> int:
+def fail(world: World, code: int, line: str) -> int:
     """This rank's user error: recorded, printed (once across ranks), ``code`` returned."""
     if not record(world, code, line):
         say(tag(world.rank, world.size) + line)
     return code
 
 
-def stopped_by_peer(world, peer: Tuple[int, int, str], own: BaseException) -> int:
+def stopped_by_peer(world: World, peer: Tuple[int, int, str], own: BaseException) -> int:
     """This rank stopped because ``peer`` failed first: one line naming it; its exit code."""
     rank, code, line = peer
     why = "stopped by the launcher" if isinstance(own, Terminated) else "its collective failed"
@@ -114,14 +118,14 @@ def stopped_by_peer(world, peer: Tuple[int, int, str], own: BaseException) -> in
 
 
 @contextlib.contextmanager
-def sigterm_raises(world):
+def sigterm_raises(world: World) -> Iterator[None]:
     """Under torchrun, SIGTERM raises :class:`Terminated` in the main thread (so the rank can
     say why it stops); the previous handler is restored after."""
     if world.size <= 1 or threading.current_thread() is not threading.main_thread():
         yield
         return
 
-    def on_sigterm(signum, frame):
+    def on_sigterm(signum: int, frame: Optional[FrameType]) -> None:
         raise Terminated
 
     old = signal.signal(signal.SIGTERM, on_sigterm)

@@ -2,26 +2,34 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from shardkit.train.log import emit
+from shardkit.train.log import RunLog, emit
+
+if TYPE_CHECKING:
+    from shardkit.train.loop import World
+    from shardkit.train.setup import Parts
 
 
 class Progress:
     """A tqdm bar (or, without a terminal or with --no-progress, a line every ~10%); the
     ~10% lines always go to the run's log."""
 
-    def __init__(self, total: int, start: int, enabled: bool, bar: bool = True, log=None):
-        self.total, self.enabled, self.bar, self.last_line, self.log = total, enabled, None, start, log
+    def __init__(self, total: int, start: int, enabled: bool, bar: bool = True, log: Optional[RunLog] = None) -> None:
+        self.total, self.enabled, self.last_line, self.log = total, enabled, start, log
+        self.bar: Any = None  # a tqdm bar
         if enabled and bar and sys.stderr.isatty():
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
 
-    def set(self, step: int, stats: dict) -> None:
+    def set(self, step: int, stats: Dict[str, Any]) -> None:
         due = step - self.last_line >= max(1, self.total // 10) or step == self.total
         line = f"step {step}/{self.total} " + " ".join(f"{k} {v}" for k, v in stats.items())
         if self.bar is not None:
@@ -49,8 +57,8 @@ def eval_batch(batch: int) -> int:
 
 
 @torch.no_grad()
-def _embed_fn(parts, model):
-    def embed(images_u8):
+def _embed_fn(parts: Parts, model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    def embed(images_u8: torch.Tensor) -> torch.Tensor:
         with parts.autocast():
             return model(parts.normalize(images_u8.to(parts.devices[0]))).float()
 
@@ -58,7 +66,7 @@ def _embed_fn(parts, model):
 
 
 @torch.no_grad()
-def _train_top1(parts, model, limit: int = 4096) -> float:
+def _train_top1(parts: Parts, model: nn.Module, limit: int = 4096) -> float:
     """Top-1 on (up to ``limit`` of) the training images from the head's statistics: no
     [B, C] logits. Under torchrun every rank takes its own slice (the head's forward is a
     collective), and the counts are summed."""
@@ -83,7 +91,7 @@ def _train_top1(parts, model, limit: int = 4096) -> float:
     return float(correct) / max(1, int(valid))
 
 
-def _models(parts) -> dict:
+def _models(parts: Parts) -> Dict[str, nn.Module]:
     models = {"raw": parts.backbone}
     if parts.ema is not None:
         models["ema"] = parts.ema.module
@@ -91,7 +99,7 @@ def _models(parts) -> dict:
 
 
 @torch.no_grad()
-def non_finite_embeddings(parts, images: int = 16):
+def non_finite_embeddings(parts: Parts, images: int = 16) -> Optional[str]:
     """The name of the backbone ("raw" or "ema") whose evaluation-mode embeddings of the first
     ``images`` held-out images hold a NaN or an infinity, else None: a model that diverged
     with finite weights (BatchNorm's running statistics no longer tame its activations)."""
@@ -108,7 +116,7 @@ def non_finite_embeddings(parts, images: int = 16):
     return None
 
 
-def verify_now(parts, args) -> dict:
+def verify_now(parts: Parts, args: argparse.Namespace) -> Dict[str, Tuple[float, float]]:
     """Held-out verification (accuracy, TAR@FAR) of the raw and the EMA backbone, on this
     process (rank 0 during training): {name: (accuracy, tar)}."""
     out = {}
@@ -121,7 +129,7 @@ def verify_now(parts, args) -> dict:
     return out
 
 
-def evaluate(parts, args, world) -> dict:
+def evaluate(parts: Parts, args: argparse.Namespace, world: World) -> Dict[str, Dict[str, Any]]:
     """Train top-1 and held-out verification for the raw and the EMA backbone."""
     report = {}
     for name, model in _models(parts).items():
@@ -137,7 +145,7 @@ def evaluate(parts, args, world) -> dict:
     return report
 
 
-def report_lines(report: dict, history, args) -> list:
+def report_lines(report: Dict[str, Dict[str, Any]], history: Dict[str, Any], args: argparse.Namespace) -> List[str]:
     """The results table, as lines."""
     lines = [
         "",

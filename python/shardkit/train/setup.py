@@ -3,11 +3,12 @@ evaluation, report and plot (see :mod:`shardkit.train`)."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import random
-from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ContextManager, Dict, Iterator, List, Optional, Sized, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -27,13 +28,16 @@ from shardkit.train.data import (
     verification_split,
 )
 from shardkit.train.errors import UsageError
-from shardkit.train.models import build_backbone
+from shardkit.train.models import Backbone, IResNet, build_backbone
+
+if TYPE_CHECKING:
+    from shardkit.train.loop import World
 
 MEAN, STD = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
 CKPT_FILE = checkpoint.CKPT_FILE
 
 
-class _RankBatches(Sampler):
+class _RankBatches(Sampler[List[int]]):
     """This rank's micro-batches of one epoch, from batch ``start`` on: the order of torch's
     DistributedSampler (shuffled by ``seed + epoch``, drop_last), the same indices in the same
     order, kept as one int64 tensor (8 bytes per image, not a Python list) and cut into
@@ -41,16 +45,16 @@ class _RankBatches(Sampler):
     [b B W, (b+1) B W) of the epoch's permutation); skipping to ``start`` only slices indices,
     so a resume mid-epoch reads no data it does not train on."""
 
-    def __init__(self, dataset, batch: int, world, seed: int, epoch: int, start: int):
+    def __init__(self, dataset: Sized, batch: int, world: World, seed: int, epoch: int, start: int) -> None:
         self.n, self.world_size, self.rank = len(dataset), world.size, world.rank
         self.seed, self.epoch = seed, epoch
         self.per_rank = self.n // self.world_size  # DistributedSampler's num_samples with drop_last
         self.batch, self.start = batch, start
 
-    def __len__(self):
+    def __len__(self) -> int:
         return max(0, self.per_rank // self.batch - self.start)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[List[int]]:
         g = torch.Generator()
         g.manual_seed(self.seed + self.epoch)
         order = torch.randperm(self.n, generator=g)
@@ -64,12 +68,13 @@ class Batches:
     asking for the micro-batch after the last one continues the current loader, any other
     one (a resume) starts a loader at that position."""
 
-    def __init__(self, dataset, batch: int, world, seed: int, workers: int):
+    def __init__(self, dataset: TrainSet, batch: int, world: World, seed: int, workers: int) -> None:
         self.dataset, self.batch, self.world, self.seed, self.workers = dataset, batch, world, seed, workers
-        self._it, self._next = None, None
+        self._it: Optional[Iterator[Tuple[torch.Tensor, torch.Tensor]]] = None
+        self._next: Optional[int] = None
 
-    def get(self, i: int, per_epoch: int):
-        if i != self._next:
+    def get(self, i: int, per_epoch: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        if i != self._next or self._it is None:  # (no loader only before the first call, when _next is None)
             epoch, start = divmod(i, per_epoch)
             loader = DataLoader(
                 self.dataset,
@@ -89,7 +94,7 @@ class Batches:
             raise UsageError(f"{line}; remove or replace that file in --data") from None
 
 
-def decode_error_line(e: BaseException):
+def decode_error_line(e: BaseException) -> Optional[str]:
     """The "cannot decode image <path>: ..." line of ``e`` (also from inside a DataLoader
     worker's re-raised error, whose first line only names the worker), else None."""
     for line in reversed(str(e).splitlines()):  # last: a worker's message quotes the raising source line first
@@ -99,11 +104,15 @@ def decode_error_line(e: BaseException):
     return None
 
 
+# the training images: a synthetic set, or the training classes of an image folder
+TrainSet = Union[SyntheticIdentities, Subset[Tuple[torch.Tensor, torch.Tensor]]]
+
+
 @dataclass
 class Parts:
-    args: Any
-    world: Any
-    train_set: Any
+    args: argparse.Namespace
+    world: World
+    train_set: TrainSet
     num_classes: int
     val_set: VerificationSet
     devices: List[torch.device]
@@ -115,16 +124,16 @@ class Parts:
     optimizers: List[torch.optim.Optimizer]
     scaler: Optional[Any]
     ema: Optional[shardkit.ModelEMA]
-    batches: Batches = field(default=None)
+    batches: Batches
 
-    def autocast(self):
+    def autocast(self) -> ContextManager[object]:
         if self.args.amp is None:
             return contextlib.nullcontext()
         dtype = torch.bfloat16 if self.args.amp == "bf16" else torch.float16
         return torch.autocast(self.devices[0].type, dtype=dtype)
 
 
-def _folder_data(args):
+def _folder_data(args: argparse.Namespace) -> Tuple[TrainSet, int, VerificationSet]:
     try:
         full = ImageFolderDataset(args.data, args.image_size, cache_ram=args.cache_ram)
     except ValueError as e:  # an empty or broken folder, an image that does not decode
@@ -150,7 +159,7 @@ def _folder_data(args):
     return Subset(full, train_idx), train_k, _pairs_from(images, ids, args.seed)
 
 
-def _pairs_from(images, ids, seed, num_impostor=10000) -> VerificationSet:
+def _pairs_from(images: torch.Tensor, ids: torch.Tensor, seed: int, num_impostor: int = 10000) -> VerificationSet:
     """Every genuine pair and ``num_impostor`` random impostor pairs of held-out images."""
     same = ids[:, None] == ids[None, :]
     a, b = torch.triu_indices(len(ids), len(ids), offset=1)
@@ -167,7 +176,7 @@ def _pairs_from(images, ids, seed, num_impostor=10000) -> VerificationSet:
     return VerificationSet(images, ids, pairs, is_same, len(genuine))
 
 
-def init_weights(kind: str, backbone: nn.Module, head, num_classes: int) -> None:
+def init_weights(kind: str, backbone: nn.Module, head: nn.Module, num_classes: int) -> None:
     """``--init``: xavier or kaiming for the backbone's conv/linear weights and the head's
     rows (the head's bounds from its full [classes, dim] shape, not a shard's); default keeps torch's."""
     if kind == "default":
@@ -190,7 +199,7 @@ def init_weights(kind: str, backbone: nn.Module, head, num_classes: int) -> None
                 w.normal_(0.0, (2.0 / dim) ** 0.5)
 
 
-def build(args, world) -> Parts:
+def build(args: argparse.Namespace, world: World) -> Parts:
     if args.data:
         train_set, num_classes, val_set = _folder_data(args)
     else:
@@ -227,7 +236,7 @@ def build(args, world) -> Parts:
         head.to(dev0)
     init_weights(args.init, backbone, head, num_classes)
     criterion = None
-    backbone_train = backbone
+    backbone_train: nn.Module = backbone
     if pipeline is not None:
         backbone_train = pipeline
     elif args.dp:
@@ -238,7 +247,8 @@ def build(args, world) -> Parts:
         backbone_train = nn.parallel.DistributedDataParallel(
             backbone, device_ids=[dev0.index] if dev0.type == "cuda" else None
         )
-    decay, no_decay = [], []
+    decay: List[nn.Parameter] = []
+    no_decay: List[nn.Parameter] = []
     for p in backbone.parameters():
         (no_decay if p.ndim <= 1 else decay).append(p)
     opt_backbone = torch.optim.SGD(
@@ -266,12 +276,14 @@ def build(args, world) -> Parts:
         [opt_backbone, opt_head],
         scaler,
         ema,
+        Batches(train_set, args.batch, world, args.seed, args.workers),
     )
-    parts.batches = Batches(train_set, args.batch, world, args.seed, args.workers)
     return parts
 
 
-def build_pipeline(args, backbone, devices):
+def build_pipeline(
+    args: argparse.Namespace, backbone: Union[Backbone, IResNet], devices: List[torch.device]
+) -> PipelineModel:
     """--pipeline: the backbone's layers over the devices, one stage each, balanced by their
     measured time on a sample batch; output (the embeddings) back on the first device."""
     sample = torch.randn(max(2, args.batch // max(args.chunks, 1)), 3, args.image_size, args.image_size,
@@ -285,7 +297,7 @@ def build_pipeline(args, backbone, devices):
                          checkpoint="except_last" if args.checkpointing else "never")  # fmt: skip
 
 
-def pipeline_shard_sizes(pipeline, num_classes: int, dim: int) -> list:
+def pipeline_shard_sizes(pipeline: PipelineModel, num_classes: int, dim: int) -> List[int]:
     """Head classes per device that even out each device's memory with its backbone stage."""
     used = [sum(t.numel() * t.element_size() for t in list(part.parameters()) + list(part.buffers()))
             for part in pipeline.partitions]  # fmt: skip
@@ -318,7 +330,7 @@ def non_finite_state(parts: Parts) -> Optional[str]:
     if parts.ema is not None:
         named += [(f"EMA {k}", t) for k, t in parts.ema.module.state_dict().items()]
     named = [(name, t) for name, t in named if t.is_floating_point() and t.numel()]
-    by_device: dict = {}
+    by_device: Dict[torch.device, List[torch.Tensor]] = {}
     for _, t in named:
         by_device.setdefault(t.device, []).append(torch.isfinite(t).all())
     if all(bool(torch.stack(flags).all()) for flags in by_device.values()):
@@ -326,7 +338,7 @@ def non_finite_state(parts: Parts) -> Optional[str]:
     return next(name for name, t in named if not bool(torch.isfinite(t).all()))
 
 
-def save_checkpoint(ckpt_dir: str, parts: Parts, step: int, history, world) -> None:
+def save_checkpoint(ckpt_dir: str, parts: Parts, step: int, history: Dict[str, Any], world: World) -> None:
     """Everything a resume needs, as tensors and plain types, written atomically. The head's
     weight is shard-agnostic (one class-ordered weight; under torchrun, one file per rank via
     shardkit.save_sharded)."""
@@ -356,7 +368,7 @@ def save_checkpoint(ckpt_dir: str, parts: Parts, step: int, history, world) -> N
     checkpoint.write_atomic(state, os.path.join(ckpt_dir, CKPT_FILE + rank_sfx))
 
 
-def load_checkpoint(ckpt_dir: str, parts: Parts, world):
+def load_checkpoint(ckpt_dir: str, parts: Parts, world: World) -> Tuple[int, Dict[str, Any]]:
     """Restore a checkpoint into ``parts``; returns (step, history). A UsageError for a file
     that is unreadable, unsafe, or does not fit the model built from the restored settings."""
     path = checkpoint.file_for(ckpt_dir, world.size, world.rank)
