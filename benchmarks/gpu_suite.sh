@@ -22,6 +22,10 @@
 # wheels/ along): a fresh build on the GPU machine takes ~3 of the ten minutes, and the timings
 # that no longer fit are reported SKIPPED.
 #
+# In the order the GPU work is wanted: `next` (every GPU test, the sharded loss's first; then the
+# fused variants' timings), `next-b`, `recipe` and `recipe-b` (the whole recipe on one GPU), then
+# `budget` below.
+#
 # The memory budget's CUDA kept path (SHARDKIT_CUDA_KEEP=1, experimental: never run on a GPU yet)
 # has a stage of its own, one call, under ten minutes with the build prebuilt:
 #
@@ -44,6 +48,10 @@
 #   bash benchmarks/gpu_suite.sh fused-b   # their follow-up: Nsight Compute, the sharded loss against its peers
 #   bash benchmarks/gpu_suite.sh next      # the next session's command (above); next-b its follow-up
 #   bash benchmarks/gpu_suite.sh budget    # the memory budget's CUDA kept path (above)
+#   bash benchmarks/gpu_suite.sh recipe    # the whole recipe: arcface_torch as it is and with shardkit
+#                                          # at 1M classes, the trainer's default run; recipe-b: 10M
+#                                          # classes, the trainer's iresnet50 runs with --profile
+#                                          # (carry the arcface_torch checkout: benchmarks/out/arcface_torch)
 #   bash benchmarks/gpu_suite.sh STAGE BUDGET_S   # another time budget (default 540 s)
 #   SKIP_STEPS="bench-maxc profile-fused" bash benchmarks/gpu_suite.sh fused   # leave steps out
 #
@@ -473,6 +481,11 @@ PYEOF
       tests/test_softmax_mixed.py tests/test_softmax_loss.py tests/test_softmax_distributed_nccl.py $PYTEST_OPTS \
       -q --junitxml=$WORK/out/junit_sharded_loss.xml && $PY -m pytest tests/test_fused_layout.py $PYTEST_OPTS -q"
     tests_ok=$?
+    # Every other GPU test (the EMA's CUDA graph, several ranks on one GPU, mixed CPU/GPU
+    # pipelines, the kept path...): checked before any timing, without gating the timings.
+    step tests-gpu-others 150 "$PY -m pytest -m gpu tests $PYTEST_OPTS -q --junitxml=$WORK/out/junit_gpu_others.xml \
+      --ignore=tests/test_softmax_fused_gpu.py --ignore=tests/test_softmax_ops_gpu.py --ignore=tests/test_softmax_mixed.py \
+      --ignore=tests/test_softmax_loss.py --ignore=tests/test_softmax_distributed_nccl.py"
     step sanitize-fused 120 "sanitize_fused_variants"
     if (( tests_ok != 0 )); then echo "the sharded-loss GPU tests failed: no timings"; finish; exit 1; fi
     # Issue 38's step 1 at the op level: the fused variants against the unfused kernels, each
@@ -523,6 +536,37 @@ PYEOF
     step bench-sharded-loss-fused 240 "SHARDKIT_FUSED=1 $B/bench_sharded_loss.py --device cuda --batch 1024 \
       --classes 1000000 --method-budget 3"
     ;;
+  recipe)
+    # The whole recipe on one GPU (the arcface_torch issue): arcface_torch's train_v2.py as it is
+    # and with shardkit's drop-in, then the trainer. Needs the user's arcface_torch checkout
+    # carried at benchmarks/out/arcface_torch (see benchmarks/arcface_torch_run.py; nothing of it
+    # is in this repository). Runs that need much memory write under /tmp, logs come back.
+    info; wheels; build
+    export SHARDKIT_ARCFACE_TORCH=${SHARDKIT_ARCFACE_TORCH:-$PWD/benchmarks/out/arcface_torch}
+    export SHARDKIT_BENCH_OUT=$WORK/out
+    step tests-recipe 150 "$PY -m pytest tests/test_softmax_distributed_one_gpu.py tests/test_partial_fc.py \
+      tests/test_arcface_torch_checkout.py tests/test_train_models.py $PYTEST_OPTS -q"
+    step arcface-compare 90 "$B/arcface_torch_compare.py --device cuda --dtype float32 --classes 100000 --dim 512 \
+      --batch 128 && $B/arcface_torch_compare.py --device cuda --dtype float32 --fp16 --classes 100000 --dim 512 --batch 128"
+    step arcface-1m 280 "$B/arcface_torch_run.py --head pfc,shardkit --classes 1000000 --sample-rate 1.0,0.1 \
+      --batch 128,512 --steps 30 --warmup 10 --timeout 60 --out $WORK/out/arcface_1m.json"
+    step train-default 80 "$PY -m shardkit.train --no-progress --out $WORK/out/train_default"
+    ;;
+  recipe-b)
+    # recipe's follow-up: 10M classes in arcface_torch, the trainer's iresnet50 scale runs with
+    # their --profile verdicts.
+    info; wheels; build
+    export SHARDKIT_ARCFACE_TORCH=${SHARDKIT_ARCFACE_TORCH:-$PWD/benchmarks/out/arcface_torch}
+    export SHARDKIT_BENCH_OUT=$WORK/out
+    step arcface-10m 240 "$B/arcface_torch_run.py --head pfc,shardkit,shardkit-sparse --classes 10000000 \
+      --sample-rate 0.1 --batch 128 --steps 20 --warmup 10 --timeout 110 --out $WORK/out/arcface_10m.json"
+    F="--backbone iresnet50 --image-size 112 --dim 512 --batch 128 --amp fp16 --workers 12 --val-classes 100 \
+      --val-per-class 4 --no-progress"
+    step train-ir50-1m 120 "$PY -m shardkit.train $F --classes 1000000 --per-class 2 --profile 20 \
+      --out /tmp/ir50_1m && cp /tmp/ir50_1m/log.txt $WORK/out/ir50_1m_log.txt"
+    step train-ir50-10m 180 "$PY -m shardkit.train $F --classes 10000000 --per-class 1 --sample-rate 0.1 --profile 20 \
+      --out /tmp/ir50_10m && cp /tmp/ir50_10m/log.txt $WORK/out/ir50_10m_log.txt"
+    ;;
   budget)
     # The memory budget's CUDA kept path (see the header): its tests, memcheck, then its timings.
     info; wheels; build
@@ -570,6 +614,6 @@ PYEOF
     step bench-budget 330 "SHARDKIT_CUDA_KEEP=1 $B/bench_sharded_loss.py --device cuda --shape 1024 1000000 512 \
       --llm-shapes --methods shardkit shardkit@50% shardkit@full liger_flce quack_lce cce_exact --method-budget 2"
     ;;
-  *) echo "unknown stage $STAGE (next, next-b, budget, quick, quick-b, rest, test, bench-a, bench-b, fused, fused-b)"; exit 2 ;;
+  *) echo "unknown stage $STAGE (next, next-b, recipe, recipe-b, budget, quick, quick-b, rest, test, bench-a, bench-b, fused, fused-b)"; exit 2 ;;
 esac
 finish
