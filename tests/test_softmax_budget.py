@@ -9,6 +9,9 @@ to backward (the tensors autograd saves) never exceed the budget. The process-gr
 with budgets in tests/softmax_dist_scenarios.py; the CUDA kept path (SHARDKIT_CUDA_KEEP=1) in
 tests/test_softmax_budget_cuda.py."""
 
+import math
+import re
+
 import pytest
 import torch
 from softmax_checks import (
@@ -132,6 +135,42 @@ def test_kept_chunks_for_budget():
         kept_chunks_for_budget(B, C, chunk, -1)
     with pytest.raises(ValueError, match="argument `chunk_classes` must be >= 1"):
         kept_chunks_for_budget(B, C, 0, 10)
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda: kept_chunks_for_budget(8.5, 10, 2, 100), TypeError, "argument `batch` must be an int, got float"),
+        (lambda: kept_chunks_for_budget("8", 10, 2, 100), TypeError, "argument `batch` must be an int, got str"),
+        (lambda: kept_chunks_for_budget(8, 10, 2.7, 100), TypeError, "argument `chunk_classes` must be an int"),
+        (lambda: kept_chunks_for_budget(8, 10, 2, True), TypeError, "argument `budget_bytes` must be an int, got bool"),
+        (lambda: kept_chunks_for_budget(8, 10, 2, "1MiB"), TypeError, "argument `budget_bytes` must be an int"),
+        (lambda: kept_chunks_for_budget(8, 10, 2, math.inf), TypeError, "argument `budget_bytes` must be an int"),
+        (lambda: kept_chunks_for_budget(8, 10, 2, 1e9), TypeError, "argument `budget_bytes` must be an int"),
+        (lambda: kept_chunks_for_budget(8, 10, 2, 100, "float64"), TypeError, "argument `dtype` must be a floating"),
+        (lambda: kept_chunks_for_budget(8, 10, 2, 100, torch.int64), TypeError, "argument `dtype` must be a floating"),
+        (lambda: kept_bytes(-8, 10, 2, 3), ValueError, "argument `batch` must be >= 0, got -8"),
+        (lambda: kept_bytes(8, -10, 2, 3), ValueError, "argument `num_classes` must be >= 0, got -10"),
+        (lambda: kept_bytes(8, 10, 0, 3), ValueError, "argument `chunk_classes` must be >= 1, got 0"),
+        (lambda: kept_bytes(8, 10, 2, -3), ValueError, "argument `keep_chunks` must be >= 0, got -3"),
+        (lambda: kept_bytes("8", 10, 2, 3), TypeError, "argument `batch` must be an int, got str"),
+        (lambda: kept_bytes(True, 10, 2, 3), TypeError, "argument `batch` must be an int, got bool"),
+        (lambda: kept_bytes(8, 10, 2, None), TypeError, "argument `keep_chunks` must be an int, got NoneType"),
+        (lambda: kept_bytes(8, 10, 2, 1, "x"), TypeError, "argument `dtype` must be a floating"),
+    ],
+)
+def test_budget_helpers_refuse_bad_arguments(call, error, message):
+    # Before: strings were repeated ("8" * ...), floats truncated, bools counted, negative sizes
+    # gave negative byte counts and an infinite budget an OverflowError.
+    with pytest.raises(error, match=re.escape(message)):
+        call()
+
+
+def test_budget_helpers_take_numpy_ints():
+    np = pytest.importorskip("numpy")
+    B, C, chunk = np.int64(10), np.int64(95), np.int64(20)
+    assert kept_chunks_for_budget(B, C, chunk, np.int64(kept_bytes(10, 95, 20, 2))) == 2
+    assert kept_bytes(B, C, chunk, np.int32(2)) == kept_bytes(10, 95, 20, 2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from numbers import Integral
 from typing import Optional, Tuple, Union
 
 import torch
@@ -116,6 +117,21 @@ def kept_logits_dtype(dtype: torch.dtype, device: Union[str, torch.device] = "cp
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _check_counts(**values: Tuple[object, int]) -> None:
+    # Sizes are ints (bool, float, str and tensors refused, not truncated) no smaller than their
+    # bound; a SymInt is a traced size (ce_shard_stats under torch.compile with dynamic shapes).
+    for name, (value, low) in values.items():
+        if isinstance(value, bool) or not isinstance(value, (Integral, torch.SymInt)):
+            raise TypeError(f"argument `{name}` must be an int, got {type(value).__name__} {value!r}")
+        if int(value) < low:
+            raise ValueError(f"argument `{name}` must be >= {low}, got {value}")
+
+
+def _check_dtype(dtype: object) -> None:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"argument `dtype` must be a floating torch.dtype (the embeddings'), got {dtype!r}")
+
+
 def kept_bytes(
     batch: int,
     num_classes: int,
@@ -128,6 +144,9 @@ def kept_bytes(
     logits ``[batch, kept classes]`` in :func:`kept_logits_dtype` (``dtype`` is the
     embeddings') and one target value per row in the statistics' dtype (float32; float64 for
     float64 ``dtype``). 0 when ``keep_chunks`` is 0."""
+    _check_counts(batch=(batch, 0), num_classes=(num_classes, 0), chunk_classes=(chunk_classes, 1))
+    _check_counts(keep_chunks=(keep_chunks, 0))
+    _check_dtype(dtype)
     if keep_chunks <= 0:
         return 0
     elem = kept_logits_dtype(dtype, device).itemsize
@@ -153,11 +172,9 @@ def kept_chunks_for_budget(
         dtype: the embeddings' dtype; device: where the shard lives (the kept logits' dtype,
             :func:`kept_logits_dtype`, depends on both).
     """
-    for name, value, low in (("batch", batch, 0), ("num_classes", num_classes, 0), ("chunk_classes", chunk_classes, 1)):
-        if isinstance(value, bool) or int(value) < low:
-            raise ValueError(f"argument `{name}` must be >= {low}, got {value}")
-    if int(budget_bytes) < 0:
-        raise ValueError(f"argument `budget_bytes` must be >= 0, got {budget_bytes}")
+    _check_counts(batch=(batch, 0), num_classes=(num_classes, 0), chunk_classes=(chunk_classes, 1))
+    _check_counts(budget_bytes=(budget_bytes, 0))
+    _check_dtype(dtype)
     batch, num_classes, budget = int(batch), int(num_classes), int(budget_bytes)
     if batch == 0 or num_classes == 0:
         return 0
@@ -276,7 +293,7 @@ def ce_shard_stats(
     if isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget < 0:
         raise ValueError(f"argument `memory_budget` must be an int >= 0 (bytes), got {memory_budget!r}")
     keep = 0
-    if memory_budget > 0 and x.dim() == 2 and w.dim() == 2 and chunk_classes >= 1:
+    if memory_budget > 0 and x.dim() == 2 and w.dim() == 2 and chunk_classes >= 1 and x.is_floating_point():
         keep = kept_chunks_for_budget(x.shape[0], w.shape[0], int(chunk_classes), memory_budget, x.dtype, x.device)
     if _keeps(x, w, keep):
         return torch.ops.shardkit.ce_shard_stats_keep.default(*args, keep)[:4]
