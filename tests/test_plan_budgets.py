@@ -2,6 +2,8 @@
 the time factor and the extra memory move monotonically with the budget, and the largest class
 count is the largest that fits."""
 
+import re
+
 import pytest
 import torch
 
@@ -64,6 +66,48 @@ def test_cli_prints_the_budget_table(capsys):
         main([*argv, "--memory-budget", "lots"])
     assert err.value.code == 2
     assert "argument --memory-budget: cannot parse size" in capsys.readouterr().err
+
+
+ARGS = dict(classes=1000, dim=64, devices=2, batch=8)
+
+
+@pytest.mark.parametrize(
+    "budgets, error, message",
+    [
+        ([-5], ValueError, "argument `budgets[0]` must be bytes (an int >= 0) or 'full', got -5"),
+        ([0, 1.5], TypeError, "argument `budgets[1]` must be bytes (an int >= 0) or 'full', got float"),
+        ([float("inf")], TypeError, "argument `budgets[0]` must be bytes"),
+        ([float("nan")], TypeError, "argument `budgets[0]` must be bytes"),
+        ([True], TypeError, "argument `budgets[0]` must be bytes (an int >= 0) or 'full', got bool"),
+        ([None], TypeError, "got NoneType"),
+        (["2GiB"], ValueError, "argument `budgets[0]` must be bytes (an int >= 0) or 'full', got '2GiB'"),
+        (["auto"], ValueError, "a plan cannot know"),
+        ("full", TypeError, "argument `budgets` must be a list of budgets"),
+        (5, TypeError, "argument `budgets` must be a list of budgets"),
+    ],
+)
+def test_plan_budgets_refuses_bad_budgets(budgets, error, message):
+    # Before: -5, 1.5 and True were planned as budgets that keep nothing, inf raised an
+    # OverflowError, "2GiB" / "auto" a bare int() parse error, a string was iterated.
+    with pytest.raises(error, match=re.escape(message)):
+        plan_budgets(budgets, **ARGS)
+
+
+def test_budget_helpers_check_the_budget():
+    with pytest.raises(ValueError, match=re.escape("argument `budget` must be bytes (an int >= 0) or 'full', got -1")):
+        kept_logits(8, 100, 10, -1)
+    with pytest.raises(TypeError, match=re.escape("argument `budget` must be bytes")):
+        largest_classes(2.5, gpu_memory=GiB, **ARGS)
+    assert plan_budgets(["FULL"], **ARGS)[0].budget == FULL  # the label in any case
+    assert kept_logits(8, 100, 10, " Full ") == kept_logits(8, 100, 10, FULL)
+
+
+@pytest.mark.parametrize("value, message", [("auto", "a plan cannot know"), ("lots", "or 'full'"), ("-1", "or 'full'")])
+def test_cli_budget_errors_say_what_it_takes(capsys, value, message):
+    with pytest.raises(SystemExit) as err:
+        main(["--classes", "1000", "--dim", "64", "--batch", "8", "--memory-budget", value])
+    assert err.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_planner_and_module_agree_on_a_cpu_head():

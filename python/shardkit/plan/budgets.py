@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from shardkit.plan.memory import MemoryPlan, plan_memory
@@ -41,9 +42,31 @@ class BudgetPlan:
     largest_classes: Optional[int] = None
 
 
+def check_budget(budget: Any, name: str = "budget") -> Budget:
+    """``budget`` as the planner takes it: bytes (an int >= 0) or :data:`FULL` (any case).
+    TypeError / ValueError naming ``name`` otherwise (a float, a bool, a size string: the
+    command line parses those; "auto": its bytes depend on the memory free at run time)."""
+    if isinstance(budget, str):
+        if budget.strip().lower() == FULL:
+            return FULL
+        hint = (
+            "; 'auto' is a quarter of the memory available at each forward, which a plan cannot know: plan "
+            "with that many bytes"
+            if budget.strip().lower() == "auto"
+            else ""
+        )
+        raise ValueError(f"argument `{name}` must be bytes (an int >= 0) or {FULL!r}, got {budget!r}{hint}")
+    if isinstance(budget, bool) or not isinstance(budget, Integral):
+        raise TypeError(f"argument `{name}` must be bytes (an int >= 0) or {FULL!r}, got {type(budget).__name__}")
+    if budget < 0:
+        raise ValueError(f"argument `{name}` must be bytes (an int >= 0) or {FULL!r}, got {budget}")
+    return int(budget)
+
+
 def kept_logits(batch: int, classes: int, chunk: int, budget: Budget) -> Tuple[int, int]:
     """(kept classes, bytes) of one shard of ``classes`` classes at ``budget`` (bytes or
     :data:`FULL`), as :func:`shardkit.ops.kept_chunks_for_budget` keeps them."""
+    budget = check_budget(budget)
     if classes <= 0 or batch <= 0 or budget == 0:
         return 0, 0
     whole = batch * (classes + 1) * 4
@@ -85,6 +108,11 @@ def _fits(plan: MemoryPlan, budget: Budget) -> bool:
 def plan_budgets(budgets: Sequence[Budget], **plan_args: Any) -> List[BudgetPlan]:
     """:class:`BudgetPlan` per budget (bytes or :data:`FULL`) for the head that
     :func:`shardkit.plan.plan_memory` plans from ``plan_args`` (its arguments, by name)."""
+    if isinstance(budgets, (str, bytes)) or not isinstance(budgets, Sequence):
+        raise TypeError(
+            f"argument `budgets` must be a list of budgets (bytes or {FULL!r}), got {type(budgets).__name__}"
+        )
+    budgets = [check_budget(b, f"budgets[{i}]") for i, b in enumerate(budgets)]
     plan = plan_memory(**plan_args)
     out = []
     for budget in budgets:
@@ -104,6 +132,7 @@ def plan_budgets(budgets: Sequence[Budget], **plan_args: Any) -> List[BudgetPlan
 def largest_classes(budget: Budget, **plan_args: Any) -> int:
     """The largest class count whose plan fits ``gpu_memory`` at ``budget`` (0 if not even
     one class does): doubling, then bisection."""
+    budget = check_budget(budget)
     args = dict(plan_args)
 
     def fits(classes: int) -> bool:

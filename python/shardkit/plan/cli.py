@@ -9,7 +9,7 @@ import re
 import sys
 from typing import Optional, Sequence
 
-from shardkit.plan.budgets import FULL, Budget, BudgetPlan, plan_budgets
+from shardkit.plan.budgets import FULL, Budget, BudgetPlan, check_budget, plan_budgets
 from shardkit.plan.memory import (
     DEFAULT_CHUNK_BUDGET,
     DTYPE_BYTES,
@@ -90,9 +90,15 @@ def format_budgets(rows: Sequence[BudgetPlan], gpu_memory: Optional[int]) -> str
 
 
 def _budget_arg(text: str) -> Budget:
-    if text.strip().lower() == FULL:
-        return FULL
-    return _size_arg(text)
+    try:
+        if text.strip().lower() in (FULL, "auto"):
+            return check_budget(text, "--memory-budget")
+        return parse_size(text)
+    except ValueError as e:
+        msg = str(e).replace("argument `--memory-budget` ", "").replace("bytes (an int >= 0)", "a size such as 1GiB")
+        raise argparse.ArgumentTypeError(
+            msg if "'full'" in msg else f"{msg}; or 'full' (the whole shard's logits)"
+        ) from None
 
 
 def _size_arg(text: str) -> int:
