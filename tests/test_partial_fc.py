@@ -195,6 +195,14 @@ def test_margin_mapping():
         (combined(m1=1.0, m2=0.3, m3=0.2), ValueError, r"applies only m3 \(CosFace\) when m3 > 0"),
         (combined(m1=1.35), ValueError, r"refused by arcface_torch's CombinedMarginLoss too"),
         (object(), TypeError, r"argument `margin_loss` must be a shardkit margin or an arcface_torch margin loss"),
+        # attributes float() would take or fail on without naming them
+        (combined(s="64", m2=0.5), TypeError, r"argument `margin_loss` \(SimpleNamespace\) has s='64'; it must be a"),
+        (combined(s=None, m2=0.5), TypeError, r"has s=None; it must be a real number"),
+        (combined(s=True, m2=0.5), TypeError, r"has s=True; it must be a real number"),
+        (combined(m2=0.5, threshold=math.nan), ValueError, r"interclass_filtering_threshold is NaN"),
+        (combined(m2=0.5, threshold="x"), TypeError, r"has interclass_filtering_threshold='x'"),
+        (combined(m1=math.nan, m3=0.3), ValueError, r"argument `margin_loss` has m1=nan; it must be finite"),
+        (SimpleNamespace(s=64.0, margin="x"), TypeError, r"has margin='x'; it must be a real number"),
     ],
 )
 def test_margin_errors(loss_obj, error, match):
@@ -211,6 +219,39 @@ def test_argument_errors():
         PartialFC_V2(combined(m3=0.4), 4, 10, 1.5)
     with pytest.raises(ValueError, match=r"argument `embeddings` has dim 5"):
         PartialFC_V2(combined(m3=0.4), 4, 10)(torch.randn(2, 5), torch.tensor([1, 2]))
+    # autocast raised "unsupported autocast device_type 'meta'" before the argument was checked
+    for fp16 in (False, True):
+        with pytest.raises(ValueError, match=r"argument `embeddings` is on meta"):
+            PartialFC_V2(combined(m3=0.4), 4, 10, 1.0, fp16)(torch.randn(2, 4, device="meta"), torch.tensor([1, 2]))
+
+
+def test_margin_attributes_may_be_one_element_tensors():
+    assert margin_from_loss(combined(torch.tensor(64.0), m2=torch.tensor(0.5))) == shardkit.ArcFace(64.0, 0.5)
+    assert margin_from_loss(combined(32, m3=0.3, threshold=None)) == shardkit.CosFace(32.0, 0.3)
+
+
+def test_load_errors_name_the_checkpoint_key():
+    # A wrong-shaped or absent `weight` was also reported as a missing "weight_shards.0", a key
+    # the checkpoint never holds; now the error names `weight` only, and nothing is loaded.
+    head = PartialFC_V2(combined(m3=0.4), 4, 10)
+    before = head.weight.detach().clone()
+    for bad in ({"weight": torch.randn(11, 4)}, {"weight": torch.randn(10, 5)}, {"weight": [0.0]}):
+        with pytest.raises(RuntimeError, match=r"size mismatch for weight") as err:
+            head.load_state_dict(bad)
+        assert "weight_shards" not in str(err.value)
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "weight"\.') as err:
+        head.load_state_dict({"weights": torch.randn(10, 4)})
+    assert "weight_shards" not in str(err.value) and '"weights"' in str(err.value)
+    result = head.load_state_dict({}, strict=False)
+    assert result.missing_keys == ["weight"] and result.unexpected_keys == []
+    assert torch.equal(head.weight.detach(), before)
+    # the per-shard keys of a same-shard-count state still load as parameters
+    head.load_state_dict({"weight_shards.0": torch.ones(10, 4)})
+    assert torch.equal(head.weight.detach(), torch.ones(10, 4))
+    # inside a model the key carries the model's prefix
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), PartialFC_V2(combined(m3=0.4), 4, 10))
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "1\.weight"\.'):
+        net.load_state_dict({k: v for k, v in net.state_dict().items() if k != "1.weight"})
 
 
 # ---- two gloo ranks: the classes split over the ranks as PartialFC_V2 splits them ----

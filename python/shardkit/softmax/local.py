@@ -313,6 +313,13 @@ def _load_state_dict_pre_hook(
 ) -> None:
     key = prefix + "weight"
     if key not in state_dict:
+        shard_keys = [f"{prefix}weight_shards.{k}" for k in range(len(module.weight_shards))]
+        if not any(k in state_dict for k in shard_keys):
+            # Neither form: report the key state_dict() writes (`weight`), not the per-shard ones;
+            # the shards keep their values (loaded from themselves).
+            missing.append(key)
+            for k, shard in zip(shard_keys, module.weight_shards):
+                state_dict[k] = shard.detach()
         return  # per-shard keys (same shard count) load as ordinary parameters
     full = state_dict.pop(key)
     expected = (module.num_classes, module.embedding_dim)
@@ -322,6 +329,10 @@ def _load_state_dict_pre_hook(
             f"size mismatch for {key}: the checkpoint has {shape}, this module expects {expected} "
             "[num_classes, embedding_dim]"
         )
+        # The shards' own values stand in, so the error is this size mismatch alone, not also
+        # "missing" per-shard keys the checkpoint was never meant to hold.
+        for k, shard in enumerate(module.weight_shards):
+            state_dict.setdefault(f"{prefix}weight_shards.{k}", shard.detach())
         return
     for k, (offset, size) in enumerate(zip(module.class_offsets, module.shard_sizes)):
         state_dict[f"{prefix}weight_shards.{k}"] = full[offset : offset + size]

@@ -27,6 +27,8 @@ math.
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any, Dict, List, Literal, Optional, Sequence, Union
 
 import torch
@@ -62,8 +64,13 @@ def margin_from_loss(margin_loss: object) -> Margin:
     if isinstance(margin_loss, Margin):
         return margin_loss
     if all(hasattr(margin_loss, name) for name in ("s", "m1", "m2", "m3")):
-        s, m1, m2, m3 = (float(getattr(margin_loss, name)) for name in ("s", "m1", "m2", "m3"))
-        threshold = float(getattr(margin_loss, "interclass_filtering_threshold", 0) or 0)
+        s, m1, m2, m3 = (_number(margin_loss, name) for name in ("s", "m1", "m2", "m3"))
+        for name, value in (("s", s), ("m1", m1), ("m2", m2), ("m3", m3)):
+            if not math.isfinite(value):
+                raise ValueError(f"argument `margin_loss` has {name}={value}; it must be finite")
+        threshold = _number(margin_loss, "interclass_filtering_threshold", default=0.0)
+        if math.isnan(threshold):
+            raise ValueError("argument `margin_loss`: interclass_filtering_threshold is NaN; set it to 0")
         if threshold > 0:
             raise ValueError(
                 f"argument `margin_loss`: interclass_filtering_threshold={threshold} is not supported "
@@ -84,13 +91,29 @@ def margin_from_loss(margin_loss: object) -> Margin:
             "CombinedMarginLoss too; use m1=1 with m2 (ArcFace) or m3 > 0 (CosFace)"
         )
     if hasattr(margin_loss, "s") and hasattr(margin_loss, "margin"):
-        return ArcFace(float(margin_loss.s), float(margin_loss.margin))
+        return ArcFace(_number(margin_loss, "s"), _number(margin_loss, "margin"))
     if hasattr(margin_loss, "s") and hasattr(margin_loss, "m"):
-        return CosFace(float(margin_loss.s), float(margin_loss.m))
+        return CosFace(_number(margin_loss, "s"), _number(margin_loss, "m"))
     raise TypeError(
         "argument `margin_loss` must be a shardkit margin or an arcface_torch margin loss "
         f"(CombinedMarginLoss, ArcFace, CosFace), got {type(margin_loss).__name__}"
     )
+
+
+def _number(margin_loss: object, name: str, default: Optional[float] = None) -> float:
+    """The attribute ``name`` of an arcface_torch margin loss as a float: a real number or a
+    one-element tensor (not a bool, string or None, which float() would take or name nothing
+    by); ``default`` where the attribute is absent or None."""
+    value = getattr(margin_loss, name, None)
+    if value is None and default is not None:
+        return default
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype.is_floating_point:
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"argument `margin_loss` ({type(margin_loss).__name__}) has {name}={value!r}; it must be a real number"
+        )
+    return float(value)
 
 
 def _densify_grad(param: torch.Tensor) -> None:
@@ -213,6 +236,8 @@ class PartialFC_V2(ShardedSoftmaxLoss):
         if isinstance(labels, torch.Tensor) and labels.dim() == 2 and labels.shape[1] == 1:
             labels = labels.reshape(-1)
         device_type = local_embeddings.device.type if isinstance(local_embeddings, torch.Tensor) else "cpu"
+        if device_type not in ("cpu", "cuda"):  # refused there, naming the argument (autocast would not)
+            return super().forward(local_embeddings, labels, return_details=return_details, topk=topk)
         with torch.autocast(device_type, dtype=torch.float16, enabled=self.fp16):
             return super().forward(local_embeddings, labels, return_details=return_details, topk=topk)
 
