@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import socket
 import subprocess
@@ -57,9 +58,12 @@ MARGINS = {"cosface": (1.0, 0.0, 0.4), "arcface": (1.0, 0.5, 0.0)}  # arcface_to
 
 def _int_list(text):
     try:
-        values = [int(float(v)) for v in text.split(",") if v.strip()]
+        numbers = [float(v) for v in text.split(",") if v.strip()]  # float: 1e6 is a count too
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
+    if any(not math.isfinite(v) or v != int(v) for v in numbers):  # 1.7 is not truncated to 1
+        raise argparse.ArgumentTypeError(f"must be whole numbers, got {text!r}")
+    values = [int(v) for v in numbers]
     if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"must be integers >= 1, got {text!r}")
     return values
@@ -122,6 +126,13 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"argument --{name.replace('_', '-')}: must be >= {low}, got {getattr(args, name)}")
     if not 0.0 < args.resolution < 1.0:
         parser.error(f"argument --resolution: must be in (0, 1), got {args.resolution}")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        parser.error(f"argument --timeout: must be a finite number of seconds > 0, got {args.timeout}")
+    # checked now, not when the JSON is written after every run has been made
+    if args.out is not None and os.path.isdir(args.out):
+        parser.error(f"argument --out: {args.out!r} is a folder; give the JSON file's path")
+    if args.out is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        parser.error(f"argument --out: the folder of {args.out!r} does not exist")
     if args.child is None:
         try:
             args.arcface_torch = setup.find_checkout(args.arcface_torch)

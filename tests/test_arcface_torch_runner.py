@@ -143,6 +143,14 @@ def test_arguments(runner, standin, capsys):
         (["--steps", "0"], "argument --steps: must be >= 1"),
         (["--resolution", "1.5"], "argument --resolution: must be in (0, 1)"),
         (["--arcface-torch", str(standin.parent)], "holds no train_v2.py and partial_fc_v2.py"),
+        # an OverflowError traceback, a truncation to 1, no check, a failure after every run
+        (["--classes", "inf"], "argument --classes: must be whole numbers, got 'inf'"),
+        (["--classes", "1e6,1.7"], "argument --classes: must be whole numbers, got '1e6,1.7'"),
+        (["--batch", "nan"], "argument --batch: must be whole numbers"),
+        (["--timeout", "-1"], "argument --timeout: must be a finite number of seconds > 0, got -1.0"),
+        (["--timeout", "nan"], "argument --timeout: must be a finite number of seconds > 0, got nan"),
+        (["--out", str(standin / "no" / "such" / "r.json")], "argument --out: the folder of"),
+        (["--out", str(standin)], "is a folder; give the JSON file's path"),
     ]
     for extra, message in bad:
         with pytest.raises(SystemExit) as err:
