@@ -100,8 +100,14 @@ def test_load_state_dict_wrong_shape_in_a_later_tensor_changes_nothing():
         (lambda m: m.__setitem__("2.bias", torch.zeros(2, dtype=torch.int64)), r"entry '2.bias': dtype torch.int64"),
         (lambda m: m.__setitem__("1.num_batches_tracked", torch.tensor(2.5)), r"entry '1.num_batches_tracked'"),
         (lambda m: m.__setitem__("2.bias", torch.zeros(2, device="meta")), r"entry '2.bias': a torch.strided"),
+        (lambda m: m.__setitem__("2.bias", torch.zeros(2).to_sparse()), r"entry '2.bias': a torch.sparse_coo"),
+        # the shape check raised torch's "Internal error: NestedTensorImpl doesn't support sizes"
+        (
+            lambda m: m.__setitem__("2.bias", torch.nested.nested_tensor([torch.zeros(1), torch.zeros(1)])),
+            r"entry '2.bias': a nested tensor, the EMA has a dense one of shape \(2,\)",
+        ),
     ],
-    ids=["missing", "unexpected", "not_tensor", "int_into_float", "float_into_int", "meta"],
+    ids=["missing", "unexpected", "not_tensor", "int_into_float", "float_into_int", "meta", "sparse", "nested"],
 )
 def test_load_state_dict_bad_module_entry_changes_nothing(edit, msg):
     _, ema = trained_ema()

@@ -197,6 +197,8 @@ def check_module_state(expected: Dict[str, Any], module_state: Dict[str, Any]) -
         where = f"argument `state_dict` has a corrupt 'module' entry {name!r}"
         if not isinstance(v, torch.Tensor):
             raise ValueError(f"{where}: expected a tensor, got {type(v).__name__}")
+        if v.is_nested:  # first: a nested tensor has no .shape to compare
+            raise ValueError(f"{where}: a nested tensor, the EMA has a dense one of shape {tuple(e.shape)}")
         if v.shape != e.shape:
             raise ValueError(f"{where}: shape {tuple(v.shape)}, the EMA has {tuple(e.shape)}")
         if _dtype_kind(v.dtype) != _dtype_kind(e.dtype):
