@@ -108,6 +108,9 @@ def test_integral_split_options_still_work():
         (-1.0, ValueError, "must be finite and non-negative, got -1.0"),
         (math.nan, ValueError, "must be finite and non-negative, got nan"),
         (math.inf, ValueError, "must be finite and non-negative, got inf"),
+        # the op's "argument `weights` must hold one-element tensors" named no WeightedLoss
+        (torch.ones(2), ValueError, r"must be a one-element tensor or a real number, got shape \(2,\)"),
+        (torch.ones(0), ValueError, r"must be a one-element tensor or a real number, got shape \(0,\)"),
     ],
 )
 def test_bad_weights_are_named(weight, error, match):

@@ -35,6 +35,8 @@ def check_weight(w: Any, what: str) -> None:
     """A loss weight is a tensor (its value is not read: no host sync) or a finite,
     non-negative real number (not a bool); ``what`` names it in the errors."""
     if isinstance(w, torch.Tensor):
+        if w.numel() != 1:  # its shape is free to read (no host sync); the reduction needs one number
+            raise ValueError(f"{what} must be a one-element tensor or a real number, got shape {tuple(w.shape)}")
         return
     if isinstance(w, bool) or not isinstance(w, numbers.Real):
         raise TypeError(f"{what} must be a one-element tensor or a real number, got {type(w).__name__} {w!r}")

@@ -58,6 +58,8 @@ def _init_parallel(
     """nn.DataParallel.__init__ for CUDA lists of distinct devices; for repeated devices
     (``["cpu"] * k``, ``[0, 0]``), which nn.DataParallel rejects, the same public
     attributes (module, device_ids, output_device, dim) are set here."""
+    if not isinstance(module, nn.Module):  # else it failed at the first call, naming nothing
+        raise TypeError(f"argument `module` must be an nn.Module, got {type(module).__name__}")
     if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
         raise TypeError(f"argument `dim` must be an int, got {type(dim).__name__} {dim!r}")
     dim = int(dim)
@@ -75,7 +77,10 @@ def _init_parallel(
             return
     else:
         nn.Module.__init__(self)
-        out = U.as_device(output_device if output_device is not None else devices[0])
+        try:
+            out = U.as_device(output_device if output_device is not None else devices[0])
+        except ValueError as e:
+            raise ValueError(f"argument `output_device`: {e}") from None
         if out.type != devices[0].type:
             raise ValueError(f"argument `output_device` ({out}) must be of the type of `device_ids` ({devices[0]})")
         self.module, self.dim = module, dim

@@ -235,6 +235,12 @@ class PipelineModel(nn.Module):
         on ``output_device``, computed in ``min(chunks, B)`` pipelined micro-batches."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"argument `x` must be a Tensor with the batch along dim 0, got {type(x).__name__}")
+        if x.is_nested or x.layout != torch.strided:  # not split by tensor_split (a nested one has no shape)
+            layout = "nested" if x.is_nested else str(x.layout)
+            raise TypeError(f"argument `x` must be a dense (strided) tensor, got a {layout} one")
+        if x.device.type not in ("cpu", "cuda"):
+            where = ", ".join(map(str, self.devices))
+            raise ValueError(f"argument `x` is on {x.device}; the stages run on {where}: give it data there")
         if x.dim() == 0 or x.shape[0] == 0:
             raise ValueError(f"argument `x` must have a non-empty batch along dim 0, got shape {tuple(x.shape)}")
         micro = list(x.tensor_split(min(self.chunks, x.shape[0])))

@@ -20,6 +20,9 @@ from shardkit.ops import split_to_devices
 
 def as_device(d: Any) -> torch.device:
     """torch.device with an explicit CUDA index (ints are CUDA indices, like DataParallel)."""
+    # True would be cuda:1, and torch's own error for -1 names no argument
+    if isinstance(d, bool) or (isinstance(d, int) and d < 0):
+        raise ValueError(f"not a device: {d!r} (use e.g. 'cpu', 'cuda:0' or a CUDA index >= 0)")
     if isinstance(d, int):
         return torch.device("cuda", d)
     try:
@@ -37,7 +40,10 @@ def parse_device_ids(device_ids: Sequence[Any]) -> list[torch.device]:
     """Normalizes a user device list; every entry must be of one type, "cpu" or "cuda"."""
     if isinstance(device_ids, (str, int, torch.device)):
         raise TypeError(f"argument `device_ids` must be a list of devices, got {device_ids!r}")
-    devices = [as_device(d) for d in device_ids]
+    try:
+        devices = [as_device(d) for d in device_ids]
+    except ValueError as e:
+        raise ValueError(f"argument `device_ids`: {e}") from None
     if not devices:
         raise ValueError("argument `device_ids` must not be empty; pass None to use every visible GPU")
     types = {d.type for d in devices}
