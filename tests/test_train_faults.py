@@ -122,6 +122,22 @@ def test_head_optimizer_state_round_trips_over_any_shard_count():
         (lambda s: s.__setitem__("ema", None), "EMA"),
         (lambda s: s["optimizers"][1].__setitem__("momentum_buffer", torch.zeros(3)), "does not fit this run"),
         (lambda s: s["optimizers"][1].__setitem__("momentum_buffer", [torch.zeros(3, 16)]), "does not fit this run"),
+        # the backbone optimizer's momentum of the wrong shape: a broadcast traceback at the next step
+        (
+            lambda s: [st.update(momentum_buffer=torch.zeros(1)) for st in s["optimizers"][0]["state"].values()],
+            "the backbone optimizer's momentum of parameter 0 is (1,), not (",
+        ),
+        # non-finite momentum: the first step made the weights NaN ("diverged ... lower --lr")
+        (
+            lambda s: next(iter(s["optimizers"][0]["state"].values()))["momentum_buffer"].fill_(float("inf")),
+            "the backbone optimizer's momentum of parameter 0 holds NaN or infinite values",
+        ),
+        (
+            lambda s: s["optimizers"][1]["momentum_buffer"][0][1].fill_(float("nan")),
+            "the head optimizer's momentum of parameter 0 holds NaN or infinite values",
+        ),
+        # every line of load_state_dict's error, not its first ("Error(s) in loading state_dict for Backbone:")
+        (lambda s: s["backbone"].pop("stem.0.weight"), 'Missing key(s) in state_dict: "stem.0.weight"'),
     ],
 )
 def test_checkpoint_edited_by_hand_is_one_line(two_steps, tmp_path, capsys, edit, needle):

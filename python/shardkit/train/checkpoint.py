@@ -273,3 +273,20 @@ def load_head_optimizer_state(opt: torch.optim.Optimizer, head: ShardedSoftmaxLo
         n = p.shape[0]
         state[k] = {"momentum_buffer": _rows(bufs, off, n), "seen": _rows(seen, off, n)}
     opt.load_state_dict({"state": state, "param_groups": [dict(group, params=list(range(len(state))))]})
+
+
+def check_optimizer_state(opt, which: str) -> None:
+    """The momentum each parameter's state holds after ``opt.load_state_dict``: a finite
+    tensor of the parameter's shape. ``load_state_dict`` takes any tensor there; a damaged one
+    failed only at the next ``step`` (a broadcast error's traceback) or, when not finite,
+    turned the weights NaN: a ValueError naming ``which`` optimizer instead."""
+    for group in opt.param_groups:
+        for k, p in enumerate(group["params"]):
+            buf = opt.state.get(p, {}).get("momentum_buffer")
+            if buf is None:
+                continue
+            if not isinstance(buf, torch.Tensor) or buf.layout != torch.strided or buf.shape != p.shape:
+                shape = tuple(buf.shape) if isinstance(buf, torch.Tensor) else type(buf).__name__
+                raise ValueError(f"the {which} optimizer's momentum of parameter {k} is {shape}, not {tuple(p.shape)}")
+            if not bool(torch.isfinite(buf).all()):
+                raise ValueError(f"the {which} optimizer's momentum of parameter {k} holds NaN or infinite values")

@@ -381,6 +381,8 @@ def load_checkpoint(ckpt_dir: str, parts: Parts, world: World) -> Tuple[int, Dic
             parts.head.load_state_dict(state["head"])
         parts.optimizers[0].load_state_dict(state["optimizers"][0])
         checkpoint.load_head_optimizer_state(parts.optimizers[1], parts.head, state["optimizers"][1])
+        for opt, which in zip(parts.optimizers, ("backbone", "head")):
+            checkpoint.check_optimizer_state(opt, which)
         if parts.scaler is not None and state["scaler"] is not None:
             parts.scaler.load_state_dict(state["scaler"])
         if parts.ema is not None and state["ema"] is not None:
@@ -388,9 +390,11 @@ def load_checkpoint(ckpt_dir: str, parts: Parts, world: World) -> Tuple[int, Dic
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
     except (RuntimeError, KeyError, ValueError, TypeError, AttributeError, IndexError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        # every line: load_state_dict's first one only says "Error(s) in loading state_dict for X:"
+        said = " ".join(line.strip() for line in str(e).strip().splitlines() if line.strip()) or type(e).__name__
+        said = said if len(said) <= 600 else said[:600] + " ..."
         raise UsageError(
-            f"checkpoint {path} does not fit this run ({first}); resume it with the version of "
+            f"checkpoint {path} does not fit this run ({said}); resume it with the version of "
             "shardkit that wrote it, or start a new run without --resume"
         ) from None
     bad = diverged(parts)
