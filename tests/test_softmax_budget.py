@@ -275,6 +275,8 @@ def test_module_budget_forms():
     assert shardkit.ShardedSoftmaxLoss(4, 10).memory_budget == 0  # the default: recompute
     assert shardkit.ShardedSoftmaxLoss(4, 10, memory_budget="2GiB").memory_budget == 2 << 30
     assert shardkit.ShardedSoftmaxLoss(4, 10, memory_budget="0").memory_budget == 0
+    for zero in ("0B", "0 MiB", " 0.0 gib ", "00"):  # were refused: "must be positive (... or 0 to keep nothing)"
+        assert shardkit.ShardedSoftmaxLoss(4, 10, memory_budget=zero).memory_budget == 0
     assert shardkit.ShardedSoftmaxLoss(4, 10, memory_budget=" Auto ").memory_budget == "auto"
     assert "memory_budget=1000" in repr(shardkit.ShardedSoftmaxLoss(4, 10, memory_budget=1000))
 

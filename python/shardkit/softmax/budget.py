@@ -15,6 +15,7 @@ the budget, and an "auto" budget there resolves to 0 without asking the device.
 """
 
 import os
+import re
 from numbers import Integral
 from typing import List, Optional, Sequence, Union
 
@@ -36,8 +37,8 @@ def check_memory_budget(value: Budget) -> Budget:
     TypeError naming the argument otherwise."""
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
-    if isinstance(value, str) and value.strip() == "0":
-        return 0
+    if isinstance(value, str) and re.fullmatch(r"\s*0+(\.0*)?\s*(b|kb|mb|gb|kib|mib|gib)?\s*", value, re.IGNORECASE):
+        return 0  # "0", "0B", "0 MiB": keep nothing (parse_memory takes positive sizes only)
     if isinstance(value, Integral) and not isinstance(value, bool) and int(value) == 0:
         return 0
     if isinstance(value, Integral) and not isinstance(value, bool) and int(value) < 0:
