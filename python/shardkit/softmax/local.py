@@ -314,12 +314,12 @@ def _load_state_dict_pre_hook(
     key = prefix + "weight"
     if key not in state_dict:
         shard_keys = [f"{prefix}weight_shards.{k}" for k in range(len(module.weight_shards))]
-        if not any(k in state_dict for k in shard_keys):
+        if not any(name in state_dict for name in shard_keys):
             # Neither form: report the key state_dict() writes (`weight`), not the per-shard ones;
             # the shards keep their values (loaded from themselves).
             missing.append(key)
-            for k, shard in zip(shard_keys, module.weight_shards):
-                state_dict[k] = shard.detach()
+            for name, shard in zip(shard_keys, module.weight_shards):
+                state_dict[name] = shard.detach()
         return  # per-shard keys (same shard count) load as ordinary parameters
     full = state_dict.pop(key)
     expected = (module.num_classes, module.embedding_dim)

@@ -275,7 +275,7 @@ def load_head_optimizer_state(opt: torch.optim.Optimizer, head: ShardedSoftmaxLo
     opt.load_state_dict({"state": state, "param_groups": [dict(group, params=list(range(len(state))))]})
 
 
-def check_optimizer_state(opt, which: str) -> None:
+def check_optimizer_state(opt: torch.optim.Optimizer, which: str) -> None:
     """The momentum each parameter's state holds after ``opt.load_state_dict``: a finite
     tensor of the parameter's shape. ``load_state_dict`` takes any tensor there; a damaged one
     failed only at the next ``step`` (a broadcast error's traceback) or, when not finite,
