@@ -157,6 +157,11 @@ def test_kept_chunks_for_budget():
         (lambda: kept_bytes(True, 10, 2, 3), TypeError, "argument `batch` must be an int, got bool"),
         (lambda: kept_bytes(8, 10, 2, None), TypeError, "argument `keep_chunks` must be an int, got NoneType"),
         (lambda: kept_bytes(8, 10, 2, 1, "x"), TypeError, "argument `dtype` must be a floating"),
+        # a misspelled device was taken for the CPU; None and floats raised torch's unnamed errors
+        (lambda: kept_bytes(8, 10, 2, 1, torch.bfloat16, "bogus"), ValueError, "argument `device` must name a"),
+        (lambda: kept_bytes(8, 10, 2, 1, torch.bfloat16, "cuda:x"), ValueError, "argument `device` must name a"),
+        (lambda: kept_bytes(8, 10, 2, 1, torch.bfloat16, None), TypeError, "argument `device` must be a torch.device"),
+        (lambda: kept_chunks_for_budget(8, 10, 2, 99, torch.float32, 1.5), TypeError, "argument `device` must be"),
     ],
 )
 def test_budget_helpers_refuse_bad_arguments(call, error, message):

@@ -104,7 +104,17 @@ def _kept_classes(num_classes: int, chunk_classes: int, keep_chunks: int) -> int
 
 
 def _device_type(device: Union[str, torch.device]) -> str:
-    return device if isinstance(device, str) and ":" not in device else torch.device(device).type
+    if isinstance(device, torch.device):
+        return device.type
+    if device in ("cpu", "cuda"):
+        return device
+    # a misspelled string ("bogus") was taken for the CPU; None or a float raised torch's own error
+    if isinstance(device, bool) or not isinstance(device, (str, int)):
+        raise TypeError(f"argument `device` must be a torch.device or a string such as 'cuda:0', got {device!r}")
+    try:
+        return torch.device(device).type
+    except RuntimeError as err:
+        raise ValueError(f"argument `device` must name a device such as 'cpu' or 'cuda:0', got {device!r}") from err
 
 
 def kept_logits_dtype(dtype: torch.dtype, device: Union[str, torch.device] = "cpu") -> torch.dtype:
