@@ -4,6 +4,7 @@ change a captured graph could not follow, ``ModelEMA(cuda_graph=True)`` leaves t
 it was; with a GPU (marker ``gpu``): the op on CUDA, captured and replayed with new decays, and
 ModelEMA's captured updates equal the eager ones and follow a changed model."""
 
+import numpy as np
 import pytest
 import torch
 from test_ema import PAIRS, Net, boundary_sizes, train_step
@@ -102,8 +103,10 @@ def test_cuda_graph_switch_leaves_the_cpu_path_as_it_was():
         plain.update(net)
     for a, b in zip(graphed.module.state_dict().values(), plain.module.state_dict().values()):
         assert torch.equal(a, b)
-    with pytest.raises(TypeError, match="argument `cuda_graph` must be a bool, got str"):
+    with pytest.raises(TypeError, match="argument `cuda_graph` must be a Python bool, got builtins.str"):
         shardkit.ModelEMA(net, cuda_graph="yes")
+    with pytest.raises(TypeError, match="argument `cuda_graph` must be a Python bool, got numpy.bool"):
+        shardkit.ModelEMA(net, cuda_graph=np.bool_(True))
 
 
 # ---- with a CUDA GPU ---------------------------------------------------------------------

@@ -211,7 +211,8 @@ class ModelEMA:
         self._tracker: Optional[ModelTracker] = None  # the last model seen and its tensors
         self._stage: Optional[HostStage] = None
         if not isinstance(cuda_graph, bool):
-            raise TypeError(f"argument `cuda_graph` must be a bool, got {type(cuda_graph).__name__}")
+            kind = type(cuda_graph)
+            raise TypeError(f"argument `cuda_graph` must be a Python bool, got {kind.__module__}.{kind.__name__}")
         devices = list({e.device for e in self._ema})
         one_gpu = cuda_graph and len(devices) == 1 and devices[0].type == "cuda"
         self._graph = GraphedEMA(devices[0]) if one_gpu else None  # (ema/graph.py)

@@ -164,7 +164,7 @@ def check_tensors(embeddings: torch.Tensor, labels: torch.Tensor, dim: int) -> t
     _check_dense(labels, "labels", device=False)  # (its device is compared with the embeddings')
     if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex():
         raise TypeError(
-            f"argument `labels` must be an integer tensor (int64 or int32) of class ids, got {labels.dtype}"
+            f"argument `labels` must be an integer tensor of class ids (int64, int32, ...), got {labels.dtype}"
         )
     if labels.dim() != 1 or labels.shape[0] != embeddings.shape[0]:
         raise ValueError(
