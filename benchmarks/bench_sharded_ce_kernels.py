@@ -131,7 +131,7 @@ def main():
     t_gemm = t_gemm3 + t_logits
 
     # The op's own default first (always measured), then the sweep, without repeating it.
-    default_chunk = shardkit.ops._sharded_ce._default_chunk(xd, wd)
+    default_chunk = shardkit.ops._kept.default_chunk(xd, wd)
     chunks = [None] + [c for c in dict.fromkeys(int(c) for c in args.chunks.split(",") if c) if c != default_chunk]
     print(
         f"device={dev} dtype={args.dtype} B={B} D={D} C={C} torch {torch.__version__} threads={torch.get_num_threads()}"

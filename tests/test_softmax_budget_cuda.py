@@ -32,7 +32,7 @@ from softmax_checks import (
 from test_softmax_budget import ALL, OpLog, module_extra_bytes, saved_bytes
 
 import shardkit
-from shardkit.ops import _sharded_ce, ce_shard_stats, kept_bytes, kept_chunks_for_budget, kept_logits_dtype
+from shardkit.ops import _kept, ce_shard_stats, kept_bytes, kept_chunks_for_budget, kept_logits_dtype
 from shardkit.softmax import budget as budget_mod
 
 LOW = (torch.bfloat16, torch.float16)
@@ -40,7 +40,7 @@ LOW = (torch.bfloat16, torch.float16)
 
 @pytest.fixture
 def keep_on(monkeypatch):
-    monkeypatch.setenv(_sharded_ce.CUDA_KEEP_ENV, "1")
+    monkeypatch.setenv(_kept.CUDA_KEEP_ENV, "1")
 
 
 def cuda_budgets(B, C, chunk, dtype=torch.float32):
@@ -54,18 +54,18 @@ def cuda_budgets(B, C, chunk, dtype=torch.float32):
 
 
 def test_the_switch_reads_the_environment(monkeypatch):
-    monkeypatch.setattr(_sharded_ce, "_warned_env", set())
-    monkeypatch.delenv(_sharded_ce.CUDA_KEEP_ENV, raising=False)
-    assert not _sharded_ce.cuda_keep_enabled()
+    monkeypatch.setattr(_kept, "_warned_env", set())
+    monkeypatch.delenv(_kept.CUDA_KEEP_ENV, raising=False)
+    assert not _kept.cuda_keep_enabled()
     for value, on in (("0", False), ("", False), ("1", True)):
-        monkeypatch.setenv(_sharded_ce.CUDA_KEEP_ENV, value)
-        assert _sharded_ce.cuda_keep_enabled() is on
-    monkeypatch.setenv(_sharded_ce.CUDA_KEEP_ENV, "yes")
+        monkeypatch.setenv(_kept.CUDA_KEEP_ENV, value)
+        assert _kept.cuda_keep_enabled() is on
+    monkeypatch.setenv(_kept.CUDA_KEEP_ENV, "yes")
     with pytest.warns(UserWarning, match=r"SHARDKIT_CUDA_KEEP='yes' is neither 0 nor 1: CUDA shards recompute"):
-        assert not _sharded_ce.cuda_keep_enabled()
+        assert not _kept.cuda_keep_enabled()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per value
-        assert not _sharded_ce.cuda_keep_enabled()
+        assert not _kept.cuda_keep_enabled()
 
 
 def test_kept_dtype_and_bytes_per_device():
@@ -109,9 +109,9 @@ def test_fake_kernel_gives_the_kept_dtype_of_the_device():
 def test_auto_on_cuda_follows_the_switch(monkeypatch):
     monkeypatch.setattr(budget_mod, "cuda_available_bytes", lambda index: 80_000 + index)
     cuda1 = torch.device("cuda", 1)
-    monkeypatch.delenv(_sharded_ce.CUDA_KEEP_ENV, raising=False)
+    monkeypatch.delenv(_kept.CUDA_KEEP_ENV, raising=False)
     assert budget_mod.device_budget("auto", cuda1) == 0  # recompute: the device is not asked
-    monkeypatch.setenv(_sharded_ce.CUDA_KEEP_ENV, "1")
+    monkeypatch.setenv(_kept.CUDA_KEEP_ENV, "1")
     assert budget_mod.device_budget("auto", cuda1) == int(budget_mod.AUTO_SHARE * 80_001)
     assert budget_mod.device_budget(12345, cuda1) == 12345
     assert budget_mod.device_budget("auto", torch.device("meta")) == 0
@@ -122,7 +122,7 @@ def test_auto_on_cuda_follows_the_switch(monkeypatch):
 
 @pytest.mark.gpu
 def test_cuda_recomputes_without_the_switch(monkeypatch):
-    monkeypatch.delenv(_sharded_ce.CUDA_KEEP_ENV, raising=False)
+    monkeypatch.delenv(_kept.CUDA_KEEP_ENV, raising=False)
     x, w, labels = make_case(20, 64, 500, 0, device="cuda")
     outs = []
     for budget in (0, ALL):
@@ -134,7 +134,7 @@ def test_cuda_recomputes_without_the_switch(monkeypatch):
     for a, b in zip(*outs):
         assert torch.equal(a, b)
     assert math.isfinite(float(outs[0][0].sum()))
-    monkeypatch.setenv(_sharded_ce.CUDA_KEEP_ENV, "1")
+    monkeypatch.setenv(_kept.CUDA_KEEP_ENV, "1")
     with OpLog() as log:
         ce_shard_stats(x.clone().requires_grad_(), w, labels, memory_budget=ALL, **kw("arcface"))
     assert log.names == ["ce_shard_stats_keep"]

@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardkit
 from shardkit.ops import ce_shard_stats
-from shardkit.ops._sharded_ce import DEFAULT_BUDGET_BYTES
+from shardkit.ops._kept import DEFAULT_BUDGET_BYTES
 
 LOW = [torch.bfloat16, torch.float16]
 # Relative size of one rounding to the 16-bit dtype (unit roundoff, twice for margin).

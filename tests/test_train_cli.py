@@ -12,6 +12,7 @@ import torch
 from shardkit import train
 from shardkit.train import loop as train_loop
 from shardkit.train.models import build_backbone
+from shardkit.train.world import init_distributed
 
 TINY = [
     "--classes",
@@ -243,4 +244,4 @@ def test_torchrun_with_more_ranks_than_gpus_is_a_usage_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     args = SimpleNamespace(devices=[torch.device("cuda", 0)])
     with pytest.raises(UsageError, match=r"local rank 1 has no GPU of its own \(1 visible.*--devices cpu"):
-        train_loop.init_distributed(args)
+        init_distributed(args)

@@ -14,7 +14,7 @@ import shardkit
 from shardkit import train
 from shardkit.train import checkpoint
 from shardkit.train import loop as train_loop
-from shardkit.train import setup as train_setup
+from shardkit.train import resume as train_resume
 
 TINY = "--classes 16 --per-class 8 --image-size 16 --batch 8 --val-classes 4 --val-per-class 3 --dim 16".split()
 TINY += ["--no-progress", "--devices", "cpu", "--ema", "0.9", "--ema-tau", "2"]
@@ -52,7 +52,7 @@ def test_resume_on_another_shard_layout_keeps_the_head_momentum(two_steps, tmp_p
     saved = checkpoint.read(_ckpt(two_steps))["optimizers"][1]
     saved_buf, saved_seen = torch.cat(saved["momentum_buffer"]), torch.cat(saved["seen"])
     assert saved["class_ordered"] and saved_buf.abs().sum() > 0 and saved_seen.any()
-    loaded, real_load = [], train_setup.load_checkpoint
+    loaded, real_load = [], train_resume.load_checkpoint
 
     def load_and_record(ckpt_dir, parts, world):
         out = real_load(ckpt_dir, parts, world)
@@ -64,7 +64,7 @@ def test_resume_on_another_shard_layout_keeps_the_head_momentum(two_steps, tmp_p
             )
         return out
 
-    monkeypatch.setattr(train_setup, "load_checkpoint", load_and_record)
+    monkeypatch.setattr(train_resume, "load_checkpoint", load_and_record)
     run = _copy(two_steps, tmp_path / "run")
     assert train.main(["--resume", run, "--steps", "3", "--no-progress"] + flags) == 0
     assert len(loaded) > 1 and sum(n for _, n, _, _ in loaded) == saved_buf.shape[0]  # another layout

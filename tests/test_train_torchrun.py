@@ -12,8 +12,8 @@ from PIL import Image
 
 import shardkit
 from shardkit.train.imagefolder import ImageFolderDataset
-from shardkit.train.loop import World
 from shardkit.train.setup import _RankBatches
+from shardkit.train.world import World
 
 BATCH, VAL_CLASSES = 4, 2
 FLAGS = ["--val-classes", str(VAL_CLASSES), "--val-per-class", "2", "--image-size", "8", "--batch", str(BATCH)]

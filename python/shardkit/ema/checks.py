@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -118,93 +118,6 @@ def schedule_decay(
     if s <= 0:
         return 0.0
     return max(decay * (1.0 - math.exp(-s / tau)), min_decay)
-
-
-# Every key of a state_dict and the types it may hold (load_state_dict names a bad one).
-_STATE_KEYS: Dict[str, Tuple[type, ...]] = {
-    "module": (dict,),
-    "updates": (int,),
-    "calls": (int,),
-    "decay": (float, int),
-    "tau": (float, int, type(None)),
-    "warmup_gamma": (float, int, type(None)),
-    "warmup_power": (float, int, type(None)),
-    "min_decay": (float, int),
-    "update_after_step": (int,),
-    "update_every": (int,),
-    "copy_float_buffers": (bool,),
-    "enabled": (bool,),
-}
-
-
-def check_state(state_dict: object, expected_format: str, copy_float_buffers: bool) -> Schedule:
-    """A ModelEMA state_dict's keys, counters and schedule (not its tensors), checked; returns
-    the schedule as :func:`check_schedule` gives it. ValueError naming the bad entry."""
-    if not isinstance(state_dict, dict) or state_dict.get("format") != expected_format:
-        raise ValueError(f"argument `state_dict` is not a ModelEMA state_dict (expected format {expected_format!r})")
-    for key, kinds in _STATE_KEYS.items():
-        if key not in state_dict:
-            raise ValueError(f"argument `state_dict` lacks the key {key!r} (a truncated or edited ModelEMA state)")
-        value = state_dict[key]
-        # (True is an int to Python, not a valid count or decay)
-        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-            raise ValueError(
-                f"argument `state_dict` has a corrupt {key!r}: expected "
-                f"{' or '.join(k.__name__ for k in kinds)}, got {type(value).__name__}"
-            )
-    for key in ("updates", "calls"):
-        if not 0 <= state_dict[key] <= _MAX_COUNT:
-            raise ValueError(
-                f"argument `state_dict` has a corrupt {key!r}: expected an int in [0, 2**63 - 1], "
-                f"got {_short(state_dict[key])}"
-            )
-    if bool(state_dict["copy_float_buffers"]) != copy_float_buffers:
-        raise ValueError(
-            "argument `state_dict` was saved with copy_float_buffers="
-            f"{state_dict['copy_float_buffers']}, this ModelEMA has {copy_float_buffers}"
-        )
-    try:
-        schedule = check_schedule(
-            state_dict["decay"],
-            state_dict["tau"],
-            state_dict["warmup_gamma"],
-            state_dict["warmup_power"],
-            state_dict["min_decay"],
-            state_dict["update_after_step"],
-            state_dict["update_every"],
-        )
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"argument `state_dict`: {err}") from err
-    return schedule
-
-
-def check_module_state(expected: Dict[str, Any], module_state: Dict[str, Any]) -> None:
-    """``module_state`` against the EMA's own module state (``expected``: key -> tensor, a
-    DTensor view for a shard, or a module's extra state), before anything is copied
-    (``nn.Module.load_state_dict`` copies tensor by tensor and raises only at the end)."""
-    missing = [k for k in expected if k not in module_state]
-    unexpected = [k for k in module_state if k not in expected]
-    if missing or unexpected:
-        raise ValueError(
-            "argument `state_dict` has a corrupt 'module': it does not match the EMA's module "
-            f"(missing {missing[:5]}, unexpected {unexpected[:5]}); a ModelEMA state loads only "
-            "into a ModelEMA of the same model"
-        )
-    for name, e in expected.items():
-        if not isinstance(e, torch.Tensor):
-            continue  # a module's extra state (get_extra_state): the module checks it
-        v = module_state[name]
-        where = f"argument `state_dict` has a corrupt 'module' entry {name!r}"
-        if not isinstance(v, torch.Tensor):
-            raise ValueError(f"{where}: expected a tensor, got {type(v).__name__}")
-        if v.is_nested:  # first: a nested tensor has no .shape to compare
-            raise ValueError(f"{where}: a nested tensor, the EMA has a dense one of shape {tuple(e.shape)}")
-        if v.shape != e.shape:
-            raise ValueError(f"{where}: shape {tuple(v.shape)}, the EMA has {tuple(e.shape)}")
-        if _dtype_kind(v.dtype) != _dtype_kind(e.dtype):
-            raise ValueError(f"{where}: dtype {v.dtype} does not convert to the EMA's {e.dtype}")
-        if v.is_meta or v.layout != torch.strided:
-            raise ValueError(f"{where}: a {v.layout} tensor on {v.device} holds no loadable values")
 
 
 def check_device(device: Union[torch.device, str, int, None]) -> Optional[torch.device]:

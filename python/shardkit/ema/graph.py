@@ -14,14 +14,11 @@ the eager update runs.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 
-from shardkit.ops._ema import update_layout
-
-if TYPE_CHECKING:
-    from shardkit.ema.structure import UpdateLists
+from shardkit.ops._ema import UpdateLists, update_layout
 
 __all__ = ["GraphedEMA"]
 

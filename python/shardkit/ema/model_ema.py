@@ -31,18 +31,10 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from shardkit.ema import sharded
-from shardkit.ema.checks import (
-    _MAX_COUNT,
-    _check_int,
-    _check_step,
-    check_device,
-    check_module_state,
-    check_schedule,
-    check_state,
-    schedule_decay,
-)
+from shardkit.ema.checks import _MAX_COUNT, _check_int, _check_step, check_device, check_schedule, schedule_decay
 from shardkit.ema.graph import GraphedEMA
 from shardkit.ema.stage import HostStage
+from shardkit.ema.state import FORMAT, check_module_state, check_state, load_module_state
 from shardkit.ema.structure import (
     ModelTracker,
     _slots,
@@ -53,6 +45,7 @@ from shardkit.ema.structure import (
     copy_module,
     plan_swap,
     slot_tensor,
+    update_groups,
 )
 from shardkit.ops._ema import ema_swap_, ema_unswap_
 
@@ -63,7 +56,6 @@ ModelT = TypeVar("ModelT", bound=nn.Module)
 
 __all__ = ["ModelEMA"]
 
-_FORMAT = "shardkit.ModelEMA/1"
 # The schedule's attributes, in check_schedule's order (schedule_decay takes all but the last).
 _SCHEDULE = ("decay", "tau", "warmup_gamma", "warmup_power", "min_decay", "update_after_step", "update_every")
 _NO_MODULE = (
@@ -195,19 +187,11 @@ class ModelEMA:
             self._ema, self._refs = sharded.build_local_ema(slots, ema_device, dtype, "ModelEMA")
             self._keys = sharded.state_keys(src, slots)
         self._names = [name for name, _, _, _ in slots]
-        self._avg = [
+        averaged = [
             e.is_floating_point() and (is_param or not self.copy_float_buffers)
             for e, (_, _, _, is_param) in zip(self._ema, slots)
         ]
-        self._avg_idx = [i for i, a in enumerate(self._avg) if a]
-        self._cp_idx = [i for i, a in enumerate(self._avg) if not a]
-        # One fused call per device: a model spread over devices (a pipelined backbone) has its
-        # EMA spread alike, and the op takes the tensors of one device per call.
-        by_device: Dict[torch.device, List[int]] = {}
-        for i in self._avg_idx:
-            by_device.setdefault(self._ema[i].device, []).append(i)
-        self._avg_groups = [([self._ema[i] for i in idx], idx) for idx in by_device.values()]
-        self._cp_e = [self._ema[i] for i in self._cp_idx]
+        self._avg_groups, self._cp_e, self._cp_idx = update_groups(self._ema, averaged)
         self._tracker: Optional[ModelTracker] = None  # the last model seen and its tensors
         self._stage: Optional[HostStage] = None
         if not isinstance(cuda_graph, bool):
@@ -363,17 +347,11 @@ class ModelEMA:
         if self._swapped:
             raise RuntimeError("ModelEMA.state_dict: called inside `with ema.swap(model)`")
         return {
-            "format": _FORMAT,
+            "format": FORMAT,
             "module": self._module_state(),
             "updates": self.updates,
             "calls": self._calls,
-            "decay": self.decay,
-            "tau": self.tau,
-            "warmup_gamma": self.warmup_gamma,
-            "warmup_power": self.warmup_power,
-            "min_decay": self.min_decay,
-            "update_after_step": self.update_after_step,
-            "update_every": self.update_every,
+            **{name: getattr(self, name) for name in _SCHEDULE},
             "copy_float_buffers": self.copy_float_buffers,
             "enabled": self.enabled,
         }
@@ -385,22 +363,10 @@ class ModelEMA:
         The whole state is checked first (keys, counters, schedule, and every tensor of
         ``module``: present, no extra entry, same shape, a dtype of the same kind); a bad
         one raises ``ValueError`` naming it and leaves the EMA exactly as it was."""
-        schedule = check_state(state_dict, _FORMAT, self.copy_float_buffers)
+        schedule = check_state(state_dict, FORMAT, self.copy_float_buffers)
         module_state = state_dict["module"]
         check_module_state(self._module_state(keep_vars=True), module_state)
-        if self._module is None:
-            for key, i in self._keys:
-                sharded.check_entry(self._refs[i], module_state[key], key)
-        # Everything is checked: from here on nothing raises on a well-formed state.
-        if self._module is not None:
-            try:
-                self._module.load_state_dict(module_state)
-            except (TypeError, ValueError, RuntimeError) as err:  # e.g. a module's own load hook
-                raise ValueError(f"argument `state_dict`: {err}") from err
-        else:
-            with torch.no_grad():
-                for key, i in self._keys:
-                    sharded.load_entry(self._ema[i], self._refs[i], module_state[key])
+        load_module_state(self._module, self._keys, self._ema, self._refs, module_state)
         self._set_schedule(*schedule)
         self.updates = state_dict["updates"]
         self._calls = state_dict["calls"]

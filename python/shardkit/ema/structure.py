@@ -6,15 +6,13 @@ from __future__ import annotations
 import copy
 import operator
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import nn
 
-from shardkit.ops._ema import update_lists
-
-if TYPE_CHECKING:
-    from shardkit.ema.graph import GraphedEMA
+from shardkit.ema.graph import GraphedEMA
+from shardkit.ops._ema import UpdateLists, update_lists
 
 Tensor = torch.Tensor
 # (name, owner table, key, is_param) of one parameter or buffer: the tensor is table[key], the
@@ -22,8 +20,6 @@ Tensor = torch.Tensor
 Slot = Tuple[str, Dict[str, Any], str, bool]
 # (EMA tensors, indices into the model's tensors) of one device
 Groups = Sequence[Tuple[List[Tensor], List[int]]]
-# the four argument lists of shardkit._C.ema_update_lists
-UpdateLists = Tuple[List[List[Tensor]], List[List[Tensor]], List[Tensor], List[Tensor]]
 
 __all__ = ["ModelTracker", "check_structure", "check_no_complex", "copy_module", "ema_copy", "plan_swap"]
 
@@ -282,6 +278,19 @@ def plan_swap(
         else:
             stash.append((e, m, m.detach().to("cpu", copy=True)))
     return ex_e, ex_m, stash
+
+
+def update_groups(ema: List[Tensor], averaged: Sequence[bool]) -> Tuple[Groups, List[Tensor], List[int]]:
+    """How :func:`apply_update` treats ``ema`` (``averaged[i]``: ``ema[i]`` is averaged, else
+    copied): the averaged tensors grouped by device, as (EMA tensors, their indices), one
+    fused call per device (a model spread over devices, e.g. a pipelined backbone, has its
+    EMA spread alike); and the copied tensors with their indices."""
+    by_device: Dict[torch.device, List[int]] = {}
+    for i, a in enumerate(averaged):
+        if a:
+            by_device.setdefault(ema[i].device, []).append(i)
+    copy_idx = [i for i, a in enumerate(averaged) if not a]
+    return [([ema[i] for i in idx], idx) for idx in by_device.values()], [ema[i] for i in copy_idx], copy_idx
 
 
 def apply_update(

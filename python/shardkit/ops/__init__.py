@@ -7,6 +7,15 @@ One private module per op family; this module re-exports the public functions.
 # ---- ema ----
 from shardkit.ops._ema import ema_swap_, ema_unswap_, ema_update_, ema_update_device_decay_  # noqa: F401
 
+# ---- end ema ----
+# ---- sharded cross-entropy ----
+from shardkit.ops._kept import (  # noqa: F401
+    chunk_classes_for_budget,
+    kept_bytes,
+    kept_chunks_for_budget,
+    kept_logits_dtype,
+)
+
 # ---- end distributed ----
 # ---- normalize ----
 from shardkit.ops._normalize import normalize_images  # noqa: F401
@@ -18,16 +27,7 @@ from shardkit.ops._parallel import split_to_devices, weighted_loss_reduce  # noq
 # ---- end parallel ----
 # ---- distributed ----
 from shardkit.ops._sampling import partial_fc_sample  # noqa: F401
-
-# ---- end ema ----
-# ---- sharded cross-entropy ----
-from shardkit.ops._sharded_ce import (  # noqa: F401
-    ce_shard_stats,
-    chunk_classes_for_budget,
-    kept_bytes,
-    kept_chunks_for_budget,
-    kept_logits_dtype,
-)
+from shardkit.ops._sharded_ce import ce_shard_stats  # noqa: F401
 
 # ---- end normalize ----
 

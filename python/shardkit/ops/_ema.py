@@ -5,7 +5,7 @@ Python entry points with their argument checks.
 """
 
 import numbers
-from typing import Any, Sequence
+from typing import Any, List, Sequence, Tuple
 
 import torch
 
@@ -149,6 +149,8 @@ def ema_unswap_(ema_tensors: Sequence[torch.Tensor], model_tensors: Sequence[tor
 # copy_from); arguments are Python lists of tensors (no IValue conversion) and nothing is kept
 # after the call. Internal: ModelEMA gives it lists it built and checked.
 update_lists = _C.ema_update_lists
+# its four argument lists: (ema_groups, model_groups, copy_to, copy_from)
+UpdateLists = Tuple[List[List[torch.Tensor]], List[List[torch.Tensor]], List[torch.Tensor], List[torch.Tensor]]
 # What a CUDA graph capturing ema_update_lists' work bakes in (addresses, sizes, strides, dtypes
 # of every tensor, as bytes), or None when a pair cannot be captured (not flat-compatible).
 update_layout = _C.ema_layout

@@ -9,7 +9,7 @@ gradients from them. The results are the same at every budget.
 The budget is per device: the shards of one device share it in proportion to their classes.
 "auto" takes :data:`AUTO_SHARE` of the memory the device has available at each forward (on the
 CPU, ``MemAvailable`` of ``/proc/meminfo``; on CUDA, :func:`cuda_available_bytes`). CUDA shards
-keep logits only with ``SHARDKIT_CUDA_KEEP=1`` (:func:`shardkit.ops._sharded_ce.cuda_keep_enabled`:
+keep logits only with ``SHARDKIT_CUDA_KEEP=1`` (:func:`shardkit.ops._kept.cuda_keep_enabled`:
 the CUDA kept path is experimental until measured on a GPU); without it they recompute whatever
 the budget, and an "auto" budget there resolves to 0 without asking the device.
 """
@@ -21,7 +21,7 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
-from shardkit.ops._sharded_ce import cuda_keep_enabled
+from shardkit.ops._kept import cuda_keep_enabled
 from shardkit.softmax.checks import parse_memory
 
 #: Share of the device's available memory an "auto" budget takes at each forward: the loss's

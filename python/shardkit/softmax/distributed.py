@@ -10,7 +10,7 @@ when it gets a ``process_group``; it answers the same calls as the one-process
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -37,11 +37,9 @@ from shardkit.softmax.core import (
     weights_for,
 )
 from shardkit.softmax.exchange import ConfigValue, check_same_config, exchange_batch_info
+from shardkit.softmax.head import ShardedHead
 from shardkit.softmax.margins import Margin
 from shardkit.softmax.sampling import mark_sampled, sample_shard, sampled_class_counts
-
-if TYPE_CHECKING:
-    from shardkit.softmax.module import ShardedSoftmaxLoss
 
 DeviceLike = Union[torch.device, str, int]
 
@@ -98,14 +96,14 @@ class ProcessGroupShards:
         self.sizes = [self.ctx.num_local]
         check_same_config(self.ctx, {"num_classes": num_classes, "input_layout": input_layout, **(config or {})})
 
-    def attach(self, module: ShardedSoftmaxLoss) -> None:
+    def attach(self, module: ShardedHead) -> None:
         """Nothing to add: ranks keep their own shard in ``state_dict()``."""
 
-    def class_offsets(self, module: ShardedSoftmaxLoss) -> Tuple[int, ...]:
+    def class_offsets(self, module: ShardedHead) -> Tuple[int, ...]:
         return (self.ctx.class_offset,)
 
     @torch.no_grad()
-    def reset_parameters(self, module: ShardedSoftmaxLoss) -> None:
+    def reset_parameters(self, module: ShardedHead) -> None:
         """nn.Linear's U(-1/sqrt(D), 1/sqrt(D)) for this rank's shard, from a CPU generator
         seeded by one draw of the global CPU generator plus the rank: ranks seeded alike still
         give different classes different rows (the one-process draw is not reproduced; use
@@ -117,14 +115,14 @@ class ProcessGroupShards:
             if p.device.type != "meta":
                 p.copy_(torch.empty(p.shape, dtype=p.dtype).uniform_(-bound, bound, generator=gen))
 
-    def full_weight(self, module: ShardedSoftmaxLoss, device: Optional[DeviceLike] = None) -> torch.Tensor:
+    def full_weight(self, module: ShardedHead, device: Optional[DeviceLike] = None) -> torch.Tensor:
         """Class-ordered [C, D] copy gathered from every rank (a collective: all ranks call it)."""
         full = all_gather_rows(self.ctx, module.weight_shards[0].detach())
         return full if device is None else full.to(device)
 
     def forward(
         self,
-        module: ShardedSoftmaxLoss,
+        module: ShardedHead,
         embeddings: torch.Tensor,
         labels: torch.Tensor,
         return_details: bool,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Sequence, Tuple, Union, overload
+from typing import List, Literal, Optional, Sequence, Tuple, Union, overload
 
 import torch
 
@@ -26,11 +26,9 @@ from shardkit.softmax.core import (
     shard_statistics,
     to_device,
 )
+from shardkit.softmax.head import ShardedHead, class_ordered_checkpoints
 from shardkit.softmax.margins import Margin
 from shardkit.softmax.sampling import check_sample_rate, mark_sampled, sample_shard, sampled_class_counts
-
-if TYPE_CHECKING:
-    from shardkit.softmax.module import ShardedSoftmaxLoss
 
 DeviceLike = Union[torch.device, str, int]
 Generators = Union[torch.Generator, Sequence[torch.Generator], None]  # (private helpers)
@@ -291,61 +289,6 @@ def split_sizes(
     return out
 
 
-def _state_dict_post_hook(
-    module: ShardedSoftmaxLoss, state_dict: Dict[str, Any], prefix: str, local_metadata: Dict[str, Any]
-) -> None:
-    # One class-ordered `weight` [C, D] replaces the per-shard entries, so checkpoints do
-    # not depend on the shard count.
-    for k in range(len(module.weight_shards)):
-        state_dict.pop(f"{prefix}weight_shards.{k}", None)
-    state_dict[prefix + "weight"] = checkpoint_weight(module)
-
-
-def _load_state_dict_pre_hook(
-    module: ShardedSoftmaxLoss,
-    state_dict: Dict[str, Any],
-    prefix: str,
-    local_metadata: Dict[str, Any],
-    strict: bool,
-    missing: List[str],
-    unexpected: List[str],
-    errors: List[str],
-) -> None:
-    key = prefix + "weight"
-    if key not in state_dict:
-        shard_keys = [f"{prefix}weight_shards.{k}" for k in range(len(module.weight_shards))]
-        if not any(name in state_dict for name in shard_keys):
-            # Neither form: report the key state_dict() writes (`weight`), not the per-shard ones;
-            # the shards keep their values (loaded from themselves).
-            missing.append(key)
-            for name, shard in zip(shard_keys, module.weight_shards):
-                state_dict[name] = shard.detach()
-        return  # per-shard keys (same shard count) load as ordinary parameters
-    full = state_dict.pop(key)
-    expected = (module.num_classes, module.embedding_dim)
-    if not isinstance(full, torch.Tensor) or tuple(full.shape) != expected:
-        shape = tuple(full.shape) if isinstance(full, torch.Tensor) else type(full).__name__
-        errors.append(
-            f"size mismatch for {key}: the checkpoint has {shape}, this module expects {expected} "
-            "[num_classes, embedding_dim]"
-        )
-        # The shards' own values stand in, so the error is this size mismatch alone, not also
-        # "missing" per-shard keys the checkpoint was never meant to hold.
-        for k, shard in enumerate(module.weight_shards):
-            state_dict.setdefault(f"{prefix}weight_shards.{k}", shard.detach())
-        return
-    for k, (offset, size) in enumerate(zip(module.class_offsets, module.shard_sizes)):
-        state_dict[f"{prefix}weight_shards.{k}"] = full[offset : offset + size]
-
-
-def checkpoint_weight(module: ShardedSoftmaxLoss) -> torch.Tensor:
-    if len(module.weight_shards) == 1:  # the shard itself, detached (as nn.Module.state_dict gives): no copy
-        return module.weight_shards[0].detach()
-    devices = {p.device for p in module.weight_shards}
-    # Gathering a million-class weight onto one GPU could exhaust it: the CPU holds it.
-    return module.full_weight(devices.pop() if len(devices) == 1 else "cpu")
-
-
 class LocalShards:
     """Shards on a list of devices of this process: shard k holds ``sizes[k]`` classes on
     ``devices[k]``, in class order. ``state_dict()`` holds one class-ordered ``weight``."""
@@ -370,12 +313,11 @@ class LocalShards:
         check_devices(self.devices)
         self.sizes = split_sizes(num_classes, len(self.devices), shard_sizes)
 
-    def attach(self, module: ShardedSoftmaxLoss) -> None:
+    def attach(self, module: ShardedHead) -> None:
         """One class-ordered ``weight`` in checkpoints, whatever the shard count."""
-        module.register_state_dict_post_hook(_state_dict_post_hook)
-        module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
+        class_ordered_checkpoints(module)
 
-    def class_offsets(self, module: ShardedSoftmaxLoss) -> Tuple[int, ...]:
+    def class_offsets(self, module: ShardedHead) -> Tuple[int, ...]:
         out, acc = [], 0
         for size in module.shard_sizes:
             out.append(acc)
@@ -383,7 +325,7 @@ class LocalShards:
         return tuple(out)
 
     @torch.no_grad()
-    def reset_parameters(self, module: ShardedSoftmaxLoss) -> None:
+    def reset_parameters(self, module: ShardedHead) -> None:
         # Drawn on the CPU shard by shard in class order: the same numbers as one [C, D] draw.
         bound = 1.0 / module.embedding_dim**0.5
         for p in module.weight_shards:
@@ -391,13 +333,13 @@ class LocalShards:
                 continue
             p.copy_(torch.empty(p.shape, dtype=p.dtype).uniform_(-bound, bound))
 
-    def full_weight(self, module: ShardedSoftmaxLoss, device: Optional[DeviceLike] = None) -> torch.Tensor:
+    def full_weight(self, module: ShardedHead, device: Optional[DeviceLike] = None) -> torch.Tensor:
         device = module.weight_shards[0].device if device is None else torch.device(device)
         return torch.cat([p.detach().to(device) for p in module.weight_shards], dim=0)
 
     def forward(
         self,
-        module: ShardedSoftmaxLoss,
+        module: ShardedHead,
         embeddings: torch.Tensor,
         labels: torch.Tensor,
         return_details: bool,

@@ -24,6 +24,7 @@ from shardkit.softmax.collectives import DATA_PARALLEL
 from shardkit.softmax.core import ShardedLossOutput, ShardStatistics
 from shardkit.softmax.distributed import ProcessGroupShards
 from shardkit.softmax.exchange import ConfigValue
+from shardkit.softmax.head import ShardedHead
 from shardkit.softmax.local import LocalShards, sharded_cross_entropy
 from shardkit.softmax.margins import Margin
 from shardkit.softmax.sampling import check_sample_rate, mark_sampled
@@ -31,7 +32,7 @@ from shardkit.softmax.sampling import check_sample_rate, mark_sampled
 __all__ = ["ShardedSoftmaxLoss", "sharded_cross_entropy", "ShardedLossOutput", "ShardStatistics"]
 
 
-class ShardedSoftmaxLoss(nn.Module):
+class ShardedSoftmaxLoss(ShardedHead):
     """FC layer + softmax cross-entropy with the classes sharded over devices.
 
     Replaces ``nn.Linear(embedding_dim, num_classes, bias=False)`` followed by

@@ -40,6 +40,7 @@ from shardkit.train.argtypes import (
 from shardkit.train.errors import UsageError
 from shardkit.train.models import PRESETS
 from shardkit.train.setup import decode_error_line
+from shardkit.train.world import init_distributed
 
 __all__ = ["main", "build_parser"]
 
@@ -325,7 +326,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         args = parse(sys.argv[1:] if argv is None else argv)
         had_group = dist.is_available() and dist.is_initialized()
-        world = loop.init_distributed(args)
+        world = init_distributed(args)
     except UsageError as e:
         ranks.say(f"{ranks.env_tag()}{e}")
         return 2

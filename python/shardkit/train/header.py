@@ -14,9 +14,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from shardkit.distributed import sampled_class_counts
 from shardkit.plan import format_size, plan_memory
 from shardkit.train.checks import batch_norm_warning
+from shardkit.train.world import World
 
 if TYPE_CHECKING:
-    from shardkit.train.loop import World
     from shardkit.train.setup import Parts
 
 

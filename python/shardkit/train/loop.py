@@ -10,7 +10,6 @@ import random
 import resource
 import signal
 import time
-from dataclasses import dataclass
 from types import FrameType
 from typing import Any, ContextManager, Dict, List, Optional, Tuple
 
@@ -19,43 +18,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from shardkit.softmax import NonFiniteEmbeddingsError, ShardedLossOutput
-from shardkit.train import checkpoint, header, plots, setup
+from shardkit.train import checkpoint, header, plots, resume, setup
 from shardkit.train import report as report_mod
 from shardkit.train.errors import UsageError
 from shardkit.train.log import RunLog
+from shardkit.train.world import World
 
 CKPT_FILE = checkpoint.CKPT_FILE
-
-
-@dataclass
-class World:
-    size: int = 1
-    rank: int = 0
-    device: Optional[torch.device] = None
-
-
-def init_distributed(args: argparse.Namespace) -> World:
-    """Under torchrun (WORLD_SIZE > 1): join the process group; one device per rank."""
-    size = int(os.environ.get("WORLD_SIZE", "1"))
-    if size <= 1:
-        return World()
-    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    if any(d.type == "cuda" for d in args.devices):  # (the default where a GPU is visible)
-        visible = torch.cuda.device_count()
-        if local >= visible:
-            raise UsageError(
-                f"torchrun: local rank {local} has no GPU of its own ({visible} visible on this node); start at "
-                f"most {visible} processes per node (--nproc_per_node={visible}), or pass --devices cpu to train "
-                "on the CPU with gloo"
-            )
-        dev = torch.device("cuda", local)
-        torch.cuda.set_device(dev)
-        dist.init_process_group("nccl", device_id=dev)
-    else:
-        dev = torch.device("cpu")
-        dist.init_process_group("gloo")
-    args.devices = [dev]
-    return World(size, rank, dev)
 
 
 def _peak_gib(devices: List[torch.device]) -> List[float]:
@@ -150,16 +119,16 @@ def _save_if_finite(
     last_saved: Optional[int],
 ) -> int:
     """Saves the checkpoint of ``step`` and returns ``step``, unless the run diverged on any rank
-    (NaN or infinite weights, or embeddings: :func:`setup.diverged`): then nothing is written
+    (NaN or infinite weights, or embeddings: :func:`resume.diverged`): then nothing is written
     (the last checkpoint stays the one to resume) and the run stops with the divergence error."""
-    bad = setup.diverged(parts)
+    bad = resume.diverged(parts)
     if world.size > 1 and dist.is_initialized():  # every rank saves, or none does
         flag = torch.tensor([0.0 if bad is None else 1.0], device=world.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if bad is None and flag.item() > 0:
             bad = "on another rank"
     if bad is None:
-        setup.save_checkpoint(ckpt_dir, parts, step, history, world)
+        resume.save_checkpoint(ckpt_dir, parts, step, history, world)
         return step
     kept = (
         f"; no checkpoint of step {step} was written, {ckpt_dir} keeps step {last_saved}'s"
@@ -202,7 +171,7 @@ def _run(args: argparse.Namespace, world: World, log: RunLog, earlier: bool) -> 
         found = checkpoint.find(args.resume)
         if found is None:  # there when the flags were read (cli.parse), gone since
             raise UsageError(f"--resume {args.resume!r}: no checkpoint found there any more")
-        start, saved = setup.load_checkpoint(found, parts, world)
+        start, saved = resume.load_checkpoint(found, parts, world)
         history.update(saved)
         log.line(f"resumed from {found} at step {start} of {total}; writing to {args.out}")
         if start >= total:

@@ -24,12 +24,11 @@ import signal
 import sys
 import threading
 from types import FrameType
-from typing import TYPE_CHECKING, Iterator, Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from shardkit.train.loop import World
+from shardkit.train.world import World
 
 PROG = "python -m shardkit.train"
 KEY = "shardkit.train/first-failure"

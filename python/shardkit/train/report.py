@@ -11,9 +11,9 @@ import torch.distributed as dist
 from torch import nn
 
 from shardkit.train.log import RunLog, emit
+from shardkit.train.world import World
 
 if TYPE_CHECKING:
-    from shardkit.train.loop import World
     from shardkit.train.setup import Parts
 
 

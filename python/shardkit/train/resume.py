@@ -1,0 +1,117 @@
+"""Saving and restoring a ``python -m shardkit.train`` run: the checkpoint of everything a
+resume needs (written atomically, never from a diverged run) and its restore, checked."""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+import shardkit
+from shardkit.train import checkpoint, report
+from shardkit.train.errors import UsageError
+from shardkit.train.setup import Parts
+from shardkit.train.world import World
+
+CKPT_FILE = checkpoint.CKPT_FILE
+
+
+def diverged(parts: Parts) -> Optional[str]:
+    """What shows the run diverged, else None: weights holding a NaN or an infinity
+    (:func:`non_finite_state`), or finite weights whose evaluation-mode embeddings of a few
+    held-out images do (two small forwards)."""
+    bad = non_finite_state(parts)
+    if bad is not None:
+        return f"the weights hold NaN or infinite values: {bad}"
+    model = report.non_finite_embeddings(parts)
+    if model is not None:
+        return f"the {model} backbone's embeddings of held-out images are NaN or infinite"
+    return None
+
+
+def non_finite_state(parts: Parts) -> Optional[str]:
+    """The name of the first floating tensor of the run's weights (backbone parameters and
+    buffers, head shards, EMA) holding a NaN or an infinity, else None: what a checkpoint must
+    not be written from. One device-to-host copy per device (a pass over the weights, cheap
+    beside writing them); the names are looked for only when something is wrong."""
+    named = [(f"backbone {k}", t) for k, t in parts.backbone.state_dict().items()]
+    named += [(f"head shard {k}", w.detach()) for k, w in enumerate(parts.head.weight_shards)]
+    if parts.ema is not None:
+        named += [(f"EMA {k}", t) for k, t in parts.ema.module.state_dict().items()]
+    named = [(name, t) for name, t in named if t.is_floating_point() and t.numel()]
+    by_device: Dict[torch.device, List[torch.Tensor]] = {}
+    for _, t in named:
+        by_device.setdefault(t.device, []).append(torch.isfinite(t).all())
+    if all(bool(torch.stack(flags).all()) for flags in by_device.values()):
+        return None
+    return next(name for name, t in named if not bool(torch.isfinite(t).all()))
+
+
+def save_checkpoint(ckpt_dir: str, parts: Parts, step: int, history: Dict[str, Any], world: World) -> None:
+    """Everything a resume needs, as tensors and plain types, written atomically. The head's
+    weight is shard-agnostic (one class-ordered weight; under torchrun, one file per rank via
+    shardkit.save_sharded)."""
+    rank_sfx = f".rank{world.rank}" if world.size > 1 else ""
+    state = {
+        "format": checkpoint.FORMAT,
+        "step": step,
+        "world_size": world.size,
+        "history": history,
+        "backbone": parts.backbone.state_dict(),
+        "optimizers": [
+            parts.optimizers[0].state_dict(),
+            # one process: in class order, so a resume may shard the head differently
+            checkpoint.head_optimizer_state(parts.optimizers[1], parts.head)
+            if world.size == 1
+            else parts.optimizers[1].state_dict(),
+        ],
+        "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
+        "ema": parts.ema.state_dict() if parts.ema is not None else None,
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        "args": checkpoint.settings_of(parts.args),
+    }
+    if world.size > 1:
+        shardkit.save_sharded(parts.head, os.path.join(ckpt_dir, "head"))
+    else:
+        state["head"] = parts.head.state_dict()
+    checkpoint.write_atomic(state, os.path.join(ckpt_dir, CKPT_FILE + rank_sfx))
+
+
+def load_checkpoint(ckpt_dir: str, parts: Parts, world: World) -> Tuple[int, Dict[str, Any]]:
+    """Restore a checkpoint into ``parts``; returns (step, history). A UsageError for a file
+    that is unreadable, unsafe, or does not fit the model built from the restored settings."""
+    path = checkpoint.file_for(ckpt_dir, world.size, world.rank)
+    state = checkpoint.read(path)
+    try:
+        parts.backbone.load_state_dict(state["backbone"])
+        if world.size > 1:
+            shardkit.load_sharded(parts.head, os.path.join(ckpt_dir, "head"))
+        else:
+            parts.head.load_state_dict(state["head"])
+        parts.optimizers[0].load_state_dict(state["optimizers"][0])
+        checkpoint.load_head_optimizer_state(parts.optimizers[1], parts.head, state["optimizers"][1])
+        for opt, which in zip(parts.optimizers, ("backbone", "head")):
+            checkpoint.check_optimizer_state(opt, which)
+        if parts.scaler is not None and state["scaler"] is not None:
+            parts.scaler.load_state_dict(state["scaler"])
+        if parts.ema is not None and state["ema"] is not None:
+            parts.ema.load_state_dict(state["ema"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+    except (RuntimeError, KeyError, ValueError, TypeError, AttributeError, IndexError) as e:
+        # every line: load_state_dict's first one only says "Error(s) in loading state_dict for X:"
+        said = " ".join(line.strip() for line in str(e).strip().splitlines() if line.strip()) or type(e).__name__
+        said = said if len(said) <= 600 else said[:600] + " ..."
+        raise UsageError(
+            f"checkpoint {path} does not fit this run ({said}); resume it with the version of "
+            "shardkit that wrote it, or start a new run without --resume"
+        ) from None
+    bad = diverged(parts)
+    if bad is not None:  # written by a diverged run (this version never saves one)
+        raise UsageError(
+            f"checkpoint {path} is of a diverged run ({bad}): there is nothing to resume; start a new run "
+            "(with a lower --lr) without --resume"
+        )
+    return state["step"], state["history"]
