@@ -26,8 +26,12 @@ _EPS_ACOS = 1e-7
 def margin_psi(c: torch.Tensor, m1: float = 1.0, m2: float = 0.0, m3: float = 0.0) -> torch.Tensor:
     """psi(c) = cos(m1 * acos(c) + m2) - m3 with the linear continuation past pi.
 
-    ``c``: any shape, floating (use float64). Differentiable by autograd.
+    ``c``: any shape, floating (use float64). Differentiable by autograd. Without an angular
+    margin (m1 = 1, m2 = 0: plain cosine, CosFace) no angle is taken: psi(c) = c - m3 exactly,
+    with no clamp near +-1 (cos(acos(clamp(c))) would move c by up to 1e-7 there).
     """
+    if m1 == 1.0 and m2 == 0.0:
+        return c - m3
     theta = torch.acos(torch.clamp(c, -1.0 + _EPS_ACOS, 1.0 - _EPS_ACOS))
     arc = torch.cos(m1 * theta + m2) - m3
     limit = (math.pi - m2) / m1

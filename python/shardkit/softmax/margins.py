@@ -8,6 +8,8 @@ replaced by ``scale * psi(cos theta)``, with
     psi(c) = cos(m1 * theta + m2) - m3,        theta = acos(clamp(c, -1 + 1e-7, 1 - 1e-7))
 
 (SphereFace's m1, ArcFace's m2, CosFace's m3; the combination of the InsightFace write-up).
+Without an angular margin (``m1 = 1``, ``m2 = 0``: plain cosine logits, CosFace) no angle is
+taken: ``psi(c) = c - m3`` exactly, with no clamp near +-1.
 
 **Past pi.** ``cos(m1 * theta + m2)`` decreases only while ``m1 * theta + m2 <= pi``;
 beyond, a plain ArcFace target logit would rise again as theta -> pi, rewarding the
