@@ -5,7 +5,7 @@ and not on the module; and the one-process checkpoint form (one class-ordered ``
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -32,20 +32,17 @@ class ShardedHead(nn.Module):
     sample_rate: float
     weight_shards: nn.ParameterList
 
-    @property
-    def sample_generator(self) -> Union[torch.Generator, Sequence[torch.Generator], None]:
-        raise NotImplementedError
+    sample_generator: Union[torch.Generator, Sequence[torch.Generator], None]  # (a property there)
 
-    @property
-    def shard_sizes(self) -> Tuple[int, ...]:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # defined by the module (the first two through its mode object)
 
-    @property
-    def class_offsets(self) -> Tuple[int, ...]:
-        raise NotImplementedError
+        @property
+        def class_offsets(self) -> Tuple[int, ...]: ...
 
-    def full_weight(self, device: Union[torch.device, str, int, None] = None) -> torch.Tensor:
-        raise NotImplementedError
+        def full_weight(self, device: Union[torch.device, str, int, None] = None) -> torch.Tensor: ...
+
+        @property
+        def shard_sizes(self) -> Tuple[int, ...]: ...
 
 
 def class_ordered_checkpoints(module: ShardedHead) -> None:
