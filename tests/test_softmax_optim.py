@@ -141,3 +141,53 @@ def test_sparse_row_sgd_partial_rows_equal_a_per_row_float64_loop(momentum, damp
             torch.testing.assert_close(state["momentum_buffer"].double(), torch.stack(buf_ref), **tol)
     if dense_step is None:
         assert torch.equal(weight.detach()[perm[16]], start[perm[16]].to(dtype))
+
+
+@pytest.mark.parametrize(
+    "momentum,dampening,wd,nesterov",
+    [(0.9, 0.0, 5e-4, False), (0.9, 0.3, 0.0, False), (0.8, 0.0, 1e-2, True), (0.0, 0.0, 1e-2, False)],
+)
+def test_dense_steps_equal_torch_sgd_with_sparse_rows_beside(momentum, dampening, wd, nesterov):
+    # A backbone's dense parameters (several dtypes, a scalar, a channels-last kernel) in the
+    # same group as a row-sparse head: each dense step equals torch.optim.SGD's bit for bit,
+    # through a state_dict round trip and a pickled optimizer, and the sparse rows follow the
+    # per-row rule (a row first sampled late starts its buffer with its raw gradient).
+    torch.manual_seed(1)
+    shapes = [((7, 5), torch.float32), ((3,), torch.float64), ((), torch.float32), ((4, 3, 3, 3), torch.float32)]
+    starts = [torch.randn(s, dtype=d) for s, d in shapes]
+    starts[3] = starts[3].to(memory_format=torch.channels_last)
+    ours = [torch.nn.Parameter(t.clone()) for t in starts]
+    ref = [torch.nn.Parameter(t.clone()) for t in starts]
+    head = torch.nn.Parameter(torch.randn(9, 4, dtype=torch.float64))
+    kw = dict(lr=0.05, momentum=momentum, dampening=dampening, weight_decay=wd, nesterov=nesterov)
+    opt = shardkit.SparseRowSGD([*ours, head], **kw)
+    sgd = torch.optim.SGD(ref, foreach=True, **kw)
+    hp = (kw["lr"], momentum, dampening, wd, nesterov)
+    w_ref = [r.clone() for r in head.detach()]
+    buf_ref = [torch.zeros(4, dtype=torch.float64) for _ in range(9)]
+    seen_ref = [False] * 9
+    for step, rows in enumerate([[0, 2], [2, 5, 7], [1, 2], [8, 0]]):
+        for a, b in zip(ours, ref):
+            g = torch.randn(a.shape, dtype=a.dtype)
+            a.grad, b.grad = g.clone(), g.clone()
+        head.grad = None
+        index = torch.tensor(rows)
+        F.embedding(index, head, sparse=True).sum().backward()
+        opt.step()
+        sgd.step()
+        _reference_step(w_ref, buf_ref, seen_ref, {r: torch.ones(4, dtype=torch.float64) for r in rows}, hp)
+        for i, (a, b) in enumerate(zip(ours, ref)):
+            assert torch.equal(a.detach(), b.detach()), f"dense parameter {i} after step {step}"
+        torch.testing.assert_close(head.detach(), torch.stack(w_ref), rtol=1e-12, atol=1e-13)
+        if step == 1:  # resume mid-run: from a state_dict, then as a pickled optimizer
+            state = copy.deepcopy(opt.state_dict())
+            opt = shardkit.SparseRowSGD([*ours, head], **kw)
+            opt.load_state_dict(state)
+        if step == 2:
+            opt = copy.deepcopy(opt)
+            ours, head = list(opt.param_groups[0]["params"][:-1]), opt.param_groups[0]["params"][-1]
+    if momentum:
+        for a, b in zip(ours, ref):
+            assert torch.equal(opt.state[a]["momentum_buffer"], sgd.state[b]["momentum_buffer"])
+            assert opt.state[a]["seen"].all()
+        assert opt.state[head]["seen"].tolist() == seen_ref

@@ -69,7 +69,10 @@ class SparseRowSGD(torch.optim.Optimizer):
     gradient's rows R only, ``g = grad[R] + wd * p[R]``; ``buf[R] = g`` the first time a row
     is seen, else ``momentum * buf[R] + (1 - dampening) * g``; ``p[R] -= lr * (g + momentum *
     buf[R] if nesterov else buf[R])``. Rows outside R are not read or written. On a dense
-    gradient every row is in R: the step equals ``torch.optim.SGD``'s. Momentum buffers are
+    gradient every row is in R: the step equals ``torch.optim.SGD``'s, and runs as it does by
+    default (multi-tensor kernels per device and dtype on a GPU, one tensor at a time on the
+    CPU; a tensor ``lr``, or a parameter whose earlier sparse steps left rows unstarted, takes
+    the per-row rule). Momentum buffers are
     dense [rows, ...] tensors in ``state[p]["momentum_buffer"]`` with a [rows] bool
     ``state[p]["seen"]`` (rows whose buffer has been started).
 
@@ -90,6 +93,11 @@ class SparseRowSGD(torch.optim.Optimizer):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov)
         _check_hyperparameters(defaults)
         super().__init__(params, defaults)
+        self._all_seen: set[torch.Tensor] = set()  # parameters whose every row's buffer has started
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._all_seen = set()  # not pickled: the next dense step takes the per-row rule once
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """``torch.optim.Optimizer.add_param_group``, with the group's own lr, momentum,
@@ -121,6 +129,7 @@ class SparseRowSGD(torch.optim.Optimizer):
                     "SparseRowSGD only minimizes"
                 )
         super().load_state_dict(state_dict)
+        self._all_seen.clear()  # the next dense step of each parameter takes the per-row rule once
         # Optimizer.load_state_dict casts tensor state to the parameter's floating dtype;
         # the per-row `seen` flags must stay boolean.
         for state in self.state.values():
@@ -147,6 +156,7 @@ class SparseRowSGD(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
+            dense: list[torch.Tensor] = []
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -159,10 +169,76 @@ class SparseRowSGD(torch.optim.Optimizer):
                             "SparseRowSGD: sparse gradients must be row-sparse (sparse_dim 1), got "
                             f"sparse_dim {grad.sparse_dim()}"
                         )
+                    self._update(p, rows, values, group)
+                    self._all_seen.discard(p)
+                elif self._batchable(p, group):
+                    dense.append(p)
                 else:
-                    rows, values = None, grad
-                self._update(p, rows, values, group)
+                    self._update(p, None, grad, group)
+                    self._all_seen.add(p)
+            if dense:
+                self._dense_steps(dense, group)
         return loss
+
+    def _batchable(self, p: torch.Tensor, group: dict[str, Any]) -> bool:
+        # A dense gradient takes the multi-tensor step when every row of its buffer has been
+        # started (or it has none yet) and lr is a number (a tensor lr takes the per-tensor step).
+        if isinstance(group["lr"], torch.Tensor) or p.grad is None or p.grad.dtype != p.dtype:
+            return False
+        return group["momentum"] == 0 or "momentum_buffer" not in self.state[p] or p in self._all_seen
+
+    def _dense_steps(self, params: list[torch.Tensor], group: dict[str, Any]) -> None:
+        """``torch.optim.SGD``'s step on dense gradients (every row present), as torch runs
+        it by default: multi-tensor kernels per (device, dtype) on GPUs (few launches), one
+        tensor at a time on the CPU (one pass over each tensor while it is in cache)."""
+        by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for p in params:
+            by_kind.setdefault((p.device, p.dtype), []).append(p)
+        for (device, _), ps in by_kind.items():
+            if device.type == "cpu":
+                for p in ps:
+                    self._sgd_tensor(p, group)
+            else:
+                self._sgd_tensors(ps, group)
+        if group["momentum"] != 0:
+            self._all_seen.update(params)
+
+    def _sgd_tensor(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        # torch.optim.SGD's single-tensor step: the same operations as _sgd_tensors.
+        lr, wd, momentum = float(group["lr"]), group["weight_decay"], group["momentum"]
+        assert p.grad is not None
+        g = p.grad if wd == 0 else p.grad.add(p, alpha=wd)
+        if momentum != 0:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.clone(g).detach()
+                state["seen"] = torch.ones(p.shape[0] if p.dim() else 1, dtype=torch.bool, device=p.device)
+                buf = state["momentum_buffer"]
+            else:
+                buf = state["momentum_buffer"].mul_(momentum).add_(g, alpha=1.0 - group["dampening"])
+            g = g.add(buf, alpha=momentum) if group["nesterov"] else buf
+        p.add_(g, alpha=-lr)
+
+    def _sgd_tensors(self, ps: list[torch.Tensor], group: dict[str, Any]) -> None:
+        lr, wd, momentum = float(group["lr"]), group["weight_decay"], group["momentum"]
+        grads: list[torch.Tensor] | tuple[torch.Tensor, ...] = [p.grad for p in ps if p.grad is not None]
+        if wd != 0:
+            grads = torch._foreach_add(grads, ps, alpha=wd)
+        if momentum != 0:
+            started = [i for i, p in enumerate(ps) if "momentum_buffer" in self.state[p]]
+            if started:
+                bufs = [self.state[ps[i]]["momentum_buffer"] for i in started]
+                torch._foreach_mul_(bufs, momentum)
+                torch._foreach_add_(bufs, [grads[i] for i in started], alpha=1.0 - group["dampening"])
+            for p, g in zip(ps, grads):
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    # torch.optim.SGD starts a buffer with the raw gradient (no dampening).
+                    state["momentum_buffer"] = torch.clone(g).detach()
+                    state["seen"] = torch.ones(p.shape[0] if p.dim() else 1, dtype=torch.bool, device=p.device)
+            bufs = [self.state[p]["momentum_buffer"] for p in ps]
+            grads = torch._foreach_add(grads, bufs, alpha=momentum) if group["nesterov"] else bufs
+        torch._foreach_add_(ps, grads, alpha=-lr)
 
     def _update(self, p: torch.Tensor, rows: torch.Tensor | None, g: torch.Tensor, group: dict[str, Any]) -> None:
         lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
@@ -180,7 +256,7 @@ class SparseRowSGD(torch.optim.Optimizer):
             seen = seen_all if rows is None else seen_all.index_select(0, rows)
             seen = seen.view((-1,) + (1,) * (g.dim() - 1)) if g.dim() else seen.view(())
             # torch.optim.SGD starts a buffer with the raw gradient (no dampening).
-            new_buf = torch.where(seen, buf * momentum + g * (1.0 - group["dampening"]), g)
+            new_buf = torch.where(seen, buf.mul(momentum).add(g, alpha=1.0 - group["dampening"]), g)
             if rows is None:
                 buf_all.copy_(new_buf)
                 seen_all.fill_(True)
