@@ -3,6 +3,7 @@
 shape what an update does (min_decay, updates=, enabled, update_attr, attach with a model)."""
 
 import contextlib
+import copy
 import gc
 import math
 import weakref
@@ -120,6 +121,53 @@ def test_swap_conversion_of_the_ema_module_and_swap_blocks():
             torch.testing.assert_close(v.double(), ref[k], rtol=1e-6, atol=1e-6, msg=k)
     for k, v in net.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+@pytest.mark.parametrize("update_while_converted", [False, True])
+@pytest.mark.parametrize("conversion", ["half", "double", "bn_only", "pickled"])
+def test_the_ema_follows_a_conversion_of_its_own_module(conversion, update_while_converted):
+    # ultralytics' validator runs `trainer.ema.ema.half()` (then `.float()`) between epochs: the
+    # conversion replaces the EMA module's buffers (BatchNorm's running stats) and changes its
+    # parameters' dtype, and the EMA kept averaging into the old buffers (its module's running
+    # stats froze at their first values, and state_dict() saved those).
+    torch.manual_seed(3)
+    net = Net()
+    ema = shardkit.ModelEMA(net, decay=0.7, tau=None)
+    ref = {k: v.double().clone() for k, v in net.state_dict().items()}
+
+    def step(tol=1e-6):
+        perturb(net)
+        ema.update(net)
+        ema_by_hand(ref, net, ema.get_decay(ema.updates))
+        assert_ema_equals(ema, ref, rtol=tol, atol=tol)
+
+    for _ in range(3):
+        step()
+    dtype = {"half": torch.float16, "double": torch.float64, "bn_only": torch.float64}.get(conversion)
+    if conversion == "pickled":
+        ema = copy.deepcopy(ema)
+        ema.module.half()
+        dtype = torch.float16
+    elif conversion == "bn_only":
+        ema.module.bn.to(dtype)  # a submodule in the middle, holding every buffer
+    else:
+        ema.module.to(dtype)
+    for k, v in ema.module.state_dict().items():
+        if v.is_floating_point():
+            ref[k] = v.double().clone()  # what the conversion rounded
+    if conversion != "bn_only":
+        with torch.no_grad():
+            ema.module(torch.randn(4, 5, dtype=dtype))  # evaluation in the converted dtype
+    if update_while_converted:
+        step(tol=2e-2 if dtype == torch.float16 else 1e-6)
+    ema.module.float()
+    for k, v in ema.module.state_dict().items():
+        if v.is_floating_point():
+            ref[k] = v.double().clone()
+    for _ in range(3):
+        step(tol=2e-2 if dtype == torch.float16 and update_while_converted else 1e-6)
+    running = ema.state_dict()["module"]["bn.running_mean"]
+    torch.testing.assert_close(running.double(), ref["bn.running_mean"], rtol=1e-5, atol=1e-5)
 
 
 def test_no_reference_to_the_model_outlives_an_update():

@@ -48,6 +48,14 @@ def _check_int(name: str, value: object, minimum: int, maximum: Optional[int] = 
     return value
 
 
+def check_bool(name: str, value: object) -> bool:
+    """``value`` if it is a Python bool, else a TypeError naming argument ``name``."""
+    if not isinstance(value, bool):
+        kind = type(value)
+        raise TypeError(f"argument `{name}` must be a Python bool, got {kind.__module__}.{kind.__name__}")
+    return value
+
+
 def _check_step(step: object) -> int:
     """``update``'s ``step`` when it is not a plain int in range (the slow path)."""
     if isinstance(step, bool) or not isinstance(step, numbers.Integral):

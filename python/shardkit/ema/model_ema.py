@@ -1,11 +1,6 @@
-"""``shardkit.ModelEMA``: an exponential moving average of a model's weights, updated by
-the fused :func:`shardkit.ops.ema_update_` (one pass over memory for all tensors).
-
-Drop-in for the ModelEMA of yolov3/ultralytics (``ema.update(model)``, ``ema.ema``,
-``ema.updates``, ramp ``decay * (1 - exp(-updates / tau))``) and for timm's ModelEmaV3
-(``ema.module``, ``ema.update(model, step=...)``, warmup ``1 - (1 + step / gamma) **
--power`` clamped to ``[min_decay, decay]``, ``update_after_step``).
-"""
+"""``shardkit.ModelEMA``: an exponential moving average of a model's weights, updated by the
+fused :func:`shardkit.ops.ema_update_` (one pass over memory for all tensors); drop-in for the
+ModelEMA of yolov3/ultralytics and timm's ModelEmaV3 (see the class docstring)."""
 
 from __future__ import annotations
 
@@ -30,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from shardkit.ema import sharded
+from shardkit.ema import checks, sharded, structure
 from shardkit.ema.checks import _MAX_COUNT, _check_int, _check_step, check_device, check_schedule, schedule_decay
 from shardkit.ema.graph import GraphedEMA
 from shardkit.ema.stage import HostStage
@@ -58,15 +53,6 @@ __all__ = ["ModelEMA"]
 
 # The schedule's attributes, in check_schedule's order (schedule_decay takes all but the last).
 _SCHEDULE = ("decay", "tau", "warmup_gamma", "warmup_power", "min_decay", "update_after_step", "update_every")
-_NO_MODULE = (
-    "{where}: this EMA averages a sharded (DTensor) model and holds only this rank's shards, no "
-    "module of its own (that would be a full copy); evaluate with `with ema.swap(model):`, save "
-    "with ema.state_dict() (torch.distributed.checkpoint) or export with ema.full_state_dict()"
-)
-
-
-def _no_model() -> None:  # the model link of an unpickled ModelEMA (a weak reference cannot be pickled)
-    return None
 
 
 class ModelEMA:
@@ -187,26 +173,36 @@ class ModelEMA:
             self._ema, self._refs = sharded.build_local_ema(slots, ema_device, dtype, "ModelEMA")
             self._keys = sharded.state_keys(src, slots)
         self._names = [name for name, _, _, _ in slots]
-        averaged = [
-            e.is_floating_point() and (is_param or not self.copy_float_buffers)
-            for e, (_, _, _, is_param) in zip(self._ema, slots)
-        ]
-        self._avg_groups, self._cp_e, self._cp_idx = update_groups(self._ema, averaged)
         self._tracker: Optional[ModelTracker] = None  # the last model seen and its tensors
         self._stage: Optional[HostStage] = None
-        if not isinstance(cuda_graph, bool):
-            kind = type(cuda_graph)
-            raise TypeError(f"argument `cuda_graph` must be a Python bool, got {kind.__module__}.{kind.__name__}")
+        self._cuda_graph = checks.check_bool("cuda_graph", cuda_graph)
+        self._regroup(slots)
+
+    def _regroup(self, slots: List[structure.Slot]) -> None:
+        """The update's groups, graph and module probe for the EMA tensors ``self._ema``
+        (``slots``: the model's, or after a conversion of ``ema.module``, its own)."""
+        averaged = [e.is_floating_point() and (s[3] or not self.copy_float_buffers) for e, s in zip(self._ema, slots)]
+        self._avg_groups, self._cp_e, self._cp_idx = update_groups(self._ema, averaged)
         devices = list({e.device for e in self._ema})
-        one_gpu = cuda_graph and len(devices) == 1 and devices[0].type == "cuda"
+        one_gpu = self._cuda_graph and len(devices) == 1 and devices[0].type == "cuda"
         self._graph = GraphedEMA(devices[0]) if one_gpu else None  # (ema/graph.py)
+        self._probe = structure.probe_slots(_slots(self._module)) if self._module is not None else []
+
+    def _follow_module(self) -> None:
+        # ema.module converted (.half(), .float(), .to(): new buffers, parameters of another dtype
+        # or device, e.g. ultralytics' validator halving `ema.ema`): read its tensors again.
+        assert self._module is not None
+        slots = check_structure(self._module, self._names, self._ema, "ModelEMA.update (its module, ema.module)")
+        self._ema = self._refs = [slot_tensor(s) for s in slots]
+        self._tracker = None
+        self._regroup(slots)
 
     def __getstate__(self) -> Dict[str, Any]:
         """Pickling (``torch.save(ema)``, ``copy.deepcopy``) keeps the weights, schedule and
         counters (pending staged updates applied first), not the weak link to the model:
         :meth:`attach` then needs its ``model`` argument."""
         self._flush()
-        return dict(self.__dict__, _model_ref=_no_model, _tracker=None, _stage=None)
+        return dict(self.__dict__, _model_ref=structure._no_model, _tracker=None, _stage=None, _probe=None)
 
     # ---- schedule --------------------------------------------------------------------
     def _set_schedule(self, *args: object) -> None:
@@ -223,7 +219,7 @@ class ModelEMA:
         """The averaged module (pending CPU-side updates applied first). A sharded model's EMA
         has none (RuntimeError): see :meth:`swap`, :meth:`state_dict`, :meth:`full_state_dict`."""
         if self._module is None:
-            raise RuntimeError(_NO_MODULE.format(where="ModelEMA.module"))
+            raise RuntimeError(sharded.NO_MODULE.format(where="ModelEMA.module"))
         self._flush()
         return self._module
 
@@ -264,6 +260,8 @@ class ModelEMA:
         self._calls += 1
         if self._calls % self.update_every:
             return
+        if self._module is not None and (self._probe is None or structure.probe_changed(self._probe)):
+            self._follow_module()
         src = self._model_tensors(model, "ModelEMA.update")
         self.updates += 1
         d = self.get_decay(self.updates if step is None else step)
@@ -408,11 +406,8 @@ class ModelEMA:
         """Copies ``model``'s public non-module attributes to the EMA module (ultralytics):
         only the names in ``include`` when given, never those in ``exclude``."""
         if self._module is None:
-            raise RuntimeError(_NO_MODULE.format(where="ModelEMA.update_attr"))
-        for k, v in _unwrap(model).__dict__.items():
-            if (include and k not in include) or k.startswith("_") or k in exclude or k == "training":
-                continue
-            setattr(self._module, k, v)
+            raise RuntimeError(sharded.NO_MODULE.format(where="ModelEMA.update_attr"))
+        structure.copy_attributes(_unwrap(model), self._module, include, exclude)
 
     def __repr__(self) -> str:
         warm = self.warmup_gamma is not None or self.warmup_power is not None

@@ -35,6 +35,14 @@ __all__ = [
 ]
 
 
+#: ModelEMA's error where a sharded model's EMA has no module ({where}: the method).
+NO_MODULE = (
+    "{where}: this EMA averages a sharded (DTensor) model and holds only this rank's shards, no "
+    "module of its own (that would be a full copy); evaluate with `with ema.swap(model):`, save "
+    "with ema.state_dict() (torch.distributed.checkpoint) or export with ema.full_state_dict()"
+)
+
+
 def dtensor_type() -> Optional[type[DTensor]]:
     """torch's DTensor class, or None while ``torch.distributed.tensor`` is not imported (no
     DTensor can exist then, and a plain model does not pay for the import)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import operator
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import nn
@@ -59,6 +59,42 @@ def slot_tensor(slot: Slot) -> Tensor:
     t = table[key]
     assert t is not None  # _slots lists only the entries that hold a tensor
     return t
+
+
+def probe_slots(slots: Sequence[Slot]) -> List[Tuple[Dict[str, Any], str, Tensor, torch.dtype, torch.device]]:
+    """What :func:`probe_changed` looks at: (table, key, tensor, dtype, device) of the first and
+    last parameter and buffer. Converting the EMA's module (``ema.module.half()``, ``.float()``,
+    ``.to(...)``, or a first or last submodule alone) replaces its buffers and changes its
+    parameters' dtype or device: four dict reads notice it on every update."""
+    params = [s for s in slots if s[3]]
+    buffers = [s for s in slots if not s[3]]
+    out, seen = [], set()
+    for slot in params[:1] + params[-1:] + buffers[:1] + buffers[-1:]:
+        t = slot_tensor(slot)
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append((slot[1], slot[2], t, t.dtype, t.device))
+    return out
+
+
+def probe_changed(probe: Sequence[Tuple[Dict[str, Any], str, Tensor, torch.dtype, torch.device]]) -> bool:
+    """Whether a tensor of :func:`probe_slots` was replaced or changed dtype or device."""
+    return any(
+        table.get(key) is not t or t.dtype != dtype or t.device != device for table, key, t, dtype, device in probe
+    )
+
+
+def _no_model() -> None:  # the model link of an unpickled ModelEMA (a weak reference cannot be pickled)
+    return None
+
+
+def copy_attributes(src: nn.Module, dst: nn.Module, include: Collection[str], exclude: Collection[str]) -> None:
+    """``ModelEMA.update_attr``: ``src``'s public non-module attributes set on ``dst`` (only the
+    names in ``include`` when given, never those in ``exclude``, never ``training``)."""
+    for k, v in src.__dict__.items():
+        if (include and k not in include) or k.startswith("_") or k in exclude or k == "training":
+            continue
+        setattr(dst, k, v)
 
 
 def ema_copy(t: torch.Tensor, device: Optional[torch.device], dtype: Optional[torch.dtype]) -> torch.Tensor:
