@@ -56,6 +56,33 @@ def check_bool(name: str, value: object) -> bool:
     return value
 
 
+def timm_arguments(
+    use_warmup: object,
+    exclude_buffers: object,
+    foreach: object,
+    tau: Optional[float],
+    warmup_gamma: Optional[float],
+    warmup_power: Optional[float],
+    copy_float_buffers: bool,
+) -> Tuple[Optional[float], Optional[float], Optional[float], bool]:
+    """ModelEMA's (tau, warmup_gamma, warmup_power, copy_float_buffers) after timm ModelEmaV3's
+    arguments: ``use_warmup=True`` selects the warmup (gamma 1.0, power 2/3 unless given),
+    ``use_warmup=False`` the constant decay (tau unused either way); ``exclude_buffers=True`` is
+    ``copy_float_buffers=True``; ``foreach`` is accepted and has no effect (one fused kernel)."""
+    for name, value in (("use_warmup", use_warmup), ("exclude_buffers", exclude_buffers), ("foreach", foreach)):
+        if value is not None:
+            check_bool(name, value)
+    if use_warmup is True:
+        tau = None
+        warmup_gamma = 1.0 if warmup_gamma is None else warmup_gamma
+        warmup_power = 2 / 3 if warmup_power is None else warmup_power
+    elif use_warmup is False:
+        if warmup_gamma is not None or warmup_power is not None:
+            raise ValueError("arguments `warmup_gamma` / `warmup_power` select the warmup, but `use_warmup` is False")
+        tau = None
+    return tau, warmup_gamma, warmup_power, bool(copy_float_buffers) or exclude_buffers is True
+
+
 def _check_step(step: object) -> int:
     """``update``'s ``step`` when it is not a plain int in range (the slow path)."""
     if isinstance(step, bool) or not isinstance(step, numbers.Integral):

@@ -6,20 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import (
-    TYPE_CHECKING,
-    Any,
-    Callable,
-    Collection,
-    Dict,
-    Iterator,
-    List,
-    Optional,
-    Sequence,
-    Tuple,
-    TypeVar,
-    Union,
-)
+from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar, Union
 
 import torch
 from torch import nn
@@ -29,23 +16,8 @@ from shardkit.ema import checks, sharded, structure
 from shardkit.ema.checks import _MAX_COUNT, _check_int, _check_step, check_device, check_schedule, schedule_decay
 from shardkit.ema.graph import GraphedEMA
 from shardkit.ema.stage import HostStage
-from shardkit.ema.state import FORMAT, check_module_state, check_state, load_module_state
-from shardkit.ema.structure import (
-    ModelTracker,
-    _slots,
-    _unwrap,
-    apply_update,
-    check_no_complex,
-    check_structure,
-    copy_module,
-    plan_swap,
-    slot_tensor,
-    update_groups,
-)
-from shardkit.ops._ema import ema_swap_, ema_unswap_
-
-if TYPE_CHECKING:
-    from torch.distributed.tensor import DTensor
+from shardkit.ema.state import FORMAT, check_module_state, check_state, load_module_state, timm_state
+from shardkit.ema.structure import ModelTracker, _slots, _unwrap, check_structure, slot_tensor
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
 
@@ -55,7 +27,7 @@ __all__ = ["ModelEMA"]
 _SCHEDULE = ("decay", "tau", "warmup_gamma", "warmup_power", "min_decay", "update_after_step", "update_every")
 
 
-class ModelEMA:
+class ModelEMA(nn.Module):
     """Exponential moving average of a model's parameters and buffers.
 
     Every ``update(model)``: ``e <- e + (1 - d) * (m - e)`` for every floating parameter
@@ -68,6 +40,8 @@ class ModelEMA:
         decay: float in [0, 1], the (final) decay.
         tau: ramp time constant (finite, > 0): ``d = decay * (1 - exp(-t / tau))`` (ultralytics).
             ``None`` gives a constant decay (timm ModelEmaV3 without warmup).
+        updates: initial update count, int in [0, 2**63 - 1] (ultralytics' resume argument;
+            ``model, decay, tau, updates`` may be positional, as ultralytics' ModelEMA takes them).
         warmup_gamma, warmup_power: giving either selects timm's warmup
             ``d = clamp(1 - (1 + s / gamma) ** -power, min_decay, decay)`` with
             ``s = t - update_after_step - 1`` (defaults gamma 1.0, power 2/3; both finite
@@ -87,12 +61,15 @@ class ModelEMA:
             ``module``, ``state_dict()`` and ``swap`` are used.
         copy_float_buffers: copy floating buffers (e.g. BatchNorm running stats) instead
             of averaging them (timm's ``exclude_buffers``).
-        updates: initial update count, int in [0, 2**63 - 1] (ultralytics' resume argument).
         cuda_graph: replay each update from a CUDA graph (decay read from a device scalar; see
             ema/graph.py), for updates bound by host time (many small tensors), where the EMA
             lives on one CUDA device and every pair is contiguous or dense with equal strides;
             captured again (one device sync) when a tensor's address, shape or dtype changes.
             Elsewhere, inside a capture of the caller's and under torch.compile, eager runs.
+        use_warmup, exclude_buffers, foreach: timm ModelEmaV3's (bools, or None: not given):
+            ``use_warmup=True`` selects the warmup (gamma and power default to 1.0 and 2/3),
+            ``False`` the constant decay (tau unused either way); ``exclude_buffers=True``
+            is ``copy_float_buffers=True``; ``foreach`` has no effect (one fused kernel).
 
     ``t`` is ``step`` (an int >= 0) when ``update(model, step=...)`` gives one (timm), else the count of
     applied updates including this one (``self.updates``, 1 on the first update; timm without
@@ -100,6 +77,9 @@ class ModelEMA:
 
     Attributes: ``module`` (the averaged module, eval mode, ``requires_grad=False``;
     ``ema`` is an alias), ``updates``, ``enabled`` (False makes ``update`` a no-op).
+    ModelEMA is an ``nn.Module`` holding ``module`` (as timm's ModelEmaV3): ``ema(x)`` calls
+    it, ``ema.eval()``, ``ema.to(...)`` and ``ema.named_buffers()`` reach it, and a module
+    that holds the EMA saves its weights under ``<name>.module.`` in its own state_dict.
 
     Sharded models: where parameters or buffers are DTensors (FSDP2 ``fully_shard``, HSDP on a
     2-D mesh, tensor-parallel placements; plain tensors may be mixed in), each rank's EMA holds
@@ -125,8 +105,9 @@ class ModelEMA:
         self,
         model: nn.Module,
         decay: float = 0.9999,
-        *,
         tau: Optional[float] = 2000,
+        updates: int = 0,
+        *,
         warmup_gamma: Optional[float] = None,
         warmup_power: Optional[float] = None,
         min_decay: float = 0.0,
@@ -135,14 +116,20 @@ class ModelEMA:
         dtype: Optional[torch.dtype] = None,
         device: Union[torch.device, str, int, None] = None,
         copy_float_buffers: bool = False,
-        updates: int = 0,
         cuda_graph: bool = False,
+        use_warmup: Optional[bool] = None,
+        exclude_buffers: Optional[bool] = None,
+        foreach: Optional[bool] = None,
     ) -> None:
+        super().__init__()
         src = _unwrap(model)
         if not isinstance(src, nn.Module):
             raise TypeError(f"argument `model` must be an nn.Module, got {type(model).__name__}")
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(f"argument `dtype` must be a floating torch.dtype or None, got {dtype!r}")
+        tau, warmup_gamma, warmup_power, copy_float_buffers = checks.timm_arguments(
+            use_warmup, exclude_buffers, foreach, tau, warmup_gamma, warmup_power, copy_float_buffers
+        )
         self._set_schedule(decay, tau, warmup_gamma, warmup_power, min_decay, update_after_step, update_every)
         self.copy_float_buffers = bool(copy_float_buffers)
         self.updates = _check_int("updates", updates, 0, _MAX_COUNT)
@@ -152,26 +139,16 @@ class ModelEMA:
         self._model_ref: Callable[[], Optional[nn.Module]] = weakref.ref(model)
         ema_device = check_device(device)
 
-        slots = _slots(src)
-        check_no_complex(slots, "ModelEMA")
-        sharded.check_not_fsdp1(src, "ModelEMA")
-        dtensor = sharded.dtensor_type()
-        # A sharded model (DTensor parameters or buffers): set when the EMA holds local shards.
-        self._dtensor: Optional[type[DTensor]] = (
-            dtensor if any(type(table[key]) is dtensor for _, table, key, _ in slots) else None
+        built = sharded.build_ema(src, ema_device, dtype)
+        slots, self._dtensor, self._ema, self._refs, self._keys = (
+            built.slots,
+            built.dtensor,
+            built.ema,
+            built.refs,
+            built.keys,
         )
-        self._keys: List[Tuple[str, int]] = []  # (state_dict key, tensor index) of a sharded model's EMA
-        self._module: Optional[nn.Module]
-        if self._dtensor is None:
-            self._module = copy_module(src, slots, ema_device, dtype)
-            self._ema = [slot_tensor(s) for s in _slots(self._module)]
-            self._refs = self._ema  # what the model's tensors are checked against
-        else:
-            # No module copy (FSDP2 refuses deepcopy, and it would be a full copy): each rank keeps
-            # its local shards, with DTensor views of them as the references (ema/sharded.py).
-            self._module = None
-            self._ema, self._refs = sharded.build_local_ema(slots, ema_device, dtype, "ModelEMA")
-            self._keys = sharded.state_keys(src, slots)
+        if built.module is not None:  # registered as the submodule `module`, as timm's ModelEmaV3 holds it
+            self._modules["module"] = built.module
         self._names = [name for name, _, _, _ in slots]
         self._tracker: Optional[ModelTracker] = None  # the last model seen and its tensors
         self._stage: Optional[HostStage] = None
@@ -182,7 +159,7 @@ class ModelEMA:
         """The update's groups, graph and module probe for the EMA tensors ``self._ema``
         (``slots``: the model's, or after a conversion of ``ema.module``, its own)."""
         averaged = [e.is_floating_point() and (s[3] or not self.copy_float_buffers) for e, s in zip(self._ema, slots)]
-        self._avg_groups, self._cp_e, self._cp_idx = update_groups(self._ema, averaged)
+        self._avg_groups, self._cp_e, self._cp_idx = structure.update_groups(self._ema, averaged)
         devices = list({e.device for e in self._ema})
         one_gpu = self._cuda_graph and len(devices) == 1 and devices[0].type == "cuda"
         self._graph = GraphedEMA(devices[0]) if one_gpu else None  # (ema/graph.py)
@@ -191,7 +168,8 @@ class ModelEMA:
     def _follow_module(self) -> None:
         # ema.module converted (.half(), .float(), .to(): new buffers, parameters of another dtype
         # or device, e.g. ultralytics' validator halving `ema.ema`): read its tensors again.
-        assert self._module is not None
+        if self._module is None or (self._probe is not None and not structure.probe_changed(self._probe)):
+            return
         slots = check_structure(self._module, self._names, self._ema, "ModelEMA.update (its module, ema.module)")
         self._ema = self._refs = [slot_tensor(s) for s in slots]
         self._tracker = None
@@ -209,8 +187,10 @@ class ModelEMA:
         for name, value in zip(_SCHEDULE, check_schedule(*args)):
             setattr(self, name, value)
 
-    def get_decay(self, step: int) -> float:
-        """The decay used at schedule step ``step`` (see the class docstring)."""
+    def get_decay(self, step: Optional[int] = None) -> float:
+        """The decay used at schedule step ``step`` (see the class docstring); ``None``: the
+        decay of the next ``update(model)`` without a step (step ``updates + 1``)."""
+        step = self.updates + 1 if step is None else step
         return schedule_decay(step, *(getattr(self, name) for name in _SCHEDULE[:-1]))
 
     # ---- the averaged module -----------------------------------------------------------
@@ -225,9 +205,17 @@ class ModelEMA:
 
     ema = module  # ultralytics' name
 
+    @property
+    def _module(self) -> Optional[nn.Module]:  # None for a sharded model's EMA
+        return self._modules.get("module")
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """``ema(x)``: calls :attr:`module` (timm's ModelEmaV3, e.g. ``validate(model_ema, ...)``)."""
+        return self.module(*args, **kwargs)
+
     def _flush(self) -> None:
         if self._stage is not None:
-            self._stage.drain(self._apply)
+            self._stage.drain(self._average)
 
     def _model_tensors(self, model: nn.Module, where: str) -> List[torch.Tensor]:
         tracker = self._tracker
@@ -260,20 +248,29 @@ class ModelEMA:
         self._calls += 1
         if self._calls % self.update_every:
             return
-        if self._module is not None and (self._probe is None or structure.probe_changed(self._probe)):
-            self._follow_module()
+        self._follow_module()
         src = self._model_tensors(model, "ModelEMA.update")
         self.updates += 1
         d = self.get_decay(self.updates if step is None else step)
         if self._feeds_host(src):
             if self._stage is None:
                 self._stage = HostStage(src)
-            self._stage.push(src, d, self._apply)
+            self._stage.push(src, d, self._average)
         else:
             self._flush()  # updates still staged (the model was on the GPU before) go first
-            self._apply(src, d)
+            self._average(src, d)
 
-    def _apply(self, src: Sequence[torch.Tensor], d: float) -> None:
+    @torch.no_grad()
+    def set(self, model: nn.Module) -> None:
+        """Copies ``model``'s tensors into the EMA, counters unchanged (timm's ``set``)."""
+        if self._swapped:
+            raise RuntimeError("ModelEMA.set: called inside `with ema.swap(model)`; set after the block")
+        self._flush()
+        self._follow_module()
+        for e, m in zip(self._ema, self._model_tensors(model, "ModelEMA.set")):
+            e.copy_(m)
+
+    def _average(self, src: Sequence[torch.Tensor], d: float) -> None:
         # The hot path (structure.apply_update: the tracker's cached lists, or one fused op call
         # per device); devices are compared on the first and last tensors.
         moved = src and (src[0].device != self._ema[0].device or src[-1].device != self._ema[-1].device)
@@ -281,7 +278,7 @@ class ModelEMA:
             src = [m if m.device == e.device else m.to(e.device, non_blocking=True) for e, m in zip(self._ema, src)]
         try:
             tracker = None if moved else self._tracker
-            apply_update(tracker, self._avg_groups, self._cp_e, self._cp_idx, src, d, self._graph)
+            structure.apply_update(tracker, self._avg_groups, self._cp_e, self._cp_idx, src, d, self._graph)
         except RuntimeError:
             # e.g. a tensor reshaped in place: name it rather than an index of the op's lists
             model = self._tracker.model() if self._tracker is not None else None
@@ -308,21 +305,13 @@ class ModelEMA:
         if self._dtensor is not None:  # no unsharded FSDP2 parameters before or after the block
             sharded.reshard(_unwrap(model))
         src = self._model_tensors(model, "ModelEMA.swap")
-        ex_e, ex_m, stash = plan_swap(self._ema, src)
-        with torch.no_grad():
-            ema_swap_(ex_e, ex_m)
-            for e, m, _ in stash:
-                m.copy_(e)
         self._swapped = True
         try:
-            yield model
+            with structure.swapped(self._ema, src):
+                yield model
         finally:
             if self._dtensor is not None:  # a forward in the block may leave EMA values unsharded
                 sharded.reshard(_unwrap(model))
-            with torch.no_grad():
-                ema_unswap_(ex_e, ex_m)
-                for _, m, host in stash:
-                    m.copy_(host)
             self._swapped = False
 
     # ---- checkpoints -------------------------------------------------------------------
@@ -332,10 +321,12 @@ class ModelEMA:
             return self._module.state_dict(keep_vars=keep_vars)
         return {key: self._refs[i] for key, i in self._keys}
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:  # type: ignore[override]
         """Everything to resume: EMA weights (``module``, a plain module state_dict), the
         counters and the schedule. Only tensors, numbers, None and strings, so
-        ``torch.load(..., weights_only=True)`` reads it.
+        ``torch.load(..., weights_only=True)`` reads it. With arguments (``prefix=``,
+        ``keep_vars=``, as a parent module's state_dict calls it), ``nn.Module``'s: the EMA
+        weights under ``module.`` (timm ModelEmaV3's keys).
 
         A sharded model's EMA: ``module`` maps the model's state_dict keys to DTensors over
         this rank's EMA shards (the model's mesh and placements, the EMA dtype), sharing the
@@ -344,6 +335,9 @@ class ModelEMA:
         ema.load_state_dict(sd)`` resumes, also at another world size or mesh (DCP reshards)."""
         if self._swapped:
             raise RuntimeError("ModelEMA.state_dict: called inside `with ema.swap(model)`")
+        if args or kwargs:
+            self._flush()
+            return super().state_dict(*args, **kwargs)
         return {
             "format": FORMAT,
             "module": self._module_state(),
@@ -354,17 +348,22 @@ class ModelEMA:
             "enabled": self.enabled,
         }
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # type: ignore[override]
         """Restores what :meth:`state_dict` saved (weights copied into the EMA's tensors,
-        keeping its dtype and device).
+        keeping its dtype and device), or the weights alone from a timm ModelEmaV3
+        ``state_dict()`` (``module.``-prefixed keys; the counters stay as they are).
 
         The whole state is checked first (keys, counters, schedule, and every tensor of
         ``module``: present, no extra entry, same shape, a dtype of the same kind); a bad
         one raises ``ValueError`` naming it and leaves the EMA exactly as it was."""
-        schedule = check_state(state_dict, FORMAT, self.copy_float_buffers)
-        module_state = state_dict["module"]
+        weights_only = timm_state(state_dict)
+        schedule = None if weights_only is not None else check_state(state_dict, FORMAT, self.copy_float_buffers)
+        module_state = state_dict["module"] if weights_only is None else weights_only
         check_module_state(self._module_state(keep_vars=True), module_state)
+        self._follow_module()
         load_module_state(self._module, self._keys, self._ema, self._refs, module_state)
+        if schedule is None:
+            return
         self._set_schedule(*schedule)
         self.updates = state_dict["updates"]
         self._calls = state_dict["calls"]

@@ -13,17 +13,18 @@ reshards between world sizes) and for a gathered export.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from shardkit.ema.structure import Slot, ema_copy, slot_tensor
+from shardkit.ema.structure import Slot, _slots, check_no_complex, copy_module, ema_copy, slot_tensor
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
 __all__ = [
+    "build_ema",
     "dtensor_type",
     "reshard",
     "check_not_fsdp1",
@@ -86,6 +87,34 @@ def local_tensors(tensors: Sequence[torch.Tensor], dtensor: type[DTensor]) -> Li
     """The local shard of each DTensor of ``tensors`` (the others as they are). Read on every
     update: FSDP2 may give a parameter a new local tensor (e.g. at its lazy initialization)."""
     return [t._local_tensor if type(t) is dtensor else t for t in tensors]
+
+
+class BuiltEMA(NamedTuple):
+    """What :func:`build_ema` gives ModelEMA."""
+
+    slots: List[Slot]  # the model's
+    dtensor: Optional[type[DTensor]]  # DTensor for a sharded model's EMA, else None
+    module: Optional[nn.Module]  # the averaged copy of a plain model (None when sharded)
+    ema: List[torch.Tensor]  # the EMA tensors, in the slots' order
+    refs: List[torch.Tensor]  # what the model's tensors are checked against
+    keys: List[Tuple[str, int]]  # (state_dict key, tensor index) of a sharded model's EMA
+
+
+def build_ema(src: nn.Module, device: Optional[torch.device], dtype: Optional[torch.dtype]) -> BuiltEMA:
+    """ModelEMA's tensors for model ``src``: a plain model's copy (the module, its tensors
+    converted on the way), or for a sharded model (DTensor parameters or buffers) no module:
+    each rank keeps its local shards, with DTensor views of them as the references (FSDP2
+    refuses deepcopy, and a copy would be a full one)."""
+    slots = _slots(src)
+    check_no_complex(slots, "ModelEMA")
+    check_not_fsdp1(src, "ModelEMA")
+    dtensor = dtensor_type()
+    if not any(type(table[key]) is dtensor for _, table, key, _ in slots):
+        module = copy_module(src, slots, device, dtype)
+        ema = [slot_tensor(s) for s in _slots(module)]
+        return BuiltEMA(slots, None, module, ema, ema, [])
+    ema, refs = build_local_ema(slots, device, dtype, "ModelEMA")
+    return BuiltEMA(slots, dtensor, None, ema, refs, state_keys(src, slots))
 
 
 def build_local_ema(

@@ -14,7 +14,7 @@ from shardkit.ema.checks import _MAX_COUNT, Schedule, _dtype_kind, _short, check
 
 FORMAT = "shardkit.ModelEMA/1"
 
-__all__ = ["FORMAT", "check_state", "check_module_state", "load_module_state"]
+__all__ = ["FORMAT", "check_state", "check_module_state", "load_module_state", "timm_state"]
 
 
 # Every key of a state_dict and the types it may hold (load_state_dict names a bad one).
@@ -32,6 +32,17 @@ _STATE_KEYS: Dict[str, Tuple[type, ...]] = {
     "copy_float_buffers": (bool,),
     "enabled": (bool,),
 }
+
+
+def timm_state(state_dict: object) -> Optional[Dict[str, Any]]:
+    """The module weights of a timm ModelEmaV3 ``state_dict()`` (or of ``nn.Module.state_dict``
+    called on a ModelEMA): its entries without their ``module.`` prefix; None for anything else
+    (a ModelEMA state_dict has a ``format`` key)."""
+    if not isinstance(state_dict, dict) or not state_dict or "format" in state_dict:
+        return None
+    if not all(isinstance(k, str) and k.startswith("module.") for k in state_dict):
+        return None
+    return {k[len("module.") :]: v for k, v in state_dict.items()}
 
 
 def check_state(state_dict: object, expected_format: str, copy_float_buffers: bool) -> Schedule:

@@ -3,16 +3,17 @@ against the EMA's, and noticing cheaply, on every update, that the model has cha
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import operator
 import weakref
-from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import nn
 
 from shardkit.ema.graph import GraphedEMA
-from shardkit.ops._ema import UpdateLists, update_lists
+from shardkit.ops._ema import UpdateLists, ema_swap_, ema_unswap_, update_lists
 
 Tensor = torch.Tensor
 # (name, owner table, key, is_param) of one parameter or buffer: the tensor is table[key], the
@@ -314,6 +315,24 @@ def plan_swap(
         else:
             stash.append((e, m, m.detach().to("cpu", copy=True)))
     return ex_e, ex_m, stash
+
+
+@contextlib.contextmanager
+def swapped(ema: Sequence[Tensor], src: Sequence[Tensor]) -> Iterator[None]:
+    """``ModelEMA.swap``'s exchange: ``src`` (the model's tensors) holds the EMA's values inside
+    the block and its own, bit-exactly, after it (also on an exception); see :func:`plan_swap`."""
+    ex_e, ex_m, stash = plan_swap(ema, src)
+    with torch.no_grad():
+        ema_swap_(ex_e, ex_m)
+        for e, m, _ in stash:
+            m.copy_(e)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            ema_unswap_(ex_e, ex_m)
+            for _, m, host in stash:
+                m.copy_(host)
 
 
 def update_groups(ema: List[Tensor], averaged: Sequence[bool]) -> Tuple[Groups, List[Tensor], List[int]]:
