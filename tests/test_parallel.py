@@ -277,6 +277,60 @@ def test_legacy_mean_is_unweighted():
     assert rel(loss, sum(parts) / 3) <= 1e-6
 
 
+@pytest.mark.parametrize("batch,n", [(6, 4), (5, 4), (4, 3), (12, 4), (3, 4), (11, 3)])
+def test_torch_split_with_legacy_mean_reproduces_encoding(batch, n):
+    # encoding.parallel splits as nn.DataParallel does (Tensor.chunk: ceil(B / n) per device
+    # while samples last) and averages the per-device losses: split="torch" with legacy_mean=True
+    # gives that loss and gradient exactly.
+    torch.manual_seed(batch * 10 + n)
+    net = Net().body
+    x, y = torch.randn(batch, 7), torch.randint(0, 5, (batch,))
+    model = DataParallelModel(net, device_ids=["cpu"] * n, split="torch")
+    outs = model(x)
+    assert [o.shape[0] for o in outs] == [c.shape[0] for c in x.chunk(n)]
+    loss = DataParallelCriterion(nn.CrossEntropyLoss(), device_ids=["cpu"] * n, legacy_mean=True)(outs, y)
+    loss.backward()
+    grads = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad()
+    parts = [nn.functional.cross_entropy(net(a), b) for a, b in zip(x.chunk(n), y.chunk(n))]
+    expected = sum(parts) / len(parts)
+    expected.backward()
+    assert rel(loss, expected) <= 1e-6
+    for g, p in zip(grads, net.parameters()):
+        assert rel(g, p.grad) <= 1e-5
+
+
+def test_split_argument_checks():
+    with pytest.raises(ValueError, match="argument `split` must be 'balanced' or 'torch'"):
+        DataParallelModel(Net(), device_ids=["cpu"] * 2, split="even")
+    with pytest.raises(ValueError, match="excludes `chunk_sizes` and `gpu0_bsz`"):
+        DataParallelModel(Net(), device_ids=["cpu"] * 2, split="torch", gpu0_bsz=1)
+
+
+def test_a_cross_entropy_subclass_with_its_own_forward_is_warned_once():
+    # encoding's SegmentationLosses(se_loss=True) adds a per-image term to a CrossEntropyLoss:
+    # weighing by valid pixels is then not exact, and DataParallelCriterion says so, once.
+    class CEWithImageTerm(nn.CrossEntropyLoss):
+        def forward(self, logits, target):
+            return super().forward(logits, target) + logits.mean()
+
+    class PlainSubclass(nn.CrossEntropyLoss):
+        pass
+
+    net = DataParallelModel(Net(), device_ids=["cpu"] * 2)
+    x, y = torch.randn(6, 7), torch.randint(0, 5, (6,))
+    with pytest.warns(UserWarning, match="CEWithImageTerm has a forward of its own"):
+        DataParallelCriterion(CEWithImageTerm(), device_ids=["cpu"] * 2)(net(x), y)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DataParallelCriterion(CEWithImageTerm(), device_ids=["cpu"] * 2)(net(x), y)  # once per class
+        DataParallelCriterion(PlainSubclass(), device_ids=["cpu"] * 2)(net(x), y)
+        DataParallelCriterion(nn.CrossEntropyLoss(), device_ids=["cpu"] * 2)(net(x), y)
+        DataParallelCriterion(CEWithImageTerm(), device_ids=["cpu"] * 2, legacy_mean=True)(net(x), y)
+
+
 def test_worker_exception_propagates_with_traceback():
     class Fails(nn.Module):
         def forward(self, out, target):

@@ -216,6 +216,8 @@ void dlogit_f(const double* z, double* out, int64_t n, double s_in, double s, do
 
 // Rows [r0, r1) of src (any float dtype, row stride src_stride) -> dst (acc T, contiguous,
 // [rows, D]), L2-normalized when normalize; nrm[r] = max(|row|, 1e-12) is kept for backward.
+// The squares are summed in double: a float row of norm above ~1.8e19 does not overflow to inf
+// (which would normalize it to a zero row).
 template <typename scalar_t, typename T>
 void load_rows(const scalar_t* src, int64_t s0, int64_t s1, int64_t rows, int64_t D, bool normalize, T* dst,
                T* nrm) {
@@ -223,14 +225,14 @@ void load_rows(const scalar_t* src, int64_t s0, int64_t s1, int64_t rows, int64_
     for (int64_t r = a; r < b; ++r) {
       const scalar_t* in = src + r * s0;
       T* out = dst + r * D;
-      T ss = 0;
+      double ss = 0;
       for (int64_t k = 0; k < D; ++k) {
         const T v = static_cast<T>(in[k * s1]);
         out[k] = v;
-        ss += v * v;
+        ss += static_cast<double>(v) * static_cast<double>(v);
       }
       if (normalize) {
-        const T nr = std::max(std::sqrt(ss), T(1e-12));
+        const T nr = static_cast<T>(std::max(std::sqrt(ss), 1e-12));
         nrm[r] = nr;
         const T inv = T(1) / nr;
         for (int64_t k = 0; k < D; ++k) out[k] *= inv;

@@ -81,13 +81,13 @@ __global__ void inv_row_norm_kernel(const scalar_t* __restrict__ w, int64_t s0, 
   const int64_t row = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= n) return;
-  T ss = 0;
+  double ss = 0;  // in double: a float row of norm above ~1.8e19 must not overflow to inf
   for (int64_t k = lane; k < D; k += 32) {
-    const T v = static_cast<T>(w[row * s0 + k * s1]);
+    const double v = static_cast<double>(w[row * s0 + k * s1]);
     ss += v * v;
   }
   for (int o = 16; o > 0; o /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, o);  // every lane: the sum
-  const T rn = T(1) / max(sqrt(ss), T(kEps));
+  const T rn = static_cast<T>(1.0 / max(sqrt(ss), kEps));
   if (lane == 0) rnorm[row] = rn;
   if (what)
     for (int64_t k = lane; k < D; k += 32)
@@ -258,7 +258,8 @@ Prepared prepare_x(const Tensor& x, bool normalize) {
   }
   const auto acc = acc_dtype(x.scalar_type());
   const Tensor xa = x.to(acc);
-  p.xnrm = at::linalg_vector_norm(xa, 2, {1}, true).clamp_min(kEps);
+  // The norm in double (no overflow of a float row's squares), kept in acc.
+  p.xnrm = at::linalg_vector_norm(xa, 2, {1}, true, at::kDouble).clamp_min(kEps).to(acc);
   p.xf = xa / p.xnrm;
   p.xin = p.xf.to(x.scalar_type()).contiguous();
   return p;

@@ -79,17 +79,18 @@ __global__ void kept_target_kernel(const x_t* __restrict__ xin, const w_t* __res
   if (row >= B) return;
   const int64_t t = labels[row] - class_offset;
   if (t < 0 || t >= C || !set.kept(t / set.chunk)) return;  // the whole warp: same row
-  T dot = 0, ss = 0;
+  T dot = 0;
+  double ss = 0;
   for (int64_t k = lane; k < D; k += 32) {
     const T v = static_cast<T>(static_cast<x_t>(w[t * s0 + k * s1]));
     dot += static_cast<T>(xin[row * D + k]) * v;
-    ss += v * v;
+    ss += static_cast<double>(v) * static_cast<double>(v);
   }
   for (int o = 16; o > 0; o /= 2) {
     dot += __shfl_xor_sync(0xffffffffu, dot, o);
     ss += __shfl_xor_sync(0xffffffffu, ss, o);
   }
-  if (lane == 0) out[row] = normalize ? dot * (T(1) / max(sqrt(ss), T(kEps))) : dot;
+  if (lane == 0) out[row] = normalize ? dot * static_cast<T>(1.0 / max(sqrt(ss), kEps)) : dot;
 }
 
 // Fills kept.target from the GEMM input xin ([B, D] contiguous, x's dtype) and the raw weights w.

@@ -38,7 +38,7 @@ from torch import nn
 
 from shardkit.ops import weighted_loss_reduce
 from shardkit.parallel import scatter as U
-from shardkit.parallel.loss_weights import WeightedLoss, _call, _chunk_loss, _strip_weight
+from shardkit.parallel.loss_weights import WeightedLoss, _call, _chunk_loss, _strip_weight, warn_own_forward
 from shardkit.parallel.replicate import replicate_module, share_replicas
 from shardkit.parallel.sync import execute_replication_callbacks
 from shardkit.parallel.threads import profiler_range, run_parallel
@@ -104,6 +104,10 @@ class DataParallelModel(nn.DataParallel):
         chunk_sizes: samples per device, one int per device (exact when they sum to the
             batch, else proportions); zeros leave a device out.
         gpu0_bsz: samples for device 0 (the rest split evenly), as BalancedDataParallel.
+        split: "balanced" (the default: as even as possible, the first ``batch % n`` devices
+            one more) or "torch" (``nn.DataParallel``'s and encoding.parallel's split,
+            ``Tensor.chunk``: ``ceil(batch / n)`` per device while samples last; with
+            ``legacy_mean=True`` on the criterion it reproduces encoding's losses exactly).
 
     Forward: ``model(*inputs, **kwargs)`` splits every tensor (positional and keyword,
     nested in tuples/lists/dicts) along ``dim`` and returns a list with one output per
@@ -132,9 +136,11 @@ class DataParallelModel(nn.DataParallel):
         *,
         chunk_sizes: Sequence[int] | None = None,
         gpu0_bsz: int | None = None,
+        split: str = "balanced",
     ) -> None:
         _init_parallel(self, module, device_ids, output_device, dim)
         self.chunk_sizes, self.gpu0_bsz = U.check_split_options(max(len(self._devices), 1), chunk_sizes, gpu0_bsz)
+        self.split = U.check_split(split, self.chunk_sizes, self.gpu0_bsz)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """The per-device outputs (a list), or the module's output (see the class notes)."""
@@ -169,7 +175,12 @@ class DataParallelModel(nn.DataParallel):
                 f"DataParallelModel: the batch is empty (0 samples along dim {self.dim}); there is nothing to "
                 "split over the devices: skip empty batches (e.g. DataLoader(drop_last=True))"
             )
-        sizes = U.balanced_chunk_sizes(first.size(self.dim), len(self._devices), self.chunk_sizes, self.gpu0_bsz)
+        batch, n = first.size(self.dim), len(self._devices)
+        sizes = (
+            U.torch_chunk_sizes(batch, n)
+            if self.split == "torch"
+            else U.balanced_chunk_sizes(batch, n, self.chunk_sizes, self.gpu0_bsz)
+        )
         used = [k for k, s in enumerate(sizes) if s > 0]
         devices = [self._devices[k] for k in used]
         return devices, U.split_args(inputs, kwargs, [sizes[k] for k in used], devices, self.dim, "DataParallelModel")
@@ -291,6 +302,8 @@ class DataParallelCriterion(nn.DataParallel):
             # Each worker also computes its chunk's weight (the valid-target count of a mean
             # criterion): those few small ops then run in parallel, not after the join.
             auto = not (self.legacy_mean or getattr(self.module, "reduction", "mean") == "sum")
+            if auto:
+                warn_own_forward(self.module)
             calls = [
                 functools.partial(_chunk_loss, m, out, t, k, n, auto)
                 for m, out, (t, k), n in zip(replicas, inputs, per_device, sizes)

@@ -5,6 +5,7 @@ on its chunk (its valid targets, found positionally or by keyword), else the chu
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any, NamedTuple
 
 import torch
@@ -67,6 +68,28 @@ def _target_of(criterion: nn.Module, output: Any, targets: tuple[Any, ...], kwar
             "target positionally: criterion(outputs, target)"
         )
     return ()
+
+
+_WARNED_FORWARDS: set[type] = set()
+
+
+def warn_own_forward(criterion: nn.Module) -> None:
+    """Once per class: a CrossEntropyLoss / NLLLoss subclass with a forward of its own is still
+    weighed by its valid targets, which is exact only when every term of its loss averages over
+    them (an auxiliary CE head: yes; a per-image term, e.g. encoding's se_loss: no)."""
+    cls = type(criterion)
+    base = nn.CrossEntropyLoss if isinstance(criterion, nn.CrossEntropyLoss) else nn.NLLLoss
+    if not isinstance(criterion, base) or cls.forward is base.forward or cls in _WARNED_FORWARDS:
+        return
+    _WARNED_FORWARDS.add(cls)
+    warnings.warn(
+        f"DataParallelCriterion weighs each device's {cls.__name__} loss by its valid targets (as a "
+        f"{base.__name__}), but {cls.__name__} has a forward of its own: the result equals the one-device loss "
+        "only if every term it adds averages over those targets. For a term averaged otherwise (e.g. over "
+        "images), return shardkit.parallel.WeightedLoss(loss, weight) from the criterion, or reduce per "
+        "device with legacy_mean=True",
+        stacklevel=3,
+    )
 
 
 def _weighs_targets(criterion: nn.Module) -> bool:

@@ -92,6 +92,22 @@ def balanced_chunk_sizes(
     return [q + (1 if k < r else 0) for k in range(n)]
 
 
+def torch_chunk_sizes(batch: int, n: int) -> list[int]:
+    """Samples per device as ``nn.DataParallel`` and encoding.parallel split (``Tensor.chunk``):
+    ``ceil(batch / n)`` each while samples last, so the last devices may get fewer or none."""
+    size = -(-batch // n)
+    return [min(size, max(0, batch - k * size)) for k in range(n)]
+
+
+def check_split(split: Any, chunk_sizes: Sequence[int] | None, gpu0_bsz: int | None) -> str:
+    """DataParallelModel's ``split``: "balanced" or "torch" (not with chunk_sizes / gpu0_bsz)."""
+    if split not in ("balanced", "torch"):
+        raise ValueError(f"argument `split` must be 'balanced' or 'torch', got {split!r}")
+    if split == "torch" and (chunk_sizes is not None or gpu0_bsz is not None):
+        raise ValueError("argument `split='torch'` sets every share; it excludes `chunk_sizes` and `gpu0_bsz`")
+    return str(split)
+
+
 def as_int(value: Any, what: str) -> int:
     """``value`` as an int: ints (not bools; numpy ints, 0-dim integer tensors) or integral
     floats (``4.0``); ``what`` names it in the errors (which say "non-negative": the callers

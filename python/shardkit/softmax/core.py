@@ -134,7 +134,9 @@ def plain_target_logit(
             rows = w.index_select(0, local.clamp(0, size - 1)).to(acc)
             xf = x_k.to(acc)
             if margin is not None:
-                dot = margin.scale * (F.normalize(xf, dim=1, eps=1e-12) * F.normalize(rows, dim=1, eps=1e-12)).sum(1)
+                # in float64: a float row of norm above ~1.8e19 must not normalize to zeros
+                unit_x = F.normalize(xf.double(), dim=1, eps=1e-12)
+                dot = margin.scale * (unit_x * F.normalize(rows.double(), dim=1, eps=1e-12)).sum(1).to(acc)
                 bound = torch.full_like(dot, margin.scale)
             else:
                 dot = (xf * rows).sum(1)
