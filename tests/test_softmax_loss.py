@@ -284,6 +284,42 @@ def test_gradcheck_float64_full_module_path():
         assert torch.autograd.gradcheck(fn, (x, *loss_fn.weight_shards))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("margin_name", ["cosface", "arcface", "combined"])
+def test_huge_finite_norms_normalize_like_small_ones(device, dtype, margin_name):
+    # A float row of norm above ~1.8e19 overflowed its sum of squares to inf and was normalized
+    # to a zero row: the loss of an all-zero embedding and a zero gradient, silently. The
+    # cosine logits do not depend on the norms: the loss must not change, and the gradients
+    # scale by 1 / norm. D = 128, a multiple of 64: the fused kernels where a GPU has them.
+    torch.manual_seed(7)
+    head = shardkit.ShardedSoftmaxLoss(128, 300, margin=MARGINS[margin_name], devices=[device, device]).to(dtype)
+    x = torch.randn(9, 128, device=device).to(dtype)
+    y = make_labels(9, 300).to(device)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+
+    def run(sx, sw):
+        xx = (x.double() * sx).to(dtype).requires_grad_()
+        with torch.no_grad():
+            for w in head.weight_shards:
+                w.mul_(sw)
+        head.zero_grad()
+        loss = head(xx, y)
+        loss.backward()
+        grads = [xx.grad.double() * sx] + [w.grad.double() * sw for w in head.weight_shards]
+        with torch.no_grad():
+            for w in head.weight_shards:
+                w.div_(sw)
+        return loss.double(), grads
+
+    base, base_grads = run(1.0, 1.0)
+    for sx, sw in [(1e20, 1.0), (1.0, 1e25), (3e30, 3e30)]:
+        loss, grads = run(sx, sw)
+        assert rel(loss.cpu(), base.cpu()) <= tol, (sx, sw)
+        for g, g0 in zip(grads, base_grads):
+            assert rel(g.cpu(), g0.cpu()) <= 10 * tol, (sx, sw)
+
+
 def _cuda_case(devices):
     margin = shardkit.ArcFace(s=32.0, m=0.5)
     loss_fn = shardkit.ShardedSoftmaxLoss(
