@@ -295,3 +295,30 @@ def test_negative_sizes_name_their_argument():
             plan_memory(1000, 64, 1, 8, **kw)
     with pytest.raises(ValueError, match=r"argument `used\[0\]`: size must be a finite non-negative number"):
         balance_shards(100, 8, used=[-1, 0])
+
+
+def test_device_count_bounds_and_many_devices_stay_fast():
+    # --devices 1e9 ran for minutes (a table row per device); more devices than classes planned
+    # empty devices; the largest class count searched from 1 class whatever the device count.
+    with pytest.raises(ValueError, match=r"argument `devices` must be at most the number of classes \(3\)"):
+        plan_memory(classes=3, dim=8, devices=8, batch=4)
+    with pytest.raises(ValueError, match="and 65,536, got 1,000,000,000"):
+        plan_memory(classes=10**10, dim=8, devices=10**9, batch=4)
+    from shardkit.plan.budgets import largest_classes
+
+    kw = dict(dim=8, devices=4096, batch=4, gpu_memory="80GiB")
+    big = largest_classes(0, classes=10**9, **kw)
+    assert big >= 4096
+    plan = plan_memory(classes=big, **kw)
+    assert all(d.fits for d in plan.devices)
+    assert not all(d.fits for d in plan_memory(classes=big + 4096, **kw).devices)
+
+
+@pytest.mark.parametrize("flag", ["--gpu-memory", "--reserve", "--chunk-budget"])
+def test_cli_sizes_need_a_unit(flag, capsys):
+    # "--gpu-memory 80" read as 80 bytes: every row then said "fits in 0.0 MiB: NO".
+    args = ["--classes", "1000", "--dim", "8", "--batch", "4", "--gpu-memory", "80GiB", flag, "80"]
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2
+    assert f"argument {flag}: '80' has no unit" in capsys.readouterr().err

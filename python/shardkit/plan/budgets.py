@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from numbers import Integral
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
-from shardkit.plan.memory import MemoryPlan, plan_memory
+from shardkit.plan.memory import DeviceMemory, MemoryPlan, plan_memory
 
 #: The budget label that stands for "the whole shard's logits".
 FULL = "full"
@@ -88,12 +88,17 @@ def _device_kept(plan: MemoryPlan, budget: Budget) -> Tuple[int, int, float]:
     return best
 
 
+def _distinct(plan: MemoryPlan) -> List[DeviceMemory]:
+    # The devices of distinct shard sizes (a plan's equal shards share one entry).
+    return list({d.classes: d for d in plan.devices}.values())
+
+
 def _used_classes(plan: MemoryPlan) -> List[int]:
-    # The classes each device's op sees: its shard, or the sampled part of it.
+    # The classes each distinct device's op sees: its shard, or the sampled part of it.
     if plan.sample_rate >= 1.0:
-        return [d.classes for d in plan.devices]
+        return [d.classes for d in _distinct(plan)]
     rate, batch = plan.sample_rate, plan.global_batch
-    return [min(d.classes, max(math.ceil(rate * d.classes), min(d.classes, batch))) for d in plan.devices]
+    return [min(d.classes, max(math.ceil(rate * d.classes), min(d.classes, batch))) for d in _distinct(plan)]
 
 
 def _fits(plan: MemoryPlan, budget: Budget) -> bool:
@@ -101,7 +106,7 @@ def _fits(plan: MemoryPlan, budget: Budget) -> bool:
     used = _used_classes(plan)
     return all(
         d.total + kept_logits(plan.global_batch, c, plan.chunk_classes, budget)[1] + plan.reserve <= plan.gpu_memory
-        for d, c in zip(plan.devices, used)
+        for d, c in zip(_distinct(plan), used)
     )
 
 
@@ -131,7 +136,7 @@ def plan_budgets(budgets: Sequence[Budget], **plan_args: Any) -> List[BudgetPlan
 
 def largest_classes(budget: Budget, **plan_args: Any) -> int:
     """The largest class count whose plan fits ``gpu_memory`` at ``budget`` (0 if not even
-    one class does): doubling, then bisection."""
+    one class per device does): doubling, then bisection."""
     budget = check_budget(budget)
     args = dict(plan_args)
 
@@ -139,10 +144,11 @@ def largest_classes(budget: Budget, **plan_args: Any) -> int:
         args["classes"] = classes
         return _fits(plan_memory(**args), budget)
 
-    if not fits(1):
+    low = max(1, int(args.get("devices", 1)))  # a plan has at least one class per device
+    if not fits(low):
         return 0
-    good, bad = 1, 2
-    while bad <= 1 << 44 and fits(bad):
+    good, bad = low, 2 * low
+    while bad <= (1 << 44) * low and fits(bad):  # up to 2**44 classes per device
         good, bad = bad, bad * 2
     while bad - good > 1:
         mid = (good + bad) // 2

@@ -151,6 +151,10 @@ class MemoryPlan:
         return max(self.devices, key=lambda d: d.total)
 
 
+#: The most devices a plan takes (its tables list every device).
+MAX_DEVICES = 1 << 16
+
+
 def _check_int(name: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"argument `{name}` must be an integer >= {minimum}, got {value!r}")
@@ -184,7 +188,7 @@ def plan_memory(
     Args:
         classes: C, total number of classes (int >= 1).
         dim: D, embedding size (int >= 1).
-        devices: N, devices the classes are sharded over (int >= 1).
+        devices: N, devices the classes are sharded over (int, 1 to min(C, 65,536)).
         batch: images per device per step (int >= 1); the loss sees ``batch * devices``.
         dtype: head weight/gradient storage: ``"fp32"``, ``"fp16"`` or ``"bf16"``.
         optimizer: ``"sgd"``, ``"sgd-momentum"``, ``"adam"`` or ``"adamw"``.
@@ -203,6 +207,10 @@ def plan_memory(
     classes = _check_int("classes", classes, 1)
     dim = _check_int("dim", dim, 1)
     n_dev = _check_int("devices", devices, 1)
+    if n_dev > min(classes, MAX_DEVICES):
+        raise ValueError(
+            f"argument `devices` must be at most the number of classes ({classes:,}) and {MAX_DEVICES:,}, got {n_dev:,}"
+        )
     batch = _check_int("batch", batch, 1)
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"argument `dtype` must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
@@ -244,7 +252,11 @@ def plan_memory(
 
     shard_rows = [classes // n_dev + (1 if k < classes % n_dev else 0) for k in range(n_dev)]
     per_device = []
+    by_rows: Dict[int, DeviceMemory] = {}  # at most two shard sizes: one entry each, shared
     for rows in shard_rows:
+        if rows in by_rows:
+            per_device.append(by_rows[rows])
+            continue
         w, mw, opt = _head_parts(rows, dim, elem, states, master)
         if optimizer == "sgd-momentum":
             opt += rows  # SparseRowSGD's per-row "seen" flags (bool)
@@ -261,7 +273,8 @@ def plan_memory(
             if sparse_grad is None or sparse_grad:
                 grad = used * dim * elem
         ws = sum(parts.values())
-        per_device.append(fits(DeviceMemory("shardkit", rows, w, mw, grad, opt, ws, parts)))
+        by_rows[rows] = fits(DeviceMemory("shardkit", rows, w, mw, grad, opt, ws, parts))
+        per_device.append(by_rows[rows])
 
     # PartialFC_V2 (per rank, largest shard): an fp32 Parameter whatever the AMP setting,
     # dense fp32 gradient (indexing's backward scatters into a weight-sized buffer),
