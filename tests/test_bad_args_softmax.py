@@ -8,7 +8,7 @@ import torch
 
 import shardkit
 from shardkit import ops
-from shardkit.softmax.margins import ArcFace, CombinedMargin
+from shardkit.softmax.margins import ArcFace, CombinedMargin, CosFace
 
 
 def _head(**kw):
@@ -82,6 +82,14 @@ def test_functional_form_bad_containers():
 def test_scale_beyond_float32():
     with pytest.raises(ValueError, match="`s`"):
         ArcFace(1e39, 0.5)
+    # finite, but the logits (or their sums under label smoothing) overflowed float32 to inf
+    with pytest.raises(ValueError, match=r"CosFace: arguments `s` and `m` give logits up to"):
+        CosFace(64, 1e39)
+    with pytest.raises(ValueError, match=r"arguments `s` and `m3` give logits up to"):
+        CombinedMargin(64, 1.0, 0.0, 1e37)
+    with pytest.raises(ValueError, match=r"arguments `s` and `m` give logits up to"):
+        CosFace(3.4e38, 0.1)
+    assert CosFace(1e29, 0.35).scale == 1e29
     with pytest.raises(ValueError, match="`s`"):
         CombinedMargin(float("inf"), 1.0, 0.3, 0.2)
     x, w, y = torch.randn(3, 4), torch.randn(6, 4), torch.randint(0, 6, (3,))

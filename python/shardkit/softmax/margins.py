@@ -35,6 +35,7 @@ from typing import Any, NoReturn
 __all__ = ["Margin", "CosFace", "ArcFace", "CombinedMargin"]
 
 _FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
+_LOGIT_MAX = 1e30  # the largest |logit| a margin may produce: sums over 1e8 classes stay finite
 
 
 def _number(name: str, value: object, *, cls: str) -> float:
@@ -73,6 +74,13 @@ class Margin:
             raise ValueError(f"{_cls}: argument `m1` must be > 0, got {m1}")
         if not 0.0 <= m2 < math.pi:
             raise ValueError(f"{_cls}: argument `m2` (the angular margin, radians) must be in [0, pi), got {m2}")
+        if scale * (1.0 + abs(m3)) > _LOGIT_MAX:  # float32 logits, and their sums over classes, stay finite
+            m = "m" if _cls == "CosFace" else "m3"
+            raise ValueError(
+                f"{_cls}: arguments `s` and `{m}` give logits up to s * (1 + |{m}|) = {scale * (1.0 + abs(m3)):.4g}, "
+                f"beyond {_LOGIT_MAX:.0e} (float32 logits and their sums over the classes would overflow); "
+                f"use a smaller s or {m}"
+            )
         for name, value in (("scale", scale), ("m1", m1), ("m2", m2), ("m3", m3)):
             object.__setattr__(self, name, value)
 
@@ -117,7 +125,8 @@ class CombinedMargin(Margin):
         s (float): scale, > 0 (64 is the face-recognition default).
         m1 (float): multiplicative angular margin, > 0 (1 = none).
         m2 (float): additive angular margin in radians, in [0, pi) (0 = none).
-        m3 (float): additive cosine margin (0 = none).
+        m3 (float): additive cosine margin (0 = none); ``s * (1 + |m3|)`` at most 1e30 (the
+            largest logit, kept far from float32's overflow).
 
     ``CombinedMargin(64, 1.0, 0.3, 0.2)`` is InsightFace's "combined" setting. Embeddings
     and weights are L2-normalized by the loss. Past ``m1 * theta + m2 = pi`` the target
