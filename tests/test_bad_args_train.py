@@ -51,6 +51,9 @@ def _assert_one_line_error(capsys, flag, prog="python -m shardkit.train"):
         (["--scale", "nan"], "--scale"),
         (["--scale", "inf"], "--scale"),
         (["--scale", "1e39"], "--scale"),  # beyond float32: the margin would raise mid-setup
+        (["--scale", "1e35"], "--scale"),  # finite in float32, but s * (1 + m) beyond the margins' 1e30
+        (["--margin", "none", "--m", "0.5"], "--m 0.5 has no effect with --margin none"),
+        (["--cache-ram", "decoded"], "--cache-ram decoded caches the images of --data"),
         (["--sample-rate", "nan"], "--sample-rate"),
         (["--ema-tau", "0"], "--ema-tau"),
         (["--ema-tau", "-5"], "--ema-tau"),

@@ -102,7 +102,8 @@ def _budget_arg(text: str) -> Budget:
 
 
 def _size_arg(text: str) -> int:
-    if re.fullmatch(r"\s*[0-9.eE+-]+\s*", text):  # a bare number: bytes, surely not what was meant
+    bare = re.fullmatch(r"\s*[0-9.eE+-]+\s*", text)
+    if bare and not re.fullmatch(r"\s*[0.]+\s*", text):  # a bare number but 0: bytes, surely not what was meant
         raise argparse.ArgumentTypeError(
             f"{text!r} has no unit: write e.g. {text.strip()}GiB, {text.strip()}GB or, for bytes, {text.strip()}B"
         )

@@ -78,7 +78,7 @@ def _rate(text: str) -> float:
 
 
 MAX_LR = 1e3  # far above any learning rate that trains; 1e30 only overflows the weights
-FLOAT32_MAX = torch.finfo(torch.float32).max  # the margins' largest scale
+MAX_SCALE = 1e29  # the margins take s * (1 + m) <= 1e30, and --m is below pi
 MIN_IMAGE_SIZE = 4  # the synthetic identities' smallest side (the backbones take any size)
 MAX_SEED = 2**63 - 1  # seed + rank/epoch must stay a valid torch seed (< 2**64)
 MAX_PROFILE_STEPS = 1000  # --profile: far more steps than a timing needs (the trace keeps the first 20)

@@ -43,6 +43,10 @@ def check_args(a: argparse.Namespace) -> None:
         a.m = {"arcface": 0.3, "cosface": 0.25, "none": 0.0}[a.margin]
     if a.margin != "none" and not 0 <= a.m < math.pi:
         raise UsageError(f"--m must be in [0, pi), got {a.m}")
+    if a.margin == "none" and a.m != 0:
+        raise UsageError(f"--m {a.m:g} has no effect with --margin none; drop it or pick a margin")
+    if a.cache_ram != "none" and a.data is None:
+        raise UsageError(f"--cache-ram {a.cache_ram} caches the images of --data; the synthetic data needs no cache")
     if a.amp == "none":
         a.amp = None
     if a.amp == "fp16" and all(d.type == "cpu" for d in a.devices):

@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from shardkit.train import checkpoint, checks, loop, ranks
 from shardkit.train.argtypes import (
-    FLOAT32_MAX,
     MAX_LR,
+    MAX_SCALE,
     _device_list,
     _finite,
     _non_negative,
@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--scale",
-        type=_positive(float, FLOAT32_MAX),
+        type=_positive(float, MAX_SCALE),
         default=32.0,
         help="s of the margin logits (default: %(default)s)",
     )
