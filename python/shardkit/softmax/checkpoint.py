@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 
+from shardkit.softmax.optim import momentum_state_problem
+
 if TYPE_CHECKING:
     from shardkit.softmax.module import ShardedSoftmaxLoss
 
@@ -45,6 +47,26 @@ def _file_name(start: int, end: int) -> str:
 
 
 _SHARD_NAME = re.compile(r"classes-(\d{12})-(\d{12})\.pt")
+_MOMENTUM_KEYS = ("momentum_buffer", "momentum_seen")
+
+
+def _check_directory(directory: object) -> None:
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"argument `directory` must be a path (str or os.PathLike), got {type(directory).__name__}")
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dim()}-D {value.dtype} tensor"
+    return type(value).__name__
+
+
+def _check_optimizer(optimizer: object) -> None:
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"argument `optimizer` must be a torch.optim.Optimizer (e.g. shardkit.SparseRowSGD) or None, got "
+            f"{type(optimizer).__name__}"
+        )
 
 
 def _load_shard(
@@ -65,6 +87,10 @@ def _load_shard(
     weight = blob.get("weight")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError(f"shard file {path!r} holds no 2-D `weight` tensor")
+    if weight.layout != torch.strided or not weight.is_floating_point():
+        raise ValueError(
+            f"shard file {path!r}: `weight` must be a dense floating-point tensor, got {weight.dtype} ({weight.layout})"
+        )
     if blob.get("class_offset") != start or weight.shape[0] != end - start:
         raise ValueError(
             f"shard file {path!r}: its name says classes [{start}, {end}) ({end - start} rows), the file "
@@ -77,10 +103,11 @@ def _load_shard(
             f"shard file {path!r} holds {blob.get('num_classes')!r} classes x {weight.shape[1]}, the other "
             f"shard files {num_classes} x {dim} (files of another checkpoint in the directory?)"
         )
-    for key in ("momentum_buffer", "momentum_seen"):
-        t = blob.get(key)
-        if t is not None and (not isinstance(t, torch.Tensor) or t.shape[0] != weight.shape[0]):
-            raise ValueError(f"shard file {path!r}: `{key}` does not have the {weight.shape[0]} rows of `weight`")
+    problem = momentum_state_problem(
+        blob.get("momentum_buffer"), blob.get("momentum_seen"), weight.shape, weight.dtype, _MOMENTUM_KEYS, "`weight`'s"
+    )
+    if problem is not None:
+        raise ValueError(f"shard file {path!r}: {problem[1]}")
     return blob
 
 
@@ -93,7 +120,16 @@ def save_shard_file(
     momentum_seen: Optional[torch.Tensor] = None,
 ) -> str:
     """Write one shard ([n, D] rows of classes [class_offset, class_offset + n)) into
-    ``directory`` (created if missing); atomic (temporary file + rename). Returns the path."""
+    ``directory`` (created if missing); atomic (temporary file + rename). Returns the path.
+    ``momentum_buffer`` must be a floating [n, D] tensor, ``momentum_seen`` a bool [n] one."""
+    _check_directory(directory)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.is_floating_point():
+        raise TypeError(f"argument `weight` must be a 2-D floating-point tensor, got {_describe(weight)}")
+    problem = momentum_state_problem(
+        momentum_buffer, momentum_seen, weight.shape, weight.dtype, _MOMENTUM_KEYS, "`weight`'s"
+    )
+    if problem is not None:
+        raise problem[0](f"argument {problem[1]}")
     os.makedirs(directory, exist_ok=True)
     start, end = int(class_offset), int(class_offset) + weight.shape[0]
     if not 0 <= start <= end <= num_classes:
@@ -109,7 +145,7 @@ def save_shard_file(
     if momentum_buffer is not None:
         blob["momentum_buffer"] = momentum_buffer.detach().to("cpu", copy=True).contiguous()
         seen = momentum_seen if momentum_seen is not None else torch.ones(weight.shape[0], dtype=torch.bool)
-        blob["momentum_seen"] = seen.detach().to("cpu", copy=True)
+        blob["momentum_seen"] = seen.detach().to("cpu", copy=True).bool()
     path = os.path.join(directory, _file_name(start, end))
     tmp = f"{path}.tmp{os.getpid()}"
     torch.save(blob, tmp)
@@ -120,6 +156,7 @@ def save_shard_file(
 def _index(directory: str) -> Tuple[int, int, List[Tuple[int, int, str]]]:
     """(num_classes, dim, [(start, end, path)] sorted) of a checkpoint directory; checks
     that the files tile [0, num_classes) exactly."""
+    _check_directory(directory)
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"argument `directory`: no checkpoint directory at {directory!r}")
     entries = []
@@ -157,21 +194,29 @@ def read_rows(directory: str, start: int, count: int, key: str = "weight") -> Op
     """Rows [start, start + count) of ``key`` ("weight", "momentum_buffer" or
     "momentum_seen") from a checkpoint directory, on the CPU, bit-exact; None when the
     files lack ``key``."""
-    num_classes, _dim, entries = _index(directory)
+    num_classes, dim, entries = _index(directory)
     if not 0 <= start <= start + count <= num_classes:
         raise ValueError(f"rows [{start}, {start + count}) are outside the checkpoint's [0, {num_classes})")
+    blobs = {path: _load_shard(path, s, e, num_classes, dim) for s, e, path in _covering(entries, start, count)}
+    return _gather(entries, blobs, start, count, key)
+
+
+def _covering(entries: List[Tuple[int, int, str]], start: int, count: int) -> List[Tuple[int, int, str]]:
+    """The files that rows [start, start + count) are read from (the first one for no rows)."""
+    covering = [e for e in entries if max(start, e[0]) < min(start + count, e[1])]
+    return covering or entries[:1]
+
+
+def _gather(
+    entries: List[Tuple[int, int, str]], blobs: Dict[str, Dict[str, Any]], start: int, count: int, key: str
+) -> Optional[torch.Tensor]:
+    """Rows [start, start + count) of ``key`` from the checked ``blobs`` of the covering files."""
     parts = []
-    for f_start, f_end, path in entries:
-        lo, hi = max(start, f_start), min(start + count, f_end)
-        if lo >= hi:
-            continue
-        blob = _load_shard(path, f_start, f_end, num_classes, _dim)
-        if key not in blob:
+    for f_start, f_end, path in _covering(entries, start, count):
+        if key not in blobs[path]:
             return None
-        parts.append(blob[key][lo - f_start : hi - f_start].clone())
-    if not parts:  # count == 0: an empty tensor of the stored dtype
-        stored = _load_shard(entries[0][2], entries[0][0], entries[0][1], num_classes, _dim).get(key)
-        return None if stored is None else stored[:0].clone()
+        lo, hi = max(start, f_start), min(start + count, f_end)
+        parts.append(blobs[path][key][lo - f_start : hi - f_start].clone())
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
@@ -195,17 +240,29 @@ def save_sharded(
     (one file per local shard; the rows keep their dtype and are written from any device).
 
     Raises:
-        TypeError: ``module`` is not a :class:`shardkit.ShardedSoftmaxLoss`.
+        TypeError: ``module`` is not a :class:`shardkit.ShardedSoftmaxLoss`, ``directory``
+            not a path, ``optimizer`` not a ``torch.optim.Optimizer``.
+        TypeError, ValueError: a shard's optimizer state holds a ``momentum_buffer`` that is not
+            a floating tensor of the shard's shape, or ``seen`` flags that are not a bool tensor
+            of its row count (the shard and key are named; nothing is written).
         OSError: the directory cannot be created or written.
     """
     shards, num_classes = _shards(module)
-    paths = []
-    for offset, p in shards:
+    _check_directory(directory)
+    _check_optimizer(optimizer)
+    states = []
+    for k, (offset, p) in enumerate(shards):
         state = optimizer.state.get(p, {}) if optimizer is not None else {}
-        paths.append(
-            save_shard_file(directory, p, offset, num_classes, state.get("momentum_buffer"), state.get("seen"))
-        )
-    return paths
+        buf, seen = state.get("momentum_buffer"), state.get("seen")
+        problem = momentum_state_problem(buf, seen, p.shape, p.dtype)
+        if problem is not None:
+            where = f"the state of shard {k} (classes [{offset}, {offset + p.shape[0]}))"
+            raise problem[0](f"argument `optimizer`: {where}: {problem[1]}")
+        states.append((buf, seen))
+    return [
+        save_shard_file(directory, p, offset, num_classes, buf, seen)
+        for (offset, p), (buf, seen) in zip(shards, states)
+    ]
 
 
 def load_sharded(module: ShardedSoftmaxLoss, directory: str, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
@@ -213,33 +270,55 @@ def load_sharded(module: ShardedSoftmaxLoss, directory: str, optimizer: Optional
     bit for bit, cast only if the dtypes differ). With ``optimizer``, momentum buffers saved
     with the checkpoint are restored into its state, on each shard's device and dtype.
 
+    Every file read is checked before anything is copied: a refused checkpoint leaves the
+    module and the optimizer as they were.
+
     Raises:
-        TypeError: ``module`` is not a :class:`shardkit.ShardedSoftmaxLoss`.
+        TypeError: ``module`` is not a :class:`shardkit.ShardedSoftmaxLoss`, ``directory`` not
+            a path, ``optimizer`` not a ``torch.optim.Optimizer``.
         FileNotFoundError: ``directory`` does not exist or holds no shard files.
-        ValueError: the class count or embedding width differ from the module's, or a shard
-            file is malformed or the files do not tile the classes (the file is named).
+        ValueError: the class count or embedding width differ from the module's; a shard
+            file is malformed (a non-floating ``weight``; a ``momentum_buffer`` that is not a
+            floating [rows, D] tensor; ``momentum_seen`` flags that are not a bool [rows]
+            tensor) or the files do not tile the classes (the file is named); the checkpoint
+            holds momentum for a shard that ``optimizer`` does not optimize.
     """
     shards, mine = _shards(module)
-    num_classes, dim, _ = _index(directory)
+    _check_optimizer(optimizer)
+    num_classes, dim, entries = _index(directory)
     if num_classes != mine or dim != shards[0][1].shape[1]:
         raise ValueError(
             f"checkpoint {directory!r} holds {num_classes} classes x {dim}, the module has "
             f"{mine} classes x {shards[0][1].shape[1]}"
         )
+    blobs: Dict[str, Dict[str, Any]] = {}
+    for offset, p in shards:  # read and check every file first
+        for start, end, path in _covering(entries, offset, p.shape[0]):
+            if path not in blobs:
+                blobs[path] = _load_shard(path, start, end, num_classes, dim)
+    loads = []
+    optimized = {id(q) for group in optimizer.param_groups for q in group["params"]} if optimizer is not None else set()
+    for k, (offset, p) in enumerate(shards):
+        rows = _gather(entries, blobs, offset, p.shape[0], "weight")
+        assert rows is not None  # every shard file holds `weight` (_load_shard checks it)
+        buf = _gather(entries, blobs, offset, p.shape[0], "momentum_buffer") if optimizer is not None else None
+        seen = None
+        if buf is not None:
+            if id(p) not in optimized:
+                raise ValueError(
+                    f"argument `optimizer` does not optimize shard {k} of `module` (classes [{offset}, "
+                    f"{offset + p.shape[0]})), whose momentum checkpoint {directory!r} holds"
+                )
+            seen = _gather(entries, blobs, offset, p.shape[0], "momentum_seen")
+            if seen is None:  # no flags saved with the rows: every row's buffer was started (as from SGD)
+                seen = torch.ones(p.shape[0], dtype=torch.bool)
+        loads.append((p, rows, buf, seen))
     with torch.no_grad():
-        for offset, p in shards:
-            rows = read_rows(directory, offset, p.shape[0])
-            assert rows is not None  # every shard file holds `weight` (_load_shard checks it)
+        for p, rows, buf, seen in loads:
             p.copy_(rows)
-            if optimizer is None:
-                continue
-            buf = read_rows(directory, offset, p.shape[0], "momentum_buffer")
-            if buf is not None:
-                seen = read_rows(directory, offset, p.shape[0], "momentum_seen")
-                if seen is None:  # no flags saved with the rows: every row's buffer was started (as from SGD)
-                    seen = torch.ones(p.shape[0], dtype=torch.bool)
+            if optimizer is not None and buf is not None and seen is not None:
                 optimizer.state[p]["momentum_buffer"] = buf.to(device=p.device, dtype=p.dtype)
-                optimizer.state[p]["seen"] = seen.to(p.device)
+                optimizer.state[p]["seen"] = seen.to(device=p.device, dtype=torch.bool)
 
 
 def export_full_weight(module: ShardedSoftmaxLoss) -> torch.Tensor:

@@ -37,7 +37,7 @@ from shardkit.softmax.core import (
     weights_for,
 )
 from shardkit.softmax.exchange import ConfigValue, check_same_config, exchange_batch_info
-from shardkit.softmax.head import ShardedHead
+from shardkit.softmax.head import ShardedHead, checked_weight_loads
 from shardkit.softmax.margins import Margin
 from shardkit.softmax.sampling import mark_sampled, sample_shard, sampled_class_counts
 
@@ -97,7 +97,8 @@ class ProcessGroupShards:
         check_same_config(self.ctx, {"num_classes": num_classes, "input_layout": input_layout, **(config or {})})
 
     def attach(self, module: ShardedHead) -> None:
-        """Nothing to add: ranks keep their own shard in ``state_dict()``."""
+        """Ranks keep their own shard in ``state_dict()``; loading checks its dtype and layout."""
+        checked_weight_loads(module)
 
     def class_offsets(self, module: ShardedHead) -> Tuple[int, ...]:
         return (self.ctx.class_offset,)

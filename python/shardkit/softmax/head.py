@@ -12,7 +12,7 @@ from torch import nn
 
 from shardkit.softmax.margins import Margin
 
-__all__ = ["ShardedHead", "class_ordered_checkpoints"]
+__all__ = ["ShardedHead", "class_ordered_checkpoints", "checked_weight_loads"]
 
 
 class ShardedHead(nn.Module):
@@ -52,6 +52,52 @@ def class_ordered_checkpoints(module: ShardedHead) -> None:
     module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
 
 
+def checked_weight_loads(module: ShardedHead) -> None:
+    """Make ``module``'s load_state_dict check its weight entries (see :func:`check_weight_entries`)
+    before anything is loaded (the distributed mode, whose checkpoints hold ``weight_shards.0``)."""
+    module.register_load_state_dict_pre_hook(_check_weight_hook)
+
+
+def check_weight_entries(module: ShardedHead, state_dict: Dict[str, Any], prefix: str) -> None:
+    """Refuse, before anything is loaded, a state dict holding both the class-ordered
+    ``weight`` and per-shard ``weight_shards.<k>`` entries (ValueError naming the keys), or a
+    weight entry that is a tensor but not a dense floating-point one with data (TypeError
+    naming the key; bool or integer rows would load as numbers, a sparse one fails in a copy).
+    Non-tensor entries are left to the size-mismatch errors of load_state_dict."""
+    full = prefix + "weight"
+    shard_keys = sorted(k for k in state_dict if k.startswith(prefix + "weight_shards."))
+    if full in state_dict and shard_keys:
+        per_shard = ", ".join(f"`{k}`" for k in shard_keys)
+        raise ValueError(
+            f"argument `state_dict` holds both `{full}` (the class-ordered form) and {per_shard} (the per-shard "
+            "form); keep one of them"
+        )
+    for key in [full] + shard_keys:
+        value = state_dict.get(key)
+        if not isinstance(value, torch.Tensor):
+            continue
+        if value.is_nested or value.layout != torch.strided or value.device.type == "meta":
+            raise TypeError(
+                f"argument `state_dict`: `{key}` must be a dense tensor with data, got layout {value.layout} "
+                f"on {value.device}"
+            )
+        if not value.is_floating_point():
+            raise TypeError(f"argument `state_dict`: `{key}` must be floating point, got {value.dtype}")
+
+
+def _check_weight_hook(
+    module: ShardedHead,
+    state_dict: Dict[str, Any],
+    prefix: str,
+    local_metadata: Dict[str, Any],
+    strict: bool,
+    missing: List[str],
+    unexpected: List[str],
+    errors: List[str],
+) -> None:
+    check_weight_entries(module, state_dict, prefix)
+
+
 def _state_dict_post_hook(
     module: ShardedHead, state_dict: Dict[str, Any], prefix: str, local_metadata: Dict[str, Any]
 ) -> None:
@@ -72,20 +118,35 @@ def _load_state_dict_pre_hook(
     unexpected: List[str],
     errors: List[str],
 ) -> None:
+    check_weight_entries(module, state_dict, prefix)
     key = prefix + "weight"
+    shard_keys = [f"{prefix}weight_shards.{k}" for k in range(len(module.weight_shards))]
     if key not in state_dict:
-        shard_keys = [f"{prefix}weight_shards.{k}" for k in range(len(module.weight_shards))]
         if not any(name in state_dict for name in shard_keys):
             # Neither form: report the key state_dict() writes (`weight`), not the per-shard ones;
             # the shards keep their values (loaded from themselves).
             missing.append(key)
             for name, shard in zip(shard_keys, module.weight_shards):
                 state_dict[name] = shard.detach()
-        return  # per-shard keys (same shard count) load as ordinary parameters
+            return
+        # Per-shard keys (same shard count) load as ordinary parameters, all or none: one of
+        # the wrong shape is a size mismatch, and every shard then keeps its values.
+        wrong = [
+            (name, _shape(state_dict[name]), tuple(shard.shape))
+            for name, shard in zip(shard_keys, module.weight_shards)
+            if name in state_dict and _shape(state_dict[name]) != tuple(shard.shape)
+        ]
+        for name, got, expected in wrong:
+            errors.append(f"size mismatch for {name}: the checkpoint has {got}, this module's shard is {expected}")
+        if wrong:
+            for name, shard in zip(shard_keys, module.weight_shards):
+                if name in state_dict:
+                    state_dict[name] = shard.detach()
+        return
     full = state_dict.pop(key)
     expected = (module.num_classes, module.embedding_dim)
-    if not isinstance(full, torch.Tensor) or tuple(full.shape) != expected:
-        shape = tuple(full.shape) if isinstance(full, torch.Tensor) else type(full).__name__
+    if _shape(full) != expected:
+        shape = _shape(full)
         errors.append(
             f"size mismatch for {key}: the checkpoint has {shape}, this module expects {expected} "
             "[num_classes, embedding_dim]"
@@ -97,6 +158,11 @@ def _load_state_dict_pre_hook(
         return
     for k, (offset, size) in enumerate(zip(module.class_offsets, module.shard_sizes)):
         state_dict[f"{prefix}weight_shards.{k}"] = full[offset : offset + size]
+
+
+def _shape(value: object) -> Union[Tuple[int, ...], str]:
+    """A checkpoint entry's shape, or its type's name when it is not a tensor."""
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
 
 
 def checkpoint_weight(module: ShardedHead) -> torch.Tensor:

@@ -54,6 +54,49 @@ def _check_hyperparameters(group: dict[str, Any], where: str = "") -> None:
         raise ValueError(f"{where}argument `nesterov` needs momentum > 0 and dampening = 0")
 
 
+_HYPERPARAMETERS = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
+
+
+def momentum_state_problem(
+    buf: object,
+    seen: object,
+    shape: torch.Size,
+    dtype: torch.dtype,
+    keys: tuple[str, str] = ("momentum_buffer", "seen"),
+    like: str = "the parameter's",
+) -> tuple[type[Exception], str] | None:
+    """What is wrong with a momentum buffer ``buf`` (None: none) and its per-row flags
+    ``seen`` (None: none) for a parameter of ``shape`` and ``dtype`` (``like``: "the
+    parameter's", in the message), as (exception type, message naming the key), or None when
+    they can be loaded: the buffer a dense tensor of ``shape`` (floating when the parameter is,
+    else of its dtype), the flags a dense 1-D bool tensor (or an integer one holding only 0
+    and 1) of the parameter's row count."""
+    for key, t in zip(keys, (buf, seen)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            return TypeError, f"`{key}` must be a tensor, got {type(t).__name__}"
+        if t.is_nested or t.layout != torch.strided or t.device.type == "meta":
+            return TypeError, f"`{key}` must be a dense tensor with data, got layout {t.layout} on {t.device}"
+    rows = shape[0] if len(shape) else 1
+    if isinstance(buf, torch.Tensor):
+        if not (buf.is_floating_point() if dtype.is_floating_point else buf.dtype == dtype):
+            return (
+                TypeError,
+                f"`{keys[0]}` must be {'floating point' if dtype.is_floating_point else dtype}, got {buf.dtype}",
+            )
+        if buf.shape != shape:
+            return ValueError, f"`{keys[0]}` must have {like} shape {list(shape)}, got {list(buf.shape)}"
+    if isinstance(seen, torch.Tensor):
+        if seen.dtype != torch.bool and (seen.is_floating_point() or seen.is_complex()):
+            return TypeError, f"`{keys[1]}` must be a bool tensor (one flag per row), got {seen.dtype}"
+        if seen.shape != (rows,):
+            return ValueError, f"`{keys[1]}` must have shape [{rows}] (one flag per row), got {list(seen.shape)}"
+        if seen.dtype != torch.bool and not bool(((seen == 0) | (seen == 1)).all()):
+            return ValueError, f"`{keys[1]}` as an integer tensor must hold only 0 and 1"
+    return None
+
+
 class SparseRowSGD(torch.optim.Optimizer):
     """SGD (lr, momentum, dampening, weight_decay, nesterov; the ``torch.optim.SGD``
     update rule) that touches only rows present in a row-sparse gradient.
@@ -117,17 +160,14 @@ class SparseRowSGD(torch.optim.Optimizer):
         A ``None`` buffer (SGD with momentum 0, or no step yet) starts fresh. SGD's
         ``maximize=True`` is refused (SparseRowSGD only minimizes); ``foreach``, ``fused``
         and ``differentiable`` are implementation choices and are ignored.
+
+        Everything is checked before anything is loaded (a refused state leaves the optimizer
+        as it was): each param group's lr, momentum, dampening, weight_decay and nesterov as
+        the constructor checks them, and each parameter's state: ``momentum_buffer`` None or a
+        floating tensor of the parameter's shape, ``seen`` a bool (or 0/1 integer, converted)
+        tensor of its row count. A TypeError / ValueError names the param group and key.
         """
-        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
-            raise ValueError(
-                "argument `state_dict` must be an optimizer state_dict (a dict with 'state' and 'param_groups')"
-            )
-        for i, group in enumerate(state_dict["param_groups"]):
-            if group.get("maximize"):
-                raise ValueError(
-                    f"argument `state_dict`: param group {i} has maximize=True (a torch.optim.SGD state); "
-                    "SparseRowSGD only minimizes"
-                )
+        self._check_state_dict(state_dict)  # everything, before anything changes
         super().load_state_dict(state_dict)
         self._all_seen.clear()  # the next dense step of each parameter takes the per-row rule once
         # Optimizer.load_state_dict casts tensor state to the parameter's floating dtype;
@@ -141,6 +181,52 @@ class SparseRowSGD(torch.optim.Optimizer):
                 state["seen"] = torch.ones(buf.shape[0] if buf.dim() else 1, dtype=torch.bool, device=buf.device)
             if "seen" in state:
                 state["seen"] = state["seen"].bool()
+
+    def _check_state_dict(self, state_dict: object) -> None:
+        """TypeError / ValueError naming the param group and key of the first entry of
+        ``state_dict`` that the constructor or a step would refuse."""
+        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError(
+                "argument `state_dict` must be an optimizer state_dict (a dict with 'state' and 'param_groups')"
+            )
+        groups, states = state_dict["param_groups"], state_dict["state"]
+        if not isinstance(groups, (list, tuple)) or not isinstance(states, dict):
+            raise TypeError("argument `state_dict`: 'param_groups' must be a list and 'state' a dict")
+        if len(groups) != len(self.param_groups):
+            raise ValueError(
+                f"argument `state_dict` holds {len(groups)} param groups, this optimizer {len(self.param_groups)}"
+            )
+        params: dict[Any, tuple[torch.Tensor, str]] = {}  # state key -> (parameter, its name in messages)
+        for i, (group, mine) in enumerate(zip(groups, self.param_groups)):
+            where = f"argument `state_dict`, param group {i}: "
+            if not isinstance(group, dict) or not isinstance(group.get("params"), (list, tuple)):
+                raise TypeError(f"{where}must be a dict with a 'params' list, got {type(group).__name__}")
+            if len(group["params"]) != len(mine["params"]):
+                raise ValueError(
+                    f"{where}holds {len(group['params'])} parameters, this optimizer's group {len(mine['params'])}"
+                )
+            missing = [name for name in _HYPERPARAMETERS if name not in group]
+            if missing:
+                raise ValueError(f"{where}lacks the hyper-parameter(s) {', '.join(f'`{m}`' for m in missing)}")
+            if group.get("maximize"):
+                raise ValueError(
+                    f"argument `state_dict`: param group {i} has maximize=True (a torch.optim.SGD state); "
+                    "SparseRowSGD only minimizes"
+                )
+            _check_hyperparameters(group, where)
+            for j, (key, p) in enumerate(zip(group["params"], mine["params"])):
+                params[key] = (p, f"param group {i}, parameter {j} (state key {key!r}, shape {list(p.shape)})")
+        for key, entry in states.items():
+            if key not in params:
+                continue  # not a parameter of a group: torch keeps it aside, no step reads it
+            p, name = params[key]
+            if not isinstance(entry, dict):
+                raise TypeError(f"argument `state_dict`, {name}: the state must be a dict, got {type(entry).__name__}")
+            problem = momentum_state_problem(entry.get("momentum_buffer"), entry.get("seen"), p.shape, p.dtype)
+            if problem is None and "seen" in entry and entry["seen"] is None:
+                problem = TypeError, "`seen` must be a tensor, got NoneType"
+            if problem is not None:
+                raise problem[0](f"argument `state_dict`, {name}: {problem[1]}")
 
     @overload
     def step(self, closure: None = None) -> None: ...
