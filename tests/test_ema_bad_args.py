@@ -297,3 +297,27 @@ def test_complex_tensors_are_refused_and_dtype_changes_named():
     model.to("meta")
     with pytest.raises(ValueError, match="has 0.weight on the meta device"):
         ema.update(model)
+
+
+def test_loose_types_are_refused_and_numpy_integers_taken():
+    np = pytest.importorskip("numpy")
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
+    with pytest.raises(TypeError, match="argument `copy_float_buffers` must be a Python bool"):
+        shardkit.ModelEMA(model, copy_float_buffers="no")  # was truthy: buffers silently copied
+    ema = shardkit.ModelEMA(model, updates=np.int64(2), update_every=np.int32(1))
+    assert ema.updates == 2 and type(ema.updates) is int
+    with pytest.raises(TypeError, match="argument `model` must be an nn.Module, got str"):
+        ema.attach(torch.optim.SGD(model.parameters(), lr=0.1), model="x")
+    with pytest.raises(TypeError, match="argument `model` must be an nn.Module, got NoneType"):
+        ema.update_attr(None)
+    with pytest.raises(TypeError, match="argument `step` must be an int"):
+        ema.get_decay("3")
+    with pytest.raises(TypeError, match="argument `step` must be an int"):
+        ema.get_decay(float("nan"))
+    with pytest.raises(ValueError, match="argument `step` must be an int in"):
+        ema.get_decay(-1)
+    assert ema.get_decay(np.int64(5)) == ema.get_decay(5)
+    head = shardkit.ShardedSoftmaxLoss(np.int64(8), np.int32(10))
+    assert head.embedding_dim == 8 and head.num_classes == 10
+    with pytest.raises(ValueError, match="argument `embedding_dim` must be a positive int"):
+        shardkit.ShardedSoftmaxLoss(np.float64(8.0), 10)

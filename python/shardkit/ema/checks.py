@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from typing import Optional, Tuple, Union
 
 import torch
@@ -41,8 +42,14 @@ def _real(name: str, value: object) -> float:
 
 
 def _check_int(name: str, value: object, minimum: int, maximum: Optional[int] = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    """``value`` as an int (numpy integers too, not bools) >= minimum; ValueError naming it."""
+    try:
+        number = None if isinstance(value, bool) else operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        number = None
+    if number is None or number < minimum:
         raise ValueError(f"argument `{name}` must be an int >= {minimum}, got {_short(value)}")
+    value = number
     if maximum is not None and value > maximum:
         raise ValueError(f"argument `{name}` must be an int in [{minimum}, 2**63 - 1], got {_short(value)}")
     return value
@@ -72,6 +79,7 @@ def timm_arguments(
     for name, value in (("use_warmup", use_warmup), ("exclude_buffers", exclude_buffers), ("foreach", foreach)):
         if value is not None:
             check_bool(name, value)
+    check_bool("copy_float_buffers", copy_float_buffers)
     if use_warmup is True:
         tau = None
         warmup_gamma = 1.0 if warmup_gamma is None else warmup_gamma

@@ -190,7 +190,7 @@ class ModelEMA(nn.Module):
     def get_decay(self, step: Optional[int] = None) -> float:
         """The decay used at schedule step ``step`` (see the class docstring); ``None``: the
         decay of the next ``update(model)`` without a step (step ``updates + 1``)."""
-        step = self.updates + 1 if step is None else step
+        step = self.updates + 1 if step is None else step if type(step) is int and step >= 0 else _check_step(step)
         return schedule_decay(step, *(getattr(self, name) for name in _SCHEDULE[:-1]))
 
     # ---- the averaged module -----------------------------------------------------------
@@ -388,6 +388,8 @@ class ModelEMA(nn.Module):
         handle; ``handle.remove()`` detaches."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"argument `optimizer` must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if model is not None and not isinstance(_unwrap(model), nn.Module):
+            raise TypeError(f"argument `model` must be an nn.Module, got {type(model).__name__}")
         ref = weakref.ref(model) if model is not None else self._model_ref
 
         def hook(opt: torch.optim.Optimizer, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:

@@ -92,6 +92,8 @@ def _no_model() -> None:  # the model link of an unpickled ModelEMA (a weak refe
 def copy_attributes(src: nn.Module, dst: nn.Module, include: Collection[str], exclude: Collection[str]) -> None:
     """``ModelEMA.update_attr``: ``src``'s public non-module attributes set on ``dst`` (only the
     names in ``include`` when given, never those in ``exclude``, never ``training``)."""
+    if not isinstance(src, nn.Module):
+        raise TypeError(f"argument `model` must be an nn.Module, got {type(src).__name__}")
     for k, v in src.__dict__.items():
         if (include and k not in include) or k.startswith("_") or k in exclude or k == "training":
             continue

@@ -12,7 +12,8 @@ combine them into the loss with differentiable torch code (:mod:`shardkit.softma
 
 from __future__ import annotations
 
-from typing import Dict, List, Literal, Optional, Sequence, Tuple, Union
+import operator
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,17 @@ from shardkit.softmax.margins import Margin
 from shardkit.softmax.sampling import check_sample_rate, mark_sampled
 
 __all__ = ["ShardedSoftmaxLoss", "sharded_cross_entropy", "ShardedLossOutput", "ShardStatistics"]
+
+
+def _count(name: str, value: Any) -> int:
+    """``value`` as a positive int (numpy integers too, not bools); ValueError naming it."""
+    try:
+        count = -1 if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        count = -1
+    if count < 1:
+        raise ValueError(f"argument `{name}` must be a positive int, got {value!r}")
+    return count
 
 
 class ShardedSoftmaxLoss(ShardedHead):
@@ -133,9 +145,7 @@ class ShardedSoftmaxLoss(ShardedHead):
         dtype = torch.get_default_dtype() if dtype is None else dtype
         if dtype not in KERNEL_DTYPES:
             raise TypeError(f"argument `dtype` must be float32, bfloat16, float16 or float64, got {dtype}")
-        for name, value in (("embedding_dim", embedding_dim), ("num_classes", num_classes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"argument `{name}` must be a positive int, got {value!r}")
+        embedding_dim, num_classes = _count("embedding_dim", embedding_dim), _count("num_classes", num_classes)
         if num_classes * embedding_dim >= 2**63:
             raise ValueError(
                 f"arguments `num_classes` x `embedding_dim` = {num_classes * embedding_dim} weights, "
