@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from shardkit.ema.graph import GraphedEMA
-from shardkit.ops._ema import UpdateLists, ema_swap_, ema_unswap_, update_lists
+from shardkit.ops._ema import UpdateLists, swap_pairs_, unswap_pairs_, update_lists
 
 Tensor = torch.Tensor
 # (name, owner table, key, is_param) of one parameter or buffer: the tensor is table[key], the
@@ -325,14 +325,14 @@ def swapped(ema: Sequence[Tensor], src: Sequence[Tensor]) -> Iterator[None]:
     the block and its own, bit-exactly, after it (also on an exception); see :func:`plan_swap`."""
     ex_e, ex_m, stash = plan_swap(ema, src)
     with torch.no_grad():
-        ema_swap_(ex_e, ex_m)
+        swap_pairs_(ex_e, ex_m)
         for e, m, _ in stash:
             m.copy_(e)
     try:
         yield
     finally:
         with torch.no_grad():
-            ema_unswap_(ex_e, ex_m)
+            unswap_pairs_(ex_e, ex_m)
             for _, m, host in stash:
                 m.copy_(host)
 

@@ -5,23 +5,56 @@ Python entry points with their argument checks.
 """
 
 import numbers
-from typing import Any, List, Sequence, Tuple
+from typing import Any, Iterable, List, Sequence, Tuple
 
 import torch
 
 from shardkit import _C
 
-__all__ = ["ema_update_", "ema_update_device_decay_", "ema_swap_", "ema_unswap_"]
+__all__ = ["ema_update_", "ema_update_device_decay_", "ema_swap_", "ema_unswap_", "swap_pairs_", "unswap_pairs_"]
+
+# The dtypes the kernels average (csrc/ema_common.h, is_supported_float).
+_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def _as_list(name: str, tensors: Any) -> list[Any]:
     if isinstance(tensors, torch.Tensor):
         raise TypeError(f"argument `{name}` must be a list or tuple of tensors, got a single Tensor")
+    if isinstance(tensors, (str, bytes)) or not isinstance(tensors, Iterable):  # None, an int
+        raise TypeError(f"argument `{name}` must be a list or tuple of tensors, got {type(tensors).__name__}")
     tensors = list(tensors)
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"argument `{name}` must hold tensors, got {type(t).__name__} at index {i}")
     return tensors
+
+
+def _check_written(op: str, name: str, tensors: Sequence[torch.Tensor]) -> None:
+    """A tensor the op writes must be strided with memory of its own per element: an expanded
+    (zero-stride) view gave torch's "more than one element of the written-to tensor refers to a
+    single memory location" naming no tensor, where the kernels name ``ema[i]`` for overlaps
+    between tensors. Shapes and strides only (host metadata, no sync)."""
+    for i, t in enumerate(tensors):
+        if t.layout != torch.strided:
+            raise TypeError(f"{op}: `{name}[{i}]` must be a dense (strided) tensor, got layout {t.layout}")
+        if not t.is_contiguous() and any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
+            raise ValueError(
+                f"{op}: `{name}[{i}]` overlaps itself: several of its elements are at one memory location (a zero "
+                f"stride, e.g. a view made by expand()); the op writes it in place, so every element needs memory "
+                f"of its own (clone the tensor first)"
+            )
+
+
+def _check_floating(op: str, ema_tensors: Sequence[torch.Tensor], model_tensors: Sequence[torch.Tensor]) -> None:
+    # ema_update_'s dtype rule (its kernel's message), for the swap pair: an int64, complex or
+    # float8 pair was exchanged without a word although no EMA of it can exist.
+    for i, (e, m) in enumerate(zip(ema_tensors, model_tensors)):
+        for name, t in (("ema", e), ("model", m)):
+            if t.dtype not in _FLOATS:
+                raise TypeError(
+                    f"{op}: argument `{name}` must hold floating-point tensors (float32/float64/float16/bfloat16), "
+                    f"got {t.dtype} at index {i}"
+                )
 
 
 def _paired_lists(ema_tensors, model_tensors):
@@ -71,8 +104,10 @@ def ema_update_(ema_tensors: Sequence[torch.Tensor], model_tensors: Sequence[tor
     every written tensor is bumped, so autograd detects a saved tensor modified by the op.
 
     Raises:
-        TypeError: naming ``decay``: not a real number.
-        ValueError: naming ``decay``: outside [0, 1] (NaN included).
+        TypeError: naming ``decay``: not a real number; naming the tensor list: not a list of
+            tensors; naming ``ema[i]``: a sparse (not strided) tensor.
+        ValueError: naming ``decay``: outside [0, 1] (NaN included); naming ``ema[i]``: an
+            EMA tensor with several elements at one address (an expanded view).
         RuntimeError: naming the argument: lengths, shapes or devices that do not match, a
             non-floating tensor, tensors on a device type other than CPU/CUDA (e.g. meta), a
             written tensor that requires grad while grad mode is on (torch's "a leaf Variable
@@ -87,6 +122,7 @@ def ema_update_(ema_tensors: Sequence[torch.Tensor], model_tensors: Sequence[tor
     decay = float(decay)
     if not 0.0 <= decay <= 1.0:  # also rejects NaN
         raise ValueError(f"argument `decay` must lie in [0, 1], got {decay}")
+    _check_written("ema_update_", "ema", ema_tensors)
     if not ema_tensors:
         return  # the dispatcher needs a tensor to pick a backend
     torch.ops.shardkit.ema_update_(ema_tensors, model_tensors, decay)
@@ -113,8 +149,20 @@ def ema_update_device_decay_(
     ema_tensors, model_tensors = _paired_lists(ema_tensors, model_tensors)
     if not isinstance(decay, torch.Tensor):
         raise TypeError(f"argument `decay` must be a one-element float64 tensor, got {type(decay).__name__}")
+    _check_written("ema_update_device_decay_", "ema", ema_tensors)
     if ema_tensors:
         torch.ops.shardkit.ema_update_device_decay_(ema_tensors, model_tensors, decay)
+
+
+def _swap_lists(
+    op: str, ema_tensors: Sequence[torch.Tensor], model_tensors: Sequence[torch.Tensor], floating: bool
+) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    ema_list, model_list = _paired_lists(ema_tensors, model_tensors)
+    if floating:
+        _check_floating(op, ema_list, model_list)
+    _check_written(op, "ema", ema_list)  # the swap ops write both lists
+    _check_written(op, "model", model_list)
+    return ema_list, model_list
 
 
 def ema_swap_(ema_tensors: Sequence[torch.Tensor], model_tensors: Sequence[torch.Tensor]) -> None:
@@ -131,17 +179,41 @@ def ema_swap_(ema_tensors: Sequence[torch.Tensor], model_tensors: Sequence[torch
     half a bfloat16 ulp of its maximum as infinity. Both lists are written: the same
     in-place rules as :func:`ema_update_` apply to both (version bump, grad-mode refusal,
     no shared memory).
+
+    Raises:
+        TypeError: the dtypes :func:`ema_update_` refuses (integer, bool, complex, float8: no
+            EMA of them exists), naming the list and the index; a sparse tensor, naming it.
+        ValueError: naming ``ema[i]`` or ``model[i]``: a tensor with several elements at one
+            address (an expanded view), which the exchange would write.
+        RuntimeError: from the op, naming the tensors: shapes, devices, dtype pairs, overlaps.
     """
-    ema_tensors, model_tensors = _paired_lists(ema_tensors, model_tensors)
-    if ema_tensors:
-        torch.ops.shardkit.ema_swap_(ema_tensors, model_tensors)
+    ema_list, model_list = _swap_lists("ema_swap_", ema_tensors, model_tensors, floating=True)
+    if ema_list:
+        torch.ops.shardkit.ema_swap_(ema_list, model_list)
 
 
 def ema_unswap_(ema_tensors: Sequence[torch.Tensor], model_tensors: Sequence[torch.Tensor]) -> None:
-    """Inverse of :func:`ema_swap_` on the same lists: restores both bit-exactly."""
-    ema_tensors, model_tensors = _paired_lists(ema_tensors, model_tensors)
-    if ema_tensors:
-        torch.ops.shardkit.ema_unswap_(ema_tensors, model_tensors)
+    """Inverse of :func:`ema_swap_` on the same lists: restores both bit-exactly (the same
+    argument checks)."""
+    ema_list, model_list = _swap_lists("ema_unswap_", ema_tensors, model_tensors, floating=True)
+    if ema_list:
+        torch.ops.shardkit.ema_unswap_(ema_list, model_list)
+
+
+def swap_pairs_(ema_tensors: Sequence[torch.Tensor], model_tensors: Sequence[torch.Tensor]) -> None:
+    """``ModelEMA.swap``'s exchange: :func:`ema_swap_` without its dtype rule, because a
+    model's integer buffers (BatchNorm's ``num_batches_tracked``) are exchanged with the EMA's
+    copies too. Not exported: outside ModelEMA use ``shardkit.ops.ema_swap_``."""
+    ema_list, model_list = _swap_lists("ema_swap_", ema_tensors, model_tensors, floating=False)
+    if ema_list:
+        torch.ops.shardkit.ema_swap_(ema_list, model_list)
+
+
+def unswap_pairs_(ema_tensors: Sequence[torch.Tensor], model_tensors: Sequence[torch.Tensor]) -> None:
+    """Inverse of :func:`swap_pairs_` (``ModelEMA.swap``'s restore)."""
+    ema_list, model_list = _swap_lists("ema_unswap_", ema_tensors, model_tensors, floating=False)
+    if ema_list:
+        torch.ops.shardkit.ema_unswap_(ema_list, model_list)
 
 
 # ModelEMA's per-update call (csrc/composite/ema_inplace.cpp): for every group g,

@@ -57,21 +57,28 @@ def chunk_classes_for_budget(
         batch: rows B of the embeddings (int >= 0).
         budget_bytes: bytes available for the working set (int > 0).
         embedding_dim: D (int >= 0); 0 ignores the weight-sized part.
-        dtype: dtype of the embeddings (the compute dtype; weights may be fp32 with 16-bit
-            embeddings).
-        num_classes: if given, the result is at most this (and at least 1).
+        dtype: dtype of the embeddings, a floating torch.dtype (the compute dtype; weights may
+            be fp32 with 16-bit embeddings).
+        num_classes: if given (an int >= 0), the result is at most this (and at least 1).
 
     Returns:
         int >= 1: the ``chunk_classes`` argument of :func:`ce_shard_stats`; a multiple of 64
         when it is at least 64 (GEMM-friendly).
+
+    Raises:
+        TypeError: naming the argument: a size that is not an int (numpy ints are; strings,
+            floats and bools are not), a ``dtype`` that is not a floating torch.dtype.
+        ValueError: naming the argument: a negative size, ``budget_bytes`` <= 0.
     """
+    # ints (numpy ints too), not strings, floats or bools; num_classes >= 0 (a shard may be empty)
+    _check_counts(budget_bytes=(budget_bytes, None))
     if int(budget_bytes) <= 0:
         raise ValueError(f"argument `budget_bytes` must be > 0, got {budget_bytes}")
-    if int(batch) < 0:
-        raise ValueError(f"argument `batch` must be >= 0, got {batch}")
-    if int(embedding_dim) < 0:
-        raise ValueError(f"argument `embedding_dim` must be >= 0, got {embedding_dim}")
-    elem = torch.empty((), dtype=dtype).element_size()
+    _check_counts(batch=(batch, 0), embedding_dim=(embedding_dim, 0))
+    if num_classes is not None:
+        _check_counts(num_classes=(num_classes, 0))
+    _check_dtype(dtype)
+    elem = dtype.itemsize
     per_class = int(batch) * (4 + (elem if elem < 4 else 0)) + 2 * int(embedding_dim) * 4
     chunk = max(1, int(budget_bytes) // max(per_class, 1))
     if chunk >= 64:
@@ -87,8 +94,10 @@ def default_chunk(x: Tensor, w: Tensor) -> int:
     budget = DEFAULT_BUDGET_BYTES
     if x.device.type == "cpu":
         budget = min(budget, CPU_MAX_CHUNK_BYTES)
+    # a non-floating x is the kernels' to refuse, naming `x` (not this helper's `dtype`)
+    dtype = x.dtype if x.is_floating_point() else torch.float32
     return chunk_classes_for_budget(
-        batch, budget, embedding_dim=dim, dtype=x.dtype, num_classes=w.shape[0] if w.dim() >= 1 else None
+        batch, budget, embedding_dim=dim, dtype=dtype, num_classes=w.shape[0] if w.dim() >= 1 else None
     )
 
 
@@ -117,19 +126,22 @@ def kept_logits_dtype(dtype: torch.dtype, device: Union[str, torch.device] = "cp
     """The dtype of the logits a forward keeps for ``dtype`` embeddings on ``device``: on CUDA,
     bfloat16 / float16 for those inputs (the raw dots as cuBLAS rounds them, with each row's
     target value kept in float32 beside them), else the statistics' dtype (float32; float64
-    for float64), as the CPU kernels keep them whatever the input."""
+    for float64), as the CPU kernels keep them whatever the input. ``dtype`` must be a floating
+    torch.dtype (TypeError naming it, not float32 for an int32 or a string)."""
+    _check_dtype(dtype)
     if _device_type(device) == "cuda" and dtype in (torch.bfloat16, torch.float16):
         return dtype
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _check_counts(**values: Tuple[object, int]) -> None:
+def _check_counts(**values: Tuple[object, Optional[int]]) -> None:
     # Sizes are ints (bool, float, str and tensors refused, not truncated) no smaller than their
-    # bound; a SymInt is a traced size (ce_shard_stats under torch.compile with dynamic shapes).
+    # bound (None: type only); a SymInt is a traced size (ce_shard_stats under torch.compile with
+    # dynamic shapes).
     for name, (value, low) in values.items():
         if isinstance(value, bool) or not isinstance(value, (Integral, torch.SymInt)):
             raise TypeError(f"argument `{name}` must be an int, got {type(value).__name__} {value!r}")
-        if int(value) < low:
+        if low is not None and int(value) < low:
             raise ValueError(f"argument `{name}` must be >= {low}, got {value}")
 
 

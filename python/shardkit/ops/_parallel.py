@@ -12,23 +12,93 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Sequence
+import operator
+from typing import Any, Iterable, Sequence
 
 import torch
+
+from shardkit.ops._args import bool_arg, int_arg
+from shardkit.ops._devices import visible_gpus
 
 __all__ = ["weighted_loss_reduce", "split_to_devices"]
 
 DeviceLike = torch.device | str | int
 
 
-def _device(d: DeviceLike) -> torch.device:
-    """A torch.device with an explicit index for CUDA (an int means a CUDA index)."""
-    if isinstance(d, torch.device) and (d.type != "cuda" or d.index is not None):
-        return d  # already explicit (the per-step callers pass these)
-    dev = torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
+def _cuda_count() -> int:
+    # torch caches the count once CUDA is initialized (every step after the first): no driver
+    # query per call on the hot path
+    return torch.cuda.device_count() if torch.cuda.is_initialized() else visible_gpus()
+
+
+def _device(d: DeviceLike, what: str) -> torch.device:
+    """A torch.device with an explicit index for CUDA (an int means a CUDA index); ``what``
+    names the argument in the errors: not a device (TypeError), a misspelled one or a CUDA
+    device this process cannot see (ValueError, instead of the driver's message)."""
+    if isinstance(d, torch.device):
+        dev = d  # the per-step callers pass these
+    elif isinstance(d, str):
+        try:
+            dev = torch.device(d)
+        except RuntimeError:
+            raise ValueError(f"{what} must name a device such as 'cpu' or 'cuda:0', got {d!r}") from None
+    elif isinstance(d, numbers.Integral) and not isinstance(d, bool):
+        index = operator.index(d)
+        if index < 0:
+            raise ValueError(f"{what} must be a CUDA index >= 0, got {index}")
+        dev = torch.device("cuda", index)
+    else:
+        raise TypeError(
+            f"{what} must be a torch.device, a string such as 'cuda:0' or a CUDA index, got {type(d).__name__} {d!r}"
+        )
+    if dev.type == "cuda":
+        if not torch.compiler.is_compiling():  # (traced: the devices were checked when eager)
+            count = _cuda_count()
+            if count == 0:
+                raise ValueError(f"{what} is {dev}, but no CUDA device is visible on this machine")
+            if dev.index is not None and dev.index >= count:
+                raise ValueError(f"{what} is {dev}, but only {count} CUDA device(s) are visible on this machine")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
     return dev
+
+
+def _tensor_list(name: str, tensors: Any) -> list[torch.Tensor]:
+    """``tensors`` as a list of tensors: a single Tensor (iterated, it would be taken for a list
+    of its rows), a string or a non-tensor entry is a TypeError naming ``name``."""
+    if isinstance(tensors, (torch.Tensor, str, bytes)) or not isinstance(tensors, Iterable):
+        raise TypeError(f"argument `{name}` must be a list of tensors, got {type(tensors).__name__}")
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"argument `{name}` (index {i}) must be a tensor, got {type(t).__name__} {t!r}")
+    return tensors
+
+
+def _sequence(name: str, values: Any) -> list[Any]:
+    # a string would be read character by character ("22" as [2, 2], "cpu" as three devices)
+    if isinstance(values, (torch.Tensor, str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(f"argument `{name}` must be a list, got {type(values).__name__} {values!r}")
+    return list(values)
+
+
+def _sizes(split_sizes: Any) -> list[Any]:  # ints (SymInts when traced)
+    sizes = _sequence("split_sizes", split_sizes)
+    for k, s in enumerate(sizes):  # not int(): 1.9 was 1, "2" was 2 (negative sizes: the op's error)
+        if type(s) is int or isinstance(s, torch.SymInt):
+            continue  # the per-step case first: no ABC check
+        if isinstance(s, bool) or not isinstance(s, numbers.Integral):
+            raise TypeError(f"argument `split_sizes` (index {k}) must be an int, got {type(s).__name__} {s!r}")
+        sizes[k] = operator.index(s)  # numpy ints
+    return sizes
+
+
+def _refuse_meta(name: str, tensors: Sequence[torch.Tensor], purpose: str) -> None:
+    # A meta tensor has a shape but no data: reduced or copied onto a real device it gave
+    # uninitialized memory (weighted_loss_reduce) or torch's "Cannot copy out of meta tensor".
+    for i, t in enumerate(tensors):
+        if t.is_meta:
+            raise ValueError(f"argument `{name}` (index {i}) is a meta tensor, which holds no data {purpose}")
 
 
 def check_weight(w: Any, what: str) -> None:
@@ -56,12 +126,17 @@ def weighted_loss_reduce(
     ``sum_k w_k * losses[k]`` (``normalize=False``), computed on ``output_device``.
 
     Args:
-        losses: K floating tensors of one shape (usually 0-dim), each on any device.
+        losses: K floating tensors of one shape (usually 0-dim), each on any device (not
+            meta: a meta tensor has no value to reduce, ValueError naming it).
         weights: K weights: one-element tensors on any device (sample or valid-element
             counts computed on the loss's device need no host sync) or Python numbers
-            (finite and non-negative; a tensor's value is not checked).
-        output_device: where the result lives.
-        normalize: divide by ``sum_k w_k``.
+            (finite and non-negative; a tensor's value is not checked). With ``normalize``,
+            Python numbers must not all be 0 (ValueError: the mean would be 0/0 = NaN); tensor
+            weights are not read (that would be a host sync), so all-zero tensor weights give
+            NaN, as a mean over no elements does on one device.
+        output_device: where the result lives: a torch.device, a string or a CUDA index
+            (ValueError naming it for a CUDA device this process cannot see).
+        normalize: divide by ``sum_k w_k`` (a Python bool).
 
     Returns:
         Tensor of the losses' shape and promoted dtype on ``output_device``.
@@ -70,12 +145,25 @@ def weighted_loss_reduce(
     """
     if isinstance(weights, (str, bytes)) or not isinstance(weights, (Sequence, torch.Tensor)):
         raise TypeError(f"argument `weights` must be a list of K weights, got {type(weights).__name__} {weights!r}")
+    losses = _tensor_list("losses", losses)
+    normalize = bool_arg("normalize", normalize)
     for k, w in enumerate(weights):
         check_weight(w, f"argument `weights` (index {k})")
+    device = _device(output_device, "argument `output_device`")
+    if device.type != "meta":
+        _refuse_meta("losses", losses, f"to reduce onto {device}")
+        for k, w in enumerate(weights):
+            if isinstance(w, torch.Tensor) and w.is_meta:
+                raise ValueError(f"argument `weights` (index {k}) is a meta tensor, which holds no data to weigh by")
+    if normalize and len(weights) > 0 and not any(isinstance(w, torch.Tensor) or w for w in weights):
+        raise ValueError(
+            f"argument `weights` sums to 0 ({list(weights)}): the normalized mean would be 0/0 = NaN; "
+            "give at least one positive weight (or normalize=False for the weighted sum)"
+        )
     # Python numbers as float64: a float32 tensor would round them (0.1, counts > 2^24)
     # before the reduction of float64 losses.
     ws = [w if isinstance(w, torch.Tensor) else torch.tensor(float(w), dtype=torch.float64) for w in weights]
-    return torch.ops.shardkit.weighted_loss_reduce(list(losses), ws, _device(output_device), normalize)
+    return torch.ops.shardkit.weighted_loss_reduce(losses, ws, device, normalize)
 
 
 def split_to_devices(
@@ -90,19 +178,32 @@ def split_to_devices(
     copies to GPUs are non-blocking (ordered on the destination's current stream).
 
     Args:
-        tensors: N tensors (any dtypes, any one source device each) whose size along
-            ``dim`` equals ``sum(split_sizes)``.
-        split_sizes: K non-negative ints.
-        devices: K devices (repeats allowed, e.g. ``["cpu"] * 3``).
-        dim: the dimension to split.
+        tensors: N tensors (any dtypes, any one source device each, not meta unless every
+            device is) whose size along ``dim`` equals ``sum(split_sizes)``.
+        split_sizes: K non-negative ints (numpy ints too; not floats, strings or bools).
+        devices: K devices (repeats allowed, e.g. ``["cpu"] * 3``): torch.devices, strings or
+            CUDA indices (ValueError naming the entry for a CUDA device this process cannot see).
+        dim: the dimension to split (an int, in range for every tensor).
 
     Returns:
         ``pieces[k][i]``: piece k of ``tensors[i]`` on ``devices[k]``, a fresh contiguous
         tensor of size ``split_sizes[k]`` along ``dim``. Differentiable: the gradient of
         ``tensors[i]`` is the pieces' gradients concatenated back on its device.
     """
-    devs = [_device(d) for d in devices]
-    flat = torch.ops.shardkit.split_to_devices(list(tensors), [int(s) for s in split_sizes], dim, devs)
+    tensors = _tensor_list("tensors", tensors)
+    sizes = _sizes(split_sizes)
+    devs = [_device(d, f"argument `devices` (index {k})") for k, d in enumerate(_sequence("devices", devices))]
+    dim = int_arg("dim", dim)
+    for i, t in enumerate(tensors):
+        if t.dim() > 0 and not -t.dim() <= dim < t.dim():
+            raise ValueError(
+                f"argument `dim` = {dim} is out of range for `tensors` (index {i}) of {t.dim()} dimensions "
+                f"(expected in [{-t.dim()}, {t.dim() - 1}])"
+            )
+    real = [d for d in devs if d.type != "meta"]
+    if real:
+        _refuse_meta("tensors", tensors, f"to copy to {real[0]}")
+    flat = torch.ops.shardkit.split_to_devices(tensors, sizes, dim, devs)
     n = len(tensors)
     return [flat[k * n : (k + 1) * n] for k in range(len(devs))]
 

@@ -8,14 +8,38 @@ differentiable torch code (see :mod:`shardkit.softmax.core`).
 
 from __future__ import annotations
 
+import math
+from numbers import Integral
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from shardkit.ops._args import bool_arg, int_arg, optional_tensor_arg, real_arg, tensor_arg
 from shardkit.ops._kept import cuda_keep_enabled, default_chunk, kept_chunks_for_budget, kept_classes, kept_logits_dtype
 
 __all__ = ["ce_shard_stats"]
+
+
+def _check_margin(scale: float, m1: float, m2: float, normalize: bool) -> None:
+    """The ranges of shardkit.softmax.margins.Margin (ops may not import softmax; the rule is
+    repeated here): with normalize, scale > 0; m2 in [0, pi) always (cos(m1 theta + m2) is
+    continued past pi only for such m2). Non-finite values and m1 <= 0 are left to the kernels'
+    checks (RuntimeError naming them), as are traced values (torch.compile: math.isfinite does
+    not trace; the sharded heads pass a Margin's numbers, checked when it was made)."""
+    if torch.compiler.is_compiling() or not all(isinstance(v, float) for v in (scale, m1, m2)):
+        return
+    if math.isfinite(m2) and not 0.0 <= m2 < math.pi:
+        raise ValueError(f"argument `m2` (the angular margin, radians) must be in [0, pi), got {m2}")
+    if normalize is True and math.isfinite(scale) and scale <= 0:
+        raise ValueError(f"argument `scale` must be > 0 with normalize=True (a margin's scale), got {scale}")
+
+
+def _check_budget(memory_budget: object) -> int:
+    # numpy ints too; bool, float and str refused (ValueError, as before: the error tests match it)
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, Integral) or memory_budget < 0:
+        raise ValueError(f"argument `memory_budget` must be an int >= 0 (bytes), got {memory_budget!r}")
+    return int(memory_budget)
 
 
 def _keeps(x: Tensor, w: Tensor, keep_chunks: int) -> bool:
@@ -60,10 +84,12 @@ def ce_shard_stats(
             copy of ``w`` or of its gradient.
         labels: int64 [B] GLOBAL class ids; ids outside the shard (other shards' classes,
             ignore_index) simply have no target here.
-        class_offset: global id of the shard's first class (>= 0).
-        scale, m1, m2, m3: logit scale and margin parameters (see above).
-        normalize: L2-normalize ``x`` and ``w`` rows (required by margins).
-        chunk_classes: classes per chunk (>= 1); default from a 192 MiB working-set budget
+        class_offset: global id of the shard's first class (an int >= 0; numpy ints too).
+        scale, m1, m2, m3: logit scale and margin parameters (see above), real numbers (no
+            strings or tensors) in the ranges of :class:`shardkit.CombinedMargin`: finite,
+            ``m1 > 0``, ``m2`` in [0, pi) and, with ``normalize``, ``scale > 0``.
+        normalize: L2-normalize ``x`` and ``w`` rows (required by margins); a Python bool.
+        chunk_classes: classes per chunk (an int >= 1); default from a 192 MiB working-set budget
             (:func:`chunk_classes_for_budget`), capped to a cache-sized chunk on the CPU. The
             fused sm90 kernels, holding no fp32 logits, walk larger chunks, within the memory
             this chunk takes in the other kernels and, for the backward's growth, 56 MiB of
@@ -89,26 +115,20 @@ def ce_shard_stats(
         margin), and int64 counts. Differentiable w.r.t. ``x`` and ``w`` (not the count);
         the gradients come in the dtype of ``x`` and of ``w`` respectively.
     """
-    if chunk_classes is None:
-        chunk_classes = default_chunk(x, w)
-    args = (
-        x,
-        w,
-        labels,
-        target_ref,
-        int(class_offset),
-        float(scale),
-        float(m1),
-        float(m2),
-        float(m3),
-        bool(normalize),
-        int(chunk_classes),
-    )
-    if isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget < 0:
-        raise ValueError(f"argument `memory_budget` must be an int >= 0 (bytes), got {memory_budget!r}")
+    x, w, labels = tensor_arg("x", x), tensor_arg("w", w), tensor_arg("labels", labels)
+    target_ref = optional_tensor_arg("target_ref", target_ref)
+    # Strict types (no int() / float() / bool() coercion: normalize="no" was True, class_offset=1.7
+    # was 1, strings were parsed); value ranges the kernels check themselves stay theirs (RuntimeError).
+    class_offset = int_arg("class_offset", class_offset)
+    scale, m1, m2, m3 = real_arg("scale", scale), real_arg("m1", m1), real_arg("m2", m2), real_arg("m3", m3)
+    normalize = bool_arg("normalize", normalize)
+    _check_margin(scale, m1, m2, normalize)
+    chunk_classes = default_chunk(x, w) if chunk_classes is None else int_arg("chunk_classes", chunk_classes)
+    memory_budget = _check_budget(memory_budget)
+    args = (x, w, labels, target_ref, class_offset, scale, m1, m2, m3, normalize, chunk_classes)
     keep = 0
     if memory_budget > 0 and x.dim() == 2 and w.dim() == 2 and chunk_classes >= 1 and x.is_floating_point():
-        keep = kept_chunks_for_budget(x.shape[0], w.shape[0], int(chunk_classes), memory_budget, x.dtype, x.device)
+        keep = kept_chunks_for_budget(x.shape[0], w.shape[0], chunk_classes, memory_budget, x.dtype, x.device)
     if _keeps(x, w, keep):
         return torch.ops.shardkit.ce_shard_stats_keep.default(*args, keep)[:4]
     return torch.ops.shardkit.ce_shard_stats.default(*args)

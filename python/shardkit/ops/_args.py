@@ -1,0 +1,68 @@
+"""Strict argument checks shared by the ops' Python wrappers: no ``int()`` / ``float()`` /
+``bool()`` coercion (a string, a float count or None is refused, not converted), each error
+naming its argument. Cheap isinstance checks only: nothing here reads a tensor's value.
+
+Traced values pass as they are (a ``torch.SymInt`` / ``SymFloat`` / ``SymBool`` is a size or
+a scalar under ``torch.compile`` with dynamic shapes): their range is the kernels' to check.
+"""
+
+from __future__ import annotations
+
+import numbers
+import operator
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["bool_arg", "int_arg", "optional_tensor_arg", "real_arg", "tensor_arg", "INT64_MAX"]
+
+INT64_MAX = 2**63 - 1  # the op schemas' ``int`` (int64_t)
+
+
+def tensor_arg(name: str, value: Any) -> torch.Tensor:
+    """``value`` if it is a Tensor, else TypeError naming ``name`` (None gave AttributeErrors)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    raise TypeError(f"argument `{name}` must be a Tensor, got {type(value).__name__}")
+
+
+def optional_tensor_arg(name: str, value: Any) -> Optional[torch.Tensor]:
+    """``value`` if it is a Tensor or None, else TypeError naming ``name``."""
+    if value is None or isinstance(value, torch.Tensor):
+        return value
+    raise TypeError(f"argument `{name}` must be a Tensor or None, got {type(value).__name__}")
+
+
+def bool_arg(name: str, value: Any) -> bool:
+    """``value`` if it is a Python bool: a string ('no' is truthy), an int or None is refused."""
+    if isinstance(value, (bool, torch.SymBool)):
+        return value  # type: ignore[return-value]
+    raise TypeError(f"argument `{name}` must be a Python bool, got {type(value).__name__} {value!r}")
+
+
+def int_arg(name: str, value: Any, *, low: Optional[int] = None, high: int = INT64_MAX) -> int:
+    """``value`` as an int: Python and numpy integers; bool, float, str and tensors refused
+    (TypeError); outside ``[low, high]`` a ValueError (``low`` None: no lower bound here)."""
+    if isinstance(value, torch.SymInt):
+        return value  # type: ignore[return-value]
+    if type(value) is not int:  # (the common case skips the ABC check)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"argument `{name}` must be an int, got {type(value).__name__} {value!r}")
+        value = operator.index(value)
+    if low is not None and value < low:
+        raise ValueError(f"argument `{name}` must be >= {low}, got {value}")
+    if value > high:
+        raise ValueError(f"argument `{name}` must be <= {high}, got {value}")
+    return value
+
+
+def real_arg(name: str, value: Any) -> float:
+    """``value`` as a float: Python and numpy real numbers (ints too); bool, str, None and tensors
+    refused (TypeError). Finiteness and ranges are the caller's (the kernels check them)."""
+    if isinstance(value, torch.SymFloat):
+        return value  # type: ignore[return-value]
+    if type(value) is float:
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"argument `{name}` must be a real number, got {type(value).__name__} {value!r}")
+    return float(value)
