@@ -206,3 +206,13 @@ def test_sparse_row_sgd_nesterov_must_be_a_bool():
     p = torch.nn.Parameter(torch.zeros(3, 2))
     with pytest.raises(TypeError, match="argument `nesterov` must be True or False, got 'no'"):
         shardkit.SparseRowSGD([p], lr=0.1, momentum=0.9, nesterov="no")
+
+
+def test_full_weight_device_is_checked(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    head = shardkit.ShardedSoftmaxLoss(4, 10)
+    with pytest.raises(ValueError, match=r"argument `device`: cuda(:0)? is not available \(0 CUDA GPU"):
+        head.full_weight("cuda")
+    with pytest.raises(ValueError, match="argument `device` must name a device, got 'bogus'"):
+        head.full_weight("bogus")
+    assert torch.equal(head.full_weight("cpu"), head.weight_shards[0].detach())

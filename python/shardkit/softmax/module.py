@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardkit.ops._devices import check_visible
 from shardkit.softmax.budget import check_memory_budget
 from shardkit.softmax.checks import KERNEL_DTYPES, check_options, check_topk, parse_memory
 from shardkit.softmax.collectives import DATA_PARALLEL
@@ -240,6 +241,12 @@ class ShardedSoftmaxLoss(ShardedHead):
     def full_weight(self, device: Union[torch.device, str, int, None] = None) -> torch.Tensor:
         """A class-ordered copy [C, D] of the weight (detached) on ``device`` (default:
         the first shard's). With a ``process_group`` it is a collective: every rank calls it."""
+        if device is not None:
+            try:
+                device = torch.device(device)
+            except (RuntimeError, TypeError):
+                raise ValueError(f"argument `device` must name a device, got {device!r}") from None
+            check_visible([device], "device")
         return self._mode.full_weight(self, device)
 
     def forward(
