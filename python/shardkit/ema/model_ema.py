@@ -169,6 +169,7 @@ class ModelEMA(nn.Module):
         # ema.module converted (.half(), .float(), .to(): new buffers, parameters of another dtype
         # or device, e.g. ultralytics' validator halving `ema.ema`): read its tensors again.
         if self._module is None or (self._probe is not None and not structure.probe_changed(self._probe)):
+            self._probe = [] if self._module is None else self._probe
             return
         slots = check_structure(self._module, self._names, self._ema, "ModelEMA.update (its module, ema.module)")
         self._ema = self._refs = [slot_tensor(s) for s in slots]
@@ -245,12 +246,13 @@ class ModelEMA(nn.Module):
             step = _check_step(step)  # the slow path: checks, converts numpy integers
         if not self.enabled:
             return
-        self._calls += 1
+        self.__dict__["_calls"] += 1
         if self._calls % self.update_every:
             return
-        self._follow_module()
+        if self._probe is None or structure.probe_changed(self._probe):
+            self._follow_module()
         src = self._model_tensors(model, "ModelEMA.update")
-        self.updates += 1
+        self.__dict__["updates"] += 1  # (a plain attribute: no nn.Module.__setattr__ on the hot path)
         d = self.get_decay(self.updates if step is None else step)
         if self._feeds_host(src):
             if self._stage is None:

@@ -80,9 +80,10 @@ def probe_slots(slots: Sequence[Slot]) -> List[Tuple[Dict[str, Any], str, Tensor
 
 def probe_changed(probe: Sequence[Tuple[Dict[str, Any], str, Tensor, torch.dtype, torch.device]]) -> bool:
     """Whether a tensor of :func:`probe_slots` was replaced or changed dtype or device."""
-    return any(
-        table.get(key) is not t or t.dtype != dtype or t.device != device for table, key, t, dtype, device in probe
-    )
+    for table, key, t, dtype, device in probe:  # (a loop: every update runs it)
+        if table.get(key) is not t or t.dtype != dtype or t.device != device:
+            return True
+    return False
 
 
 def _no_model() -> None:  # the model link of an unpickled ModelEMA (a weak reference cannot be pickled)
