@@ -79,7 +79,7 @@ def _ce_case():
         (dict(class_offset=2**63), ValueError, "argument `class_offset` must be <= "),
         (dict(scale="1"), TypeError, "argument `scale` must be a real number, got str"),
         (dict(scale=None), TypeError, "argument `scale` must be a real number, got NoneType"),
-        (dict(scale=torch.tensor(2.0)), TypeError, "argument `scale` must be a real number, got Tensor"),
+        (dict(scale=torch.tensor([2.0, 3.0])), TypeError, "argument `scale` must be a real number, got Tensor"),
         (dict(m3=True), TypeError, "argument `m3` must be a real number, got bool"),
         (dict(chunk_classes=2.5), TypeError, "argument `chunk_classes` must be an int, got float"),
         (dict(chunk_classes="2"), TypeError, "argument `chunk_classes` must be an int, got str"),
@@ -326,3 +326,21 @@ def test_ema_swap_valid_pairs_and_model_ema_buffers_unchanged():
 def test_ema_lists_must_be_lists(value):
     with pytest.raises(TypeError, match="argument `ema_tensors` must be a list or tuple of tensors"):
         ops.ema_update_(value, [torch.ones(3)], 0.5)
+
+
+def test_scalar_tensors_numpy_bools_and_size_tensors_are_still_taken():
+    # Taken before the strict checks (int() / float() read them), so kept: one-element integer
+    # tensors for counts, one-element real tensors for scales, numpy bools, a 1-D size tensor.
+    np = pytest.importorskip("numpy")
+    x, w, y = torch.randn(6, 4), torch.randn(5, 4), torch.randint(0, 5, (6,))
+    ref = ops.ce_shard_stats(x, w, y, class_offset=0, scale=30.0)
+    got = ops.ce_shard_stats(x, w, y, class_offset=torch.tensor(0), scale=torch.tensor(30.0))
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    parts = ops.split_to_devices([x], torch.tensor([2, 4]), ["cpu", "cpu"], torch.tensor(0))
+    assert [p[0].shape[0] for p in parts] == [2, 4]
+    parts = ops.split_to_devices([x], [torch.tensor(3), np.int64(3)], ["cpu", "cpu"], 0)
+    assert [p[0].shape[0] for p in parts] == [3, 3]
+    assert ops.weighted_loss_reduce([torch.tensor(2.0)], [1], "cpu", normalize=np.True_).item() == 2.0
+    with pytest.raises(TypeError, match=r"argument `split_sizes` \(index 0\) must be an int"):
+        ops.split_to_devices([x], [torch.tensor(2.0), 4], ["cpu", "cpu"], 0)

@@ -37,14 +37,21 @@ def bool_arg(name: str, value: Any) -> bool:
     """``value`` if it is a Python bool: a string ('no' is truthy), an int or None is refused."""
     if isinstance(value, (bool, torch.SymBool)):
         return value  # type: ignore[return-value]
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):  # numpy 2 and 1
+        return bool(value)
     raise TypeError(f"argument `{name}` must be a Python bool, got {type(value).__name__} {value!r}")
 
 
 def int_arg(name: str, value: Any, *, low: Optional[int] = None, high: int = INT64_MAX) -> int:
-    """``value`` as an int: Python and numpy integers; bool, float, str and tensors refused
-    (TypeError); outside ``[low, high]`` a ValueError (``low`` None: no lower bound here)."""
+    """``value`` as an int: Python and numpy integers, a one-element integer tensor (read: a
+    host sync for a GPU one); bool, float, str and other tensors refused (TypeError); outside
+    ``[low, high]`` a ValueError (``low`` None: no lower bound here)."""
     if isinstance(value, torch.SymInt):
         return value  # type: ignore[return-value]
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not (value.is_floating_point() or value.is_complex()):
+        if value.dtype == torch.bool:
+            raise TypeError(f"argument `{name}` must be an int, got a bool tensor")
+        value = int(value.item())
     if type(value) is not int:  # (the common case skips the ABC check)
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"argument `{name}` must be an int, got {type(value).__name__} {value!r}")
@@ -57,10 +64,13 @@ def int_arg(name: str, value: Any, *, low: Optional[int] = None, high: int = INT
 
 
 def real_arg(name: str, value: Any) -> float:
-    """``value`` as a float: Python and numpy real numbers (ints too); bool, str, None and tensors
-    refused (TypeError). Finiteness and ranges are the caller's (the kernels check them)."""
+    """``value`` as a float: Python and numpy real numbers (ints too), a one-element real tensor
+    (read: a host sync for a GPU one); bool, str, None and other tensors refused (TypeError).
+    Finiteness and ranges are the caller's (the kernels check them)."""
     if isinstance(value, torch.SymFloat):
         return value  # type: ignore[return-value]
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype != torch.bool and not value.is_complex():
+        return float(value.item())
     if type(value) is float:
         return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

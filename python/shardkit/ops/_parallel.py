@@ -83,13 +83,17 @@ def _sequence(name: str, values: Any) -> list[Any]:
 
 
 def _sizes(split_sizes: Any) -> list[Any]:  # ints (SymInts when traced)
+    if isinstance(split_sizes, torch.Tensor) and split_sizes.dim() == 1 and not split_sizes.is_floating_point():
+        split_sizes = split_sizes.tolist()  # a 1-D integer tensor of sizes (a host read)
     sizes = _sequence("split_sizes", split_sizes)
     for k, s in enumerate(sizes):  # not int(): 1.9 was 1, "2" was 2 (negative sizes: the op's error)
         if type(s) is int or isinstance(s, torch.SymInt):
             continue  # the per-step case first: no ABC check
-        if isinstance(s, bool) or not isinstance(s, numbers.Integral):
+        integer_tensor = isinstance(s, torch.Tensor) and s.dim() == 0
+        integer_tensor = integer_tensor and not (s.is_floating_point() or s.dtype == torch.bool)
+        if isinstance(s, bool) or not (isinstance(s, numbers.Integral) or integer_tensor):
             raise TypeError(f"argument `split_sizes` (index {k}) must be an int, got {type(s).__name__} {s!r}")
-        sizes[k] = operator.index(s)  # numpy ints
+        sizes[k] = operator.index(s)  # numpy ints, 0-dim integer tensors
     return sizes
 
 
