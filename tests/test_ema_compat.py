@@ -149,3 +149,48 @@ def test_load_a_timm_v3_state_dict_keeps_the_counters():
     bad["module.0.weight"] = torch.zeros(2, 2)
     with pytest.raises(ValueError, match="0.weight"):
         ema.load_state_dict(bad)
+
+
+def _three_bn():
+    return nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(5, 5), nn.BatchNorm1d(5))])
+
+
+@pytest.mark.parametrize("change", ["middle_bn_double", "replace_module", "assign_load"])
+def test_the_ema_follows_any_change_of_its_module(change):
+    # Converting only a middle BatchNorm (neither the first nor the last buffer's owner),
+    # replacing ema.module, or loading with assign=True leaves the EMA's lists on tensors the
+    # module no longer holds: the module's running stats froze, silently.
+    torch.manual_seed(5)
+    model = _three_bn()
+    ema = shardkit.ModelEMA(model, decay=0.5, tau=None)
+    if change == "middle_bn_double":
+        ema.module[3].double()  # the model stays float32: a float64 EMA of that layer
+    elif change == "replace_module":
+        ema.module = _three_bn().eval()
+    else:
+        ema.load_state_dict({"module." + k: v.clone() for k, v in ema.module.state_dict().items()}, assign=True)
+    ref = {k: v.double().clone() for k, v in ema.module.state_dict().items()}
+    for _ in range(3):
+        model.train()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+            model(torch.randn(8, 5))
+        ema.update(model)
+        _lerp_reference(ref, model, ema.get_decay(ema.updates))
+    for k, v in ema.module.state_dict().items():
+        torch.testing.assert_close(v.double() if v.is_floating_point() else v, ref[k], rtol=1e-6, atol=1e-6, msg=k)
+
+
+def test_load_state_dict_signature_and_an_empty_module():
+    model = _net()
+    ema = shardkit.ModelEMA(model)
+    result = ema.load_state_dict(ema.state_dict())
+    assert tuple(result) == ([], [])
+    partial = {"module.0.weight": torch.zeros(7, 5)}
+    result = ema.load_state_dict(partial, strict=False)
+    assert "module.0.bias" in result.missing_keys and torch.equal(ema.module[0].weight, torch.zeros(7, 5))
+    empty = shardkit.ModelEMA(nn.ReLU())
+    empty.load_state_dict(empty.state_dict(prefix=""))  # {}: a module without tensors
+    with pytest.raises(ValueError, match="0.weight"):
+        ema.load_state_dict({})

@@ -10,6 +10,7 @@ from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Se
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils.hooks import RemovableHandle
 
 from shardkit.ema import checks, sharded, structure
@@ -17,7 +18,8 @@ from shardkit.ema.checks import _MAX_COUNT, _check_int, _check_step, check_devic
 from shardkit.ema.graph import GraphedEMA
 from shardkit.ema.stage import HostStage
 from shardkit.ema.state import FORMAT, check_module_state, check_state, load_module_state, timm_state
-from shardkit.ema.structure import ModelTracker, _slots, _unwrap, check_structure, slot_tensor
+from shardkit.ema.structure import ModelTracker, _unwrap, check_structure, slot_tensor
+from shardkit.ema.watch import ModuleWatch
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
 
@@ -163,13 +165,15 @@ class ModelEMA(nn.Module):
         devices = list({e.device for e in self._ema})
         one_gpu = self._cuda_graph and len(devices) == 1 and devices[0].type == "cuda"
         self._graph = GraphedEMA(devices[0]) if one_gpu else None  # (ema/graph.py)
-        self._probe = structure.probe_slots(_slots(self._module)) if self._module is not None else []
+        self._watch = ModuleWatch(self, self._module)
 
     def _follow_module(self) -> None:
         # ema.module converted (.half(), .float(), .to(): new buffers, parameters of another dtype
         # or device, e.g. ultralytics' validator halving `ema.ema`): read its tensors again.
-        if self._module is None or (self._probe is not None and not structure.probe_changed(self._probe)):
-            self._probe = [] if self._module is None else self._probe
+        if self._watch is not None and not self._watch.changed():
+            return
+        if self._module is None:  # a sharded model's EMA (or no module): nothing to follow
+            self._watch = ModuleWatch(self, None)
             return
         slots = check_structure(self._module, self._names, self._ema, "ModelEMA.update (its module, ema.module)")
         self._ema = self._refs = [slot_tensor(s) for s in slots]
@@ -181,7 +185,7 @@ class ModelEMA(nn.Module):
         counters (pending staged updates applied first), not the weak link to the model:
         :meth:`attach` then needs its ``model`` argument."""
         self._flush()
-        return dict(self.__dict__, _model_ref=structure._no_model, _tracker=None, _stage=None, _probe=None)
+        return dict(self.__dict__, _model_ref=structure._no_model, _tracker=None, _stage=None, _watch=None)
 
     # ---- schedule --------------------------------------------------------------------
     def _set_schedule(self, *args: object) -> None:
@@ -249,7 +253,7 @@ class ModelEMA(nn.Module):
         self.__dict__["_calls"] += 1
         if self._calls % self.update_every:
             return
-        if self._probe is None or structure.probe_changed(self._probe):
+        if self._watch is None or self._watch.changed():
             self._follow_module()
         src = self._model_tensors(model, "ModelEMA.update")
         self.__dict__["updates"] += 1  # (a plain attribute: no nn.Module.__setattr__ on the hot path)
@@ -350,38 +354,36 @@ class ModelEMA(nn.Module):
             "enabled": self.enabled,
         }
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         """Restores what :meth:`state_dict` saved (weights copied into the EMA's tensors,
         keeping its dtype and device), or the weights alone from a timm ModelEmaV3
         ``state_dict()`` (``module.``-prefixed keys; the counters stay as they are).
 
         The whole state is checked first (keys, counters, schedule, and every tensor of
         ``module``: present, no extra entry, same shape, a dtype of the same kind); a bad
-        one raises ``ValueError`` naming it and leaves the EMA exactly as it was."""
+        one raises ``ValueError`` naming it and leaves the EMA exactly as it was. Weights
+        alone with ``strict=False`` or ``assign=True``: ``nn.Module.load_state_dict``'s load.
+        Returns ``nn.Module``'s (missing_keys, unexpected_keys)."""
         weights_only = timm_state(state_dict)
+        if weights_only is not None and (not strict or assign):
+            result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+            self._follow_module()  # assign=True replaced the module's tensors
+            return result
         schedule = None if weights_only is not None else check_state(state_dict, FORMAT, self.copy_float_buffers)
         module_state = state_dict["module"] if weights_only is None else weights_only
         check_module_state(self._module_state(keep_vars=True), module_state)
         self._follow_module()
         load_module_state(self._module, self._keys, self._ema, self._refs, module_state)
-        if schedule is None:
-            return
-        self._set_schedule(*schedule)
-        self.updates = state_dict["updates"]
-        self._calls = state_dict["calls"]
-        self.enabled = state_dict["enabled"]
+        if schedule is not None:
+            self._set_schedule(*schedule)
+            self.updates, self._calls, self.enabled = (state_dict[k] for k in ("updates", "calls", "enabled"))
+        return _IncompatibleKeys([], [])
 
     def full_state_dict(self) -> Dict[str, Any]:
         """:meth:`state_dict` with every tensor whole and in host memory, for export: a sharded
         model's EMA gathers its tensors one at a time (collectives: call it on every rank of
         the model's mesh); a plain model (or any ModelEMA) loads its ``module`` entry."""
-        state = self.state_dict()
-        dtensor = self._dtensor
-        state["module"] = {
-            k: (v.full_tensor() if dtensor is not None and type(v) is dtensor else v).cpu()
-            for k, v in state["module"].items()
-        }
-        return state
+        return sharded.full_state(self.state_dict(), self._dtensor)
 
     # ---- conveniences ------------------------------------------------------------------
     def attach(self, optimizer: torch.optim.Optimizer, model: Optional[nn.Module] = None) -> RemovableHandle:

@@ -13,7 +13,7 @@ reshards between world sizes) and for a gathered export.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, List, NamedTuple, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -192,3 +192,13 @@ def load_entry(ema: torch.Tensor, view: torch.Tensor, value: torch.Tensor) -> No
         local = distribute_tensor(value.detach(), view.device_mesh, view.placements, src_data_rank=None).to_local()
     if local.data_ptr() != ema.data_ptr() or local.shape != ema.shape or local.stride() != ema.stride():
         ema.copy_(local)
+
+
+def full_state(state: Dict[str, Any], dtensor: Optional[type[DTensor]]) -> Dict[str, Any]:
+    """``ModelEMA.full_state_dict``: ``state`` (a ModelEMA state_dict) with every tensor of its
+    ``module`` whole (DTensors gathered one at a time: a collective) and in host memory."""
+    state["module"] = {
+        k: (v.full_tensor() if dtensor is not None and type(v) is dtensor else v).cpu()
+        for k, v in state["module"].items()
+    }
+    return state

@@ -38,7 +38,9 @@ def timm_state(state_dict: object) -> Optional[Dict[str, Any]]:
     """The module weights of a timm ModelEmaV3 ``state_dict()`` (or of ``nn.Module.state_dict``
     called on a ModelEMA): its entries without their ``module.`` prefix; None for anything else
     (a ModelEMA state_dict has a ``format`` key)."""
-    if not isinstance(state_dict, dict) or not state_dict or "format" in state_dict:
+    if isinstance(state_dict, dict) and not state_dict:
+        return {}  # the state of a module without tensors
+    if not isinstance(state_dict, dict) or "format" in state_dict:
         return None
     if not all(isinstance(k, str) and k.startswith("module.") for k in state_dict):
         return None

@@ -62,30 +62,6 @@ def slot_tensor(slot: Slot) -> Tensor:
     return t
 
 
-def probe_slots(slots: Sequence[Slot]) -> List[Tuple[Dict[str, Any], str, Tensor, torch.dtype, torch.device]]:
-    """What :func:`probe_changed` looks at: (table, key, tensor, dtype, device) of the first and
-    last parameter and buffer. Converting the EMA's module (``ema.module.half()``, ``.float()``,
-    ``.to(...)``, or a first or last submodule alone) replaces its buffers and changes its
-    parameters' dtype or device: four dict reads notice it on every update."""
-    params = [s for s in slots if s[3]]
-    buffers = [s for s in slots if not s[3]]
-    out, seen = [], set()
-    for slot in params[:1] + params[-1:] + buffers[:1] + buffers[-1:]:
-        t = slot_tensor(slot)
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append((slot[1], slot[2], t, t.dtype, t.device))
-    return out
-
-
-def probe_changed(probe: Sequence[Tuple[Dict[str, Any], str, Tensor, torch.dtype, torch.device]]) -> bool:
-    """Whether a tensor of :func:`probe_slots` was replaced or changed dtype or device."""
-    for table, key, t, dtype, device in probe:  # (a loop: every update runs it)
-        if table.get(key) is not t or t.dtype != dtype or t.device != device:
-            return True
-    return False
-
-
 def _no_model() -> None:  # the model link of an unpickled ModelEMA (a weak reference cannot be pickled)
     return None
 
