@@ -136,7 +136,7 @@ def plan_budgets(budgets: Sequence[Budget], **plan_args: Any) -> List[BudgetPlan
 
 def largest_classes(budget: Budget, **plan_args: Any) -> int:
     """The largest class count whose plan fits ``gpu_memory`` at ``budget`` (0 if not even
-    one class per device does): doubling, then bisection."""
+    one class does): doubling, then bisection."""
     budget = check_budget(budget)
     args = dict(plan_args)
 
@@ -144,11 +144,11 @@ def largest_classes(budget: Budget, **plan_args: Any) -> int:
         args["classes"] = classes
         return _fits(plan_memory(**args), budget)
 
-    low = max(1, int(args.get("devices", 1)))  # a plan has at least one class per device
-    if not fits(low):
+    devices = max(1, int(args.get("devices", 1)))
+    if not fits(1):
         return 0
-    good, bad = low, 2 * low
-    while bad <= (1 << 44) * low and fits(bad):  # up to 2**44 classes per device
+    good, bad = 1, 2
+    while bad <= (1 << 44) * devices and fits(bad):  # up to 2**44 classes per device
         good, bad = bad, bad * 2
     while bad - good > 1:
         mid = (good + bad) // 2
