@@ -33,14 +33,14 @@ def test_sparse_row_sgd_state_dict_round_trip_is_exact():
     assert torch.equal(w2.detach(), expected)
 
 
-@pytest.mark.parametrize("dampening", [0.0, 0.3])
-def test_resume_from_torch_sgd_state_continues_like_sgd(dampening):
+@pytest.mark.parametrize("dampening,nesterov", [(0.0, False), (0.3, False), (0.0, True)])
+def test_resume_from_torch_sgd_state_continues_like_sgd(dampening, nesterov):
     # The docs say the layouts match: a torch.optim.SGD state_dict loads, and the steps that
     # follow equal torch.optim.SGD's (dense gradients: every row was seen).
     torch.manual_seed(0)
     w_ref = torch.nn.Parameter(torch.randn(6, 3, dtype=torch.float64))
     w = torch.nn.Parameter(w_ref.detach().clone())
-    kw = dict(lr=0.1, momentum=0.9, dampening=dampening, weight_decay=0.01)
+    kw = dict(lr=0.1, momentum=0.9, dampening=dampening, weight_decay=0.01, nesterov=nesterov)
     sgd = torch.optim.SGD([w_ref], **kw)
     grads = [torch.randn(6, 3, dtype=torch.float64) for _ in range(4)]
     grads[0][2] = 0  # a row with a zero gradient at first: its buffer starts at 0
