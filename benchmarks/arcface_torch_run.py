@@ -142,13 +142,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def settings(args) -> list:
-    """One dict per run: every combination of the listed options."""
+    """One dict per run: every combination of the listed options, the heads innermost, so the
+    runs of one setting are adjacent and a run cut short keeps whole comparisons."""
     out = []
-    for head in args.head:
-        for classes in args.classes:
-            for rate in args.sample_rate:
-                for batch in args.batch:
-                    for seed in args.seeds:
+    for classes in args.classes:
+        for rate in args.sample_rate:
+            for batch in args.batch:
+                for seed in args.seeds:
+                    for head in args.head:
                         out.append(dict(head=head, classes=classes, sample_rate=rate, batch=batch, seed=seed))
     return out
 

@@ -544,13 +544,14 @@ PYEOF
     info; wheels; build
     export SHARDKIT_ARCFACE_TORCH=${SHARDKIT_ARCFACE_TORCH:-$PWD/benchmarks/out/arcface_torch}
     export SHARDKIT_BENCH_OUT=$WORK/out
+    # The main job first (the README's first command, never timed on a GPU), then the tests.
+    step train-default 80 "$PY -m shardkit.train --no-progress --out $WORK/out/train_default"
     step tests-recipe 150 "$PY -m pytest tests/test_softmax_distributed_one_gpu.py tests/test_partial_fc.py \
       tests/test_arcface_torch_checkout.py tests/test_train_models.py $PYTEST_OPTS -q"
     step arcface-compare 90 "$B/arcface_torch_compare.py --device cuda --dtype float32 --classes 100000 --dim 512 \
       --batch 128 && $B/arcface_torch_compare.py --device cuda --dtype float32 --fp16 --classes 100000 --dim 512 --batch 128"
     step arcface-1m 280 "$B/arcface_torch_run.py --head pfc,shardkit --classes 1000000 --sample-rate 1.0,0.1 \
       --batch 128,512 --steps 30 --warmup 10 --timeout 60 --out $WORK/out/arcface_1m.json"
-    step train-default 80 "$PY -m shardkit.train --no-progress --out $WORK/out/train_default"
     ;;
   recipe-b)
     # recipe's follow-up: 10M classes in arcface_torch, the trainer's iresnet50 scale runs with

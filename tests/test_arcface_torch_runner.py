@@ -133,6 +133,7 @@ def test_arguments(runner, standin, capsys):
     )
     grid = runner.settings(args)
     assert len(grid) == 8 and {s["head"] for s in grid} == {"pfc", "shardkit-sparse"}
+    assert [s["head"] for s in grid[:2]] == ["shardkit-sparse", "pfc"] and grid[0]["batch"] == grid[1]["batch"]
     over = runner.config_overrides(grid[0], args, "/tmp/w")
     assert over["margin_list"] == (1.0, 0.0, 0.4) and over["rec"] == "synthetic" and over["val_targets"] == []
     bad = [
