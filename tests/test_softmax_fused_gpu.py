@@ -165,8 +165,13 @@ def test_fused_matches_unfused_outside_targets_and_count(monkeypatch, name, wdty
     xr, wr = x.double().cpu(), w.to(torch.bfloat16).double().cpu()
     r_t = ref_stats(xr, wr, labels, off, **k)[1]
     if k["normalize"]:
+        # As both kernels do: the norm of the fp32 row from float64 squares, rounded to fp32, the
+        # division in fp32, then bf16. (An fp32 norm here differs in its last bit now and then,
+        # which moves an element of the bf16 row by a bf16 unit and a logit by ~1e-3, ten times
+        # the count's band.)
         xf = x.float()
-        xin = (xf / xf.norm(dim=1, keepdim=True).clamp_min(1e-12)).to(torch.bfloat16).double().cpu()
+        nrm = xf.double().norm(dim=1, keepdim=True).clamp_min(1e-12).float()
+        xin = (xf / nrm).to(torch.bfloat16).double().cpu()
         plain = k["scale"] * (xin @ wr.t()) / wr.norm(dim=1).clamp_min(1e-12)
     else:
         plain = k["scale"] * (xr @ wr.t())
@@ -231,7 +236,7 @@ def test_fused_non_finite_rows_as_unfused(monkeypatch, value):
 
 
 @pytest.mark.parametrize("name", ["plain", "arcface"])
-def test_fused_forward_walks_larger_chunks(name):
+def test_fused_forward_walks_larger_chunks(name, variant):
     # The fused backward holds no fp32 logits, so it walks chunks larger than the caller's
     # chunk_classes within the memory the unfused kernels take for them (at most 3x larger
     # here: B fp32 logits and B bf16 dlogits per class there, the dlogits alone here, plus the
@@ -251,7 +256,9 @@ def test_fused_forward_walks_larger_chunks(name):
     names = [e.name for e in prof.events()]
     merges = sum("merge_tiles_kernel" in n for n in names)
     fixes = sum("fix_target_kernel" in n for n in names)
-    assert math.ceil(5000 / (3 * 64)) <= fixes < math.ceil(5000 / 64), fixes
+    # (SHARDKIT_FUSED_OVERLAP: two chunks in flight take half-size chunks each.)
+    most = math.ceil(5000 / 64) * (2 if VARIANTS[variant].get("SHARDKIT_FUSED_OVERLAP") == "1" else 1)
+    assert math.ceil(5000 / (3 * 64)) <= fixes < most, (fixes, most)
     assert 1 < merges < fixes, (merges, fixes)
 
 
