@@ -124,7 +124,14 @@ struct DeviceDecayUpdateOp {
     if (dd == 0.0) {
       E* e = static_cast<E*>(base[0]) + offset;
       const M* m = static_cast<const M*>(base[1]) + offset;
-      for (int64_t i = threadIdx.x; i < n; i += blockDim.x) e[i] = static_cast<E>(static_cast<Acc>(m[i]));
+      // As copy_: the same dtype copies the bits (a NaN keeps its payload: a conversion through
+      // float would make it the device's canonical NaN), another converts.
+      for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        if constexpr (std::is_same_v<E, M>)
+          e[i] = m[i];
+        else
+          e[i] = static_cast<E>(static_cast<Acc>(m[i]));
+      }
       return;
     }
     const double w = 1.0 - dd;

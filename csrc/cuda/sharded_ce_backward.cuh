@@ -41,7 +41,7 @@ __global__ void dlogit_kernel(const T* L, g_t* G, int64_t B, int64_t n, int64_t 
 
 // grad_w rows from tmp = G^T @ X (fp32 or the grad's dtype; may alias out): plain copy /
 // convert, or with normalize the projection through w_hat = w / max(|w|, eps):
-//   v = w (raw rows, G had the factor rw):      dw = tmp - [|w| > eps] rw^2 (tmp . w) w
+//   v = w (raw rows, G had the factor rw):      dw = tmp - [|w| > eps] (rw (tmp . w)) (rw w)
 //   v = w_hat (hat, G without rw, 16-bit path): dw = rw (tmp - [|w| > eps] (tmp . w_hat) w_hat)
 template <typename scalar_t, typename T, typename tmp_t, typename out_t = scalar_t>
 __global__ void dw_fixup_kernel(const tmp_t* tmp, const scalar_t* __restrict__ v, int64_t s0, int64_t s1,
@@ -49,7 +49,7 @@ __global__ void dw_fixup_kernel(const tmp_t* tmp, const scalar_t* __restrict__ v
   const int64_t row = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= n) return;
-  T coef = 0, post = 1;
+  T coef = 0, post = 1, vscale = 1;
   if (rw) {
     T dot = 0;
     for (int64_t k = lane; k < D; k += 32)
@@ -59,7 +59,11 @@ __global__ void dw_fixup_kernel(const tmp_t* tmp, const scalar_t* __restrict__ v
     // The clamp is active where r == 1/eps (up to the rounding of the approximate division
     // of --use_fast_math); a norm just above eps keeps its projection term, as on the CPU.
     const bool active = r < T(0.999 / kEps);
-    coef = active ? (hat ? dot : r * r * dot) : T(0);
+    // Raw rows: the term r^2 (tmp . w) w is formed as (r (tmp . w)) (r w): r^2 alone leaves
+    // float's range for a norm above ~1e19 or below ~1e-19 (r^2 = 0 dropped the projection,
+    // a 4% error in dW at |w| = 1e25), while r w is a unit row and r (tmp . w) is tmp's size.
+    coef = active ? (hat ? dot : r * dot) : T(0);
+    vscale = hat ? T(1) : r;
     post = hat ? r : T(1);
   }
   __syncwarp();
@@ -70,7 +74,7 @@ __global__ void dw_fixup_kernel(const tmp_t* tmp, const scalar_t* __restrict__ v
   }
   for (int64_t k = lane; k < D; k += 32)
     out[row * D + k] = static_cast<out_t>(
-        (static_cast<T>(tmp[row * D + k]) - coef * static_cast<T>(v[row * s0 + k * s1])) * post);
+        (static_cast<T>(tmp[row * D + k]) - coef * (vscale * static_cast<T>(v[row * s0 + k * s1]))) * post);
 }
 
 // SHARDKIT_FUSED_OVERLAP=1: the fused backward runs chunk k's dX / dW GEMMs on a second stream,

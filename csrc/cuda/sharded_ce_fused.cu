@@ -93,10 +93,12 @@ int64_t backward_chunk(int64_t B, int64_t D, int64_t C, int64_t chunk, int64_t e
   // The unfused kernels hold B fp32 logits per class beside those.
   const int64_t unit = std::max<int64_t>(per_class + 4 * B, 1);
   const int64_t budget = chunk >= kMaxBytes / unit ? kMaxBytes : chunk * unit;
-  int64_t n = std::max(chunk, budget / std::max<int64_t>(per_class, 1));
-  // Two chunks' buffers in flight (SHARDKIT_FUSED_OVERLAP): each half of one.
-  if (overlap) n = std::max<int64_t>(n / 2, 1);
-  return n >= C ? C : whole_waves(n, B, tile, sm_count);
+  const int64_t n = std::max(chunk, budget / std::max<int64_t>(per_class, 1));
+  const int64_t one = n >= C ? C : whole_waves(n, B, tile, sm_count);
+  if (!overlap) return one;
+  // Two chunks' buffers in flight (SHARDKIT_FUSED_OVERLAP): each half of one, in whole tiles.
+  const int64_t t = std::max<int64_t>(tile, 1);
+  return std::max(one / 2 / t * t, std::min(t, one));
 }
 
 #ifdef SHARDKIT_WITH_CUTLASS

@@ -91,8 +91,9 @@ int64_t backward_tile_cols();
 // Classes per chunk of the fused backward. Holding no fp32 logits, its chunk buffers take fewer
 // bytes per class than the unfused kernels' (B fp32 logits per class fewer): its chunk grows from
 // `chunk` (the caller's) while its buffers fit in what the unfused kernels would hold for `chunk`
-// classes and in 56 MiB; `overlap` (two chunks in flight, SHARDKIT_FUSED_OVERLAP): half that;
-// then in whole waves of tiles `tile` columns wide (whole_waves); all of C where that fits.
+// classes and in 56 MiB, then in whole waves of tiles `tile` columns wide (whole_waves); all of C
+// where that fits. `overlap` (two chunks in flight, SHARDKIT_FUSED_OVERLAP): half of that chunk,
+// in whole tiles (halving before the wave rounding lost up to 40% more: 12 chunks where 8 do).
 // Larger chunks mean fewer, larger dX / dW GEMMs (the dX GEMM's K is the chunk); the 56 MiB keeps
 // the default at B=1024, D=512, bf16 (25,344 classes on 132 SMs) within 64 MiB of working memory.
 // `elem` is x's element size.
