@@ -35,19 +35,15 @@ from _timing import out_dir, time_median, time_once  # noqa: E402
 KERNEL_ENV = {
     name: {
         "SHARDKIT_FUSED": fused,
-        "SHARDKIT_FUSED_FORWARD_TILES": fwd,
-        "SHARDKIT_FUSED_BACKWARD_TILES": bwd,
         "SHARDKIT_FUSED_PDL": pdl,
         "SHARDKIT_FUSED_OVERLAP": overlap,
     }
-    for name, fused, fwd, bwd, pdl, overlap in [
-        ("unfused", "0", "same", "same", "0", "0"),
-        ("fused", "1", "same", "same", "0", "0"),
-        ("fused-square", "1", "square", "square", "0", "0"),
-        ("fused-square-bwd", "1", "same", "square", "0", "0"),
-        ("fused-pdl", "1", "same", "same", "1", "0"),
-        ("fused-overlap", "1", "same", "same", "0", "1"),
-        ("fused-pdl-overlap", "1", "same", "same", "1", "1"),
+    for name, fused, pdl, overlap in [
+        ("unfused", "0", "0", "0"),
+        ("fused", "1", "0", "0"),
+        ("fused-pdl", "1", "1", "0"),
+        ("fused-overlap", "1", "0", "1"),
+        ("fused-pdl-overlap", "1", "1", "1"),
     ]
 }
 
@@ -89,8 +85,7 @@ def main():
         help="CUDA kernel sets to time, comma-separated: fused (the default: the fused sm90 GEMM epilogues, "
         "cooperative [128, 256] tiles, where they apply; the unfused kernels elsewhere), unfused "
         "(SHARDKIT_FUSED=0: cuBLAS logits, the wider statistics/dlogit kernels, direct 16-bit dW, fp32 dX "
-        "accumulation), fused-square (both GEMMs ping-pong on [128, 128] tiles: SHARDKIT_FUSED_FORWARD_TILES="
-        "square, SHARDKIT_FUSED_BACKWARD_TILES=square), fused-square-bwd (the backward's alone), fused-pdl "
+        "accumulation), fused-pdl "
         "(programmatic dependent launches: SHARDKIT_FUSED_PDL=1), fused-overlap (the backward's dX / dW GEMMs on "
         "a second stream: SHARDKIT_FUSED_OVERLAP=1), fused-pdl-overlap (both); with several, the first one's "
         "loss and gradients are compared with each other's",

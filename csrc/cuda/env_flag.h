@@ -1,4 +1,4 @@
-// The CUDA kernels' switches in the environment (SHARDKIT_EMA_V1, the fused kernels' variants),
+// The CUDA kernels' switches in the environment (SHARDKIT_EMA_V1, SHARDKIT_FUSED, SHARDKIT_FUSED_PDL),
 // read on every call so that one process can time both settings.
 #pragma once
 
@@ -6,9 +6,6 @@
 
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
-#include <set>
-#include <string>
 
 namespace shardkit {
 
@@ -21,22 +18,6 @@ inline bool env_flag(const char* name, bool fallback, const char* fallback_means
   if (std::strcmp(v, "0") == 0) return false;
   TORCH_WARN_ONCE(name, "=", v, " is neither 0 nor 1: ", fallback_means);
   return fallback;
-}
-
-// A variant chosen by name: unset, empty or `usual` -> false, `other` -> true; anything else
-// warns (once per variable) that `usual` runs and gives false.
-inline bool env_choice(const char* name, const char* usual, const char* other) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0' || std::strcmp(v, usual) == 0) return false;
-  if (std::strcmp(v, other) == 0) return true;
-  static std::mutex mu;
-  static std::set<std::string> warned;
-  {
-    const std::lock_guard<std::mutex> lock(mu);
-    if (!warned.insert(name).second) return false;
-  }
-  TORCH_WARN(name, "=", v, " is neither ", usual, " nor ", other, ": ", usual, " runs");
-  return false;
 }
 
 }  // namespace shardkit

@@ -365,14 +365,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> stats_forward(const Tensor& x, const 
   // The fused forward holds no logits: its chunks are larger, within the (fused) backward's
   // memory.
   const int64_t D = w.size(1);
-  const int64_t tile_cols = fz ? fused::forward_tile_cols() : 0;  // read once: the chunk and scratch agree
   const int64_t chunk =
-      fz ? fused::forward_chunk(
-               B, D, C,
-               fused::backward_chunk(B, D, C, std::min(chunk_classes, C), x.element_size(), mixed, normalize,
-                                     fused::backward_tile_cols(), sm_count(),
-                                     /*overlap=*/false),
-               x.element_size(), mixed, normalize, tile_cols, sm_count())
+      fz ? fused::forward_chunk(B, D, C,
+                                fused::backward_chunk(B, D, C, std::min(chunk_classes, C), x.element_size(), mixed,
+                                                      normalize, fused::kColsPerTile, sm_count(), /*overlap=*/false),
+                                x.element_size(), mixed, normalize, fused::kColsPerTile, sm_count())
          : std::min(chunk_classes, C);
   Tensor rw = normalize ? at::empty({chunk}, opts) : Tensor();
   // Mixed mode: the chunk's rows converted to x's dtype, [chunk, D].
@@ -382,7 +379,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> stats_forward(const Tensor& x, const 
     const fused::Running run{M.mutable_data_ptr<float>(), S.mutable_data_ptr<float>(),
                              LS.mutable_data_ptr<float>(), TG.mutable_data_ptr<float>(),
                              CN.mutable_data_ptr<int64_t>()};
-    fused::Scratch sc = fused::make_scratch(p.xin, chunk, tile_cols, /*backward=*/false);
+    fused::Scratch sc = fused::make_scratch(p.xin, chunk, /*backward=*/false);
     for (int64_t j0 = 0; j0 < C; j0 += chunk) {
       const int64_t n = std::min(chunk, C - j0);
       const Tensor wc = weight_chunk(w, wbuf, j0, n);
@@ -479,11 +476,10 @@ std::tuple<Tensor, Tensor> stats_backward(const Tensor& grad_lse, const Tensor& 
   // chunks are larger within the same memory.
   const bool fz = kept == nullptr && acc == at::kFloat && low && use_fused(p.xin, w, mixed);
   const bool overlap = fz && overlap_enabled();
-  const int64_t tile_cols = fz ? fused::backward_tile_cols() : 0;  // read once: the chunk and scratch agree
   const int64_t chunk = fz ? fused::backward_chunk(B, D, C, std::min(chunk_classes, C), x.element_size(),
-                                                   mixed, normalize, tile_cols, sm_count(), overlap)
+                                                   mixed, normalize, fused::kColsPerTile, sm_count(), overlap)
                            : std::min(chunk_classes, C);
-  fused::Scratch sc = fz ? fused::make_scratch(p.xin, chunk, tile_cols, /*backward=*/true) : fused::Scratch();
+  fused::Scratch sc = fz ? fused::make_scratch(p.xin, chunk, /*backward=*/true) : fused::Scratch();
   // 16-bit with normalize: G stays d loss / d cos (bounded like torch's own 16-bit dlogits)
   // and the dX GEMM uses the chunk's normalized rows, [chunk, D] in the input dtype.
   const bool hat = low && normalize;

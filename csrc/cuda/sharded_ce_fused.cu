@@ -11,8 +11,7 @@
 #endif
 // The fused sm90 kernels of the sharded cross-entropy (see sharded_ce_fused.h): a persistent
 // CUTLASS GEMM (CUTLASS 4.2's 3.x API: TMA loads, warpgroup MMA; cooperative, two consumer
-// warpgroups on a [128, 256, 64] tile, the default; or ping-pong on [128, 128, 64] tiles, the
-// "square" ones) whose epilogue is ours (sharded_ce_fused_epilogue.cuh), and the small per-row
+// warpgroups on a [128, 256, 64] tile) whose epilogue is ours (sharded_ce_fused_epilogue.cuh), and the small per-row
 // kernels around it. The host side builds each GEMM's parameters (TMA descriptors included) once
 // per call and chunk shape, and per chunk only points the weight descriptor at the chunk.
 #include "sharded_ce_fused.h"
@@ -43,17 +42,6 @@ namespace fused {
 
 bool enabled() {
   return env_flag("SHARDKIT_FUSED", true, "the fused kernels run where they apply");
-}
-
-// SHARDKIT_FUSED_FORWARD_TILES=square / SHARDKIT_FUSED_BACKWARD_TILES=square: that GEMM runs
-// ping-pong on [128, 128] tiles, one per consumer warpgroup, so that one tile's epilogue runs
-// under the other's MMAs (the forward's row partials are then per 128 columns). Not yet run on
-// a GPU: for measuring against the default ("same": the cooperative [128, 256] tiles).
-int64_t backward_tile_cols() {
-  return env_choice("SHARDKIT_FUSED_BACKWARD_TILES", "same", "square") ? 128 : 256;
-}
-int64_t forward_tile_cols() {
-  return env_choice("SHARDKIT_FUSED_FORWARD_TILES", "same", "square") ? 128 : 256;
 }
 
 bool pdl_enabled() {
@@ -239,13 +227,9 @@ void launch_small(void (*kernel)(Params...), int64_t blocks, int threads, bool p
 }
 
 template <bool kBackward>
-std::unique_ptr<GemmLaunch> make_launch(at::ScalarType dt, bool square) {
-  const bool bf16 = dt == at::kBFloat16;
-  if (square)
-    return bf16 ? make_gemm_launch<cutlass::bfloat16_t, kBackward, Sched::kSquare>()
-                : make_gemm_launch<cutlass::half_t, kBackward, Sched::kSquare>();
-  return bf16 ? make_gemm_launch<cutlass::bfloat16_t, kBackward, Sched::kCooperative>()
-              : make_gemm_launch<cutlass::half_t, kBackward, Sched::kCooperative>();
+std::unique_ptr<GemmLaunch> make_launch(at::ScalarType dt) {
+  return dt == at::kBFloat16 ? make_gemm_launch<cutlass::bfloat16_t, kBackward>()
+                             : make_gemm_launch<cutlass::half_t, kBackward>();
 }
 
 }  // namespace
@@ -267,23 +251,18 @@ bool usable(const at::Tensor& x, const at::Tensor& wc) {
   return device_runs_sm90a(x.get_device());
 }
 
-Scratch make_scratch(const at::Tensor& x, int64_t max_n, int64_t tile_cols, bool backward) {
-  TORCH_CHECK(tile_cols == 128 || tile_cols == 256, "shardkit: internal error: a fused tile of ", tile_cols,
-              " columns");
+Scratch make_scratch(const at::Tensor& x, int64_t max_n, bool backward) {
   const int64_t B = x.size(0);
   Scratch sc;
-  sc.tile_cols = tile_cols;
   sc.backward = backward;
   sc.pdl = pdl_enabled();
   if (!backward) {
-    const int64_t tiles = (max_n + tile_cols - 1) / tile_cols;
+    const int64_t tiles = (max_n + kColsPerTile - 1) / kColsPerTile;
     sc.parts = at::empty({3 * B * tiles}, x.options().dtype(at::kFloat));
     sc.counts = at::empty({B * tiles}, x.options().dtype(at::kLong));
   }
   sc.ct = at::empty({B}, x.options().dtype(at::kFloat));
-  const bool square = tile_cols == 128;
-  sc.gemm =
-      backward ? make_launch<true>(x.scalar_type(), square) : make_launch<false>(x.scalar_type(), square);
+  sc.gemm = backward ? make_launch<true>(x.scalar_type()) : make_launch<false>(x.scalar_type());
   return sc;
 }
 
@@ -291,7 +270,7 @@ void forward(const at::Tensor& x, const at::Tensor& wc, EpiParams p, const Runni
              bool first, bool last, cudaStream_t stream) {
   TORCH_CHECK(!sc.backward && sc.gemm,
               "shardkit: internal error: the fused forward's scratch was not made for it");
-  const int64_t B = x.size(0), n = wc.size(0), tiles = (n + sc.tile_cols - 1) / sc.tile_cols;
+  const int64_t B = x.size(0), n = wc.size(0), tiles = (n + kColsPerTile - 1) / kColsPerTile;
   TORCH_CHECK(sc.parts.numel() >= 3 * B * tiles && sc.ct.numel() >= B,
               "shardkit: internal error: the fused forward's scratch is smaller than its chunk");
   // The partials of this chunk, [B, tiles] each, at the start of the scratch.
@@ -327,7 +306,7 @@ bool compiled() {
 bool usable(const at::Tensor&, const at::Tensor&) {
   return false;
 }
-Scratch make_scratch(const at::Tensor&, int64_t, int64_t, bool) {
+Scratch make_scratch(const at::Tensor&, int64_t, bool) {
   TORCH_CHECK(false, "shardkit was built without the fused kernels (no CUTLASS headers at build time)");
   return Scratch();
 }

@@ -1,7 +1,7 @@
 // The fused Hopper (sm90) kernels of the sharded cross-entropy: one GEMM per class chunk whose
 // epilogue works on the logits tile in registers (CUTLASS / CuTe: TMA loads, warpgroup MMA, a
-// persistent kernel, cooperative on [128, 256] tiles; SHARDKIT_FUSED_FORWARD_TILES=square /
-// SHARDKIT_FUSED_BACKWARD_TILES=square: that GEMM ping-pong on [128, 128] tiles, for measuring).
+// persistent kernel, cooperative on [128, 256] tiles: it measured faster than ping-pong on
+// [128, 128] tiles at every shape, benchmarks/RESULTS.md).
 // No fp32 logits tile reaches global memory:
 //   forward:  each tile of logits becomes per-row partial statistics (max, sum of exp(z - max),
 //             logit sum, count above the reference) over its columns but the target, in
@@ -69,8 +69,8 @@ struct Running {
   float *M, *S, *LS, *TG;
   int64_t* CN;
 };
-// Rows of every tile of the fused GEMMs.
-constexpr int64_t kRowsPerTile = 128;
+// Rows and columns of every tile of the fused GEMMs.
+constexpr int64_t kRowsPerTile = 128, kColsPerTile = 256;
 // n classes rounded down to whole waves of tiles: ceil(B / 128) x (n / tile) a multiple of
 // sm_count (every SM busy to the GEMM's end, no tail wave), where n holds such a multiple;
 // else to whole tiles where n >= tile; else n.
@@ -84,10 +84,6 @@ int64_t whole_waves(int64_t n, int64_t B, int64_t tile, int64_t sm_count);
 // often), then in whole waves (whole_waves); all of C where that fits.
 int64_t forward_chunk(int64_t B, int64_t D, int64_t C, int64_t chunk, int64_t elem, bool mixed,
                       bool normalize, int64_t tile, int64_t sm_count);
-// Columns of a forward / backward tile: 128 with SHARDKIT_FUSED_FORWARD_TILES=square /
-// SHARDKIT_FUSED_BACKWARD_TILES=square, else 256. Read once per call, for its chunk and scratch.
-int64_t forward_tile_cols();
-int64_t backward_tile_cols();
 // Classes per chunk of the fused backward. Holding no fp32 logits, its chunk buffers take fewer
 // bytes per class than the unfused kernels' (B fp32 logits per class fewer): its chunk grows from
 // `chunk` (the caller's) while its buffers fit in what the unfused kernels would hold for `chunk`
@@ -105,11 +101,10 @@ class GemmLaunch;  // a fused GEMM's launch state (sharded_ce_fused_launch.cuh)
 // state (its parameters built once per chunk shape), and SHARDKIT_FUSED_PDL read once.
 struct Scratch {
   at::Tensor parts, counts, ct;
-  int64_t tile_cols = 0;  // columns per tile (128 square, else 256)
   bool backward = false, pdl = false;
   std::shared_ptr<GemmLaunch> gemm;
 };
-Scratch make_scratch(const at::Tensor& x, int64_t max_n, int64_t tile_cols, bool backward);
+Scratch make_scratch(const at::Tensor& x, int64_t max_n, bool backward);
 // Folds the chunk wc (x's dtype, [n, D], n <= the scratch's max_n) into the running statistics;
 // `first`: sets them from this chunk instead; `last`: M then holds lse = M + log S.
 void forward(const at::Tensor& x, const at::Tensor& wc, EpiParams p, const Running& run, Scratch& sc,

@@ -3,8 +3,8 @@
 // two TMA descriptors, the tile scheduler's, the epilogue's) are built once per call and chunk
 // shape; a chunk of that shape then only points the weight's descriptor at its rows
 // (cuTensorMapReplaceAddress) and sets the epilogue's per-chunk fields. The shared-memory
-// attribute is set once per kernel and device. Each direction and tile shape has a kernel entry
-// of its own name, so that a profiler trace says which variant ran.
+// attribute is set once per kernel and device. Each direction has a kernel entry of its own name,
+// so that a profiler trace says which ran.
 #pragma once
 
 #include <ATen/cuda/CUDAContext.h>
@@ -34,11 +34,11 @@ class GemmLaunch {
 
 namespace {
 
-static_assert(kTileM == kRowsPerTile, "the chunk sizes assume the tiles' row count");
+static_assert(kTileM == kRowsPerTile && kTileN == kColsPerTile, "the chunk sizes assume the tiles' shape");
 
-template <class Elem, bool kBackward, Sched S>
+template <class Elem, bool kBackward>
 struct FusedGemm {
-  using Mainloop = FusedMainloop<Elem, S>;
+  using Mainloop = FusedMainloop<Elem>;
   using Epilogue =
       cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<SceEpilogue<kBackward, Elem>>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
@@ -56,20 +56,14 @@ struct FusedGemm {
     op(params, smem);                                                                           \
   }
 SHARDKIT_FUSED_GEMM_ENTRY(sce_forward_gemm_128x256_cooperative)
-SHARDKIT_FUSED_GEMM_ENTRY(sce_forward_gemm_128x128_pingpong)
 SHARDKIT_FUSED_GEMM_ENTRY(sce_backward_gemm_128x256_cooperative)
-SHARDKIT_FUSED_GEMM_ENTRY(sce_backward_gemm_128x128_pingpong)
 #undef SHARDKIT_FUSED_GEMM_ENTRY
 
-// (Only the entry of this kernel is instantiated: one kernel per direction, tile and dtype.)
-template <class K, bool kBackward, Sched S>
+// (Only the entry of this kernel is instantiated: one kernel per direction and dtype.)
+template <class K, bool kBackward>
 constexpr auto gemm_entry() {
-  if constexpr (kBackward && S == Sched::kSquare)
-    return &sce_backward_gemm_128x128_pingpong<K>;
-  else if constexpr (kBackward)
+  if constexpr (kBackward)
     return &sce_backward_gemm_128x256_cooperative<K>;
-  else if constexpr (S == Sched::kSquare)
-    return &sce_forward_gemm_128x128_pingpong<K>;
   else
     return &sce_forward_gemm_128x256_cooperative<K>;
 }
@@ -98,9 +92,9 @@ ReplaceAddressFn replace_address_fn() {
   return fn;
 }
 
-template <class Elem, bool kBackward, Sched S>
+template <class Elem, bool kBackward>
 class GemmLaunchAs final : public GemmLaunch {
-  using Kernel = typename FusedGemm<Elem, kBackward, S>::Kernel;
+  using Kernel = typename FusedGemm<Elem, kBackward>::Kernel;
 
  public:
   void run(const at::Tensor& x, const at::Tensor& wc, const EpiParams& p, bool pdl,
@@ -117,7 +111,7 @@ class GemmLaunchAs final : public GemmLaunch {
                   wc.const_data_ptr());
       params_.epilogue.p = p;
     }
-    const auto entry = gemm_entry<Kernel, kBackward, S>();
+    const auto entry = gemm_entry<Kernel, kBackward>();
     const int smem = Kernel::SharedStorageSize;
     allow_smem(reinterpret_cast<const void*>(entry), smem, x.get_device());
     cudaLaunchConfig_t cfg = {};
@@ -140,7 +134,7 @@ class GemmLaunchAs final : public GemmLaunch {
   void build(const at::Tensor& x, const at::Tensor& wc, const EpiParams& p, cudaStream_t stream) {
     const int M = static_cast<int>(x.size(0)), N = static_cast<int>(wc.size(0)),
               K = static_cast<int>(x.size(1));
-    using Mainloop = typename FusedGemm<Elem, kBackward, S>::Mainloop;
+    using Mainloop = typename FusedGemm<Elem, kBackward>::Mainloop;
     typename Mainloop::StrideA sa = make_stride(static_cast<int64_t>(K), Int<1>{}, static_cast<int64_t>(0));
     typename Mainloop::StrideB sb = make_stride(static_cast<int64_t>(K), Int<1>{}, static_cast<int64_t>(0));
     cutlass::KernelHardwareInfo hw;
@@ -180,9 +174,9 @@ class GemmLaunchAs final : public GemmLaunch {
   const void* a_ = nullptr;
 };
 
-template <class Elem, bool kBackward, Sched S>
+template <class Elem, bool kBackward>
 std::unique_ptr<GemmLaunch> make_gemm_launch() {
-  return std::make_unique<GemmLaunchAs<Elem, kBackward, S>>();
+  return std::make_unique<GemmLaunchAs<Elem, kBackward>>();
 }
 
 }  // namespace

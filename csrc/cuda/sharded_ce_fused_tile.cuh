@@ -1,7 +1,7 @@
-// The tiles of the fused sm90 kernels (sharded_ce_fused.cu): the CUTLASS mainloops (TMA loads,
-// warpgroup MMA, persistent; cooperative: two consumer warpgroups share a [128, 256] tile, the
-// default; square ping-pong: each consumer warpgroup has its own [128, 128] tile, one's epilogue
-// running under the other's MMAs) and the (row slots, columns) view of a thread's accumulators
+// The tiles of the fused sm90 kernels (sharded_ce_fused.cu): the CUTLASS mainloop (TMA loads,
+// warpgroup MMA, persistent, cooperative: two consumer warpgroups share a [128, 256] tile; it
+// measured faster than ping-pong on [128, 128] tiles, benchmarks/RESULTS.md, 2026-11-27) and the
+// (row slots, columns) view of a thread's accumulators
 // that the epilogue uses. Host code can include it too (tests/native/fused_layout_check.cu
 // checks that view without a GPU).
 #pragma once
@@ -16,28 +16,21 @@ namespace shardkit {
 namespace sce {
 namespace fused {
 
-// The schedules: cooperative [128, 256] tiles, square ping-pong [128, 128].
-enum class Sched { kCooperative, kSquare };
-
-// kTileM: the rows of every tile; kTileN: the most columns of any tile.
+// The rows, columns and depth of every tile.
 constexpr int kTileM = 128, kTileN = 256, kTileK = 64;
-
-template <Sched S>
-constexpr int kTileCols = S == Sched::kSquare ? 128 : kTileN;
 
 // The epilogue's shared memory (a tile's column scales), left out of the mainloop's stages.
 constexpr int kEpilogueSmem = kTileN * 4;
 
 // x [M, K] row-major times the chunk [N, K] row-major (both K-major), fp32 accumulation.
-template <class Elem, Sched S>
+template <class Elem>
 using FusedMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Elem, cutlass::layout::RowMajor, 8, Elem,
     cutlass::layout::ColumnMajor, 8, float,
-    cute::Shape<cute::Int<kTileM>, cute::Int<kTileCols<S>>, cute::Int<kTileK>>,
+    cute::Shape<cute::Int<kTileM>, cute::Int<kTileN>, cute::Int<kTileK>>,
     cute::Shape<cute::_1, cute::_1, cute::_1>,
     cutlass::gemm::collective::StageCountAutoCarveout<kEpilogueSmem>,
-    cute::conditional_t<S == Sched::kCooperative, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
-                        cutlass::gemm::KernelTmaWarpSpecializedPingpong>>::CollectiveOp;
+    cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
 
 // A thread's accumulator fragment, ((2 columns, 2 rows, column groups), MMA_M, MMA_N) for
 // Hopper's warpgroup MMA, seen as (row slots, columns): rows (the 2-row mode, MMA_M), columns
