@@ -366,10 +366,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> stats_forward(const Tensor& x, const 
   // memory.
   const int64_t D = w.size(1);
   const int64_t chunk =
-      fz ? fused::forward_chunk(B, D, C,
-                                fused::backward_chunk(B, D, C, std::min(chunk_classes, C), x.element_size(), mixed,
-                                                      normalize, fused::kColsPerTile, sm_count(), /*overlap=*/false),
-                                x.element_size(), mixed, normalize, fused::kColsPerTile, sm_count())
+      fz ? fused::forward_chunk(
+               B, D, C,
+               fused::backward_chunk(B, D, C, std::min(chunk_classes, C), x.element_size(), mixed, normalize,
+                                     fused::kColsPerTile, sm_count(), /*overlap=*/false),
+               x.element_size(), mixed, normalize, fused::kColsPerTile, sm_count())
          : std::min(chunk_classes, C);
   Tensor rw = normalize ? at::empty({chunk}, opts) : Tensor();
   // Mixed mode: the chunk's rows converted to x's dtype, [chunk, D].

@@ -11,9 +11,10 @@
 #endif
 // The fused sm90 kernels of the sharded cross-entropy (see sharded_ce_fused.h): a persistent
 // CUTLASS GEMM (CUTLASS 4.2's 3.x API: TMA loads, warpgroup MMA; cooperative, two consumer
-// warpgroups on a [128, 256, 64] tile) whose epilogue is ours (sharded_ce_fused_epilogue.cuh), and the small per-row
-// kernels around it. The host side builds each GEMM's parameters (TMA descriptors included) once
-// per call and chunk shape, and per chunk only points the weight descriptor at the chunk.
+// warpgroups on a [128, 256, 64] tile) whose epilogue is ours (sharded_ce_fused_epilogue.cuh),
+// and the small per-row kernels around it. The host side builds each GEMM's parameters (TMA
+// descriptors included) once per call and chunk shape, and per chunk only points the weight
+// descriptor at the chunk.
 #include "sharded_ce_fused.h"
 
 #include <ATen/cuda/CUDAContext.h>
