@@ -7,7 +7,12 @@
 #
 # THE NEXT GPU SESSION runs this one command (one call, under ten minutes):
 #
-#   bash benchmarks/gpu_suite.sh next
+#   bash benchmarks/gpu_suite.sh next 420
+#
+# and, with what its 15 minutes of device time leave (a machine's start and the transfers took
+# ~2.5 minutes on 2026-11-27), at once after it, while the machine is still warm (30 s):
+#
+#   bash benchmarks/gpu_suite.sh recipe 240     # carry wheels/ and benchmarks/out/arcface_torch
 #
 # It builds, runs a tiny forward+backward of every fused variant (a hang or fault stops it), then
 # the sharded-loss GPU tests FIRST, before any timing (each statistic's gradient and the module's
