@@ -163,6 +163,30 @@ def schedule_decay(
     return max(decay * (1.0 - math.exp(-s / tau)), min_decay)
 
 
+# The EMA dtypes the fused update averages (:func:`shardkit.ops.ema_update_`).
+EMA_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def check_dtype(dtype: object) -> Optional[torch.dtype]:
+    """``ModelEMA(dtype=...)``: None (the model's dtypes kept) or one of :data:`EMA_DTYPES`; else
+    a ValueError naming ``dtype`` (a float8 dtype would fail inside the op at the first update)."""
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype in EMA_DTYPES):
+        return dtype
+    raise ValueError(
+        "argument `dtype` must be a floating torch.dtype the EMA averages (torch.float32, torch.float64, "
+        f"torch.float16 or torch.bfloat16) or None, got {_short(dtype)}"
+    )
+
+
+# ``ema(x)`` inside a swap: ``ema.module`` holds the training weights (or packed bits) there.
+CALL_THE_MODEL = "there the model holds the averaged weights (ema.module its own): call the model itself"
+
+
+def in_swap(where: str, advice: str) -> RuntimeError:
+    """The error of a ModelEMA method that is refused inside ``with ema.swap(model):``."""
+    return RuntimeError(f"{where}: called inside `with ema.swap(model)`; {advice}")
+
+
 def check_device(device: Union[torch.device, str, int, None]) -> Optional[torch.device]:
     """``ModelEMA(device=...)``: None, or a cpu / visible cuda device (a clear error instead of
     the driver's at the first copy)."""

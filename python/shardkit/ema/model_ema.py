@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Sequence, TypeVar, Union
 
 import torch
 from torch import nn
@@ -16,6 +16,7 @@ from torch.utils.hooks import RemovableHandle
 from shardkit.ema import checks, sharded, structure
 from shardkit.ema.checks import _MAX_COUNT, _check_int, _check_step, check_device, check_schedule, schedule_decay
 from shardkit.ema.graph import GraphedEMA
+from shardkit.ema.hooks import attach_update
 from shardkit.ema.stage import HostStage
 from shardkit.ema.state import FORMAT, check_module_state, check_state, load_module_state, timm_state
 from shardkit.ema.structure import ModelTracker, _unwrap, check_structure, slot_tensor
@@ -54,8 +55,8 @@ class ModelEMA(nn.Module):
             warmup and the constant decay (exactly timm's rule); the ramp then runs on
             ``t - update_after_step``.
         update_every: int >= 1: only every N-th call of ``update`` does anything.
-        dtype: floating dtype of the EMA's floating tensors (e.g. ``torch.float32`` for a
-            bfloat16 model); ``None`` keeps the model's.
+        dtype: the EMA's floating tensors' dtype: ``torch.float32``, ``float64``, ``float16`` or
+            ``bfloat16`` (e.g. float32 for a bfloat16 model; others raise ValueError); ``None`` keeps the model's.
         device: device of the EMA; ``None`` keeps the model's. A CPU EMA of a CUDA model
             is fed by non-blocking copies into pinned staging buffers (two sets, model
             dtype) and averaged on the CPU once the copy's CUDA event has completed, so
@@ -82,6 +83,7 @@ class ModelEMA(nn.Module):
     ModelEMA is an ``nn.Module`` holding ``module`` (as timm's ModelEmaV3): ``ema(x)`` calls
     it, ``ema.eval()``, ``ema.to(...)`` and ``ema.named_buffers()`` reach it, and a module
     that holds the EMA saves its weights under ``<name>.module.`` in its own state_dict.
+    Inside ``with ema.swap(model):`` ``module``'s tensors hold the model's own: do not read them (:meth:`swap`).
 
     Sharded models: where parameters or buffers are DTensors (FSDP2 ``fully_shard``, HSDP on a
     2-D mesh, tensor-parallel placements; plain tensors may be mixed in), each rank's EMA holds
@@ -127,8 +129,7 @@ class ModelEMA(nn.Module):
         src = _unwrap(model)
         if not isinstance(src, nn.Module):
             raise TypeError(f"argument `model` must be an nn.Module, got {type(model).__name__}")
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise ValueError(f"argument `dtype` must be a floating torch.dtype or None, got {dtype!r}")
+        dtype = checks.check_dtype(dtype)
         tau, warmup_gamma, warmup_power, copy_float_buffers = checks.timm_arguments(
             use_warmup, exclude_buffers, foreach, tau, warmup_gamma, warmup_power, copy_float_buffers
         )
@@ -215,7 +216,10 @@ class ModelEMA(nn.Module):
         return self._modules.get("module")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """``ema(x)``: calls :attr:`module` (timm's ModelEmaV3, e.g. ``validate(model_ema, ...)``)."""
+        """``ema(x)``: calls :attr:`module` (timm's ModelEmaV3, e.g. ``validate(model_ema, ...)``);
+        refused inside :meth:`swap` (RuntimeError), where ``module`` holds the model's weights."""
+        if self._swapped:
+            raise checks.in_swap("ModelEMA.forward", checks.CALL_THE_MODEL)
         return self.module(*args, **kwargs)
 
     def _flush(self) -> None:
@@ -303,7 +307,9 @@ class ModelEMA(nn.Module):
         :func:`shardkit.ops.ema_swap_`). Any other pair (e.g. float16 model with a float32
         EMA, or EMA and model on different devices): the model's tensor is stashed in
         host memory for the duration. No second full copy of the model on its device.
-        Do not modify the model or the EMA inside the block.
+        Do not modify the model or the EMA inside the block. There ``ema.module``'s tensors
+        hold the model's own weights (or packed bits): do not read them; ``ema(x)``,
+        ``update``, ``set``, ``state_dict`` and ``load_state_dict`` raise RuntimeError.
         """
         if self._swapped:
             raise RuntimeError("ModelEMA.swap: already swapped; swap blocks do not nest")
@@ -363,7 +369,9 @@ class ModelEMA(nn.Module):
         ``module``: present, no extra entry, same shape, a dtype of the same kind); a bad
         one raises ``ValueError`` naming it and leaves the EMA exactly as it was. Weights
         alone with ``strict=False`` or ``assign=True``: ``nn.Module.load_state_dict``'s load.
-        Returns ``nn.Module``'s (missing_keys, unexpected_keys)."""
+        Returns ``nn.Module``'s (missing_keys, unexpected_keys). Refused inside :meth:`swap`."""
+        if self._swapped:
+            raise checks.in_swap("ModelEMA.load_state_dict", "load after the block")
         weights_only = timm_state(state_dict)
         if weights_only is not None and (not strict or assign):
             result = super().load_state_dict(state_dict, strict=strict, assign=assign)
@@ -379,6 +387,11 @@ class ModelEMA(nn.Module):
             self.updates, self._calls, self.enabled = (state_dict[k] for k in ("updates", "calls", "enabled"))
         return _IncompatibleKeys([], [])
 
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        if self._swapped:  # a parent module's load_state_dict, which would load `module` next
+            raise checks.in_swap("ModelEMA (a parent module's load_state_dict)", "load after the block")
+        super()._load_from_state_dict(*args, **kwargs)
+
     def full_state_dict(self) -> Dict[str, Any]:
         """:meth:`state_dict` with every tensor whole and in host memory, for export: a sharded
         model's EMA gathers its tensors one at a time (collectives: call it on every rank of
@@ -390,20 +403,7 @@ class ModelEMA(nn.Module):
         """Updates the EMA after every ``optimizer.step()`` (an optimizer step post-hook)
         from ``model`` (default: the model given to the constructor). Returns the hook's
         handle; ``handle.remove()`` detaches."""
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"argument `optimizer` must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if model is not None and not isinstance(_unwrap(model), nn.Module):
-            raise TypeError(f"argument `model` must be an nn.Module, got {type(model).__name__}")
-        ref = weakref.ref(model) if model is not None else self._model_ref
-
-        def hook(opt: torch.optim.Optimizer, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-            m = ref()
-            if m is None:
-                msg = "no model (garbage-collected, or this EMA was unpickled); attach(optimizer, model)"
-                raise RuntimeError(f"ModelEMA.attach: {msg}")
-            self.update(m)
-
-        return optimizer.register_step_post_hook(hook)
+        return attach_update(optimizer, model, self._model_ref, self.update)
 
     def update_attr(
         self, model: nn.Module, include: Collection[str] = (), exclude: Collection[str] = ("process_group", "reducer")
