@@ -41,7 +41,14 @@ _LOGIT_MAX = 1e30  # the largest |logit| a margin may produce: sums over 1e8 cla
 def _number(name: str, value: object, *, cls: str) -> float:
     if isinstance(value, bool) or not isinstance(value, Real):
         raise TypeError(f"{cls}: argument `{name}` must be a real number, got {type(value).__name__}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # a huge int or Fraction; its digits are not printed (they may be thousands)
+        kind = type(value).__name__
+        article = "an" if kind[:1].lower() in "aeiou" else "a"
+        raise ValueError(
+            f"{cls}: argument `{name}` must be finite, got {article} {kind} too large for a float"
+        ) from None
     if not math.isfinite(value):
         raise ValueError(f"{cls}: argument `{name}` must be finite, got {value}")
     return value

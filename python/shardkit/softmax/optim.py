@@ -25,14 +25,22 @@ __all__ = ["SparseRowSGD"]
 
 def _real(name: str, value: object, where: str) -> float:
     """``value`` as a float: a real number (not a bool), or for ``lr`` a one-element tensor
-    (as ``torch.optim.SGD`` allows); else a TypeError naming the argument."""
+    (as ``torch.optim.SGD`` allows); else a TypeError naming the argument (a ValueError for
+    a number too large for a float)."""
     if name == "lr" and isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"{where}argument `lr` as a tensor must have one element, got shape {list(value.shape)}")
         return float(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{where}argument `{name}` must be a real number, got {type(value).__name__}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # a huge int or Fraction; its digits are not printed (they may be thousands)
+        kind = type(value).__name__
+        article = "an" if kind[:1].lower() in "aeiou" else "a"
+        raise ValueError(
+            f"{where}argument `{name}` must be a finite number, got {article} {kind} too large for a float"
+        ) from None
 
 
 def _check_hyperparameters(group: dict[str, Any], where: str = "") -> None:
@@ -165,7 +173,8 @@ class SparseRowSGD(torch.optim.Optimizer):
         as it was): each param group's lr, momentum, dampening, weight_decay and nesterov as
         the constructor checks them, and each parameter's state: ``momentum_buffer`` None or a
         floating tensor of the parameter's shape, ``seen`` a bool (or 0/1 integer, converted)
-        tensor of its row count. A TypeError / ValueError names the param group and key.
+        tensor of its row count; each state key must name a parameter of the param groups
+        (once). A TypeError / ValueError names the param group and key.
         """
         self._check_state_dict(state_dict)  # everything, before anything changes
         super().load_state_dict(state_dict)
@@ -215,10 +224,23 @@ class SparseRowSGD(torch.optim.Optimizer):
                 )
             _check_hyperparameters(group, where)
             for j, (key, p) in enumerate(zip(group["params"], mine["params"])):
+                try:
+                    taken = key in params
+                except TypeError:  # unhashable
+                    raise TypeError(
+                        f"{where}parameter {j}: its state key must be hashable (an int), got {type(key).__name__}"
+                    ) from None
+                if taken:
+                    raise ValueError(f"{where}parameter {j}: state key {key!r} names two parameters")
                 params[key] = (p, f"param group {i}, parameter {j} (state key {key!r}, shape {list(p.shape)})")
         for key, entry in states.items():
-            if key not in params:
-                continue  # not a parameter of a group: torch keeps it aside, no step reads it
+            if key not in params:  # torch would keep it aside, and the loading below would trip on it
+                keys = list(params)
+                known = ", ".join(repr(k) for k in keys[:8]) + (f", ... ({len(keys)} in all)" if len(keys) > 8 else "")
+                raise ValueError(
+                    f"argument `state_dict`: state[{key!r}] names no parameter of the param groups "
+                    f"(their state keys: {known})"
+                )
             p, name = params[key]
             if not isinstance(entry, dict):
                 raise TypeError(f"argument `state_dict`, {name}: the state must be a dict, got {type(entry).__name__}")
