@@ -267,3 +267,23 @@ def test_export_full_weight_in_one_process(sizes, dtype):
     assert torch.equal(shardkit.export_full_weight(head), full)
     with pytest.raises(TypeError, match="argument `module` must be a shardkit.ShardedSoftmaxLoss .*got Linear"):
         shardkit.export_full_weight(torch.nn.Linear(4, 10))
+
+
+def test_a_rank_refuses_mixed_momentum_in_files_it_reads_no_rows_from(tmp_path):
+    # Rank 0 of 2 reads only the first file, which has momentum; the second file lacks it:
+    # every rank refuses the checkpoint (a rank must not restore momentum the other cannot).
+    num_classes, dim = 10, 4
+    full, momentum = torch.randn(num_classes, dim), torch.randn(num_classes, dim)
+    _save_world(full, 2, str(tmp_path), momentum)
+    last = os.path.join(tmp_path, sorted(os.listdir(tmp_path))[-1])
+    blob = torch.load(last, weights_only=True)
+    del blob["momentum_buffer"], blob["momentum_seen"]
+    torch.save(blob, last)
+    for rank in range(2):
+        head = _rank_head(num_classes, dim, 2, rank)
+        before = head.weight_shards[0].detach().clone()
+        opt = shardkit.SparseRowSGD(head.weight_shards, lr=0.1, momentum=0.9)
+        with pytest.raises(ValueError, match="lacks the `momentum_buffer`") as err:
+            shardkit.load_sharded(head, str(tmp_path), opt)
+        assert repr(last) in str(err.value)
+        assert torch.equal(head.weight_shards[0], before) and not opt.state

@@ -406,3 +406,51 @@ def test_distributed_head_load_checks_the_dtype(tmp_path):
     assert lines[0].startswith("TypeError") and "`weight_shards.0` must be floating point" in lines[0]
     assert lines[1].startswith("TypeError") and "`weight_shards.0` must be a dense tensor" in lines[1]
     assert lines[2] == "ok"
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("given", [[0], [1], [0, 2]])
+def test_head_refuses_a_partial_set_of_per_shard_entries(strict, given):
+    # "per-shard entries load all or none" (docs/errors.md): a partial set is refused even with
+    # strict=False, naming the missing keys, and no shard is loaded (shard 0 was overwritten).
+    head = shardkit.ShardedSoftmaxLoss(8, 10, devices=["cpu"] * 3)
+    before = head.full_weight().clone()
+    partial = {f"weight_shards.{k}": torch.zeros_like(head.weight_shards[k]) for k in given}
+    with pytest.raises(RuntimeError, match="all or none") as err:
+        head.load_state_dict(partial, strict=strict)
+    for k in range(3):
+        assert (f'"weight_shards.{k}"' in str(err.value).split("(given")[0]) == (k not in given)
+    assert torch.equal(head.full_weight(), before)
+
+
+def test_head_partial_per_shard_entries_under_a_prefix():
+    model = torch.nn.Sequential(torch.nn.Identity(), shardkit.ShardedSoftmaxLoss(8, 10, devices=["cpu"] * 2))
+    before = model[1].full_weight().clone()
+    with pytest.raises(RuntimeError, match=r'missing key\(s\) "1\.weight_shards\.1"'):
+        model.load_state_dict({"1.weight_shards.0": torch.zeros(5, 8)}, strict=False)
+    assert torch.equal(model[1].full_weight(), before)
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_load_sharded_refuses_momentum_in_some_files_only(tmp_path, which):
+    # One file without `momentum_buffer` / `momentum_seen`: restoring the momentum of some
+    # shards only went unnoticed (1 of 3 shards).
+    _, _, directory = _trained_head(tmp_path)
+    path = _files(directory)[which]
+    blob = torch.load(path, weights_only=True)
+    del blob["momentum_buffer"], blob["momentum_seen"]
+    torch.save(blob, path)
+    head, opt = _fresh()
+    err = _assert_load_refused(head, opt, directory, ValueError, repr(path), "momentum_buffer")
+    assert repr(_files(directory)[1 - which]) in str(err.value)
+    shardkit.load_sharded(head, directory)  # without an optimizer the momentum is not read: the weights load
+
+
+def test_load_sharded_refuses_momentum_added_to_one_file_of_a_checkpoint_without(tmp_path):
+    head0 = shardkit.ShardedSoftmaxLoss(8, 10, devices=["cpu"] * 2)
+    directory = str(tmp_path / "ck")
+    shardkit.save_sharded(head0, directory)
+    path = _files(directory)[1]
+    _edit(path, momentum_buffer=torch.randn(5, 8), momentum_seen=torch.ones(5, dtype=torch.bool))
+    head, opt = _fresh()
+    _assert_load_refused(head, opt, directory, ValueError, repr(path), repr(_files(directory)[0]))

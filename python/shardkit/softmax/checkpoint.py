@@ -265,6 +265,25 @@ def save_sharded(
     ]
 
 
+def _check_same_momentum(
+    entries: List[Tuple[int, int, str]], blobs: Dict[str, Dict[str, Any]], num_classes: int, dim: int
+) -> None:
+    """Refuse a checkpoint whose shard files disagree on holding ``momentum_buffer`` (every file
+    is read, the ones this process loads no rows from too, so every rank decides alike):
+    restoring the momentum of some shards only would go unnoticed. ValueError naming a file
+    that has it and one that lacks it."""
+    has: Dict[bool, str] = {}
+    for start, end, path in entries:
+        blob = blobs[path] if path in blobs else _load_shard(path, start, end, num_classes, dim)
+        has.setdefault("momentum_buffer" in blob, path)
+    if len(has) == 2:
+        raise ValueError(
+            f"shard file {has[False]!r} lacks the `momentum_buffer` (and `momentum_seen`) that shard file "
+            f"{has[True]!r} holds: a checkpoint saved with an optimizer for some shards only (or files "
+            "of two saves mixed); its momentum cannot be restored for every shard"
+        )
+
+
 def load_sharded(module: ShardedSoftmaxLoss, directory: str, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
     """Fill ``module``'s local shards from a checkpoint saved with any sharding (rows copied
     bit for bit, cast only if the dtypes differ). With ``optimizer``, momentum buffers saved
@@ -281,7 +300,9 @@ def load_sharded(module: ShardedSoftmaxLoss, directory: str, optimizer: Optional
             file is malformed (a non-floating ``weight``; a ``momentum_buffer`` that is not a
             floating [rows, D] tensor; ``momentum_seen`` flags that are not a bool [rows]
             tensor) or the files do not tile the classes (the file is named); the checkpoint
-            holds momentum for a shard that ``optimizer`` does not optimize.
+            holds momentum for a shard that ``optimizer`` does not optimize; with ``optimizer``,
+            some shard files hold momentum and others not (a file lacking it and one holding
+            it are named).
     """
     shards, mine = _shards(module)
     _check_optimizer(optimizer)
@@ -296,6 +317,8 @@ def load_sharded(module: ShardedSoftmaxLoss, directory: str, optimizer: Optional
         for start, end, path in _covering(entries, offset, p.shape[0]):
             if path not in blobs:
                 blobs[path] = _load_shard(path, start, end, num_classes, dim)
+    if optimizer is not None:
+        _check_same_momentum(entries, blobs, num_classes, dim)
     loads = []
     optimized = {id(q) for group in optimizer.param_groups for q in group["params"]} if optimizer is not None else set()
     for k, (offset, p) in enumerate(shards):

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import re
 from numbers import Integral
-from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Iterable, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 
+from shardkit.ops._args import bool_arg
 from shardkit.softmax.margins import Margin
 
 REDUCTIONS = ("none", "sum", "mean")
@@ -50,7 +51,9 @@ def check_options(
     ignore_index: int,
     reduction: str,
     check_inputs: Union[bool, str],
-) -> None:
+) -> Union[bool, Literal["async"]]:
+    """Check the loss's options (errors naming the argument); returns ``check_inputs`` as a
+    Python bool or ``"async"`` (a numpy bool is converted; 1, 1.0 or another string refused)."""
     if margin is not None and not isinstance(margin, Margin):
         raise TypeError(
             "argument `margin` must be None or a shardkit margin (CosFace, ArcFace, CombinedMargin), "
@@ -66,8 +69,11 @@ def check_options(
         raise ValueError(f"argument `ignore_index` must fit in int64 (a label value), got {ignore_index}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"argument `reduction` must be one of {REDUCTIONS}, got {reduction!r}")
-    if check_inputs not in (True, False, "async"):
-        raise ValueError(f"argument `check_inputs` must be True, False or 'async', got {check_inputs!r}")
+    if isinstance(check_inputs, str):
+        if check_inputs != "async":
+            raise ValueError(f"argument `check_inputs` must be True, False or 'async', got {check_inputs!r}")
+        return "async"
+    return bool_arg("check_inputs", check_inputs)
 
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -216,7 +222,10 @@ def check_values(
         raise NonFiniteEmbeddingsError("argument `embeddings` contains NaN or infinite values")
 
 
-def check_topk(topk: Union[int, Sequence[int], None]) -> Tuple[int, ...]:
+def check_topk(topk: Union[int, Sequence[int], None], num_classes: Optional[int] = None) -> Tuple[int, ...]:
+    """The k's of the top-k counts as a tuple of ints (None: none); each in [1, num_classes]
+    (as ``torch.topk``, a k above the class count is refused: every row would count as a hit).
+    ``num_classes`` is the full head's, whatever the sampling or the process group."""
     if topk is None:
         return ()
     if isinstance(topk, Integral):
@@ -229,4 +238,6 @@ def check_topk(topk: Union[int, Sequence[int], None]) -> Tuple[int, ...]:
         raise TypeError(f"argument `topk` must hold ints, got {ks!r}")
     if any(k < 1 for k in ks):
         raise ValueError(f"argument `topk` must hold positive ints, got {ks!r}")
+    if num_classes is not None and any(k > num_classes for k in ks):
+        raise ValueError(f"argument `topk` {ks!r} holds a k larger than num_classes={num_classes} (out of range)")
     return tuple(int(k) for k in ks)

@@ -129,8 +129,20 @@ def _load_state_dict_pre_hook(
             for name, shard in zip(shard_keys, module.weight_shards):
                 state_dict[name] = shard.detach()
             return
-        # Per-shard keys (same shard count) load as ordinary parameters, all or none: one of
-        # the wrong shape is a size mismatch, and every shard then keeps its values.
+        # Per-shard keys (same shard count) load as ordinary parameters, all or none: a partial
+        # set (even with strict=False) or one of the wrong shape is an error (load_state_dict's
+        # RuntimeError), and every shard then keeps its values.
+        absent = [name for name in shard_keys if name not in state_dict]
+        if absent:
+            given = ", ".join(f'"{name}"' for name in shard_keys if name in state_dict)
+            errors.append(
+                "per-shard entries load all or none: missing key(s) "
+                + ", ".join(f'"{name}"' for name in absent)
+                + f" (given {given}); no shard was loaded"
+            )
+            for name, shard in zip(shard_keys, module.weight_shards):
+                state_dict[name] = shard.detach()
+            return
         wrong = [
             (name, _shape(state_dict[name]), tuple(shard.shape))
             for name, shard in zip(shard_keys, module.weight_shards)

@@ -15,6 +15,7 @@ from typing import List, Literal, Optional, Sequence, Tuple, Union, overload
 
 import torch
 
+from shardkit.ops._args import bool_arg
 from shardkit.ops._devices import check_visible
 from shardkit.softmax.budget import check_memory_budget
 from shardkit.softmax.checks import check_options, check_shards, check_tensors, check_topk, check_values, parse_memory
@@ -137,8 +138,10 @@ def sharded_cross_entropy(
             finiteness of the embeddings (clear ValueError); "async": the same check by
             ``torch._assert_async`` without a sync; False: no value check (out-of-range
             labels then silently act as "target in no shard").
-        return_details: also return per-row log-sum-exp and top-k correct counts.
-        topk: the k of the correct counts (with ``return_details``).
+        return_details: also return per-row log-sum-exp and top-k correct counts (a bool:
+            a Python or numpy one; anything else is a TypeError).
+        topk: the k of the correct counts (with ``return_details``), each in [1, C] (C the
+            full class count, with sampling too; a larger k is a ValueError as in ``torch.topk``).
         sample_rate: PartialFC in (0, 1]: below 1, each shard uses every positive class of
             the batch plus uniformly sampled negatives, ``ceil(rate * C_k)`` classes (at
             least min(B, C_k)); the other classes take no part and get no gradient (each
@@ -172,10 +175,11 @@ def sharded_cross_entropy(
     fp16 autocast on a GPU, each fp32 row is rounded to fp16 before it is normalized, so
     rows of norm below ~1e-3 lose cosine accuracy (fp16 subnormals); bf16 has no such limit.
     """
-    check_options(margin, label_smoothing, ignore_index, reduction, check_inputs)
+    check_inputs = check_options(margin, label_smoothing, ignore_index, reduction, check_inputs)
+    return_details = bool_arg("return_details", return_details)
     shards, offsets, num_classes = check_shards(weight_shards, class_offsets)
     labels = check_tensors(embeddings, labels, shards[0].shape[1])
-    ks = check_topk(topk) if return_details else ()
+    ks = check_topk(topk, num_classes) if return_details else ()
     budget = None if chunk_memory is None else parse_memory(chunk_memory)
     keep_budget = check_memory_budget(memory_budget)
     if check_inputs:

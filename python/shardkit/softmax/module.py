@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardkit.ops._args import bool_arg
 from shardkit.ops._devices import check_visible
 from shardkit.softmax.budget import check_memory_budget
 from shardkit.softmax.checks import KERNEL_DTYPES, check_options, check_topk, parse_memory
@@ -32,6 +33,10 @@ from shardkit.softmax.margins import Margin
 from shardkit.softmax.sampling import check_sample_rate, mark_sampled
 
 __all__ = ["ShardedSoftmaxLoss", "sharded_cross_entropy", "ShardedLossOutput", "ShardStatistics"]
+
+# The constructor's default ``topk``: its k's above ``num_classes`` are dropped (a given
+# ``topk`` with such a k is refused).
+DEFAULT_TOPK = (1, 5)
 
 
 def _count(name: str, value: Any) -> int:
@@ -71,7 +76,8 @@ class ShardedSoftmaxLoss(ShardedHead):
             device->host sync per forward (~ a [B] and a [B, D] scan; on a GPU, the sync stalls
             the CPU until the backbone's forward is done); "async": same check with no sync
             (``torch._assert_async``; on CUDA a failure is a device-side assert); False: none.
-        topk: default k's of the correct counts returned by ``return_details=True``.
+        topk: default k's of the correct counts returned by ``return_details=True``, each
+            in [1, num_classes] (default ``(1, 5)``, less its k's above ``num_classes``).
         sample_rate: PartialFC sampling in training mode when < 1, in one process or
             distributed (see ``sharded_cross_entropy``: row-sparse weight gradients, use
             :class:`shardkit.SparseRowSGD`); evaluation mode uses every class. Seed it by
@@ -111,8 +117,9 @@ class ShardedSoftmaxLoss(ShardedHead):
     [C_r, D]); :func:`shardkit.save_sharded` / :func:`shardkit.load_sharded` write and read
     every rank's, re-sharded to any world size.
 
-    Raises (at construction): ``TypeError`` for a ``dtype`` the kernels lack; ``ValueError``
-    naming the argument for a bad ``embedding_dim``, ``num_classes``, ``margin``,
+    Raises (at construction): ``TypeError`` for a ``dtype`` the kernels lack, and naming the
+    argument for a ``check_inputs`` that is neither a bool nor a string (1, 1.0, None);
+    ``ValueError`` naming the argument for a bad ``embedding_dim``, ``num_classes``, ``margin``,
     ``label_smoothing``, ``reduction``, ``check_inputs``, ``topk``, ``chunk_memory``,
     ``memory_budget``, ``shard_sizes``, ``devices``, ``sample_rate`` or ``input_layout``;
     :class:`shardkit.distributed.DistributedInputError` when the ranks of a ``process_group`` disagree on
@@ -136,7 +143,7 @@ class ShardedSoftmaxLoss(ShardedHead):
         dtype: Optional[torch.dtype] = None,
         chunk_memory: Union[int, str, None] = None,
         check_inputs: Union[bool, Literal["async"]] = True,
-        topk: Union[int, Sequence[int]] = (1, 5),
+        topk: Union[int, Sequence[int], None] = DEFAULT_TOPK,
         process_group: Optional[dist.ProcessGroup] = None,
         input_layout: Literal["data_parallel", "replicated"] = "data_parallel",
         sample_rate: float = 1.0,
@@ -152,7 +159,10 @@ class ShardedSoftmaxLoss(ShardedHead):
                 f"arguments `num_classes` x `embedding_dim` = {num_classes * embedding_dim} weights, "
                 "more than int64 indexes"
             )
-        check_options(margin, label_smoothing, ignore_index, reduction, check_inputs)
+        check_inputs = check_options(margin, label_smoothing, ignore_index, reduction, check_inputs)
+        if topk is DEFAULT_TOPK:
+            topk = tuple(k for k in DEFAULT_TOPK if k <= num_classes)
+        topk = check_topk(topk, num_classes)
         self.sample_rate = check_sample_rate(sample_rate)
         # Set to seed the sampling: a torch.Generator of the shard's device (a CPU generator
         # for a CUDA shard is refused by the sampling op), or in the one-process mode one per shard.
@@ -183,7 +193,7 @@ class ShardedSoftmaxLoss(ShardedHead):
         self.chunk_memory = None if chunk_memory is None else parse_memory(chunk_memory)
         self.memory_budget = check_memory_budget(memory_budget)
         self.check_inputs = check_inputs
-        self.topk = check_topk(topk)
+        self.topk = topk
         self.weight_shards = nn.ParameterList(
             [
                 nn.Parameter(torch.empty(size, embedding_dim, dtype=dtype, device=dev))
@@ -266,8 +276,12 @@ class ShardedSoftmaxLoss(ShardedHead):
         (default: the module's), num_valid).
 
         Raises:
-            TypeError: floating or bool ``labels``, non-floating ``embeddings``.
-            ValueError: (naming the argument) ``embeddings`` not [B, D] with this D, an empty
+            TypeError: floating or bool ``labels``, non-floating ``embeddings``, a
+                ``return_details`` that is not a bool (Python or numpy; "no" or 1 is refused),
+                a ``topk`` that is not an int or a sequence of ints.
+            ValueError: (naming the argument) a ``topk`` with a k outside [1, num_classes] (the
+                full head's class count, with sampling or a process group too),
+                ``embeddings`` not [B, D] with this D, an empty
                 batch, ``labels`` not [B] or on another device, a label outside [0, C) that
                 is not ``ignore_index`` (with ``check_inputs``).
             shardkit.NonFiniteEmbeddingsError: NaN/inf embeddings (with ``check_inputs``; a
@@ -275,6 +289,9 @@ class ShardedSoftmaxLoss(ShardedHead):
             shardkit.distributed.DistributedInputError: with a ``process_group``, when the ranks' inputs
                 disagree (raised on every rank at once; a ``ValueError``).
         """
+        return_details = bool_arg("return_details", return_details)
+        if topk is not None:
+            topk = check_topk(topk, self.num_classes)
         return self._mode.forward(self, embeddings, labels, return_details, topk)
 
     def extra_repr(self) -> str:
