@@ -14,22 +14,35 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["bool_arg", "int_arg", "optional_tensor_arg", "real_arg", "tensor_arg", "INT64_MAX"]
+__all__ = ["bool_arg", "check_dense", "int_arg", "optional_tensor_arg", "real_arg", "tensor_arg", "INT64_MAX"]
 
 INT64_MAX = 2**63 - 1  # the op schemas' ``int`` (int64_t)
 
 
+def check_dense(name: str, value: torch.Tensor) -> torch.Tensor:
+    """``value`` if it is a dense (strided, not nested) tensor, else TypeError naming ``name``: the
+    kernels have no sparse (or nested) backend, and the dispatcher's "Could not run ... with
+    arguments from the 'SparseCPU' backend" named no argument. Host metadata only."""
+    if value.layout != torch.strided or value.is_nested:
+        layout = "nested" if value.is_nested else value.layout
+        raise TypeError(f"argument `{name}` must be a dense (strided) tensor, got layout {layout}")
+    return value
+
+
 def tensor_arg(name: str, value: Any) -> torch.Tensor:
-    """``value`` if it is a Tensor, else TypeError naming ``name`` (None gave AttributeErrors)."""
+    """``value`` if it is a dense Tensor, else TypeError naming ``name`` (None gave AttributeErrors;
+    a sparse tensor the dispatcher's error naming no argument)."""
     if isinstance(value, torch.Tensor):
-        return value
+        return check_dense(name, value)
     raise TypeError(f"argument `{name}` must be a Tensor, got {type(value).__name__}")
 
 
 def optional_tensor_arg(name: str, value: Any) -> Optional[torch.Tensor]:
-    """``value`` if it is a Tensor or None, else TypeError naming ``name``."""
-    if value is None or isinstance(value, torch.Tensor):
+    """``value`` if it is a dense Tensor or None, else TypeError naming ``name``."""
+    if value is None:
         return value
+    if isinstance(value, torch.Tensor):
+        return check_dense(name, value)
     raise TypeError(f"argument `{name}` must be a Tensor or None, got {type(value).__name__}")
 
 
@@ -75,4 +88,9 @@ def real_arg(name: str, value: Any) -> float:
         return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"argument `{name}` must be a real number, got {type(value).__name__} {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int such as 10**400: a bare OverflowError naming nothing (digits not printed)
+        kind = type(value).__name__
+        article = "an" if kind[:1].lower() in "aeiou" else "a"
+        raise ValueError(f"argument `{name}` must be finite, got {article} {kind} too large for a float") from None

@@ -29,14 +29,22 @@ def _as_list(name: str, tensors: Any) -> list[Any]:
     return tensors
 
 
+def _check_dense(op: str, name: str, tensors: Sequence[torch.Tensor]) -> None:
+    """Every tensor strided (not sparse, not nested): the kernels have no such backend, and the
+    dispatcher's "Could not run ... from the 'SparseCPU' backend" named no tensor."""
+    for i, t in enumerate(tensors):
+        if t.layout != torch.strided or t.is_nested:
+            layout = "nested" if t.is_nested else t.layout
+            raise TypeError(f"{op}: `{name}[{i}]` must be a dense (strided) tensor, got layout {layout}")
+
+
 def _check_written(op: str, name: str, tensors: Sequence[torch.Tensor]) -> None:
     """A tensor the op writes must be strided with memory of its own per element: an expanded
     (zero-stride) view gave torch's "more than one element of the written-to tensor refers to a
     single memory location" naming no tensor, where the kernels name ``ema[i]`` for overlaps
     between tensors. Shapes and strides only (host metadata, no sync)."""
+    _check_dense(op, name, tensors)
     for i, t in enumerate(tensors):
-        if t.layout != torch.strided:
-            raise TypeError(f"{op}: `{name}[{i}]` must be a dense (strided) tensor, got layout {t.layout}")
         if not t.is_contiguous() and any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
             raise ValueError(
                 f"{op}: `{name}[{i}]` overlaps itself: several of its elements are at one memory location (a zero "
@@ -105,7 +113,7 @@ def ema_update_(ema_tensors: Sequence[torch.Tensor], model_tensors: Sequence[tor
 
     Raises:
         TypeError: naming ``decay``: not a real number; naming the tensor list: not a list of
-            tensors; naming ``ema[i]``: a sparse (not strided) tensor.
+            tensors; naming ``ema[i]`` or ``model[i]``: a sparse (not strided) tensor.
         ValueError: naming ``decay``: outside [0, 1] (NaN included); naming ``ema[i]``: an
             EMA tensor with several elements at one address (an expanded view).
         RuntimeError: naming the argument: lengths, shapes or devices that do not match, a
@@ -123,6 +131,7 @@ def ema_update_(ema_tensors: Sequence[torch.Tensor], model_tensors: Sequence[tor
     if not 0.0 <= decay <= 1.0:  # also rejects NaN
         raise ValueError(f"argument `decay` must lie in [0, 1], got {decay}")
     _check_written("ema_update_", "ema", ema_tensors)
+    _check_dense("ema_update_", "model", model_tensors)
     if not ema_tensors:
         return  # the dispatcher needs a tensor to pick a backend
     torch.ops.shardkit.ema_update_(ema_tensors, model_tensors, decay)
@@ -149,7 +158,10 @@ def ema_update_device_decay_(
     ema_tensors, model_tensors = _paired_lists(ema_tensors, model_tensors)
     if not isinstance(decay, torch.Tensor):
         raise TypeError(f"argument `decay` must be a one-element float64 tensor, got {type(decay).__name__}")
+    if decay.layout != torch.strided or decay.is_nested:
+        raise TypeError(f"argument `decay` must be a dense (strided) one-element float64 tensor, got {decay.layout}")
     _check_written("ema_update_device_decay_", "ema", ema_tensors)
+    _check_dense("ema_update_device_decay_", "model", model_tensors)
     if ema_tensors:
         torch.ops.shardkit.ema_update_device_decay_(ema_tensors, model_tensors, decay)
 

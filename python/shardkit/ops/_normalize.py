@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any, Sequence
 
 import torch
@@ -39,10 +41,17 @@ def _normalize_images_fake(images, mean, std, channels_last_input, out_dtype, ch
 
 def _as_floats(name: str, values: Any) -> list[float]:
     if isinstance(values, torch.Tensor):
+        if values.layout != torch.strided or values.is_nested or values.is_complex() or values.dtype == torch.bool:
+            kind = "nested" if values.is_nested else values.layout if values.layout != torch.strided else values.dtype
+            raise TypeError(f"argument `{name}` must be a dense real tensor (or a sequence of numbers), got {kind}")
         values = values.detach().cpu().double().flatten().tolist()  # setup time, not the hot path
-    # A string is a sequence too: "0.5" would be read character by character.
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
-        raise TypeError(f"argument `{name}` must be a sequence of numbers, got {type(values).__name__} {values!r}")
+    # A string is a sequence too: "0.5" would be read character by character; a mapping's
+    # iteration gives its keys (a dict {0.5: ...} was taken for its keys) and a set's has no order.
+    if isinstance(values, (str, bytes, bytearray, Mapping, AbstractSet)) or not hasattr(values, "__iter__"):
+        why = ""
+        if isinstance(values, (Mapping, AbstractSet)):
+            why = " (a mapping gives its keys, a set no order: give a list, tuple or tensor, one value per channel)"
+        raise TypeError(f"argument `{name}` must be a sequence of numbers, got {type(values).__name__} {values!r}{why}")
     out = []
     for i, v in enumerate(values):
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
@@ -138,7 +147,8 @@ def normalize_images(
             channels or more than 64, a zero or non-finite std, one so small (e.g. 1e-45) that
             1 / (255 std) is not finite in float32, or mean/std whose normalized values would
             not fit ``dtype``.
-        TypeError: ``mean``/``std`` not a sequence of numbers (e.g. a string).
+        TypeError: ``mean``/``std`` not a sequence (or real tensor) of numbers (e.g. a string,
+            a dict or a set), a sparse ``images``.
         RuntimeError: from the op: images not uint8, wrong rank, channel count not matching
             ``len(mean)`` (the op repeats every check above for direct ``torch.ops`` callers).
     """

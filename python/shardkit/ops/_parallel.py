@@ -72,7 +72,15 @@ def _tensor_list(name: str, tensors: Any) -> list[torch.Tensor]:
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"argument `{name}` (index {i}) must be a tensor, got {type(t).__name__} {t!r}")
+        _check_dense(f"argument `{name}` (index {i})", t)
     return tensors
+
+
+def _check_dense(what: str, t: torch.Tensor) -> None:
+    # no sparse backend: the op's ATen calls gave "Could not run 'aten::as_strided' with arguments
+    # from the 'SparseCPU' backend", naming no argument
+    if t.layout != torch.strided or t.is_nested:
+        raise TypeError(f"{what} must be a dense (strided) tensor, got layout {'nested' if t.is_nested else t.layout}")
 
 
 def _sequence(name: str, values: Any) -> list[Any]:
@@ -84,6 +92,7 @@ def _sequence(name: str, values: Any) -> list[Any]:
 
 def _sizes(split_sizes: Any) -> list[Any]:  # ints (SymInts when traced)
     if isinstance(split_sizes, torch.Tensor) and split_sizes.dim() == 1 and not split_sizes.is_floating_point():
+        _check_dense("argument `split_sizes`", split_sizes)  # a sparse one: "Cannot access data pointer"
         split_sizes = split_sizes.tolist()  # a 1-D integer tensor of sizes (a host read)
     sizes = _sequence("split_sizes", split_sizes)
     for k, s in enumerate(sizes):  # not int(): 1.9 was 1, "2" was 2 (negative sizes: the op's error)
@@ -109,12 +118,21 @@ def check_weight(w: Any, what: str) -> None:
     """A loss weight is a tensor (its value is not read: no host sync) or a finite,
     non-negative real number (not a bool); ``what`` names it in the errors."""
     if isinstance(w, torch.Tensor):
+        _check_dense(what, w)
+        if w.is_complex() or w.dtype == torch.bool:  # complex: "cannot be converted to type double"
+            raise TypeError(f"{what} must be a real (not {w.dtype}) one-element tensor or a real number")
         if w.numel() != 1:  # its shape is free to read (no host sync); the reduction needs one number
             raise ValueError(f"{what} must be a one-element tensor or a real number, got shape {tuple(w.shape)}")
         return
     if isinstance(w, bool) or not isinstance(w, numbers.Real):
         raise TypeError(f"{what} must be a one-element tensor or a real number, got {type(w).__name__} {w!r}")
-    if not (math.isfinite(w) and float(w) >= 0):
+    try:
+        value = float(w)
+    except OverflowError:  # an int past float64 (10**400): OverflowError naming nothing (its digits not printed)
+        kind = type(w).__name__
+        article = "an" if kind[:1].lower() in "aeiou" else "a"
+        raise ValueError(f"{what} must be finite, got {article} {kind} too large for a float") from None
+    if not (math.isfinite(value) and value >= 0):
         raise ValueError(f"{what} must be finite and non-negative, got {w!r}")
 
 

@@ -21,18 +21,31 @@ from shardkit.ops._kept import cuda_keep_enabled, default_chunk, kept_chunks_for
 __all__ = ["ce_shard_stats"]
 
 
-def _check_margin(scale: float, m1: float, m2: float, normalize: bool) -> None:
-    """The ranges of shardkit.softmax.margins.Margin (ops may not import softmax; the rule is
-    repeated here): with normalize, scale > 0; m2 in [0, pi) always (cos(m1 theta + m2) is
-    continued past pi only for such m2). Non-finite values and m1 <= 0 are left to the kernels'
-    checks (RuntimeError naming them), as are traced values (torch.compile: math.isfinite does
-    not trace; the sharded heads pass a Margin's numbers, checked when it was made)."""
-    if torch.compiler.is_compiling() or not all(isinstance(v, float) for v in (scale, m1, m2)):
+_LOGIT_MAX = 1e30  # shardkit.softmax.margins._LOGIT_MAX: sums of float32 logits over 1e8 classes stay finite
+
+
+def _check_margin(scale: float, m1: float, m2: float, m3: float, normalize: bool, dtype: torch.dtype) -> None:
+    """The ranges of shardkit.softmax.margins.Margin (ops may not import softmax; the rules are
+    repeated here): with normalize, scale > 0 and, below float64 (float32 logits),
+    scale * (1 + |m3|) <= 1e30 (m3=1e38 gave -inf target logits and sums); m2 in [0, pi) always
+    (cos(m1 theta + m2) is continued past pi only for such m2). Non-finite values and m1 <= 0
+    are left to the kernels' checks (RuntimeError naming them), as are traced values
+    (torch.compile: math.isfinite does not trace; the sharded heads pass a Margin's numbers,
+    checked when it was made)."""
+    if torch.compiler.is_compiling() or not all(isinstance(v, float) for v in (scale, m1, m2, m3)):
         return
     if math.isfinite(m2) and not 0.0 <= m2 < math.pi:
         raise ValueError(f"argument `m2` (the angular margin, radians) must be in [0, pi), got {m2}")
-    if normalize is True and math.isfinite(scale) and scale <= 0:
+    if normalize is not True or not math.isfinite(scale):
+        return
+    if scale <= 0:
         raise ValueError(f"argument `scale` must be > 0 with normalize=True (a margin's scale), got {scale}")
+    if dtype != torch.float64 and math.isfinite(m3) and scale * (1.0 + abs(m3)) > _LOGIT_MAX:
+        raise ValueError(
+            f"arguments `scale` and `m3` give logits up to scale * (1 + |m3|) = {scale * (1.0 + abs(m3)):.4g}, "
+            f"beyond {_LOGIT_MAX:.0e} (float32 logits and their sums over the classes would overflow); "
+            f"use a smaller scale or m3"
+        )
 
 
 def _check_budget(memory_budget: object) -> int:
@@ -87,7 +100,8 @@ def ce_shard_stats(
         class_offset: global id of the shard's first class (an int >= 0; numpy ints too).
         scale, m1, m2, m3: logit scale and margin parameters (see above), real numbers (no
             strings or tensors) in the ranges of :class:`shardkit.CombinedMargin`: finite,
-            ``m1 > 0``, ``m2`` in [0, pi) and, with ``normalize``, ``scale > 0``.
+            ``m1 > 0``, ``m2`` in [0, pi) and, with ``normalize``, ``scale > 0`` and (inputs
+            below float64) ``scale * (1 + |m3|) <= 1e30`` (ValueError naming them).
         normalize: L2-normalize ``x`` and ``w`` rows (required by margins); a Python bool.
         chunk_classes: classes per chunk (an int >= 1); default from a 192 MiB working-set budget
             (:func:`chunk_classes_for_budget`), capped to a cache-sized chunk on the CPU. The
@@ -122,7 +136,7 @@ def ce_shard_stats(
     class_offset = int_arg("class_offset", class_offset)
     scale, m1, m2, m3 = real_arg("scale", scale), real_arg("m1", m1), real_arg("m2", m2), real_arg("m3", m3)
     normalize = bool_arg("normalize", normalize)
-    _check_margin(scale, m1, m2, normalize)
+    _check_margin(scale, m1, m2, m3, normalize, x.dtype)
     chunk_classes = default_chunk(x, w) if chunk_classes is None else int_arg("chunk_classes", chunk_classes)
     memory_budget = _check_budget(memory_budget)
     args = (x, w, labels, target_ref, class_offset, scale, m1, m2, m3, normalize, chunk_classes)
