@@ -321,3 +321,44 @@ def test_cli_sizes_need_a_unit(flag, capsys):
         main(args)
     assert e.value.code == 2
     assert f"argument {flag}: '80' has no unit" in capsys.readouterr().err
+
+
+_HUGE = str(10**400)
+
+
+@pytest.mark.parametrize(
+    "extra, flag",
+    [
+        (["--gpu-memory", "1e300TiB"], "--gpu-memory"),
+        (["--gpu-memory", "80GiB", "--reserve", "1e300TiB"], "--reserve"),
+        (["--chunk-budget", "1e300TiB"], "--chunk-budget"),
+        (["--memory-budget", "1e300TiB"], "--memory-budget"),
+        (["--gpu-memory", "9000000TiB"], "--gpu-memory"),  # finite, but past 2**63 bytes
+        (["--classes", _HUGE], "--classes"),
+        (["--dim", _HUGE], "--dim"),
+        (["--batch", _HUGE], "--batch"),
+        (["--devices", _HUGE], "--devices"),
+    ],
+)
+def test_cli_huge_values_exit_2_naming_the_flag(extra, flag, capsys):
+    # 1e300TiB was an OverflowError (float infinity to int) and a 400-digit --classes one
+    # in the table's float division: tracebacks, exit 1.
+    argv = ["--classes", "1000", "--dim", "8", "--batch", "4"] + extra
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m shardkit.plan: error: ") and err.count("\n") == 1, err
+    assert flag in err and "Traceback" not in err and len(err) < 300, err
+
+
+def test_sizes_and_counts_are_bounded_in_the_api():
+    assert parse_size("8388608TiB") == 2**63  # the largest size taken
+    for bad in ("8388609TiB", "1e300TiB", 2**63 + 1, 10**400, 1e300):
+        with pytest.raises(ValueError, match=r"at most 2\*\*63 bytes"):
+            parse_size(bad)
+    with pytest.raises(ValueError, match=r"argument `classes` must be at most 2\*\*63 - 1, got a 401-digit integer"):
+        plan_memory(10**400, 8, 1, 4)
+    with pytest.raises(ValueError, match=r"argument `budgets\[0\]` must be at most 2\*\*63 bytes"):
+        __import__("shardkit").plan.plan_budgets([10**400], classes=10, dim=8, devices=1, batch=4)
+    assert plan_memory(2**62, 8, 1, 4).naive.classes == 2**62  # large but in range: figures, no error

@@ -347,3 +347,64 @@ def test_a_new_run_over_an_earlier_one_says_so(finished_run, tmp_path, capsys):
     assert "held an earlier run" not in capsys.readouterr().err
     assert train.main(["--resume", out, "--steps", "2", "--no-progress"]) == 0
     assert "held an earlier run" not in capsys.readouterr().err
+
+
+def _flip_a_bit_inside(path, member_filter=lambda info: True):
+    """Flip the low bit of one byte in the middle of the largest member's data (a float's
+    mantissa: the value stays finite, nothing but the CRC32 tells)."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        info = max((i for i in z.infolist() if member_filter(i)), key=lambda i: i.file_size)
+    with open(path, "r+b") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = (int.from_bytes(f.read(2), "little") for _ in range(2))
+        at = info.header_offset + 30 + name_len + extra_len + info.file_size // 2
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 1]))
+
+
+def test_bit_flipped_checkpoint_exits_2_naming_the_file(finished_run, tmp_path, capsys):
+    # torch.load does not check the zip members' CRC32s: such a file resumed silently (exit 0)
+    # with a wrong weight.
+    run = _copy(finished_run, tmp_path / "run")
+    path = os.path.join(run, "checkpoint", checkpoint.CKPT_FILE)
+    _flip_a_bit_inside(path, lambda i: "/data/" in i.filename)
+    torch.load(path, map_location="cpu", weights_only=True)  # what was read before: no error
+    capsys.readouterr()
+    assert train.main(["--resume", run, "--steps", "5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "corrupted" in err and path in err and "CRC32" in err, err
+
+
+def test_checkpoint_that_is_no_zip_archive_is_corrupted(finished_run, tmp_path, capsys):
+    run = _copy(finished_run, tmp_path / "run")
+    path = os.path.join(run, "checkpoint", checkpoint.CKPT_FILE)
+    data = bytearray(open(path, "rb").read())
+    data[-22:] = bytes(22)  # the end-of-central-directory record zeroed
+    open(path, "wb").write(data)
+    assert train.main(["--resume", run, "--steps", "5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "corrupted" in err and path in err, err
+
+
+def test_bit_flipped_head_shard_file_is_refused(tmp_path):
+    # The head shards a torchrun checkpoint keeps beside it (shardkit.save_sharded) get the
+    # same check, for the files a rank reads.
+    import types
+
+    import shardkit
+    from shardkit.train import resume
+    from shardkit.train.errors import UsageError
+
+    head = shardkit.ShardedSoftmaxLoss(8, 40, devices=["cpu", "cpu"])
+    directory = str(tmp_path / "head")
+    files = shardkit.save_sharded(head, directory)
+    parts = types.SimpleNamespace(head=head)
+    resume._verify_head_files(directory, parts)  # intact: no error
+    _flip_a_bit_inside(files[-1], lambda i: "/data/" in i.filename)
+    with pytest.raises(UsageError, match=r"head shard file .* is corrupted \(its member .* fails its CRC32"):
+        resume._verify_head_files(directory, parts)

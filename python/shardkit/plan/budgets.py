@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from numbers import Integral
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
-from shardkit.plan.memory import DeviceMemory, MemoryPlan, plan_memory
+from shardkit.plan.memory import MAX_SIZE, DeviceMemory, MemoryPlan, plan_memory
 
 #: The budget label that stands for "the whole shard's logits".
 FULL = "full"
@@ -58,9 +58,13 @@ def check_budget(budget: Any, name: str = "budget") -> Budget:
         raise ValueError(f"argument `{name}` must be bytes (an int >= 0) or {FULL!r}, got {budget!r}{hint}")
     if isinstance(budget, bool) or not isinstance(budget, Integral):
         raise TypeError(f"argument `{name}` must be bytes (an int >= 0) or {FULL!r}, got {type(budget).__name__}")
-    if budget < 0:
-        raise ValueError(f"argument `{name}` must be bytes (an int >= 0) or {FULL!r}, got {budget}")
-    return int(budget)
+    size = int(budget)
+    if size < 0:
+        raise ValueError(f"argument `{name}` must be bytes (an int >= 0) or {FULL!r}, got {size}")
+    if size > MAX_SIZE:
+        got = size if size < 10**30 else f"a {len(str(size))}-digit integer"
+        raise ValueError(f"argument `{name}` must be at most 2**63 bytes (8 EiB) or {FULL!r}, got {got}")
+    return size
 
 
 def kept_logits(batch: int, classes: int, chunk: int, budget: Budget) -> Tuple[int, int]:

@@ -62,14 +62,34 @@ _UNITS = {
 }
 
 
+#: The largest size (bytes) and count (classes, dim, batch) the planner takes: an int64's range,
+#: as torch's sizes; past it figures stop meaning anything (and would overflow float formatting).
+MAX_SIZE = 1 << 63
+MAX_COUNT = (1 << 63) - 1
+
+
+def _brief(value: object) -> str:
+    """``repr(value)``, or for a huge int its digit count (a one-line error message)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
+        return f"a {len(str(abs(value)))}-digit integer"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def parse_size(text: Union[str, int, float]) -> int:
     """Bytes in a human size: ``"80GiB"``, ``"81920MiB"``, ``"80GB"`` (10^9), ``"1.5 TiB"``.
 
     KiB/MiB/GiB/TiB and the bare letters K/M/G/T are powers of 1024; KB/MB/GB/TB powers of
     1000; a bare number is bytes. Case-insensitive. Raises ValueError on anything else.
     """
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value, unit = float(text), ""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise ValueError(f"size must be a finite non-negative number, got {_brief(text)}")
+        if text > MAX_SIZE:  # (an int beyond a float's range must not reach float())
+            raise ValueError(f"size must be at most 2**63 bytes (8 EiB), got {_brief(text)}")
+        return int(text)
+    if isinstance(text, float):
+        value, unit = text, ""
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
         if not m or m.group(2).lower() not in _UNITS:
@@ -77,7 +97,10 @@ def parse_size(text: Union[str, int, float]) -> int:
         value, unit = float(m.group(1)), m.group(2).lower()
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"size must be a finite non-negative number, got {text!r}")
-    return int(round(value * _UNITS[unit]))
+    nbytes = value * _UNITS[unit]
+    if not nbytes <= MAX_SIZE:  # also inf: 1e300TiB
+        raise ValueError(f"size must be at most 2**63 bytes (8 EiB), got {_brief(text)}")
+    return int(round(nbytes))
 
 
 def _named_size(name: str, value: Any) -> int:
@@ -157,7 +180,9 @@ MAX_DEVICES = 1 << 16
 
 def _check_int(name: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"argument `{name}` must be an integer >= {minimum}, got {value!r}")
+        raise ValueError(f"argument `{name}` must be an integer >= {minimum}, got {_brief(value)}")
+    if value > MAX_COUNT:
+        raise ValueError(f"argument `{name}` must be at most 2**63 - 1, got {_brief(value)}")
     return value
 
 
@@ -208,7 +233,8 @@ def plan_memory(
     dim = _check_int("dim", dim, 1)
     n_dev = _check_int("devices", devices, 1)
     if n_dev > MAX_DEVICES:  # (more devices than classes: some hold none, as ShardedSoftmaxLoss allows)
-        raise ValueError(f"argument `devices` must be at most {MAX_DEVICES:,}, got {n_dev:,}")
+        got = f"{n_dev:,}" if n_dev < 10**30 else _brief(n_dev)
+        raise ValueError(f"argument `devices` must be at most {MAX_DEVICES:,}, got {got}")
     batch = _check_int("batch", batch, 1)
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"argument `dtype` must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")

@@ -15,6 +15,9 @@ from shardkit.train.models import build_backbone
 
 _N = TypeVar("_N", int, float)
 
+MAX_INT = 2**63 - 1  # an int flag's largest value: torch's sizes and seeds are int64
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # a float flag's largest magnitude
+
 
 def _device_list(text: str) -> List[torch.device]:
     out = []
@@ -38,9 +41,21 @@ def _number(kind: type[_N], text: str, rule: str = "a finite number") -> _N:
         v = kind(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not {'an' if kind is int else 'a'} {kind.__name__}: {text!r}") from None
+    if kind is int:  # (an int past a float's range would raise OverflowError in isfinite)
+        if not -MAX_INT <= v <= MAX_INT:
+            raise argparse.ArgumentTypeError(f"must be at most 2**63 - 1 in size, got {_brief(text)}")
+        return v
     if not math.isfinite(v):
         raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+    if abs(v) > FLOAT32_MAX:  # torch keeps the value as a float32 (SGD's weight decay), where it overflows
+        raise argparse.ArgumentTypeError(f"must fit a float32 (at most {FLOAT32_MAX:.7g} in size), got {text}")
     return v
+
+
+def _brief(text: str) -> str:
+    """``text``, or for a long number its digit count (an error message stays one short line)."""
+    text = text.strip()
+    return text if len(text) <= 30 else f"a {len(text.lstrip('+-'))}-digit number"
 
 
 def _positive(kind: type[_N], high: Optional[float] = None) -> Callable[[str], _N]:
@@ -163,9 +178,18 @@ def _activations_misfit(a: argparse.Namespace, world_size: int) -> Optional[str]
     results twice; halved again under --amp), so only runs that cannot fit are refused."""
     n = len(a.devices) if world_size == 1 and (a.dp or a.pipeline) else 1
     per_device = -(-a.batch // n)
-    need = _saved_bytes_per_image(a) * per_device // (4 if a.amp else 2)
     dev = a.devices[0]
     cap = _capacity(dev)
+    # The uint8 input batch first, in ints: an --image-size past this would overflow the
+    # meta-device forward below (its 4-image batch's size) before it allocates anything.
+    images = 3 * a.image_size**2 * per_device
+    if 3 * a.image_size**2 * max(per_device, 4) > MAX_INT or (cap is not None and images > cap):
+        room = f", which has {format_size(cap)}" if cap is not None else ""
+        return (
+            f"--image-size {a.image_size} with --batch {a.batch}: one step's uint8 images alone need "
+            f"{format_size(images)} on {dev}{room}; lower --image-size or --batch"
+        )
+    need = _saved_bytes_per_image(a) * per_device // (4 if a.amp else 2)
     if cap is None or need <= cap:
         return None
     hint = "" if a.checkpointing else ", or add --checkpointing"

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import os
 import pickle
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set
+import zipfile
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -134,12 +135,42 @@ def write_atomic(state: Dict[str, Any], path: str) -> None:
         os.close(fd)
 
 
+# Files whose CRCs were checked, by (inode, size, mtime, ctime): --resume reads rank 0's file
+# twice (its settings while the flags are parsed, then its state); one check of it is enough.
+_verified: Dict[str, Tuple[int, ...]] = {}
+
+
+def verify_archive(path: str, again: str, what: str = "checkpoint") -> None:
+    """A UsageError naming ``path`` unless every member of the zip archive ``torch.save``
+    wrote matches its CRC32: torch.load does not check them, so a bit flipped on disk or in a
+    copy would load silently as a wrong weight. Costs one sequential read of the file (about
+    as long as loading it) the first time a file is seen."""
+    stat = os.stat(path)
+    key = (stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+    if _verified.get(path) == key:
+        return
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()  # reads every member once, the first failing its CRC or None
+    except (KeyboardInterrupt, MemoryError):
+        raise
+    except Exception:  # BadZipFile (garbage, truncated, a damaged header), NotImplementedError, ...
+        raise UsageError(f"{what} {path} is corrupted (not a readable zip archive); {again}") from None
+    if bad is not None:
+        raise UsageError(
+            f"{what} {path} is corrupted (its member {bad!r} fails its CRC32 check: damaged on disk or in a "
+            f"copy); {again}"
+        )
+    _verified[path] = key
+
+
 def read(path: str) -> Dict[str, Any]:
     """A checkpoint file's contents (tensors and plain types only); a UsageError naming the
-    file for an empty, truncated, foreign or unsafe file."""
+    file for an empty, truncated, corrupted (a CRC mismatch), foreign or unsafe file."""
     again = "resume from another checkpoint, or start a new run without --resume"
     if os.path.getsize(path) == 0:
         raise UsageError(f"checkpoint {path} is empty (0 bytes); {again}")
+    verify_archive(path, again)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:

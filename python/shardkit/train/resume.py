@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -79,6 +80,21 @@ def save_checkpoint(ckpt_dir: str, parts: Parts, step: int, history: Dict[str, A
     checkpoint.write_atomic(state, os.path.join(ckpt_dir, CKPT_FILE + rank_sfx))
 
 
+_SHARD_FILE = re.compile(r"classes-(\d{12})-(\d{12})\.pt")  # shardkit.save_sharded's file names
+
+
+def _verify_head_files(directory: str, parts: Parts) -> None:
+    """The CRCs of the head's shard files this rank reads (those overlapping its classes),
+    as :func:`checkpoint.verify_archive` checks the main file: one extra read of them."""
+    again = "resume from another checkpoint, or start a new run without --resume"
+    mine = [(o, o + w.shape[0]) for o, w in zip(parts.head.class_offsets, parts.head.weight_shards)]
+    names = os.listdir(directory) if os.path.isdir(directory) else []  # (load_sharded says it is missing)
+    for name in sorted(names):
+        m = _SHARD_FILE.fullmatch(name)
+        if m and any(int(m.group(1)) < end and start < int(m.group(2)) for start, end in mine):
+            checkpoint.verify_archive(os.path.join(directory, name), again, "head shard file")
+
+
 def load_checkpoint(ckpt_dir: str, parts: Parts, world: World) -> Tuple[int, Dict[str, Any]]:
     """Restore a checkpoint into ``parts``; returns (step, history). A UsageError for a file
     that is unreadable, unsafe, or does not fit the model built from the restored settings."""
@@ -87,6 +103,7 @@ def load_checkpoint(ckpt_dir: str, parts: Parts, world: World) -> Tuple[int, Dic
     try:
         parts.backbone.load_state_dict(state["backbone"])
         if world.size > 1:
+            _verify_head_files(os.path.join(ckpt_dir, "head"), parts)
             shardkit.load_sharded(parts.head, os.path.join(ckpt_dir, "head"))
         else:
             parts.head.load_state_dict(state["head"])
