@@ -7,6 +7,7 @@ from fractions import Fraction
 
 import pytest
 import torch
+from test_softmax_load_checks import _assert_same
 
 import shardkit
 
@@ -18,23 +19,6 @@ def _stepped_sgd(groups=1):
         p.grad = torch.ones(5, 3)
     opt.step()
     return params, opt
-
-
-def _assert_same(a, b):
-    """Two optimizer state_dicts (or nested parts) equal: tensors bit for bit, dtypes too."""
-    assert type(a) is type(b)
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            _assert_same(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            _assert_same(x, y)
-    else:
-        assert a == b
 
 
 # ---- load_state_dict: state keys that name no parameter ----

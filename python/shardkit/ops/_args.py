@@ -76,6 +76,13 @@ def int_arg(name: str, value: Any, *, low: Optional[int] = None, high: int = INT
     return value
 
 
+def too_large_for_float(value: object) -> str:
+    """'an int too large for a float' (or a Fraction...): how an error names a number whose float()
+    overflows, without printing its digits (there may be thousands)."""
+    kind = type(value).__name__
+    return f"{'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind} too large for a float"
+
+
 def real_arg(name: str, value: Any) -> float:
     """``value`` as a float: Python and numpy real numbers (ints too), a one-element real tensor
     (read: a host sync for a GPU one); bool, str, None and other tensors refused (TypeError).
@@ -91,6 +98,4 @@ def real_arg(name: str, value: Any) -> float:
     try:
         return float(value)
     except OverflowError:  # an int such as 10**400: a bare OverflowError naming nothing (digits not printed)
-        kind = type(value).__name__
-        article = "an" if kind[:1].lower() in "aeiou" else "a"
-        raise ValueError(f"argument `{name}` must be finite, got {article} {kind} too large for a float") from None
+        raise ValueError(f"argument `{name}` must be finite, got {too_large_for_float(value)}") from None

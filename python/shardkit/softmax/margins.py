@@ -32,6 +32,8 @@ import math
 from numbers import Real
 from typing import Any, NoReturn
 
+from shardkit.ops._args import too_large_for_float
+
 __all__ = ["Margin", "CosFace", "ArcFace", "CombinedMargin"]
 
 _FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
@@ -43,12 +45,8 @@ def _number(name: str, value: object, *, cls: str) -> float:
         raise TypeError(f"{cls}: argument `{name}` must be a real number, got {type(value).__name__}")
     try:
         value = float(value)
-    except OverflowError:  # a huge int or Fraction; its digits are not printed (they may be thousands)
-        kind = type(value).__name__
-        article = "an" if kind[:1].lower() in "aeiou" else "a"
-        raise ValueError(
-            f"{cls}: argument `{name}` must be finite, got {article} {kind} too large for a float"
-        ) from None
+    except OverflowError:  # a huge int or Fraction
+        raise ValueError(f"{cls}: argument `{name}` must be finite, got {too_large_for_float(value)}") from None
     if not math.isfinite(value):
         raise ValueError(f"{cls}: argument `{name}` must be finite, got {value}")
     return value

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, Callable, overload
 
 import torch
 
+from shardkit.ops._args import too_large_for_float
+
 if TYPE_CHECKING:
     from torch.optim.optimizer import ParamsT
 
@@ -35,11 +37,9 @@ def _real(name: str, value: object, where: str) -> float:
         raise TypeError(f"{where}argument `{name}` must be a real number, got {type(value).__name__}")
     try:
         return float(value)
-    except OverflowError:  # a huge int or Fraction; its digits are not printed (they may be thousands)
-        kind = type(value).__name__
-        article = "an" if kind[:1].lower() in "aeiou" else "a"
+    except OverflowError:  # a huge int or Fraction
         raise ValueError(
-            f"{where}argument `{name}` must be a finite number, got {article} {kind} too large for a float"
+            f"{where}argument `{name}` must be a finite number, got {too_large_for_float(value)}"
         ) from None
 
 
