@@ -6,6 +6,7 @@ per-rank byte counts, flags checked in the rank, and error messages.
 
 World 4 runs first and saves a torch.distributed.checkpoint of an EMA; world 2 resumes it."""
 
+import gc
 import math
 import os
 import time
@@ -290,6 +291,10 @@ def exports_and_errors(tmp, mesh, rank, world):
 def compiled_update(mesh):
     """torch.compile(fullgraph=True) of the update on an FSDP2 model equals the eager update
     (weights set by hand: no collective, so one rank runs it)."""
+    # The earlier scenarios' FSDP2 modules collected first: torch 2.15's compiled guards index the
+    # keys of FSDP2's module-state WeakKeyDictionary, and one of those modules collected between
+    # two calls shrank it under the guard (StopIteration in dynamo's dict_keys_getitem).
+    gc.collect()
     model = fsdp(mlp(), mesh)
     ema = shardkit.ModelEMA(model, 0.8, tau=2.0)
     eager = shardkit.ModelEMA(model, 0.8, tau=2.0)
