@@ -7,19 +7,9 @@ from fractions import Fraction
 
 import pytest
 import torch
-from test_softmax_load_checks import _assert_same
+from test_softmax_load_checks import _assert_same, _stepped_sgd
 
 import shardkit
-
-
-def _stepped_sgd(groups=1):
-    params = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(groups)]
-    opt = shardkit.SparseRowSGD([{"params": [p]} for p in params], lr=0.1, momentum=0.9)
-    for p in params:
-        p.grad = torch.ones(5, 3)
-    opt.step()
-    return params, opt
-
 
 # ---- load_state_dict: state keys that name no parameter ----
 
