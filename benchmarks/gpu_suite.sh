@@ -489,6 +489,11 @@ PYEOF
     step tests-gpu-others 150 "$PY -m pytest -m gpu tests $PYTEST_OPTS -q --junitxml=$WORK/out/junit_gpu_others.xml \
       --ignore=tests/test_softmax_fused_gpu.py --ignore=tests/test_softmax_ops_gpu.py --ignore=tests/test_softmax_mixed.py \
       --ignore=tests/test_softmax_loss.py --ignore=tests/test_softmax_distributed_nccl.py"
+    # Issue 38's step 4: is the module's step at 100k classes host-bound? The host's time to issue
+    # one step (op, module, module with checks) beside the step's whole time, and its kernel count.
+    step host-module 45 "$B/bench_host_overhead.py --device cuda --shape 1024 100000 512 --shape 256 100000 512 \
+      --shape 8 64 64 --steps 40 && $B/bench_host_overhead.py --device cuda --shape 1024 100000 512 --steps 40 \
+      --margin arcface --json $WORK/out/host_overhead_arcface.json"
     step sanitize-fused 150 "sanitize_fused_variants"
     if (( tests_ok != 0 )); then echo "the sharded-loss GPU tests failed: no timings"; finish; exit 1; fi
     # Issue 38's step 2 at the op level: each launch variant alone against the default and the

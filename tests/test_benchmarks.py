@@ -139,3 +139,26 @@ def test_the_baseline_is_timed_interleaved_with_each_method(bench_path):
     row = bench.summarize({"times_s": [2.0, 4.0, 3.0], "floor_times_s": [1.0, 2.0, 2.0], "extra_mib": 0.0})
     assert row["time_s"] == 3.0 and row["gemm_floor_s"] == 2.0 and row["gemm_ratio"] == 1.5
     assert (row["gemm_ratio_p25"], row["gemm_ratio_p75"]) == (1.75, 2.0)  # of the pairs 2, 2, 1.5
+
+
+@pytest.mark.parametrize("margin", ["none", "arcface"])
+def test_the_host_overhead_benchmark_times_each_method_and_its_steps_learn(bench_path, tmp_path, margin):
+    bench = importlib.import_module("bench_host_overhead")
+    out = tmp_path / "host.json"
+    argv = ["--shape", "5", "67", "16", "--steps", "3", "--warmup", "1", "--margin", margin, "--json", str(out)]
+    rows = bench.main(argv)
+    assert [r["method"] for r in rows] == list(bench.METHODS)
+    for r in rows:
+        assert 0 < r["issue_us"] <= r["whole_us"] and r["kernels"] is None  # no kernel count on the CPU
+    import json
+
+    assert json.loads(out.read_text())["rows"] == rows
+    # each method's step is a real forward + backward: the op's and the module's gradients agree
+    grads = []
+    for method in ("op", "module"):
+        torch.manual_seed(3)
+        step, params = bench.make_step(method, 5, 67, 16, torch.float64, torch.device("cpu"), None)
+        step()
+        grads.append([p.grad.clone() for p in params])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)

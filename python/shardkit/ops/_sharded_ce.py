@@ -4,6 +4,9 @@ One call handles one class shard on one device: it walks the shard's classes chu
 chunk (one GEMM per chunk) and keeps only per-row statistics, so the [B, C_k] logits are
 never held in memory. Combining the statistics of all shards into a loss is ordinary
 differentiable torch code (see :mod:`shardkit.softmax.core`).
+
+The ops' autograd is C++ (``csrc/composite/sharded_ce_autograd.cpp``: one node per call, no
+Python between a step's kernels); their fake kernels, for tracing and torch.compile, are here.
 """
 
 from __future__ import annotations
@@ -205,42 +208,6 @@ def _ce_shard_stats_backward_fake(
     return x.new_empty(x.shape), w.new_empty(w.shape)
 
 
-def _setup_context(ctx, inputs, output):
-    x, w, labels, _target_ref, class_offset, scale, m1, m2, m3, normalize, chunk_classes = inputs
-    lse = output[0]
-    ctx.save_for_backward(x, w, labels, lse)
-    ctx.params = (class_offset, scale, m1, m2, m3, normalize, chunk_classes)
-    ctx.mark_non_differentiable(output[3])
-
-
-DOUBLE_BACKWARD_MESSAGE = (
-    "shardkit.ce_shard_stats does not support double backward (create_graph=True): its "
-    "backward is a fused kernel with no derivative of its own, so a second-order gradient "
-    "(e.g. a gradient penalty) through ShardedSoftmaxLoss / sharded_cross_entropy would be "
-    "wrong. Differentiate twice only through parts of the model without the sharded loss, "
-    "or use torch.nn.functional.cross_entropy for the term that needs it"
-)
-
-
-def _backward(ctx, grad_lse, grad_target, grad_sum, _grad_count):
-    x, w, labels, lse = ctx.saved_tensors
-    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    if not (need_x or need_w):
-        return (None,) * 11
-    # Grad mode is on inside a backward only for create_graph=True. The kernel's outputs
-    # would carry no graph and a second derivative would silently be zero: refuse.
-    if torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (grad_lse, grad_target, grad_sum, x, w)
-    ):
-        raise RuntimeError(DOUBLE_BACKWARD_MESSAGE)
-    grads = [g if g is not None else torch.zeros_like(lse) for g in (grad_lse, grad_target, grad_sum)]
-    gx, gw = torch.ops.shardkit.ce_shard_stats_backward.default(*grads, x, w, labels, lse, *ctx.params)
-    return (gx if need_x else None, gw if need_w else None) + (None,) * 9
-
-
-torch.library.register_autograd("shardkit::ce_shard_stats", _backward, setup_context=_setup_context)
-
-
 @torch.library.register_fake("shardkit::ce_shard_stats_keep")
 def _ce_shard_stats_keep_fake(
     x, w, labels, target_ref, class_offset, scale, m1, m2, m3, normalize, chunk_classes, keep_chunks
@@ -261,33 +228,3 @@ def _ce_shard_stats_backward_kept_fake(
 ):
     _check_devices_fake(x, kept_logits=kept_logits, kept_target=kept_target)
     return _ce_shard_stats_backward_fake(grad_lse, grad_target, grad_sum, x, w, labels, lse, *params[:7])
-
-
-def _setup_context_keep(ctx, inputs, output):
-    x, w, labels, _target_ref, class_offset, scale, m1, m2, m3, normalize, chunk_classes, keep_chunks = inputs
-    lse, _, _, count, kept_logits, kept_target = output
-    ctx.save_for_backward(x, w, labels, lse, kept_logits, kept_target)
-    ctx.params = (class_offset, scale, m1, m2, m3, normalize, chunk_classes, keep_chunks)
-    ctx.mark_non_differentiable(count, kept_logits, kept_target)
-    # Outputs without a gradient (the kept logits above all) must not get a materialized
-    # zero gradient of their size in the backward.
-    ctx.set_materialize_grads(False)
-
-
-def _backward_keep(ctx, grad_lse, grad_target, grad_sum, _grad_count, _grad_kept, _grad_kept_target):
-    x, w, labels, lse, kept_logits, kept_target = ctx.saved_tensors
-    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    if not (need_x or need_w):
-        return (None,) * 12
-    if torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (grad_lse, grad_target, grad_sum, x, w)
-    ):
-        raise RuntimeError(DOUBLE_BACKWARD_MESSAGE)
-    grads = [g if g is not None else torch.zeros_like(lse) for g in (grad_lse, grad_target, grad_sum)]
-    gx, gw = torch.ops.shardkit.ce_shard_stats_backward_kept.default(
-        *grads, x, w, labels, lse, kept_logits, kept_target, *ctx.params
-    )
-    return (gx if need_x else None, gw if need_w else None) + (None,) * 10
-
-
-torch.library.register_autograd("shardkit::ce_shard_stats_keep", _backward_keep, setup_context=_setup_context_keep)
