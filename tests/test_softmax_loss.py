@@ -472,3 +472,21 @@ def test_cuda_async_check_asserts_on_the_device():
     # before "ENQUEUED": only its kind is checked, and that no host-side check raised.)
     assert proc.returncode != 0 and "NOT REACHED" not in proc.stdout, (proc.stdout, proc.stderr[-2000:])
     assert "device-side assert" in proc.stderr and "ValueError" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_default_check_is_the_async_assert_while_a_cuda_graph_is_captured(monkeypatch):
+    # A host read cannot be captured into a CUDA graph (it failed the capture): while the
+    # embeddings' stream is captured, check_inputs=True takes the asynchronous assert, as under
+    # torch.compile. On the CPU the assert raises at once, a RuntimeError where the synchronous
+    # check raises its ValueError naming the argument; the capture query is simulated here.
+    from shardkit.softmax import checks
+
+    loss_fn = shardkit.ShardedSoftmaxLoss(4, 10)
+    x, bad = torch.randn(5, 4), torch.tensor([0, 1, 10, 2, 3])
+    with pytest.raises(ValueError, match="`labels` has class ids >= num_classes=10"):
+        loss_fn(x, bad)
+    monkeypatch.setattr(checks, "_capturing", lambda t: True)
+    with pytest.raises(RuntimeError, match="out of \\[0, num_classes\\)") as err:
+        loss_fn(x, bad)
+    assert not isinstance(err.value, ValueError)
+    assert torch.isfinite(loss_fn(x, torch.tensor([0, 1, 9, 2, 3])))

@@ -185,6 +185,11 @@ def check_tensors(embeddings: torch.Tensor, labels: torch.Tensor, dim: int) -> t
     return labels if labels.dtype == torch.int64 else labels.long()
 
 
+def _capturing(t: torch.Tensor) -> bool:
+    """Whether ``t``'s device's current stream is being captured into a CUDA graph."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def check_values(
     embeddings: torch.Tensor, labels: torch.Tensor, num_classes: int, ignore_index: int, mode: Union[bool, str]
 ) -> None:
@@ -194,7 +199,8 @@ def check_values(
     ValueError naming the argument; ``mode="async"`` uses ``torch._assert_async`` (no
     sync: on CUDA a failure surfaces later as a device-side assert that ends the process's
     CUDA context; on the CPU it raises at once). Under ``torch.compile`` ``True`` acts as
-    ``"async"``, so the default traces into one graph.
+    ``"async"``, so the default traces into one graph, and so it does while the embeddings'
+    stream is captured into a CUDA graph (a host read cannot be captured: it failed the capture).
     """
     with torch.no_grad():
         ignored = labels == ignore_index
@@ -204,7 +210,7 @@ def check_values(
         flags = torch.stack([negative, too_big, not_finite])
         # Under torch.compile a host read would break the graph: the traced form of the check
         # is the asynchronous assert (one graph; the failure raises when the graph runs).
-        if mode == "async" or torch.compiler.is_compiling():
+        if mode == "async" or torch.compiler.is_compiling() or _capturing(embeddings):
             torch._assert_async(
                 ~flags.any(),
                 "sharded cross-entropy: `labels` out of [0, num_classes) (and not ignore_index) "
