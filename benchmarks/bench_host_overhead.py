@@ -93,8 +93,9 @@ def time_steps(step, device, steps, warmup):
     return statistics.median(issue), statistics.median(whole)
 
 
-def count_kernels(step, device):
-    """Kernels one step launches on ``device`` (CUDA only; None elsewhere)."""
+def step_kernels(step, device):
+    """{kernel name: (launches, device microseconds)} of one step on ``device`` (CUDA only;
+    None elsewhere): the kernels a method adds to another's step, and what they cost."""
     if device.type != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -103,7 +104,26 @@ def count_kernels(step, device):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         _sync(device)
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    kernels = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            n, us = kernels.get(e.name, (0, 0.0))
+            kernels[e.name] = (n + 1, us + e.time_range.elapsed_us())
+    return kernels
+
+
+def added_kernels(rows):
+    """The kernels of the module's step beyond the op's (CUDA rows of one shape), as text."""
+    by = {r["method"]: r["kernel_names"] for r in rows}
+    op, module = by.get("op"), by.get("module")
+    if not op or not module:
+        return ""
+    extra = []
+    for name, (n, us) in sorted(module.items(), key=lambda kv: -kv[1][1]):
+        n_op, us_op = op.get(name, (0, 0.0))
+        if n > n_op:
+            extra.append(f"{name[:60]} x{n - n_op} ({us - us_op:+.1f})")
+    return "; ".join(extra) or "none"
 
 
 def main(argv=None):
@@ -140,7 +160,8 @@ def main(argv=None):
         for method in a.methods:
             step, _ = make_step(method, batch, classes, dim, dtype, device, margin)
             issue, whole = time_steps(step, device, a.steps, a.warmup)
-            kernels = count_kernels(step, device)
+            names = step_kernels(step, device)
+            kernels = None if names is None else sum(n for n, _ in names.values())
             rows.append(
                 {
                     "batch": batch,
@@ -150,6 +171,7 @@ def main(argv=None):
                     "issue_us": issue * 1e6,
                     "whole_us": whole * 1e6,
                     "kernels": kernels,
+                    "kernel_names": names,
                 }
             )
             shape = f"B={batch} C={classes} D={dim}"
@@ -158,6 +180,9 @@ def main(argv=None):
                 f"{'-' if kernels is None else kernels:>8}",
                 flush=True,
             )
+        extra = added_kernels(rows[-len(a.methods) :])
+        if extra:
+            print("  kernels the module adds to the op's step (launches, device us): " + extra, flush=True)
     path = a.json or os.path.join(_timing.out_dir(), "host_overhead.json")
     with open(path, "w") as f:
         json.dump(

@@ -162,3 +162,12 @@ def test_the_host_overhead_benchmark_times_each_method_and_its_steps_learn(bench
         grads.append([p.grad.clone() for p in params])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_the_host_overhead_benchmark_names_the_kernels_the_module_adds(bench_path):
+    bench = importlib.import_module("bench_host_overhead")
+    op = {"method": "op", "kernel_names": {"gemm": (4, 100.0), "where": (1, 2.0)}}
+    module = {"method": "module", "kernel_names": {"gemm": (4, 101.0), "where": (3, 7.0), "fill": (2, 3.0)}}
+    assert bench.added_kernels([op, module]) == "where x2 (+5.0); fill x2 (+3.0)"
+    assert bench.added_kernels([op, {"method": "module", "kernel_names": op["kernel_names"]}]) == "none"
+    assert bench.added_kernels([{"method": "op", "kernel_names": None}]) == ""  # the CPU: no kernel list
