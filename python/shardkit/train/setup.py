@@ -72,12 +72,18 @@ class Batches:
     def get(self, i: int, per_epoch: int) -> Tuple[torch.Tensor, torch.Tensor]:
         if i != self._next or self._it is None:  # (no loader only before the first call, when _next is None)
             epoch, start = divmod(i, per_epoch)
+            # The loader's own generator (seeded by the run's seed and the epoch) gives its
+            # workers their seeds: without one, every iter() drew from the global generator,
+            # which PartialFC sampling also draws from, so a resume's extra mid-epoch loader
+            # changed the negatives sampled after it.
+            generator = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**63)
             loader = DataLoader(
                 self.dataset,
                 batch_sampler=_RankBatches(self.dataset, self.batch, self.world, self.seed, epoch, start),
                 collate_fn=collate_uint8,
                 num_workers=self.workers,
                 pin_memory=torch.cuda.is_available(),
+                generator=generator,
             )
             self._it = iter(loader)
         self._next = i + 1 if (i + 1) % per_epoch else None
