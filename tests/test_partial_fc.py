@@ -195,6 +195,35 @@ def test_margin_mapping():
     assert margin_from_loss(shardkit.CosFace(8.0, 0.1)) == shardkit.CosFace(8.0, 0.1)
 
 
+class ArcFace:  # the name arcface_torch's releases give the class; their attribute layouts below
+    def __init__(self, **attrs):
+        self.__dict__.update(attrs)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(s=48.0, margin=0.35),  # 2023 on
+        dict(scale=48.0, margin=0.35),  # late 2022
+        dict(scale=48.0, cos_m=math.cos(0.35), sin_m=math.sin(0.35), easy_margin=False),  # early 2022
+        dict(s=48.0, m=0.35),  # 2021: an ArcFace with CosFace's attribute names
+    ],
+)
+def test_arcface_torch_arcface_of_every_release(layout):
+    # Each release's ArcFace maps to shardkit's ArcFace (one of them once was refused, another
+    # would have been taken for a CosFace), and the loss is that margin's.
+    margin = margin_from_loss(ArcFace(**layout))
+    assert isinstance(margin, shardkit.ArcFace)
+    assert margin.params() == pytest.approx(shardkit.ArcFace(48.0, 0.35).params(), rel=1e-15, abs=1e-15)
+    head = PartialFC_V2(ArcFace(**layout), 8, 30, 1.0, False)
+    torch.manual_seed(5)
+    x, labels = torch.randn(6, 8, dtype=torch.float64), torch.randint(0, 30, (6,))
+    head.double()
+    got = head(x, labels).detach()
+    ref = reference_loss(x, head.weight.detach(), labels, normalize=True, scale=48.0, m2=0.35)
+    assert abs(float(got) - float(ref)) <= 1e-12 * abs(float(ref))
+
+
 @pytest.mark.parametrize(
     "loss_obj,error,match",
     [

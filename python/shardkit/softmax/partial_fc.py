@@ -50,8 +50,9 @@ def margin_from_loss(margin_loss: object) -> Margin:
 
     Accepts a shardkit :class:`~shardkit.Margin`, or arcface_torch's loss objects by their
     attributes: ``CombinedMarginLoss`` (``s, m1, m2, m3, interclass_filtering_threshold``),
-    ``ArcFace`` (``s, margin``), ``CosFace`` (``s, m``). ``CombinedMarginLoss`` applies
-    ArcFace when ``m1 == 1 and m3 == 0`` (plain scaled cosine when ``m2 == 0`` too) and
+    ``ArcFace`` (``s, margin``; of earlier releases ``scale`` with ``margin`` or with
+    ``cos_m, sin_m``, or a class named ``ArcFace`` with ``s, m``), ``CosFace`` (``s, m``).
+    ``CombinedMarginLoss`` applies ArcFace when ``m1 == 1 and m3 == 0`` (plain scaled cosine when ``m2 == 0`` too) and
     CosFace when ``m3 > 0``.
 
     Raises:
@@ -90,14 +91,33 @@ def margin_from_loss(margin_loss: object) -> Margin:
             f"argument `margin_loss`: margins (m1={m1}, m2={m2}, m3={m3}) are refused by arcface_torch's "
             "CombinedMarginLoss too; use m1=1 with m2 (ArcFace) or m3 > 0 (CosFace)"
         )
-    if hasattr(margin_loss, "s") and hasattr(margin_loss, "margin"):
-        return ArcFace(_number(margin_loss, "s"), _number(margin_loss, "margin"))
+    arc = _arcface_of(margin_loss)
+    if arc is not None:
+        return arc
     if hasattr(margin_loss, "s") and hasattr(margin_loss, "m"):
         return CosFace(_number(margin_loss, "s"), _number(margin_loss, "m"))
     raise TypeError(
         "argument `margin_loss` must be a shardkit margin or an arcface_torch margin loss "
         f"(CombinedMarginLoss, ArcFace, CosFace), got {type(margin_loss).__name__}"
     )
+
+
+def _arcface_of(margin_loss: object) -> Optional[Margin]:
+    """arcface_torch's ``ArcFace`` as its releases store it, else None: the scale as ``s``
+    (2023 on) or ``scale`` (2022), the margin as ``margin`` or, where a release keeps only its
+    cosine and sine (early 2022), ``atan2(sin_m, cos_m)``; a class named ``ArcFace`` with
+    ``s`` and ``m`` (2021) is an ArcFace too, not the CosFace those two names mean elsewhere."""
+    scale = "s" if hasattr(margin_loss, "s") else "scale" if hasattr(margin_loss, "scale") else None
+    if scale is None:
+        return None
+    if hasattr(margin_loss, "margin"):
+        return ArcFace(_number(margin_loss, scale), _number(margin_loss, "margin"))
+    if hasattr(margin_loss, "cos_m") and hasattr(margin_loss, "sin_m"):
+        angle = math.atan2(_number(margin_loss, "sin_m"), _number(margin_loss, "cos_m"))
+        return ArcFace(_number(margin_loss, scale), angle)
+    if type(margin_loss).__name__ == "ArcFace" and hasattr(margin_loss, "m"):
+        return ArcFace(_number(margin_loss, scale), _number(margin_loss, "m"))
+    return None
 
 
 def _number(margin_loss: object, name: str, default: Optional[float] = None) -> float:
