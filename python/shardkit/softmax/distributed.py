@@ -194,6 +194,11 @@ def check_local_input(
         check_tensors(embeddings.new_zeros(1, embeddings.shape[1]), fake_labels, dim)
         return labels.long()
     labels = check_tensors(embeddings, labels, dim)
+    if check_inputs == "async" and embeddings.device.type == "cpu":
+        # No device to sync with on the CPU: the check runs at once, and its error reaches the
+        # other ranks through the batch exchange (an assert raised here left them waiting in
+        # that exchange until the group's timeout).
+        check_inputs = True
     if check_inputs:
         check_values(embeddings, labels, num_classes, ignore_index, check_inputs)
     return labels

@@ -130,6 +130,14 @@ def exchange_batch_info(
     info = out.view(ctx.world_size, len(row)).tolist()  # CPU tensor: no device sync
     if error:
         raise DistributedInputError(f"ShardedSoftmaxLoss rank {ctx.rank}: {error}")
+    # Another rank's invalid input first: its mode fields (e.g. whether its non-tensor
+    # "embeddings" need a gradient) mean nothing, and a mode mismatch would name the wrong cause.
+    bad = [r for r, row in enumerate(info) if row[3]]
+    if bad:
+        raise DistributedInputError(
+            f"ShardedSoftmaxLoss rank {ctx.rank}: rank(s) {bad} got invalid input (their error says "
+            f"which); every rank raises so that none waits in a collective"
+        )
     diffs = []
     for k, name in enumerate(_MODE_FIELDS):
         values = [r[4 + k] for r in info]
@@ -143,12 +151,6 @@ def exchange_batch_info(
             "return_details and topk, all in train() or all in eval() mode (sample_rate applies in "
             "training only), and embeddings that require grad on all ranks or on none (the same grad "
             "mode); compute details on every rank and log them on one"
-        )
-    bad = [r for r, row in enumerate(info) if row[3]]
-    if bad:
-        raise DistributedInputError(
-            f"ShardedSoftmaxLoss rank {ctx.rank}: rank(s) {bad} got invalid input (their error says "
-            f"which); every rank raises so that none waits in a collective"
         )
     widths = sorted({row[1] for row in info})
     dtypes = sorted({row[2] for row in info})
