@@ -217,6 +217,26 @@ def test_deferred_batchnorm_keeps_whole_batch_running_stats(ckpt):
     torch.testing.assert_close(pipe(x), ref(x), rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deferred_batchnorm_variance_of_a_small_spread_around_a_large_mean(dtype):
+    # Features of mean 1000 and spread 0.01 (or 100 and 0.1): the running variance (momentum 1:
+    # the step's unbiased variance itself) is the float64 variance of the same numbers to 2e-3
+    # (an fp32 variance of such data is good to ~4e-4), where E[x^2] - E[x]^2 in float32 gave 0
+    # or 630x the variance. bf16 activations, fp32 buffers.
+    torch.manual_seed(11)
+    for mean, std in ((1000.0, 0.01), (100.0, 0.1)):
+        x = (torch.randn(64, 5, dtype=torch.float64) * std + mean).to(dtype)
+        ref = nn.Sequential(nn.BatchNorm1d(5, momentum=1.0), nn.Linear(5, 3))
+        pipe = PipelineModel(
+            copy.deepcopy(ref).to(dtype if dtype != torch.bfloat16 else torch.float32), ["cpu", "cpu"], chunks=4
+        )
+        pipe(x.float() if dtype == torch.bfloat16 else x)
+        want = x.double().var(0, unbiased=True)
+        got = _bn_layers(pipe)[0].running_var.double()
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=0)
+        torch.testing.assert_close(_bn_layers(pipe)[0].running_mean.double(), x.double().mean(0), rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("ckpt", ["never", "always"])
 def test_deferred_batchnorm_keeps_the_running_stats_of_each_layers_own_inputs(ckpt):
     # What holds for every layer: one update per step from all the inputs the layer saw in

@@ -40,7 +40,7 @@ def no_running_stats_update(module: nn.Module) -> Iterator[None]:
 
 class DeferredBatchNorm(_BatchNorm):
     """BatchNorm whose running statistics are updated once per step from every micro-batch
-    of the step (sum and sum of squares accumulated), as one forward of the whole batch
+    of the step (each micro-batch's mean and variance, merged in float64), as one forward of the whole batch
     would update them; each micro-batch is still normalized with its own statistics.
     Same parameters, buffers and state_dict keys as the layer it replaces."""
 
@@ -57,8 +57,8 @@ class DeferredBatchNorm(_BatchNorm):
         self.recomputing = False
         self._expected = 1
         self._seen = 0
-        # this step's (sum, sum of squares, count) so far
-        self._acc: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        # this step's (count, mean, sum of squared deviations) so far, float64
+        self._acc: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def convert(cls, module: nn.Module) -> nn.Module:
@@ -101,20 +101,32 @@ class DeferredBatchNorm(_BatchNorm):
     def _accumulate(self, x: torch.Tensor) -> None:
         # built with track_running_stats=True (convert() replaces only such layers)
         assert self.running_mean is not None and self.running_var is not None and self.num_batches_tracked is not None
+        # Each micro-batch's mean and variance in one pass (torch's var_mean: no E[x^2] - E[x]^2,
+        # which in float32 lost a small spread around a large mean), merged across micro-batches
+        # in float64 by Chan et al.'s pairwise rule.
         dims = [0] + list(range(2, x.dim()))
-        xf = x.to(self.running_mean.dtype)
-        part = (xf.sum(dims), (xf * xf).sum(dims), x.numel() // x.shape[1])
+        xf = x if x.dtype in (torch.float32, torch.float64) else x.float()
+        var, mean = torch.var_mean(xf, dims, correction=0)
+        n = x.numel() // x.shape[1]
+        part = (n, mean.double(), var.double() * n)
         prev = self._acc
-        self._acc = acc = part if prev is None else (prev[0] + part[0], prev[1] + part[1], prev[2] + part[2])
+        if prev is None:
+            self._acc = acc = part
+        else:
+            total = prev[0] + part[0]
+            delta = part[1] - prev[1]
+            self._acc = acc = (
+                total,
+                prev[1] + delta * (part[0] / max(total, 1)),
+                prev[2] + part[2] + delta * delta * (prev[0] * part[0] / max(total, 1)),
+            )
         self._seen += 1
         if self._seen < self._expected:
             return
-        total, total_sq, count = acc
+        count, mean64, m2 = acc
         self._acc, self._seen = None, 0
-        mean = total / count
-        var = (total_sq / count - mean * mean).clamp_min(0)
-        unbiased = var * (count / max(count - 1, 1))
+        unbiased = m2 / max(count - 1, 1)
         self.num_batches_tracked.add_(1)
         momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-        self.running_mean.lerp_(mean, momentum)
-        self.running_var.lerp_(unbiased, momentum)
+        self.running_mean.lerp_(mean64.to(self.running_mean.dtype), momentum)
+        self.running_var.lerp_(unbiased.to(self.running_var.dtype), momentum)
