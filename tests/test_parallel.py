@@ -409,6 +409,13 @@ def test_direct_and_single_device_modes(monkeypatch):
     assert rel(DataParallelCriterion(nn.CrossEntropyLoss())(out, y), ref) <= 1e-6
     gpu_ids = DataParallelModel(net, device_ids=[0, 1])  # no GPU: direct calls, as nn.DataParallel
     assert gpu_ids.device_ids == [] and rel(gpu_ids(x), net(x)) == 0
+    for repeated in ([0, 0], ["cuda", "cuda"], ["cuda:1"]):  # repeated or single ids are dropped too
+        model, crit = (
+            DataParallelModel(net, device_ids=repeated),
+            DataParallelCriterion(nn.CrossEntropyLoss(), repeated),
+        )
+        assert model.device_ids == [] and crit.device_ids == []
+        assert rel(crit(model(x), y), ref) <= 1e-6
     tup = DataParallelModel(Net(out="tuple"))
     assert torch.isfinite(DataParallelCriterion(TupleLoss())(tup(x), y))
 

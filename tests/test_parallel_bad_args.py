@@ -216,3 +216,10 @@ def test_pipeline_balance_string_is_named():
     layers = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     with pytest.raises(ValueError, match="argument `balance` must be a list of ints, 'time' or 'memory', got 'speed'"):
         PipelineModel(layers, devices=["cpu", "cpu"], balance="speed", sample=torch.randn(2, 4))
+
+
+@pytest.mark.parametrize("balance", [[1.0, 1.0], [1, True], [1, "1"]])
+def test_pipeline_balance_entries_that_are_not_ints_are_a_type_error(balance):
+    layers = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    with pytest.raises(TypeError, match="argument `balance` must hold ints"):
+        PipelineModel(layers, devices=["cpu", "cpu"], balance=balance)

@@ -63,12 +63,16 @@ def _init_parallel(
     if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
         raise TypeError(f"argument `dim` must be an int, got {type(dim).__name__} {dim!r}")
     dim = int(dim)
-    if device_ids is None and not torch.cuda.is_available():
+    devices = None if device_ids is None else U.parse_device_ids(device_ids)
+    if (devices is None or devices[0].type == "cuda") and not torch.cuda.is_available():
+        # No GPU: CUDA ids (repeated ones too) are dropped and calls go straight to the module,
+        # as nn.DataParallel does.
         nn.Module.__init__(self)
         self.module, self.device_ids, self.output_device, self.dim = module, [], None, dim
         self._devices, self._shared = [], False
         return
-    devices = U.parse_device_ids(device_ids if device_ids is not None else list(range(torch.cuda.device_count())))
+    if devices is None:
+        devices = U.parse_device_ids(list(range(torch.cuda.device_count())))
     shared = devices[0].type == "cpu" or len(set(devices)) < len(devices)
     if not shared:
         nn.DataParallel.__init__(self, module, [d.index for d in devices], output_device, dim)

@@ -169,7 +169,9 @@ class PipelineModel(nn.Module):
                 f"got {type(balance).__name__} {balance!r}"
             )
         balance = list(balance)
-        if len(balance) != len(devs) or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in balance):
+        if any(isinstance(b, bool) or not isinstance(b, int) for b in balance):
+            raise TypeError(f"argument `balance` must hold ints (layers per device), got {balance!r}")
+        if len(balance) != len(devs) or any(b < 1 for b in balance):
             raise ValueError(f"argument `balance` must hold one positive int per device ({len(devs)}), got {balance}")
         if sum(balance) != len(layers):
             raise ValueError(
