@@ -164,6 +164,10 @@ def test_format_size():
         (dict(optimizer="lamb"), r"argument `optimizer` must be one of"),
         (dict(sample_rate=1.5), r"argument `sample_rate` must be in \(0, 1\]"),
         (dict(chunk_budget=0), r"argument `chunk_budget` must be > 0"),
+        (dict(dtype=["fp16"]), r"argument `dtype` must be one of .*, got \['fp16'\]"),  # unhashable
+        (dict(optimizer={"sgd": 1}), r"argument `optimizer` must be one of"),
+        (dict(sample_rate=True), r"argument `sample_rate` must be in \(0, 1\], got True"),
+        (dict(classes=True), r"argument `classes` must be an integer >= 1, got bool"),
     ],
 )
 def test_plan_errors(kwargs, match):
@@ -362,3 +366,14 @@ def test_sizes_and_counts_are_bounded_in_the_api():
     with pytest.raises(ValueError, match=r"argument `budgets\[0\]` must be at most 2\*\*63 bytes"):
         __import__("shardkit").plan.plan_budgets([10**400], classes=10, dim=8, devices=1, batch=4)
     assert plan_memory(2**62, 8, 1, 4).naive.classes == 2**62  # large but in range: figures, no error
+
+
+def test_plan_takes_numpy_numbers_as_python_ones():
+    import numpy as np
+
+    args = dict(classes=1000, dim=64, devices=2, batch=8, sample_rate=0.5)
+    ref = plan_memory(**args)
+    got = plan_memory(
+        classes=np.int64(1000), dim=np.int32(64), devices=np.int64(2), batch=np.int16(8), sample_rate=np.float32(0.5)
+    )
+    assert got == ref

@@ -112,3 +112,27 @@ def test_add_param_group_and_load_name_a_number_too_large_for_a_float(name):
         opt.load_state_dict(saved)
     _assert_same(opt.state_dict(), before)
     assert len(opt.param_groups) == 1
+
+
+def test_sgd_only_arguments_are_taken_as_torch_sgd_takes_them():
+    # A call written for torch.optim.SGD runs unchanged: foreach / fused are kernel choices
+    # (ignored), maximize / differentiable at their defaults; their other values are refused.
+    torch.manual_seed(0)
+    start = torch.randn(5, 3)
+    grad = torch.randn(5, 3)
+    ref = torch.nn.Parameter(start.clone())
+    sgd = torch.optim.SGD([ref], lr=0.1, momentum=0.9, maximize=False, foreach=False, differentiable=False)
+    ref.grad = grad.clone()
+    sgd.step()
+    for extra in (dict(foreach=True), dict(foreach=False, fused=None), dict(maximize=False, differentiable=False)):
+        p = torch.nn.Parameter(start.clone())
+        opt = shardkit.SparseRowSGD([p], lr=0.1, momentum=0.9, **extra)
+        p.grad = grad.clone()
+        opt.step()
+        assert torch.equal(p.detach(), ref.detach()), extra
+    p = [torch.nn.Parameter(torch.randn(2))]
+    for name in ("maximize", "differentiable"):
+        with pytest.raises(ValueError, match=f"argument `{name}`=True is not supported"):
+            shardkit.SparseRowSGD(p, lr=0.1, **{name: True})
+    with pytest.raises(TypeError, match="argument `foreach` must be None or a bool"):
+        shardkit.SparseRowSGD(p, lr=0.1, foreach="yes")

@@ -230,6 +230,12 @@ def test_error_mean_std_types_and_channels():
             make([], [])
         with pytest.raises(ValueError, match=r"argument `mean\[0\]` must be finite, got nan"):
             make([float("nan")], [0.5])
+        with pytest.raises(ValueError, match=r"argument `mean\[0\]` is an int too large for a float"):
+            make((10**400, 0.5, 0.5), (0.5,) * 3)
+        with pytest.raises(ValueError, match=r"argument `std\[1\]` is an int too large for a float"):
+            make((0.5,) * 3, (0.5, 10**400, 0.5))
+        with pytest.raises(ValueError, match=r"argument `mean` is a meta tensor"):
+            make(torch.zeros(3, device="meta"), (0.5,) * 3)
 
 
 def test_error_bad_arguments():

@@ -15,6 +15,8 @@ from typing import Any, Sequence
 
 import torch
 
+from shardkit.ops._args import too_large_for_float
+
 __all__ = ["normalize_images"]
 
 _LAYOUTS = ("NHWC", "NCHW")
@@ -44,6 +46,8 @@ def _as_floats(name: str, values: Any) -> list[float]:
         if values.layout != torch.strided or values.is_nested or values.is_complex() or values.dtype == torch.bool:
             kind = "nested" if values.is_nested else values.layout if values.layout != torch.strided else values.dtype
             raise TypeError(f"argument `{name}` must be a dense real tensor (or a sequence of numbers), got {kind}")
+        if values.device.type == "meta":
+            raise ValueError(f"argument `{name}` is a meta tensor, which holds no values")
         values = values.detach().cpu().double().flatten().tolist()  # setup time, not the hot path
     # A string is a sequence too: "0.5" would be read character by character; a mapping's
     # iteration gives its keys (a dict {0.5: ...} was taken for its keys) and a set's has no order.
@@ -56,7 +60,10 @@ def _as_floats(name: str, values: Any) -> list[float]:
     for i, v in enumerate(values):
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise TypeError(f"argument `{name}` must hold numbers, got {type(v).__name__} {v!r} at index {i}")
-        out.append(float(v))
+        try:
+            out.append(float(v))
+        except OverflowError:
+            raise ValueError(f"argument `{name}[{i}]` is {too_large_for_float(v)}") from None
     if not out:
         raise ValueError(f"argument `{name}` must hold one value per channel, got 0 values")
     return out

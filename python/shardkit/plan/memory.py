@@ -32,6 +32,7 @@ Conventions (all figures are lower bounds of what the allocator will hold):
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -179,10 +180,24 @@ MAX_DEVICES = 1 << 16
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    # Python and numpy integers (numbers.Integral); bool, floats and strings refused
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(
+            f"argument `{name}` must be an integer >= {minimum}, got {type(value).__name__} {_brief(value)}"
+        )
+    value = int(value)
+    if value < minimum:
         raise ValueError(f"argument `{name}` must be an integer >= {minimum}, got {_brief(value)}")
     if value > MAX_COUNT:
         raise ValueError(f"argument `{name}` must be at most 2**63 - 1, got {_brief(value)}")
+    return value
+
+
+def _check_choice(name: str, value: object, table: Dict[str, int]) -> str:
+    """``value`` when it is one of ``table``'s names (a string), else a ValueError naming ``name``
+    (also for an unhashable value, which ``in`` would fail on with a TypeError naming nothing)."""
+    if not isinstance(value, str) or value not in table:
+        raise ValueError(f"argument `{name}` must be one of {sorted(table)}, got {value!r}")
     return value
 
 
@@ -236,11 +251,14 @@ def plan_memory(
         got = f"{n_dev:,}" if n_dev < 10**30 else _brief(n_dev)
         raise ValueError(f"argument `devices` must be at most {MAX_DEVICES:,}, got {got}")
     batch = _check_int("batch", batch, 1)
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"argument `dtype` must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
-    if optimizer not in OPTIMIZER_STATES:
-        raise ValueError(f"argument `optimizer` must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}")
-    if not (isinstance(sample_rate, (int, float)) and 0.0 < float(sample_rate) <= 1.0):
+    dtype = _check_choice("dtype", dtype, DTYPE_BYTES)
+    optimizer = _check_choice("optimizer", optimizer, OPTIMIZER_STATES)
+    # Python and numpy real numbers; bool refused (as for the sizes above)
+    if (
+        isinstance(sample_rate, bool)
+        or not isinstance(sample_rate, numbers.Real)
+        or not 0.0 < float(sample_rate) <= 1.0
+    ):
         raise ValueError(f"argument `sample_rate` must be in (0, 1], got {sample_rate!r}")
     sample_rate = float(sample_rate)
     gpu = None if gpu_memory is None else _named_size("gpu_memory", gpu_memory)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Union
 
-from shardkit.plan.memory import DTYPE_BYTES, OPTIMIZER_STATES, _check_int, _head_parts, _named_size
+from shardkit.plan.memory import DTYPE_BYTES, OPTIMIZER_STATES, _check_choice, _check_int, _head_parts, _named_size
 
 
 def head_bytes_per_class(
@@ -14,10 +14,8 @@ def head_bytes_per_class(
 ) -> int:
     """Bytes one class costs on its device: weight row, its gradient, fp32 master copy (for
     fp16/bf16 unless ``master_weights=False``) and optimizer state (as :func:`plan_memory`)."""
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"argument `dtype` must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
-    if optimizer not in OPTIMIZER_STATES:
-        raise ValueError(f"argument `optimizer` must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}")
+    dtype = _check_choice("dtype", dtype, DTYPE_BYTES)
+    optimizer = _check_choice("optimizer", optimizer, OPTIMIZER_STATES)
     master = dtype != "fp32" if master_weights is None else bool(master_weights)
     weights, master_bytes, states = _head_parts(1, dim, DTYPE_BYTES[dtype], OPTIMIZER_STATES[optimizer], master)
     return weights + master_bytes + states + dim * DTYPE_BYTES[dtype]  # + the gradient row

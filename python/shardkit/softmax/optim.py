@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import TYPE_CHECKING, Any, Callable, overload
+from typing import TYPE_CHECKING, Any, Callable, Optional, overload
 
 import torch
 
@@ -114,6 +114,9 @@ class SparseRowSGD(torch.optim.Optimizer):
         lr, momentum, dampening, weight_decay, nesterov: as ``torch.optim.SGD``: lr (a float
             or a one-element tensor) and weight_decay finite and >= 0, momentum in [0, 1),
             dampening in [0, 1]. A ValueError names a bad value, a TypeError a non-number.
+        maximize, foreach, differentiable, fused: ``torch.optim.SGD``'s, taken so that its
+            calls run unchanged: ``foreach`` and ``fused`` (kernel choices) are ignored;
+            ``maximize`` and ``differentiable`` must be False (ValueError otherwise).
 
     Parameters with a sparse COO gradient (``F.embedding(..., sparse=True)``, which the
     sampled :class:`shardkit.ShardedSoftmaxLoss` produces) are updated row by row: for the
@@ -140,7 +143,23 @@ class SparseRowSGD(torch.optim.Optimizer):
         dampening: float = 0.0,
         weight_decay: float = 0.0,
         nesterov: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: Optional[bool] = None,
+        differentiable: bool = False,
+        fused: Optional[bool] = None,
     ) -> None:
+        # torch.optim.SGD's other arguments, so that a call written for it runs unchanged:
+        # foreach and fused choose kernels (this optimizer picks its own) and are ignored.
+        for name, value in (("maximize", maximize), ("differentiable", differentiable)):
+            if value is not False:
+                raise ValueError(
+                    f"argument `{name}`={value!r} is not supported: SparseRowSGD minimizes (negate the loss "
+                    "to maximize) and its step is not differentiable"
+                )
+        for name, flag in (("foreach", foreach), ("fused", fused)):
+            if flag is not None and not isinstance(flag, bool):
+                raise TypeError(f"argument `{name}` must be None or a bool, got {type(flag).__name__}")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov)
         _check_hyperparameters(defaults)
         super().__init__(params, defaults)
