@@ -195,3 +195,37 @@ def test_public_forwards_have_their_own_docstrings():
         assert cls.forward is not torch.nn.Module.forward, cls
         doc = cls.forward.__doc__ or ""
         assert doc.strip() and doc != torch.nn.Module.forward.__doc__, cls
+
+
+def test_built_under_a_default_device_context_draws_the_documented_init():
+    # The shards live where `devices` says (the CPU by default) and the init is drawn from the
+    # CPU generator whatever the ambient default device: under `with torch.device("meta")` the
+    # draw once came from a meta tensor (NotImplementedError: cannot copy out of meta tensor).
+    torch.manual_seed(4)
+    ref = shardkit.ShardedSoftmaxLoss(6, 13, devices=["cpu", "cpu"])
+    torch.manual_seed(4)
+    with torch.device("meta"):
+        head = shardkit.ShardedSoftmaxLoss(6, 13, devices=["cpu", "cpu"])
+    assert all(p.device.type == "cpu" for p in head.parameters())
+    assert torch.equal(head.full_weight(), ref.full_weight())
+
+
+def test_num_classes_and_embedding_dim_are_fixed():
+    head = shardkit.ShardedSoftmaxLoss(6, 13)
+    for name in ("num_classes", "embedding_dim"):
+        with pytest.raises(AttributeError, match=f"`{name}` is fixed at construction"):
+            setattr(head, name, 12)
+    assert (head.num_classes, head.embedding_dim) == (13, 6)
+    head.load_state_dict(head.state_dict())  # its own checkpoint still loads
+
+
+def test_vmap_over_the_loss():
+    # torch.vmap runs the loss per sample (its fallback loops over the ops): equal to a loop; the
+    # default check, which reads values on the host, is refused there with a clear error.
+    torch.manual_seed(2)
+    head = shardkit.ShardedSoftmaxLoss(4, 9, devices=["cpu", "cpu"], check_inputs=False)
+    x, y = torch.randn(3, 5, 4, dtype=torch.float32), torch.randint(0, 9, (3, 5))
+    torch.testing.assert_close(torch.vmap(head)(x, y), torch.stack([head(x[i], y[i]) for i in range(3)]))
+    head.check_inputs = True
+    with pytest.raises(ValueError, match="argument `check_inputs`=True reads the check's result on the host"):
+        torch.vmap(head)(x, y)

@@ -287,3 +287,25 @@ def test_a_rank_refuses_mixed_momentum_in_files_it_reads_no_rows_from(tmp_path):
             shardkit.load_sharded(head, str(tmp_path), opt)
         assert repr(last) in str(err.value)
         assert torch.equal(head.weight_shards[0], before) and not opt.state
+
+
+def test_a_parametrized_head_round_trips_its_own_state_dict():
+    # With a parametrization on a shard (weight_norm, say) the state dict is torch's own (the
+    # parametrizations' originals): it loads into a head parametrized alike; a class-ordered
+    # `weight` offered to it is refused with an error saying why.
+    from torch.nn.utils import parametrizations
+
+    def make(seed):
+        torch.manual_seed(seed)
+        head = shardkit.ShardedSoftmaxLoss(8, 10, devices=["cpu"] * 2)
+        parametrizations.weight_norm(head.weight_shards, name="0")
+        return head
+
+    src, dst = make(0), make(1)
+    assert not torch.equal(src.full_weight(), dst.full_weight())
+    dst.load_state_dict(src.state_dict())
+    assert torch.equal(src.full_weight(), dst.full_weight())
+    x, y = torch.randn(4, 8), torch.randint(0, 10, (4,))
+    assert torch.equal(src(x, y), dst(x, y))
+    with pytest.raises(RuntimeError, match="weight shards are\\s+parametrized"):
+        make(2).load_state_dict(shardkit.ShardedSoftmaxLoss(8, 10, devices=["cpu"] * 2).state_dict())

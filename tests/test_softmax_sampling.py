@@ -282,6 +282,25 @@ def test_torch_sgd_with_momentum_on_a_sampled_shard_warns():
         ours.step()
 
 
+def test_no_sampling_warning_for_a_head_whose_gradients_are_dense():
+    # A head built with sampling whose rate went to 1 (or stepped after an eval-mode forward)
+    # has dense gradients: torch.optim.SGD with momentum is then right and gets no warning; the
+    # same optimizer warns at the first step that does see a sampled (row-sparse) gradient.
+    head = shardkit.ShardedSoftmaxLoss(7, 11, devices=["cpu"] * 2, sample_rate=0.3)
+    head.sample_rate = 1.0
+    x, y = torch.randn(5, 7), torch.randint(0, 11, (5,))
+    head(x, y).backward()
+    opt = torch.optim.SGD(head.parameters(), lr=0.1, momentum=0.9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+    head.sample_rate = 0.3
+    opt.zero_grad()
+    head(x, y).backward()
+    with pytest.warns(UserWarning, match="use shardkit.SparseRowSGD"):
+        opt.step()
+
+
 @pytest.mark.gpu
 def test_sample_generator_must_be_on_the_labels_device():
     labels = torch.randint(0, 100, (9,), device="cuda")

@@ -185,6 +185,12 @@ def check_tensors(embeddings: torch.Tensor, labels: torch.Tensor, dim: int) -> t
     return labels if labels.dtype == torch.int64 else labels.long()
 
 
+def _in_func_transform(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a torch.func (vmap, grad, ...) wrapper, whose values the host cannot read."""
+    wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return bool(wrapped is not None and wrapped(t))
+
+
 def _capturing(t: torch.Tensor) -> bool:
     """Whether ``t``'s device's current stream is being captured into a CUDA graph."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -217,7 +223,15 @@ def check_values(
                 "or non-finite `embeddings`",
             )
             return
-        negative, too_big, not_finite = flags.tolist()
+        try:
+            negative, too_big, not_finite = flags.tolist()
+        except RuntimeError:
+            if _in_func_transform(embeddings) or _in_func_transform(labels):
+                raise ValueError(
+                    "argument `check_inputs`=True reads the check's result on the host, which torch.vmap "
+                    "and the other torch.func transforms cannot do; pass check_inputs=False there"
+                ) from None
+            raise
     if negative:
         raise ValueError(f"argument `labels` has negative class ids other than ignore_index={ignore_index}")
     if too_big:

@@ -114,7 +114,7 @@ class ProcessGroupShards:
         bound = 1.0 / module.embedding_dim**0.5
         for p in module.weight_shards:
             if p.device.type != "meta":
-                p.copy_(torch.empty(p.shape, dtype=p.dtype).uniform_(-bound, bound, generator=gen))
+                p.copy_(torch.empty(p.shape, dtype=p.dtype, device="cpu").uniform_(-bound, bound, generator=gen))
 
     def full_weight(self, module: ShardedHead, device: Optional[DeviceLike] = None) -> torch.Tensor:
         """Class-ordered [C, D] copy gathered from every rank (a collective: all ranks call it)."""

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Sequence, 
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from shardkit.softmax.margins import Margin
 
@@ -19,8 +20,6 @@ class ShardedHead(nn.Module):
     """The attributes and calls of a sharded loss module that its mode object uses
     (:class:`shardkit.ShardedSoftmaxLoss` sets and defines them)."""
 
-    embedding_dim: int
-    num_classes: int
     margin: Optional[Margin]
     label_smoothing: float
     ignore_index: int
@@ -34,7 +33,13 @@ class ShardedHead(nn.Module):
 
     sample_generator: Union[torch.Generator, Sequence[torch.Generator], None]  # (a property there)
 
-    if TYPE_CHECKING:  # defined by the module (the first two through its mode object)
+    if TYPE_CHECKING:  # defined by the module (class_offsets and full_weight through its mode object)
+
+        @property
+        def embedding_dim(self) -> int: ...
+
+        @property
+        def num_classes(self) -> int: ...
 
         @property
         def class_offsets(self) -> Tuple[int, ...]: ...
@@ -103,6 +108,8 @@ def _state_dict_post_hook(
 ) -> None:
     # One class-ordered `weight` [C, D] replaces the per-shard entries, so checkpoints do
     # not depend on the shard count.
+    if parametrize.is_parametrized(module.weight_shards):
+        return  # torch's own entries (the parametrizations' originals), loaded by torch as they are
     for k in range(len(module.weight_shards)):
         state_dict.pop(f"{prefix}weight_shards.{k}", None)
     state_dict[prefix + "weight"] = checkpoint_weight(module)
@@ -118,8 +125,17 @@ def _load_state_dict_pre_hook(
     unexpected: List[str],
     errors: List[str],
 ) -> None:
-    check_weight_entries(module, state_dict, prefix)
     key = prefix + "weight"
+    if parametrize.is_parametrized(module.weight_shards):
+        if key in state_dict:
+            state_dict.pop(key)
+            errors.append(
+                f"`{key}` is the class-ordered weight of an unparametrized head, but this head's weight shards are "
+                "parametrized (torch.nn.utils.parametrize); load it before registering the parametrization, or "
+                "load the state dict of a head parametrized alike"
+            )
+        return
+    check_weight_entries(module, state_dict, prefix)
     shard_keys = [f"{prefix}weight_shards.{k}" for k in range(len(module.weight_shards))]
     if key not in state_dict:
         if not any(name in state_dict for name in shard_keys):

@@ -335,7 +335,7 @@ class LocalShards:
         for p in module.weight_shards:
             if p.device.type == "meta":
                 continue
-            p.copy_(torch.empty(p.shape, dtype=p.dtype).uniform_(-bound, bound))
+            p.copy_(torch.empty(p.shape, dtype=p.dtype, device="cpu").uniform_(-bound, bound))
 
     def full_weight(self, module: ShardedHead, device: Optional[DeviceLike] = None) -> torch.Tensor:
         device = module.weight_shards[0].device if device is None else torch.device(device)

@@ -184,8 +184,7 @@ class ShardedSoftmaxLoss(ShardedHead):
             }
             self._mode = ProcessGroupShards(num_classes, process_group, input_layout, devices, shard_sizes, config)
         sizes, devices = self._mode.sizes, self._mode.devices
-        self.embedding_dim = embedding_dim
-        self.num_classes = num_classes
+        self.__dict__["_sizes"] = (embedding_dim, num_classes)  # fixed: the shards hold them
         self.margin = margin
         self.label_smoothing = float(label_smoothing)
         self.ignore_index = ignore_index
@@ -226,6 +225,29 @@ class ShardedSoftmaxLoss(ShardedHead):
                 f"holds one shard), got a {type(value).__name__}"
             )
         self.__dict__["_sample_generator"] = value
+
+    @property
+    def embedding_dim(self) -> int:
+        """D (fixed at construction: the shards' width)."""
+        return self._fixed_sizes()[0]
+
+    @embedding_dim.setter
+    def embedding_dim(self, value: object) -> None:
+        raise AttributeError("`embedding_dim` is fixed at construction (the weight shards' width); build a new head")
+
+    @property
+    def num_classes(self) -> int:
+        """C (fixed at construction: the shards' classes)."""
+        return self._fixed_sizes()[1]
+
+    @num_classes.setter
+    def num_classes(self, value: object) -> None:
+        raise AttributeError("`num_classes` is fixed at construction (the weight shards' classes); build a new head")
+
+    def _fixed_sizes(self) -> Tuple[int, int]:
+        # (a head pickled before these were read-only kept them as plain attributes)
+        sizes = self.__dict__.get("_sizes")
+        return sizes if sizes is not None else (self.__dict__["embedding_dim"], self.__dict__["num_classes"])
 
     @property
     def shard_sizes(self) -> Tuple[int, ...]:
@@ -300,5 +322,23 @@ class ShardedSoftmaxLoss(ShardedHead):
             f"embedding_dim={self.embedding_dim}, num_classes={self.num_classes}, "
             f"shard_sizes={list(self.shard_sizes)}, devices=[{devices}], margin={self.margin}, "
             f"label_smoothing={self.label_smoothing}, ignore_index={self.ignore_index}, "
-            f"reduction={self.reduction!r}" + (f", memory_budget={self.memory_budget!r}" if self.memory_budget else "")
+            f"reduction={self.reduction!r}" + "".join(f", {name}={value!r}" for name, value in self._set_options())
         )
+
+    def _set_options(self) -> List[Tuple[str, object]]:
+        """The options that differ from their defaults (what ``extra_repr`` adds)."""
+        options: List[Tuple[str, object]] = [
+            ("memory_budget", self.memory_budget),
+            ("sample_rate", self.sample_rate),
+            ("chunk_memory", self.chunk_memory),
+            ("check_inputs", self.check_inputs),
+            ("topk", self.topk),
+        ]
+        defaults = {
+            "memory_budget": 0,
+            "sample_rate": 1.0,
+            "chunk_memory": None,
+            "check_inputs": True,
+            "topk": tuple(k for k in DEFAULT_TOPK if k <= self.num_classes),
+        }
+        return [(n, v) for n, v in options if v != defaults[n]]

@@ -233,7 +233,7 @@ class PartialFC_V2(ShardedSoftmaxLoss):
             if p.device.type == "cpu":
                 p.normal_(0.0, INIT_STD)
             elif p.device.type != "meta":
-                p.copy_(torch.empty(p.shape, dtype=p.dtype).normal_(0.0, INIT_STD))
+                p.copy_(torch.empty(p.shape, dtype=p.dtype, device="cpu").normal_(0.0, INIT_STD))
 
     # PartialFC_V2's argument names (local_embeddings, local_labels), kept for drop-in use: a
     # caller passing ShardedSoftmaxLoss's `embeddings=` / `labels=` by keyword gets a TypeError.

@@ -102,12 +102,17 @@ def _sgd_step_pre_hook(optimizer: torch.optim.Optimizer, args: Tuple[Any, ...], 
         return
     count = sum(len(g["params"]) for g in optimizer.param_groups)
     if _checked.get(optimizer) == count:
-        return
-    _checked[optimizer] = count
+        return  # checked: no sampled shard in it, or warned already
+    marked = False
     for group in optimizer.param_groups:
-        if (group.get("momentum", 0) or group.get("weight_decay", 0)) and any(
-            getattr(p, _SAMPLED, False) for p in group["params"]
-        ):
+        if not (group.get("momentum", 0) or group.get("weight_decay", 0)):
+            continue
+        shards = [p for p in group["params"] if getattr(p, _SAMPLED, False)]
+        marked = marked or bool(shards)
+        # warn when a shard's gradient IS row-sparse: one trained without sampling this step
+        # (a head whose sample_rate went to 1, an eval-mode forward) has a dense gradient
+        if any(p.grad is not None and p.grad.layout == torch.sparse_coo for p in shards):
+            _checked[optimizer] = count
             warnings.warn(
                 "torch.optim.SGD with momentum or weight_decay updates rows of a PartialFC-sampled "
                 "ShardedSoftmaxLoss shard that were not sampled this step (or raises on weight decay with "
@@ -116,6 +121,8 @@ def _sgd_step_pre_hook(optimizer: torch.optim.Optimizer, args: Tuple[Any, ...], 
                 stacklevel=3,
             )
             return
+    if not marked:
+        _checked[optimizer] = count
 
 
 def mark_sampled(weight: torch.Tensor) -> None:
