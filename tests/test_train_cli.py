@@ -255,3 +255,24 @@ def test_torchrun_with_more_ranks_than_gpus_is_a_usage_error(monkeypatch):
     args = SimpleNamespace(devices=[torch.device("cuda", 0)])
     with pytest.raises(UsageError, match=r"local rank 1 has no GPU of its own \(1 visible.*--devices cpu"):
         init_distributed(args)
+
+
+def test_ctrl_c_in_the_last_step_then_resume_evaluates(tmp_path, monkeypatch, capsys):
+    # The last step's checkpoint is saved, the run stops before its final evaluation (exit 130);
+    # its resume has no step left and runs that evaluation (it once said the run had finished,
+    # with results in a log that had none, and never wrote them).
+    args = TINY + ["--steps", "3", "--seed", "2", "--devices", "cpu"]
+    full = str(tmp_path / "full")
+    assert train.main(args + ["--out", full]) == 0
+    part = str(tmp_path / "part")
+    _interrupt_after(monkeypatch, 3)
+    assert train.main(args + ["--out", part]) == 130
+    monkeypatch.undo()
+    assert not os.path.exists(os.path.join(part, "curves.png"))
+    capsys.readouterr()
+    assert train.main(args + ["--out", part, "--resume", os.path.join(part, "checkpoint")]) == 0
+    out = capsys.readouterr().out
+    assert "stopped before its final evaluation: evaluating it" in out
+    assert os.path.exists(os.path.join(part, "curves.png"))
+    results = [open(os.path.join(d, "log.txt")).read().split("results", 1)[-1] for d in (full, part)]
+    assert "verification" in results[1] and results[0].splitlines()[:6] == results[1].splitlines()[:6]

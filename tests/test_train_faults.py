@@ -212,6 +212,27 @@ def test_decode_errors_from_loader_workers_name_the_file(tmp_path, capsys):
     assert "worker process" not in err
 
 
+def test_a_broken_image_decoded_up_front_says_to_replace_it(tmp_path, capsys):
+    # --cache-ram decoded decodes every image while the folder is read: the hint is the file's,
+    # not the folder layout's, and Pillow's name for its in-memory buffer stays out of the line.
+    root = _faces(tmp_path / "faces")
+    (root / "id1" / "0.png").write_bytes(b"garbage")
+    argv = ["--data", str(root), "--cache-ram", "decoded", "--out", str(tmp_path / "o")] + DATA
+    assert train.main(argv) == 2
+    err = _one_line(capsys, str(root / "id1" / "0.png"), "remove or replace that file in --data")
+    assert "BytesIO" not in err and "class subfolders" not in err
+
+
+def test_held_out_classes_of_one_image_each_say_what_they_need(tmp_path, capsys):
+    root = _faces(tmp_path / "faces")
+    held_out = sorted(p for p in root.iterdir() if p.is_dir())[-2:]  # DATA holds out the last 2 classes
+    for folder in held_out:
+        for extra in sorted(folder.iterdir())[1:]:
+            extra.unlink()
+    assert train.main(["--data", str(root), "--out", str(tmp_path / "o")] + DATA) == 2
+    _one_line(capsys, "held-out classes", "two or more images each")
+
+
 def test_data_path_that_is_not_utf8_is_logged_escaped(tmp_path, capsys):
     root = _faces(tmp_path / os.fsdecode(b"bad\xffname"))
     assert train.main(["--data", str(root), "--out", str(tmp_path / "o")] + DATA) == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from types import ModuleType
 from typing import Dict, List, Literal, Sequence, Tuple
 
@@ -137,7 +138,9 @@ class ImageFolderDataset(Dataset):
                     im = im.resize((self.image_size, self.image_size), Image.BILINEAR)
                 arr = np.asarray(im, dtype=np.uint8)
         except Exception as e:  # Pillow raises several types for broken files
-            raise ValueError(f"cannot decode image {path!r}: {e}") from e
+            # (Pillow names the in-memory buffer, "<_io.BytesIO object at 0x...>": the path says which file)
+            why = re.sub(r"\s*<_io\.BytesIO object at 0x[0-9a-fA-F]+>", "", str(e)) or type(e).__name__
+            raise ValueError(f"cannot decode image {path!r}: {why}") from e
         if arr.ndim == 2:
             arr = arr[:, :, None]
         return torch.from_numpy(arr.copy())

@@ -174,7 +174,12 @@ def _run(args: argparse.Namespace, world: World, log: RunLog, earlier: bool) -> 
         start, saved = resume.load_checkpoint(found, parts, world)
         history.update(saved)
         log.line(f"resumed from {found} at step {start} of {total}; writing to {args.out}")
-        if start >= total:
+        evaluated = os.path.exists(os.path.join(checkpoint.run_dir(found), "curves.png"))
+        if start == total and not evaluated:
+            # Trained to the end but stopped before its final evaluation (a Ctrl-C in the last
+            # step, a kill after the last save): no step is left; the evaluation and report run.
+            log.line(f"that run trained all {total} steps but was stopped before its final evaluation: evaluating it")
+        elif start >= total:
             log.line(
                 f"that run already finished ({start} of {total} steps): nothing to train or evaluate; its "
                 f"results are in {os.path.join(checkpoint.run_dir(found), 'log.txt')}. To train on, resume "

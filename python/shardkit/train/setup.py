@@ -139,6 +139,9 @@ def _folder_data(args: argparse.Namespace) -> Tuple[TrainSet, int, VerificationS
     try:
         full = ImageFolderDataset(args.data, args.image_size, cache_ram=args.cache_ram)
     except ValueError as e:  # an empty or broken folder, an image that does not decode
+        line = decode_error_line(e)  # (--cache-ram decoded decodes every image here)
+        if line is not None:
+            raise UsageError(f"{line}; remove or replace that file in --data") from None
         raise UsageError(f"{e}; point --data at a folder of class subfolders of images") from None
     k = len(full.classes)
     if k <= args.val_classes:
@@ -158,7 +161,14 @@ def _folder_data(args: argparse.Namespace) -> Tuple[TrainSet, int, VerificationS
     except ValueError as e:  # a held-out image that cannot be read or decoded
         raise UsageError(f"{e}; remove or replace that file in --data") from None
     ids = torch.tensor([labels[i] for i in val_idx])
-    return Subset(full, train_idx), train_k, _pairs_from(images, ids, args.seed)
+    try:
+        pairs = _pairs_from(images, ids, args.seed)
+    except UsageError:  # --data holds out every image of its last classes: --val-per-class plays no part
+        raise UsageError(
+            f"--data {args.data!r}: the held-out classes (the last --val-classes={args.val_classes}) give no "
+            "genuine or no impostor pairs; they need two or more images each, and two or more classes"
+        ) from None
+    return Subset(full, train_idx), train_k, pairs
 
 
 def _pairs_from(images: torch.Tensor, ids: torch.Tensor, seed: int, num_impostor: int = 10000) -> VerificationSet:
