@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--deterministic",
         action="store_true",
         help="bit-for-bit repeatable steps on a GPU (deterministic cuDNN/cuBLAS, a little slower); the CPU "
-        "is deterministic anyway for a given thread count (default: off)",
+        "is deterministic anyway for a given thread count, but for --dp with --amp bf16 (default: off)",
     )
     x = p.add_argument_group("devices")
     x.add_argument(
