@@ -219,6 +219,7 @@ def test_num_classes_and_embedding_dim_are_fixed():
     head.load_state_dict(head.state_dict())  # its own checkpoint still loads
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop because we have not yet implemented the batching rule")
 def test_vmap_over_the_loss():
     # torch.vmap runs the loss per sample (its fallback loops over the ops): equal to a loop; the
     # default check, which reads values on the host, is refused there with a clear error.
