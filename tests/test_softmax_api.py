@@ -230,3 +230,16 @@ def test_vmap_over_the_loss():
     head.check_inputs = True
     with pytest.raises(ValueError, match="argument `check_inputs`=True reads the check's result on the host"):
         torch.vmap(head)(x, y)
+
+
+def test_extra_repr_shows_the_options_off_their_defaults():
+    plain = repr(shardkit.ShardedSoftmaxLoss(8, 100))
+    for name in ("memory_budget", "sample_rate", "chunk_memory", "check_inputs", "topk"):
+        assert f"{name}=" not in plain
+    head = shardkit.ShardedSoftmaxLoss(
+        8, 100, sample_rate=0.1, topk=3, check_inputs=False, chunk_memory="1MiB", memory_budget="1KiB"
+    )
+    text = repr(head)
+    for part in ("memory_budget=1024", "sample_rate=0.1", "chunk_memory=1048576", "check_inputs=False", "topk=(3,)"):
+        assert part in text, (part, text)
+    assert "topk=" not in repr(shardkit.ShardedSoftmaxLoss(8, 3))  # the default (1, 5) trimmed to (1,)
