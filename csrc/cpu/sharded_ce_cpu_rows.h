@@ -217,7 +217,8 @@ void dlogit_f(const double* z, double* out, int64_t n, double s_in, double s, do
 // Rows [r0, r1) of src (any float dtype, row stride src_stride) -> dst (acc T, contiguous,
 // [rows, D]), L2-normalized when normalize; nrm[r] = max(|row|, 1e-12) is kept for backward.
 // The squares are summed in double: a float row of norm above ~1.8e19 does not overflow to inf
-// (which would normalize it to a zero row).
+// (which would normalize it to a zero row). A norm above the float range is kept as inf, so the
+// row's gradient is 0 (its true size, below 1 / 3.4e38, is under the float's normal range).
 template <typename scalar_t, typename T>
 void load_rows(const scalar_t* src, int64_t s0, int64_t s1, int64_t rows, int64_t D, bool normalize, T* dst,
                T* nrm) {
@@ -232,10 +233,12 @@ void load_rows(const scalar_t* src, int64_t s0, int64_t s1, int64_t rows, int64_
         ss += static_cast<double>(v) * static_cast<double>(v);
       }
       if (normalize) {
-        const T nr = static_cast<T>(std::max(std::sqrt(ss), 1e-12));
-        nrm[r] = nr;
-        const T inv = T(1) / nr;
-        for (int64_t k = 0; k < D; ++k) out[k] *= inv;
+        // The norm and the division stay in double: a float row whose norm exceeds the
+        // float range (inf as a float) still normalizes to its unit row, rounded once.
+        const double nr = std::max(std::sqrt(ss), 1e-12);
+        nrm[r] = static_cast<T>(nr);
+        const double inv = 1.0 / nr;
+        for (int64_t k = 0; k < D; ++k) out[k] = static_cast<T>(static_cast<double>(out[k]) * inv);
       }
     }
   });
