@@ -228,6 +228,24 @@ def test_cpu_module_loss_16bit_within_twice_torch(dtype, margin_name, mixed):
     check_module_low_precision("cpu", dtype, margin_name, shape=(48, 64, 777), mixed=mixed)
 
 
+def test_float64_head_under_autocast_stays_float64():
+    # torch's autocast never casts float64 (F.linear of float64 operands stays float64 under
+    # it): a float64 head ran in bf16 there, with bf16's error in a float64 loss.
+    torch.manual_seed(3)
+    head = shardkit.ShardedSoftmaxLoss(
+        24, 37, devices=["cpu"] * 2, dtype=torch.float64, margin=shardkit.ArcFace(s=16, m=0.3)
+    )
+    x = torch.randn(5, 24, dtype=torch.float64, requires_grad=True)
+    y = make_labels(5, 37)
+    eager = head(x, y)
+    (gx,) = torch.autograd.grad(eager, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto = head(x, y)
+    (ax,) = torch.autograd.grad(auto, x)
+    assert auto.dtype == torch.float64
+    assert (auto - eager).abs().item() <= 1e-12 and (ax - gx).abs().max().item() <= 1e-12
+
+
 def test_cpu_autocast_bf16():
     # Per-row losses (reduction="none"): a single scalar's rounding error is too noisy to
     # compare against torch's.
@@ -318,6 +336,36 @@ def test_huge_finite_norms_normalize_like_small_ones(device, dtype, margin_name)
         assert rel(loss.cpu(), base.cpu()) <= tol, (sx, sw)
         for g, g0 in zip(grads, base_grads):
             assert rel(g.cpu(), g0.cpu()) <= 10 * tol, (sx, sw)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("margin_name", ["cosface", "arcface"])
+def test_norms_beyond_the_float_range_normalize(device, dtype, margin_name):
+    # Every element finite, the row's norm above the float's largest value (inf as a float):
+    # the row was normalized to zeros (a wrong loss, zero gradients). The loss and the other
+    # side's gradients equal those of the same rows scaled down by 2^100 (exact in floats); the
+    # huge rows' own gradient is below 1 / 3.4e38, i.e. 0 in floats.
+    torch.manual_seed(11)
+    head = shardkit.ShardedSoftmaxLoss(64, 50, margin=MARGINS[margin_name], devices=[device]).to(dtype)
+    y = make_labels(6, 50).to(device)
+    x = torch.randn(6, 64, device=device).sign() * (2.0 + torch.rand(6, 64, device=device)) * 1e38
+    x = x.to(dtype)
+    assert torch.isfinite(x).all() and torch.isinf(x.float().norm(dim=1)).all()
+    small = x * 2.0**-100
+    losses, wgrads = [], []
+    for inp in (x, small):
+        xx = inp.clone().requires_grad_()
+        head.zero_grad()
+        loss = head(xx, y)
+        loss.backward()
+        losses.append(loss.double())
+        wgrads.append(head.weight_shards[0].grad.double())
+        if inp is x:
+            assert torch.isfinite(xx.grad).all() and xx.grad.abs().max() <= 1e-30
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.isfinite(losses[0]) and rel(losses[0].cpu(), losses[1].cpu()) <= tol
+    assert rel(wgrads[0].cpu(), wgrads[1].cpu()) <= 10 * tol
 
 
 def _cuda_case(devices):

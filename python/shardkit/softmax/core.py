@@ -57,8 +57,9 @@ class ShardedLossOutput(NamedTuple):
 def compute_dtype(weight: torch.Tensor) -> torch.dtype:
     # Under autocast for the shard's device type, run in the autocast dtype as nn.Linear
     # would (both operands cast); otherwise the embeddings follow the weights' dtype.
+    # float64 weights stay float64 under autocast, as torch's autocast never casts float64.
     device_type = weight.device.type
-    if torch.is_autocast_enabled(device_type):
+    if weight.dtype != torch.float64 and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return weight.dtype
 
