@@ -87,8 +87,8 @@ def ce_shard_stats(
     ``z = scale * cos`` with ``x`` and ``w`` rows L2-normalized, where the target column
     ``j = labels[i] - class_offset`` (if in the shard) becomes
     ``scale * psi(cos)``, ``psi(c) = cos(m1 * acos(c) + m2) - m3``, continued linearly with
-    slope 1 below ``c_max = cos((pi - m2) / m1)`` (so it stays monotone where
-    ``m1 * theta + m2 > pi``).
+    slope 1 where ``m1 * theta + m2 > pi``, i.e. below ``c_max = cos((pi - m2) / m1)``
+    when ``(pi - m2) / m1 < pi`` (no continuation otherwise), so it stays monotone.
 
     Args:
         x: embeddings [B, D], float32 / bfloat16 / float16 (float64 for checks).

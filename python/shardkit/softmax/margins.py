@@ -14,7 +14,8 @@ taken: ``psi(c) = c - m3`` exactly, with no clamp near +-1.
 **Past pi.** ``cos(m1 * theta + m2)`` decreases only while ``m1 * theta + m2 <= pi``;
 beyond, a plain ArcFace target logit would rise again as theta -> pi, rewarding the
 worst-classified samples. shardkit continues psi there as a straight line of slope 1 in
-``c``: for ``c < c_max = cos((pi - m2) / m1)``,
+``c``: for ``c < c_max = cos((pi - m2) / m1)`` when ``(pi - m2) / m1 < pi`` (else
+``m1 * theta + m2`` never reaches pi, ``c_max = -1`` and there is no continuation),
 
     psi(c) = -1 - m3 + (c - c_max),
 
