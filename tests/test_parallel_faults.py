@@ -164,3 +164,34 @@ def test_a_data_parallel_call_that_failed_inside_a_checkpoint_leaves_nothing_beh
     torch.testing.assert_close(out, ref(x), rtol=1e-12, atol=1e-12)
     for p, q in zip(net.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("which", ["whole", "block"])
+def test_a_compiled_module_is_refused_before_it_is_changed(which):
+    # The shallow copy of an OptimizedModule writes through to the module it wraps: the
+    # replicas took the user's parameters away (a block left without its weight, or a model
+    # that contained itself) and then failed with a bare KeyError.
+    from shardkit.parallel import DataParallelCriterion
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    x = torch.randn(4, 6)
+    expected = net(x)
+    if which == "block":
+        net[0] = torch.compile(net[0], backend="eager")
+        wrapped, name = net, "its sub-module '0'"
+    else:
+        wrapped, name = torch.compile(net, backend="eager"), "the module"
+    model = DataParallelModel(wrapped, device_ids=["cpu", "cpu"])
+    with pytest.raises(TypeError, match=f"DataParallelModel: {name} is a torch.compile'd module"):
+        model(x)
+    after = net.state_dict()
+    assert {k.replace("_orig_mod.", "") for k in after} == set(before)
+    assert all(torch.equal(v, before[k.replace("_orig_mod.", "")]) for k, v in after.items())
+    assert torch.equal(net(x), expected)
+    weighted = torch.compile(nn.CrossEntropyLoss(weight=torch.ones(3)), backend="eager")
+    crit = DataParallelCriterion(weighted, device_ids=["cpu", "cpu"])
+    with pytest.raises(TypeError, match="DataParallelCriterion: the module is a torch.compile'd module"):
+        crit([torch.randn(2, 3), torch.randn(2, 3)], torch.tensor([0, 1, 2, 0]))
+    assert weighted._orig_mod.weight is not None

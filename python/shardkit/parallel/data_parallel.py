@@ -300,7 +300,7 @@ class DataParallelCriterion(nn.DataParallel):
             if len(state_devices) != 1:
                 replicas = [self.module] * len(devices)
             elif self._shared:
-                replicas = share_replicas(self.module, len(devices))
+                replicas = share_replicas(self.module, len(devices), "DataParallelCriterion")
             else:
                 replicas = self.replicate(self.module, [d.index for d in devices])
             # Each worker also computes its chunk's weight (the valid-target count of a mean

@@ -29,6 +29,7 @@ def replicate_module(module: nn.Module, device_ids: Sequence[Any], what: str = "
     or a criterion whose state sits on another device in the list would fail inside
     torch. Its device goes first, its own copy is dropped when not used: as
     BalancedDataParallel, that device's BatchNorm running statistics then miss the step."""
+    refuse_compiled(module, what)
     ids = [U.as_device(d).index for d in device_ids]
     state = {t.device for t in chain(module.parameters(), module.buffers())}
     if not state:
@@ -53,13 +54,28 @@ def replication_order(src: int, ids: Sequence[int]) -> list[int]:
     return [src] + [i for i in dict.fromkeys(ids) if i != src]
 
 
-def share_replicas(module: nn.Module, count: int) -> list[nn.Module]:
+def refuse_compiled(module: nn.Module, what: str) -> None:
+    """A ``torch.compile``d module (an OptimizedModule wrapper) cannot be replicated: its
+    shallow copy writes through to the wrapped module, which would lose its parameters.
+    Refused before anything is changed."""
+    for name, m in module.named_modules():
+        if type(m).__name__ == "OptimizedModule" and "_orig_mod" in m._modules:
+            where = "the module" if not name else f"its sub-module {name!r}"
+            raise TypeError(
+                f"{what}: {where} is a torch.compile'd module, which cannot be replicated onto "
+                "the devices; pass the module before torch.compile (its `_orig_mod`), whose "
+                "replicas then run eagerly"
+            )
+
+
+def share_replicas(module: nn.Module, count: int, what: str = "DataParallelModel") -> list[nn.Module]:
     """``count`` replicas of ``module`` on its own device, built like torch's replicate():
     every sub-module copied shallowly (``_replicate_for_data_parallel``), parameters set as
     plain attributes (and in ``_former_parameters``) -- here the original Parameters
     themselves, so gradients accumulate into them with no reduction -- and buffers: replica
     0 the original tensors (its BatchNorm running statistics are the module's), the others
     clones whose updates are dropped, as on GPUs other than the first."""
+    refuse_compiled(module, what)
     modules = list(module.modules())
     index = {id(m): i for i, m in enumerate(modules)}
     copies = [[m._replicate_for_data_parallel() for m in modules] for _ in range(count)]
