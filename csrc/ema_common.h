@@ -157,6 +157,58 @@ inline void fallback_update(const at::Tensor& e, const at::Tensor& m, double dec
   e.copy_(out);
 }
 
+// ---- Stochastic rounding of a bfloat16 EMA (ema_update_stochastic_) -------------------
+// The update is computed in fp32 (fp64 with an fp64 model, then rounded to fp32) and rounded
+// to bfloat16 up or down in magnitude with the probabilities that make its expected value the
+// fp32 one: 16 random bits are added below the bfloat16 mantissa, then the low half is cut.
+// Updates far below a bfloat16 ulp (decay 0.9999) then accumulate in expectation instead of
+// rounding away. The bits come from a counter-based hash of (seed, counter, tensor index,
+// element index): the same on every backend and thread split, so a CUDA update equals the
+// CPU one bit for bit, and ranks with the same seed and counter stay equal.
+C10_HOST_DEVICE inline uint64_t mix64(uint64_t z) {
+  z ^= z >> 30;
+  z *= 0xBF58476D1CE4E5B9ull;
+  z ^= z >> 27;
+  z *= 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// The key of tensor `index` of an update with (seed, counter); element k's bits: stochastic_bits.
+C10_HOST_DEVICE inline uint64_t stochastic_key(int64_t seed, int64_t counter, int64_t index) {
+  const uint64_t base =
+      mix64(static_cast<uint64_t>(seed) + 0x9E3779B97F4A7C15ull * (static_cast<uint64_t>(counter) + 1));
+  return mix64(base ^ (0xD1B54A32D192ED03ull * (static_cast<uint64_t>(index) + 1)));
+}
+
+C10_HOST_DEVICE inline uint32_t stochastic_bits(uint64_t key, int64_t element) {
+  return static_cast<uint32_t>(mix64(key + static_cast<uint64_t>(element)) >> 48);
+}
+
+// `bits`: the fp32 pattern of the value; `r`: 16 random bits. NaN and infinities round to
+// nearest (a NaN stays a quiet NaN, an infinity stays itself); a finite value past the bfloat16
+// maximum may round to infinity, with its probability.
+C10_HOST_DEVICE inline uint16_t bf16_round_stochastic(uint32_t bits, uint32_t r) {
+  if ((bits & 0x7F800000u) == 0x7F800000u) {
+    return static_cast<uint16_t>((bits & 0x007FFFFFu) ? ((bits >> 16) | 0x0040u) : (bits >> 16));
+  }
+  return static_cast<uint16_t>((bits + r) >> 16);
+}
+
+// ema_update_stochastic_'s arguments: the update's, every EMA tensor bfloat16, seed and counter >= 0.
+inline void check_stochastic_args(at::TensorList ema, at::TensorList model, double decay, int64_t seed,
+                                  int64_t counter) {
+  const char* op = "ema_update_stochastic_";
+  check_update_tensors(op, ema, model);
+  TORCH_CHECK(std::isfinite(decay) && decay >= 0.0 && decay <= 1.0, op,
+              ": argument `decay` must lie in [0, 1], got ", decay);
+  TORCH_CHECK(seed >= 0, op, ": argument `seed` must be >= 0, got ", seed);
+  TORCH_CHECK(counter >= 0, op, ": argument `counter` must be >= 0, got ", counter);
+  for (size_t i = 0; i < ema.size(); ++i) {
+    TORCH_CHECK(ema[i].scalar_type() == at::kBFloat16, op, ": argument `ema` must hold bfloat16 tensors ",
+                "(stochastic rounding is for bfloat16 EMAs), got ", ema[i].scalar_type(), " at index ", i);
+  }
+}
+
 // ---- The bfloat16 packing of ema.swap for a float32 EMA of a bfloat16 model ----------
 // swap:   model <- bf16(e), rounding the 32-bit pattern half-up on its low 16 bits
 //         (ties away from zero in magnitude); ema <- (old model bits << 16) | (e & 0xFFFF).

@@ -228,14 +228,30 @@ def test_infinite_tau_no_longer_turns_the_ema_into_a_copy():
         (5.0, TypeError),
         (math.nan, TypeError),
         (True, TypeError),
-        (torch.tensor(5), TypeError),
+        (torch.tensor(5.0), TypeError),
+        (torch.tensor([1, 2]), TypeError),
+        (torch.tensor(-2), ValueError),
         (np.float64(3.0), TypeError),
         (-1, ValueError),
         (np.int64(-3), ValueError),
         (10**400, ValueError),
         (2**63, ValueError),
     ],
-    ids=["str", "float", "float_integral", "nan", "bool", "tensor", "np_float", "neg", "np_neg", "10**400", "2**63"],
+    ids=[
+        "str",
+        "float",
+        "float_integral",
+        "nan",
+        "bool",
+        "float_tensor",
+        "two_steps",
+        "neg_tensor",
+        "np_float",
+        "neg",
+        "np_neg",
+        "10**400",
+        "2**63",
+    ],
 )
 def test_update_step_must_be_an_int_at_least_zero(bad, exc):
     net, ema = trained_ema(warmup_power=1.0)
@@ -249,12 +265,15 @@ def test_update_step_accepts_numpy_integers_and_large_ints():
     net = make_net()
     a = shardkit.ModelEMA(net, 0.9, warmup_power=1.0)
     b = shardkit.ModelEMA(net, 0.9, warmup_power=1.0)
+    t = shardkit.ModelEMA(net, 0.9, warmup_power=1.0)
     ref = {k: v.double().clone() for k, v in a.module.state_dict().items()}
     perturb(net)
     a.update(net, step=5)
     b.update(net, step=np.int64(5))
+    t.update(net, step=torch.tensor(5))  # timm takes a tensor step too
     assert_follows(a, net, ref, documented_decay(5, 0.9, warmup_power=1.0))
     assert torch.equal(a.module[0].weight, b.module[0].weight)
+    assert torch.equal(a.module[0].weight, t.module[0].weight)
     for step in (0, np.uint32(9), 2**63 - 1):  # the warmup's float math at the largest step: decay
         perturb(net)
         a.update(net, step=step)

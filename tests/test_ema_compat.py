@@ -68,8 +68,10 @@ def test_timm_argument_checks():
     for name in ("use_warmup", "exclude_buffers", "foreach"):
         with pytest.raises(TypeError, match=f"argument `{name}` must be a Python bool"):
             shardkit.ModelEMA(model, **{name: 1})
-    with pytest.raises(ValueError, match="`use_warmup` is False"):
-        shardkit.ModelEMA(model, use_warmup=False, warmup_power=0.75)
+    # timm ignores warmup_gamma / warmup_power without the warmup (configs pass them always)
+    ema = shardkit.ModelEMA(model, decay=0.9, use_warmup=False, warmup_gamma=1.0, warmup_power=0.75)
+    assert (ema.tau, ema.warmup_gamma, ema.warmup_power) == (None, None, None)
+    assert ema.get_decay(3) == 0.9
     ema = shardkit.ModelEMA(model, use_warmup=True, warmup_power=0.75)
     assert (ema.tau, ema.warmup_gamma, ema.warmup_power) == (None, 1.0, 0.75)
 

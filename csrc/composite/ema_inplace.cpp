@@ -90,6 +90,20 @@ void ema_update_device_decay_autograd(c10::DispatchKeySet ks, at::TensorList ema
   bump(ema);
 }
 
+void ema_update_stochastic_autograd(c10::DispatchKeySet ks, at::TensorList ema, at::TensorList model,
+                                    double decay, int64_t seed, int64_t counter) {
+  check_devices("ema_update_stochastic_", ema, model);
+  check_writable("ema_update_stochastic_", "ema", ema);
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("shardkit::ema_update_stochastic_", "")
+                       .typed<void(at::TensorList, at::TensorList, double, int64_t, int64_t)>();
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.redispatch(ks & c10::after_ADInplaceOrView_keyset, ema, model, decay, seed, counter);
+  }
+  bump(ema);
+}
+
 template <bool kSwap>
 void ema_swap_autograd(c10::DispatchKeySet ks, at::TensorList ema, at::TensorList model) {
   const char* name = kSwap ? "ema_swap_" : "ema_unswap_";
@@ -112,6 +126,7 @@ void ema_swap_autograd(c10::DispatchKeySet ks, at::TensorList ema, at::TensorLis
 TORCH_LIBRARY_IMPL(shardkit, Autograd, m) {
   m.impl("ema_update_", &ema_update_autograd);
   m.impl("ema_update_device_decay_", &ema_update_device_decay_autograd);
+  m.impl("ema_update_stochastic_", &ema_update_stochastic_autograd);
   m.impl("ema_swap_", &ema_swap_autograd<true>);
   m.impl("ema_unswap_", &ema_swap_autograd<false>);
 }

@@ -84,19 +84,21 @@ def timm_arguments(
         tau = None
         warmup_gamma = 1.0 if warmup_gamma is None else warmup_gamma
         warmup_power = 2 / 3 if warmup_power is None else warmup_power
-    elif use_warmup is False:
-        if warmup_gamma is not None or warmup_power is not None:
-            raise ValueError("arguments `warmup_gamma` / `warmup_power` select the warmup, but `use_warmup` is False")
-        tau = None
+    elif use_warmup is False:  # timm ignores warmup_gamma / warmup_power then, and so does ModelEMA
+        tau, warmup_gamma, warmup_power = None, None, None
     return tau, warmup_gamma, warmup_power, bool(copy_float_buffers) or exclude_buffers is True
 
 
 def _check_step(step: object) -> int:
-    """``update``'s ``step`` when it is not a plain int in range (the slow path)."""
+    """``update``'s ``step`` when it is not a plain int in range (the slow path): numpy integers
+    and one-element integer tensors (read on the host: a sync for a CUDA tensor) are taken."""
+    if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_floating_point() and not step.is_complex():
+        if step.dtype != torch.bool:
+            step = int(step.item())
     if isinstance(step, bool) or not isinstance(step, numbers.Integral):
         raise TypeError(
             f"argument `step` must be an int (or None), got {type(step).__name__} {_short(step)}; "
-            "a float or a tensor step is not truncated: pass int(step)"
+            "a float step is not truncated: pass int(step)"
         )
     value = int(step)  # numpy integers
     if not 0 <= value <= _MAX_COUNT:
@@ -200,3 +202,9 @@ def check_device(device: Union[torch.device, str, int, None]) -> Optional[torch.
         raise ValueError(f"argument `device` must be a cpu or cuda device, got {dev}")
     check_visible([dev], "device")
     return dev
+
+
+def describe(decay: float, tau: object, gamma: object, power: object, updates: int, tensors: int) -> str:
+    """ModelEMA's repr."""
+    sched = "warmup" if gamma is not None or power is not None else "constant" if tau is None else f"ramp(tau={tau})"
+    return f"ModelEMA(decay={decay}, schedule={sched}, updates={updates}, tensors={tensors})"

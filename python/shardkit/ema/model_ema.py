@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Sequence, TypeVar, Union
+from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar, Union
 
 import torch
 from torch import nn
@@ -73,6 +73,10 @@ class ModelEMA(nn.Module):
             ``use_warmup=True`` selects the warmup (gamma and power default to 1.0 and 2/3),
             ``False`` the constant decay (tau unused either way); ``exclude_buffers=True``
             is ``copy_float_buffers=True``; ``foreach`` has no effect (one fused kernel).
+        stochastic_rounding, stochastic_rounding_seed: timm ModelEmaV3's: a bfloat16 EMA tensor's
+            update rounds up or down at random with the fp32 update's expected value, so steps
+            below a bf16 ulp (decay 0.9999) add up instead of rounding away; the bits hash (seed,
+            ``updates``, tensor, element): runs, resumes, ranks, devices agree. False: to nearest.
 
     ``t`` is ``step`` (an int >= 0) when ``update(model, step=...)`` gives one (timm), else the count of
     applied updates including this one (``self.updates``, 1 on the first update; timm without
@@ -85,15 +89,13 @@ class ModelEMA(nn.Module):
     that holds the EMA saves its weights under ``<name>.module.`` in its own state_dict.
     Inside ``with ema.swap(model):`` ``module``'s tensors hold the model's own: do not read them (:meth:`swap`).
 
-    Sharded models: where parameters or buffers are DTensors (FSDP2 ``fully_shard``, HSDP on a
-    2-D mesh, tensor-parallel placements; plain tensors may be mixed in), each rank's EMA holds
-    only its local shards (``dtype`` applies; ``device`` must be of the mesh's device type) and
-    averages them with the fused op: no collective, no full copy, the model never deep-copied.
-    There is no ``module`` (RuntimeError): evaluate with :meth:`swap` (in place, through the
-    sharded model), checkpoint with :meth:`state_dict` (DTensors for
-    ``torch.distributed.checkpoint``, which reshards between world sizes) or export with
-    :meth:`full_state_dict`. Update after the optimizer step (FSDP2 holds sharded parameters
-    then). FSDP1 (``FullyShardedDataParallel``'s flat parameters) is refused with a TypeError.
+    Sharded models (DTensor parameters or buffers: FSDP2 ``fully_shard``, HSDP, tensor-parallel
+    placements; plain tensors may be mixed in): each rank's EMA holds its local shards only
+    (``dtype`` applies; ``device`` of the mesh's device type), averaged by the fused op with no
+    collective and no full copy. There is no ``module`` (RuntimeError): evaluate with
+    :meth:`swap`, checkpoint with :meth:`state_dict` (DTensors for torch.distributed.checkpoint,
+    which reshards) or export with :meth:`full_state_dict`. Update after the optimizer step.
+    FSDP1 (``FullyShardedDataParallel``'s flat parameters) is refused with a TypeError.
     """
 
     # the schedule (set from the arguments of the same names, checked)
@@ -124,6 +126,8 @@ class ModelEMA(nn.Module):
         use_warmup: Optional[bool] = None,
         exclude_buffers: Optional[bool] = None,
         foreach: Optional[bool] = None,
+        stochastic_rounding: bool = True,
+        stochastic_rounding_seed: int = 0,
     ) -> None:
         super().__init__()
         src = _unwrap(model)
@@ -156,13 +160,16 @@ class ModelEMA(nn.Module):
         self._tracker: Optional[ModelTracker] = None  # the last model seen and its tensors
         self._stage: Optional[HostStage] = None
         self._cuda_graph = checks.check_bool("cuda_graph", cuda_graph)
+        self.stochastic_rounding = checks.check_bool("stochastic_rounding", stochastic_rounding)
+        self.stochastic_rounding_seed = _check_int("stochastic_rounding_seed", stochastic_rounding_seed, 0, _MAX_COUNT)
         self._regroup(slots)
 
     def _regroup(self, slots: List[structure.Slot]) -> None:
         """The update's groups, graph and module probe for the EMA tensors ``self._ema``
         (``slots``: the model's, or after a conversion of ``ema.module``, its own)."""
         averaged = [e.is_floating_point() and (s[3] or not self.copy_float_buffers) for e, s in zip(self._ema, slots)]
-        self._avg_groups, self._cp_e, self._cp_idx = structure.update_groups(self._ema, averaged)
+        groups = structure.update_groups(self._ema, averaged, self.stochastic_rounding)
+        self._avg_groups, self._cp_e, self._cp_idx, self._sr_groups = groups
         devices = list({e.device for e in self._ema})
         one_gpu = self._cuda_graph and len(devices) == 1 and devices[0].type == "cuda"
         self._graph = GraphedEMA(devices[0]) if one_gpu else None  # (ema/graph.py)
@@ -182,9 +189,8 @@ class ModelEMA(nn.Module):
         self._regroup(slots)
 
     def __getstate__(self) -> Dict[str, Any]:
-        """Pickling (``torch.save(ema)``, ``copy.deepcopy``) keeps the weights, schedule and
-        counters (pending staged updates applied first), not the weak link to the model:
-        :meth:`attach` then needs its ``model`` argument."""
+        """Pickling (``torch.save(ema)``, ``copy.deepcopy``) keeps weights, schedule, counters
+        (staged updates applied first), not the link to the model (:meth:`attach` needs it)."""
         self._flush()
         return dict(self.__dict__, _model_ref=structure._no_model, _tracker=None, _stage=None, _watch=None)
 
@@ -224,7 +230,7 @@ class ModelEMA(nn.Module):
 
     def _flush(self) -> None:
         if self._stage is not None:
-            self._stage.drain(self._average)
+            self._stage.drain(self._average)  # (each staged update with its decay and counter)
 
     def _model_tensors(self, model: nn.Module, where: str) -> List[torch.Tensor]:
         tracker = self._tracker
@@ -233,10 +239,6 @@ class ModelEMA(nn.Module):
             self._tracker = tracker = ModelTracker(model, self._names, self._refs, where, prepare)
         tensors = tracker.tensors(where)
         return tensors if self._dtensor is None else sharded.local_tensors(tensors, self._dtensor)
-
-    def _feeds_host(self, src: Sequence[torch.Tensor]) -> bool:
-        """Whether this update goes through the pinned host staging (CPU EMA, CUDA model)."""
-        return len(self._ema) > 0 and self._ema[0].device.type == "cpu" and src[0].is_cuda
 
     # ---- update ------------------------------------------------------------------------
     @torch.no_grad()
@@ -262,13 +264,13 @@ class ModelEMA(nn.Module):
         src = self._model_tensors(model, "ModelEMA.update")
         self.__dict__["updates"] += 1  # (a plain attribute: no nn.Module.__setattr__ on the hot path)
         d = self.get_decay(self.updates if step is None else step)
-        if self._feeds_host(src):
+        if self._ema and self._ema[0].device.type == "cpu" and src[0].is_cuda:  # pinned host staging
             if self._stage is None:
                 self._stage = HostStage(src)
-            self._stage.push(src, d, self._average)
+            self._stage.push(src, (d, self.updates), self._average)
         else:
             self._flush()  # updates still staged (the model was on the GPU before) go first
-            self._average(src, d)
+            self._average(src, (d, self.updates))
 
     @torch.no_grad()
     def set(self, model: nn.Module) -> None:
@@ -280,15 +282,16 @@ class ModelEMA(nn.Module):
         for e, m in zip(self._ema, self._model_tensors(model, "ModelEMA.set")):
             e.copy_(m)
 
-    def _average(self, src: Sequence[torch.Tensor], d: float) -> None:
-        # The hot path (structure.apply_update: the tracker's cached lists, or one fused op call
-        # per device); devices are compared on the first and last tensors.
+    def _average(self, src: Sequence[torch.Tensor], dc: Tuple[float, int]) -> None:
+        # The hot path (structure.apply_update, `dc`: the decay and the update count that keys the
+        # stochastic rounding's bits); devices are compared on the first and last tensors.
         moved = src and (src[0].device != self._ema[0].device or src[-1].device != self._ema[-1].device)
         if moved:
             src = [m if m.device == e.device else m.to(e.device, non_blocking=True) for e, m in zip(self._ema, src)]
         try:
             tracker = None if moved else self._tracker
-            structure.apply_update(tracker, self._avg_groups, self._cp_e, self._cp_idx, src, d, self._graph)
+            sr = (self._sr_groups, self.stochastic_rounding_seed, dc[1])
+            structure.apply_update(tracker, self._avg_groups, self._cp_e, self._cp_idx, src, dc[0], self._graph, sr)
         except RuntimeError:
             # e.g. a tensor reshaped in place: name it rather than an index of the op's lists
             model = self._tracker.model() if self._tracker is not None else None
@@ -302,14 +305,13 @@ class ModelEMA(nn.Module):
         """``with ema.swap(model): evaluate(model)``: the model holds the EMA weights inside
         the block and its own weights, bit-exactly, after it (also on an exception).
 
-        Same device and dtype: the tensors are exchanged in place. float32 EMA of a
-        bfloat16 model: packed in place (the model sees the EMA rounded to bfloat16; see
-        :func:`shardkit.ops.ema_swap_`). Any other pair (e.g. float16 model with a float32
-        EMA, or EMA and model on different devices): the model's tensor is stashed in
-        host memory for the duration. No second full copy of the model on its device.
-        Do not modify the model or the EMA inside the block. There ``ema.module``'s tensors
-        hold the model's own weights (or packed bits): do not read them; ``ema(x)``,
-        ``update``, ``set``, ``state_dict`` and ``load_state_dict`` raise RuntimeError.
+        Same device and dtype: exchanged in place. float32 EMA of a bfloat16 model: packed in
+        place (the model sees the EMA rounded to bfloat16; :func:`shardkit.ops.ema_swap_`). Any
+        other pair (fp16 model, fp32 EMA; other devices): the model's tensor is stashed in host
+        memory meanwhile. No second full copy of the model on its device. Do not modify the
+        model or the EMA inside the block, nor read ``ema.module`` (it holds the model's
+        weights or packed bits); ``ema(x)``, ``update``, ``set``, ``state_dict`` and
+        ``load_state_dict`` raise RuntimeError there.
         """
         if self._swapped:
             raise RuntimeError("ModelEMA.swap: already swapped; swap blocks do not nest")
@@ -365,11 +367,11 @@ class ModelEMA(nn.Module):
         keeping its dtype and device), or the weights alone from a timm ModelEmaV3
         ``state_dict()`` (``module.``-prefixed keys; the counters stay as they are).
 
-        The whole state is checked first (keys, counters, schedule, and every tensor of
-        ``module``: present, no extra entry, same shape, a dtype of the same kind); a bad
-        one raises ``ValueError`` naming it and leaves the EMA exactly as it was. Weights
-        alone with ``strict=False`` or ``assign=True``: ``nn.Module.load_state_dict``'s load.
-        Returns ``nn.Module``'s (missing_keys, unexpected_keys). Refused inside :meth:`swap`."""
+        All is checked first (keys, counters, schedule; every tensor of ``module`` present, no
+        extra one, same shape, dtype of the same kind): a bad one raises ``ValueError`` naming
+        it, the EMA unchanged. Weights alone with ``strict=False`` or ``assign=True``:
+        ``nn.Module.load_state_dict``'s load. Returns (missing_keys, unexpected_keys).
+        Refused inside :meth:`swap`."""
         if self._swapped:
             raise checks.in_swap("ModelEMA.load_state_dict", "load after the block")
         weights_only = timm_state(state_dict)
@@ -393,9 +395,8 @@ class ModelEMA(nn.Module):
         super()._load_from_state_dict(*args, **kwargs)
 
     def full_state_dict(self) -> Dict[str, Any]:
-        """:meth:`state_dict` with every tensor whole and in host memory, for export: a sharded
-        model's EMA gathers its tensors one at a time (collectives: call it on every rank of
-        the model's mesh); a plain model (or any ModelEMA) loads its ``module`` entry."""
+        """:meth:`state_dict` with every tensor whole, in host memory, for export: a sharded
+        model's EMA gathers them one at a time (collectives: call it on every rank of the mesh)."""
         return sharded.full_state(self.state_dict(), self._dtensor)
 
     # ---- conveniences ------------------------------------------------------------------
@@ -415,6 +416,4 @@ class ModelEMA(nn.Module):
         structure.copy_attributes(_unwrap(model), self._module, include, exclude)
 
     def __repr__(self) -> str:
-        warm = self.warmup_gamma is not None or self.warmup_power is not None
-        sched = "warmup" if warm else "constant" if self.tau is None else f"ramp(tau={self.tau})"
-        return f"ModelEMA(decay={self.decay}, schedule={sched}, updates={self.updates}, tensors={len(self._ema)})"
+        return checks.describe(self.decay, self.tau, self.warmup_gamma, self.warmup_power, self.updates, len(self._ema))

@@ -16,8 +16,8 @@ from typing import Callable, List, Sequence, Tuple
 
 import torch
 
-# apply(buffers, decay): the CPU-side average of one landed set of buffers
-Apply = Callable[[List[torch.Tensor], float], None]
+# apply(buffers, (decay, update count)): the CPU-side average of one landed set of buffers
+Apply = Callable[[List[torch.Tensor], Tuple[float, int]], None]
 
 
 def _pinned_like(t: torch.Tensor) -> torch.Tensor:
@@ -47,12 +47,13 @@ class HostStage:
         # Every CUDA device the model lives on (a model split over GPUs copies from each
         # device's current stream): one event per device per push.
         self._devices = list(dict.fromkeys(t.device for t in tensors if t.is_cuda))
-        self._pending: collections.deque[Tuple[List[torch.cuda.Event], int, float]] = collections.deque()
-        # (events, buffer set, decay)
+        self._pending: collections.deque[Tuple[List[torch.cuda.Event], int, Tuple[float, int]]] = collections.deque()
+        # (events, buffer set, (decay, update count))
         self._next = 0
 
-    def push(self, tensors: Sequence[torch.Tensor], decay: float, apply: Apply) -> None:
-        """Starts copying ``tensors``; ``apply(buffers, decay)`` runs once they landed."""
+    def push(self, tensors: Sequence[torch.Tensor], decay: Tuple[float, int], apply: Apply) -> None:
+        """Starts copying ``tensors``; ``apply(buffers, decay)`` runs once they landed (``decay``:
+        the update's (decay, count), kept with it)."""
         while self._pending and (len(self._pending) == 2 or all(e.query() for e in self._pending[0][0])):
             self._pop(apply)
         idx, self._next = self._next, self._next ^ 1

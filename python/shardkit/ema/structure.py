@@ -314,17 +314,26 @@ def swapped(ema: Sequence[Tensor], src: Sequence[Tensor]) -> Iterator[None]:
                 m.copy_(host)
 
 
-def update_groups(ema: List[Tensor], averaged: Sequence[bool]) -> Tuple[Groups, List[Tensor], List[int]]:
+def update_groups(
+    ema: List[Tensor], averaged: Sequence[bool], stochastic_rounding: bool
+) -> Tuple[Groups, List[Tensor], List[int], Groups]:
     """How :func:`apply_update` treats ``ema`` (``averaged[i]``: ``ema[i]`` is averaged, else
     copied): the averaged tensors grouped by device, as (EMA tensors, their indices), one
     fused call per device (a model spread over devices, e.g. a pipelined backbone, has its
-    EMA spread alike); and the copied tensors with their indices."""
-    by_device: Dict[torch.device, List[int]] = {}
-    for i, a in enumerate(averaged):
-        if a:
-            by_device.setdefault(ema[i].device, []).append(i)
+    EMA spread alike); the copied tensors with their indices; and, apart, the averaged bf16 EMAs
+    when ``stochastic_rounding`` (``ema_update_stochastic_``), by device."""
+    stochastic = [a and stochastic_rounding and e.dtype == torch.bfloat16 for a, e in zip(averaged, ema)]
+
+    def by_device(keep: Sequence[bool]) -> Groups:
+        found: Dict[torch.device, List[int]] = {}
+        for i, k in enumerate(keep):
+            if k:
+                found.setdefault(ema[i].device, []).append(i)
+        return [([ema[i] for i in idx], idx) for idx in found.values()]
+
     copy_idx = [i for i, a in enumerate(averaged) if not a]
-    return [([ema[i] for i in idx], idx) for idx in by_device.values()], [ema[i] for i in copy_idx], copy_idx
+    plain = [a and not s for a, s in zip(averaged, stochastic)]
+    return by_device(plain), [ema[i] for i in copy_idx], copy_idx, by_device(stochastic)
 
 
 def apply_update(
@@ -335,19 +344,24 @@ def apply_update(
     src: Sequence[Tensor],
     d: float,
     graph: Optional[GraphedEMA] = None,
+    stochastic: Optional[Tuple[Groups, int, int]] = None,
 ) -> None:
     """``ModelEMA``'s update of its EMA tensors from ``src`` (the model's, in the EMA's order,
     on the EMA's devices) with decay ``d``: ``groups`` are (EMA tensors, indices into ``src``)
     per device, ``copy_to`` the integer buffers copied from ``src[copy_idx]``. Through the
     tracker's cached lists when there is a tracker (not while torch.compile traces: it calls
     the ops), replayed from a CUDA graph when ``graph`` (ema/graph.py) can, else one fused op
-    call per group and one foreach copy."""
+    call per group and one foreach copy. ``stochastic``: (bf16 EMA groups, seed, counter) of
+    ``ema_update_stochastic_``, called after (eager, also with a graph)."""
     if tracker is not None and not torch.compiler.is_compiling():
         lists = tracker.lists_for(groups, copy_to, copy_idx, src)
         if graph is None or not graph.run(lists, d):
             update_lists(*lists, d)
-        return
-    for ema_k, idx_k in groups:
-        torch.ops.shardkit.ema_update_.default(ema_k, [src[i] for i in idx_k], d)
-    if copy_to:
-        torch._foreach_copy_(copy_to, [src[i] for i in copy_idx])
+    else:
+        for ema_k, idx_k in groups:
+            torch.ops.shardkit.ema_update_.default(ema_k, [src[i] for i in idx_k], d)
+        if copy_to:
+            torch._foreach_copy_(copy_to, [src[i] for i in copy_idx])
+    if stochastic is not None:
+        for ema_k, idx_k in stochastic[0]:
+            torch.ops.shardkit.ema_update_stochastic_.default(ema_k, [src[i] for i in idx_k], d, *stochastic[1:])

@@ -252,6 +252,11 @@ def _ema_update_device_decay_fake(ema, model, decay):
     return None
 
 
+@torch.library.register_fake("shardkit::ema_update_stochastic_")
+def _ema_update_stochastic_fake(ema, model, decay, seed, counter):
+    return None
+
+
 @torch.library.register_fake("shardkit::ema_swap_")
 def _ema_swap_fake(ema, model):
     return None
