@@ -133,6 +133,10 @@ def run(parts: Parts, args: argparse.Namespace, steps_per_epoch: int, lr: float,
     activities = [torch.profiler.ProfilerActivity.CPU]
     if timer.cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
+    elif not torch.cuda.is_available():
+        # Without a GPU, torch's profiler (2.15) logs "ERROR ... gpuGetDeviceCount failed" from
+        # its own device query; a level of its own log (the user's, where set) keeps it quiet.
+        os.environ.setdefault("KINETO_LOG_LEVEL", "5")
     # The trace holds the first TRACE_STEPS profiled steps: the profiler keeps every event it
     # records in host memory (tens of MB per step), so a long --profile would run out of it.
     # The phase table covers all n steps.
