@@ -340,3 +340,32 @@ def test_loose_types_are_refused_and_numpy_integers_taken():
     assert head.embedding_dim == 8 and head.num_classes == 10
     with pytest.raises(ValueError, match="argument `embedding_dim` must be a positive int"):
         shardkit.ShardedSoftmaxLoss(np.float64(8.0), 10)
+
+
+@pytest.mark.parametrize(
+    "name, value, exc",
+    [
+        ("update_every", 2.5, ValueError),
+        ("update_every", 0, ValueError),
+        ("update_every", -1, ValueError),
+        ("min_decay", 2.0, ValueError),
+        ("tau", 0.0, ValueError),
+        ("warmup_gamma", 0.0, ValueError),
+        ("decay", "0.9", TypeError),
+        ("decay", 1.5, ValueError),
+        ("updates", "3", ValueError),
+        ("updates", -1, ValueError),
+    ],
+)
+def test_schedule_attributes_are_checked_when_set(name, value, exc):
+    # timm and ultralytics users set `ema.decay = ...`: a bad value was taken as it was and
+    # failed later (ZeroDivisionError in update) or never updated at all (update_every=2.5).
+    net, ema = trained_ema(tau=None)
+    before = snapshot(ema)
+    with pytest.raises(exc, match=f"`{name}`"):
+        setattr(ema, name, value)
+    assert_unchanged(ema, before)
+    ema.decay = 0.5  # a good value is taken, and used
+    ema.update_every = 1
+    ema.update(net)
+    assert ema.get_decay() == 0.5

@@ -147,13 +147,8 @@ class ModelEMA(nn.Module):
         ema_device = check_device(device)
 
         built = sharded.build_ema(src, ema_device, dtype)
-        slots, self._dtensor, self._ema, self._refs, self._keys = (
-            built.slots,
-            built.dtensor,
-            built.ema,
-            built.refs,
-            built.keys,
-        )
+        slots, self._dtensor, self._refs, self._keys = built.slots, built.dtensor, built.refs, built.keys
+        self._ema = built.ema
         if built.module is not None:  # registered as the submodule `module`, as timm's ModelEmaV3 holds it
             self._modules["module"] = built.module
         self._names = [name for name, _, _, _ in slots]
@@ -196,8 +191,13 @@ class ModelEMA(nn.Module):
 
     # ---- schedule --------------------------------------------------------------------
     def _set_schedule(self, *args: object) -> None:
-        for name, value in zip(_SCHEDULE, check_schedule(*args)):
-            setattr(self, name, value)
+        self.__dict__.update(zip(_SCHEDULE, check_schedule(*args)))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # `ema.decay = 0.999` (as timm/ultralytics users write): the schedule is checked as a whole
+        if name in _SCHEDULE and "update_every" in self.__dict__:
+            return self._set_schedule(*(value if n == name else getattr(self, n) for n in _SCHEDULE))
+        super().__setattr__(name, _check_int("updates", value, 0, _MAX_COUNT) if name == "updates" else value)
 
     def get_decay(self, step: Optional[int] = None) -> float:
         """The decay used at schedule step ``step`` (see the class docstring); ``None``: the
@@ -243,13 +243,11 @@ class ModelEMA(nn.Module):
     # ---- update ------------------------------------------------------------------------
     @torch.no_grad()
     def update(self, model: nn.Module, step: Optional[int] = None) -> None:
-        """Averages ``model`` (same structure as the EMA) into the EMA.
-
-        ``step``: the schedule step (timm's ``step``), an int (or numpy integer) in
-        [0, 2**63 - 1]; ``None`` uses ``self.updates``. Anything else raises (TypeError or
-        ValueError naming ``step``) before the EMA or its counters change. A model whose
-        tensors changed (added, removed, renamed, reshaped) raises ValueError: build a new EMA.
-        """
+        """Averages ``model`` (same structure as the EMA) into the EMA. ``step``: the schedule
+        step (timm's), an int, numpy integer or one-element integer tensor in [0, 2**63 - 1];
+        ``None`` uses ``self.updates``. Anything else raises (TypeError or ValueError naming
+        ``step``) before the EMA or its counters change. A model whose tensors changed (added,
+        removed, renamed, reshaped) raises ValueError: build a new EMA."""
         if self._swapped:
             raise RuntimeError("ModelEMA.update: called inside `with ema.swap(model)`; update after the block")
         if step is not None and (type(step) is not int or not 0 <= step <= _MAX_COUNT):
