@@ -309,3 +309,17 @@ def test_a_parametrized_head_round_trips_its_own_state_dict():
     assert torch.equal(src(x, y), dst(x, y))
     with pytest.raises(RuntimeError, match="weight shards are\\s+parametrized"):
         make(2).load_state_dict(shardkit.ShardedSoftmaxLoss(8, 10, devices=["cpu"] * 2).state_dict())
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full to stand for a full disk")
+def test_a_full_disk_leaves_no_partial_file_and_keeps_the_old_one(tmp_path):
+    # torch's writer raised a bare RuntimeError ("[enforce fail at inline_container.cc]") and
+    # left the temporary file behind on the full disk.
+    w = torch.randn(5, 4)
+    path = save_shard_file(str(tmp_path), w, 0, 5)
+    tmp = f"{path}.tmp{os.getpid()}"
+    os.symlink("/dev/full", tmp)  # the next write of the temporary file fails as on a full disk
+    with pytest.raises(OSError, match="cannot write shard file .*classes"):
+        save_shard_file(str(tmp_path), w * 2, 0, 5)
+    assert not os.path.lexists(tmp)
+    assert torch.equal(torch.load(path, weights_only=True)["weight"], w)

@@ -25,6 +25,7 @@ the file.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
@@ -148,8 +149,13 @@ def save_shard_file(
         blob["momentum_seen"] = seen.detach().to("cpu", copy=True).bool()
     path = os.path.join(directory, _file_name(start, end))
     tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(blob, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save(blob, tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as err:  # a full disk: torch's writer raises RuntimeError
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise OSError(f"cannot write shard file {path!r} (disk full or not writable?): {err}") from err
     return path
 
 
