@@ -216,3 +216,19 @@ def test_full_weight_device_is_checked(monkeypatch):
     with pytest.raises(ValueError, match="argument `device` must name a device, got 'bogus'"):
         head.full_weight("bogus")
     assert torch.equal(head.full_weight("cpu"), head.weight_shards[0].detach())
+
+
+def test_a_head_its_device_cannot_hold_is_a_memory_error_naming_its_size():
+    # The allocator's own message ("[enforce fail at alloc_cpu.cpp] ... can't allocate memory")
+    # named neither argument.
+    with pytest.raises(
+        MemoryError, match=r"1099511627776 classes x 1 \(`num_classes`, `embedding_dim`\) needs 4096.0 GiB"
+    ):
+        shardkit.ShardedSoftmaxLoss(1, 2**40)
+
+
+@pytest.mark.parametrize("rate", [10**400, -(10**30), 0, 2])
+def test_an_int_sample_rate_out_of_range_is_named(rate):
+    # 10**400 raised Python's bare OverflowError ("int too large to convert to float").
+    with pytest.raises(ValueError, match=r"argument `sample_rate` must be in \(0, 1\]"):
+        shardkit.ShardedSoftmaxLoss(4, 10, sample_rate=rate)

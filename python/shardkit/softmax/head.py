@@ -199,3 +199,24 @@ def checkpoint_weight(module: ShardedHead) -> torch.Tensor:
     devices = {p.device for p in module.weight_shards}
     # Gathering a million-class weight onto one GPU could exhaust it: the CPU holds it.
     return module.full_weight(devices.pop() if len(devices) == 1 else "cpu")
+
+
+def new_shards(
+    sizes: Sequence[int], dim: int, dtype: Optional[torch.dtype], devices: Sequence[torch.device]
+) -> nn.ParameterList:
+    """The head's uninitialized [size, dim] weight shards, one per device; a shard its device
+    cannot hold is a MemoryError naming the head's size (not the allocator's message)."""
+    shards = []
+    for size, dev in zip(sizes, devices):
+        try:
+            shards.append(nn.Parameter(torch.empty(size, dim, dtype=dtype, device=dev)))
+        except RuntimeError as err:  # torch.OutOfMemoryError, or the CPU allocator's enforce
+            if "alloc" not in str(err).lower() and not isinstance(err, torch.OutOfMemoryError):
+                raise
+            nbytes = size * dim * torch.empty(0, dtype=dtype).element_size()
+            raise MemoryError(
+                f"ShardedSoftmaxLoss: a shard of {size} classes x {dim} (`num_classes`, `embedding_dim`) "
+                f"needs {nbytes / 2**30:.1f} GiB on {dev}, which it cannot allocate; shard the classes over "
+                "more devices or ranks (`python -m shardkit.plan` sizes it)"
+            ) from err
+    return nn.ParameterList(shards)

@@ -17,7 +17,6 @@ from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from shardkit.ops._args import bool_arg
 from shardkit.ops._devices import check_visible
@@ -27,7 +26,7 @@ from shardkit.softmax.collectives import DATA_PARALLEL
 from shardkit.softmax.core import ShardedLossOutput, ShardStatistics
 from shardkit.softmax.distributed import ProcessGroupShards
 from shardkit.softmax.exchange import ConfigValue
-from shardkit.softmax.head import ShardedHead
+from shardkit.softmax.head import ShardedHead, new_shards
 from shardkit.softmax.local import LocalShards, sharded_cross_entropy
 from shardkit.softmax.margins import Margin
 from shardkit.softmax.sampling import check_sample_rate, mark_sampled
@@ -193,12 +192,7 @@ class ShardedSoftmaxLoss(ShardedHead):
         self.memory_budget = check_memory_budget(memory_budget)
         self.check_inputs = check_inputs
         self.topk = topk
-        self.weight_shards = nn.ParameterList(
-            [
-                nn.Parameter(torch.empty(size, embedding_dim, dtype=dtype, device=dev))
-                for size, dev in zip(sizes, devices)
-            ]
-        )
+        self.weight_shards = new_shards(sizes, embedding_dim, dtype, devices)
         self.reset_parameters()
         self._mode.attach(self)
         if self.sample_rate < 1.0:

@@ -54,6 +54,9 @@ def check_sample_rate(sample_rate: float) -> float:
     """``sample_rate`` as a float in (0, 1]; ValueError / TypeError naming the argument."""
     if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)):
         raise TypeError(f"argument `sample_rate` must be a float in (0, 1], got {type(sample_rate).__name__}")
+    if isinstance(sample_rate, int) and not 0 < sample_rate <= 1:  # (an int beyond the float range too)
+        text = str(sample_rate) if abs(sample_rate) < 10**20 else f"an int of {len(str(abs(sample_rate)))} digits"
+        raise ValueError(f"argument `sample_rate` must be in (0, 1], got {text}")
     rate = float(sample_rate)
     if not 0.0 < rate <= 1.0:
         raise ValueError(f"argument `sample_rate` must be in (0, 1], got {sample_rate}")
