@@ -195,3 +195,22 @@ def test_a_compiled_module_is_refused_before_it_is_changed(which):
     with pytest.raises(TypeError, match="DataParallelCriterion: the module is a torch.compile'd module"):
         crit([torch.randn(2, 3), torch.randn(2, 3)], torch.tensor([0, 1, 2, 0]))
     assert weighted._orig_mod.weight is not None
+
+
+def test_a_sharded_head_with_return_details_is_refused_by_name():
+    # The details (a per-row lse among them) were taken for unreduced per-sample losses.
+    import shardkit
+    from shardkit.parallel import DataParallelCriterion
+
+    head = shardkit.ShardedSoftmaxLoss(8, 10, devices=["cpu"] * 2)
+    crit = DataParallelCriterion(head, device_ids=["cpu", "cpu"])
+    x, y = torch.randn(6, 8), torch.randint(0, 10, (6,))
+    with pytest.raises(ValueError, match="`return_details=True` is not supported"):
+        crit([x[:3], x[3:]], y, return_details=True)
+    assert torch.allclose(crit([x[:3], x[3:]], y), head(x, y))
+
+
+def test_a_dim_no_input_has_is_named():
+    model = DataParallelModel(nn.Linear(4, 2), device_ids=["cpu", "cpu"], dim=5)
+    with pytest.raises(ValueError, match="argument `dim`=5"):
+        model(torch.randn(6, 4))

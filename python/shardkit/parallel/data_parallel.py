@@ -173,7 +173,10 @@ class DataParallelModel(nn.DataParallel):
     ) -> tuple[list[torch.device], list[tuple[tuple[Any, ...], dict[str, Any]]]]:
         first = U.first_batched_tensor((inputs, kwargs), self.dim)
         if first is None:
-            raise ValueError("DataParallelModel: the inputs hold no tensor with a batch dimension to split")
+            raise ValueError(
+                f"DataParallelModel: the inputs hold no tensor with a batch dimension to split (argument "
+                f"`dim`={self.dim}: no input tensor has that dimension)"
+            )
         if first.size(self.dim) == 0:
             raise ValueError(
                 f"DataParallelModel: the batch is empty (0 samples along dim {self.dim}); there is nothing to "
@@ -280,6 +283,11 @@ class DataParallelCriterion(nn.DataParallel):
             if len(self._devices) == 1:
                 targets, kwargs = U.to_device((targets, kwargs), self._devices[0])
                 return _strip_weight(_call(self.module, inputs, targets, kwargs))
+            if kwargs.get("return_details"):
+                raise ValueError(
+                    "DataParallelCriterion: `return_details=True` is not supported (per-device details are not "
+                    "reduced across devices); compute them from the head itself, e.g. on gathered embeddings"
+                )
             devices, sizes = self._input_layout(inputs)
             if sum(sizes) == 0:
                 raise ValueError(
