@@ -3,9 +3,94 @@
 ``ShardedSoftmaxLoss(D, C, process_group=group)`` splits the classes over the ranks of
 ``group``; how a step communicates is described in :mod:`shardkit.softmax.collectives`,
 the mode itself is :mod:`shardkit.softmax.distributed`.
+
+The helpers here check their arguments (a ``TypeError`` / ``ValueError`` naming the argument;
+Python and numpy integers taken, bool, floats and strings refused) before the internal
+ones they call, which trust their callers.
 """
 
-from shardkit.softmax.collectives import CollectiveError, DistributedInputError, class_offsets, split_classes  # noqa: F401
-from shardkit.softmax.sampling import sampled_class_counts  # noqa: F401
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Iterable, List
+
+from shardkit.softmax import collectives as _collectives
+from shardkit.softmax import sampling as _sampling
+from shardkit.softmax.collectives import CollectiveError, DistributedInputError  # noqa: F401
 
 __all__ = ["split_classes", "class_offsets", "sampled_class_counts", "CollectiveError", "DistributedInputError"]
+
+
+def _brief(value: Any) -> str:
+    # repr, or a huge int's digit count (one-line messages)
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
+        return f"a {len(str(abs(value)))}-digit integer"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"argument `{name}` must be an int >= {minimum}, got {type(value).__name__} {_brief(value)}")
+    if int(value) < minimum:
+        raise ValueError(f"argument `{name}` must be an int >= {minimum}, got {_brief(value)}")
+    return int(value)
+
+
+def _ints(name: str, values: Any) -> List[int]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(f"argument `{name}` must be a list of ints >= 0, got {type(values).__name__}")
+    return [_int(f"{name}[{k}]", v, 0) for k, v in enumerate(values)]
+
+
+def split_classes(num_classes: int, world_size: int) -> List[int]:
+    """Class counts per rank: as even as possible, the first ``num_classes % world_size``
+    ranks one class more. Returns a list of ``world_size`` ints summing to ``num_classes``.
+
+    Args:
+        num_classes: C (int >= 1).
+        world_size: ranks (int >= 1).
+    """
+    return _collectives.split_classes(_int("num_classes", num_classes, 1), _int("world_size", world_size, 1))
+
+
+def class_offsets(sizes: Iterable[int]) -> List[int]:
+    """Start class id of each rank's range, from the per-rank ``sizes`` (ints >= 0)."""
+    return _collectives.class_offsets(_ints("sizes", sizes))
+
+
+def _check_rate(sample_rate: Any) -> float:
+    # As the loss checks it, plus a number too large for a float (an OverflowError naming nothing).
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, numbers.Real):
+        raise TypeError(f"argument `sample_rate` must be a float in (0, 1], got {type(sample_rate).__name__}")
+    try:
+        rate = float(sample_rate)
+    except OverflowError:
+        raise ValueError(f"argument `sample_rate` must be in (0, 1], got {_brief(sample_rate)}") from None
+    if not (math.isfinite(rate) and 0.0 < rate <= 1.0):
+        raise ValueError(f"argument `sample_rate` must be in (0, 1], got {_brief(sample_rate)}")
+    return rate
+
+
+def sampled_class_counts(sizes: Iterable[int], sample_rate: float, global_batch: int) -> List[int]:
+    """PartialFC: classes used per rank this step, host-known so no sync is needed.
+
+    ``K_r = min(C_r, max(ceil(rate * C_r), min(B_g, C_r)))``: at least as many as the batch
+    can have distinct positives, so every positive always fits.
+
+    Args:
+        sizes: classes per rank (ints >= 0).
+        sample_rate: in (0, 1] (``ValueError`` / ``TypeError`` otherwise).
+        global_batch: rows of the gathered batch (int >= 0).
+    """
+    rate = _check_rate(sample_rate)
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
+        raise ValueError(f"argument `sizes` must hold ints >= 0, got {type(sizes).__name__}")
+    # numpy integers as Python ones; anything else is refused (ValueError) by the check inside
+    counts, batch = [_as_int(v) for v in sizes], _as_int(global_batch)
+    return _sampling.sampled_class_counts(counts, rate, batch)
+
+
+def _as_int(value: Any) -> Any:
+    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from numbers import Integral
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
-from shardkit.plan.memory import MAX_SIZE, DeviceMemory, MemoryPlan, plan_memory
+from shardkit.plan.memory import MAX_SIZE, DeviceMemory, MemoryPlan, _check_int, plan_memory
 
 #: The budget label that stands for "the whole shard's logits".
 FULL = "full"
@@ -69,8 +69,10 @@ def check_budget(budget: Any, name: str = "budget") -> Budget:
 
 def kept_logits(batch: int, classes: int, chunk: int, budget: Budget) -> Tuple[int, int]:
     """(kept classes, bytes) of one shard of ``classes`` classes at ``budget`` (bytes or
-    :data:`FULL`), as :func:`shardkit.ops.kept_chunks_for_budget` keeps them."""
-    budget = check_budget(budget)
+    :data:`FULL`), as :func:`shardkit.ops.kept_chunks_for_budget` keeps them. ``batch`` and
+    ``classes`` are ints >= 0, ``chunk`` an int >= 1 (ValueError naming them otherwise)."""
+    batch, classes = _check_int("batch", batch, 0), _check_int("classes", classes, 0)
+    chunk, budget = _check_int("chunk", chunk, 1), check_budget(budget)
     if classes <= 0 or batch <= 0 or budget == 0:
         return 0, 0
     whole = batch * (classes + 1) * 4
@@ -140,17 +142,20 @@ def plan_budgets(budgets: Sequence[Budget], **plan_args: Any) -> List[BudgetPlan
 
 def largest_classes(budget: Budget, **plan_args: Any) -> int:
     """The largest class count whose plan fits ``gpu_memory`` at ``budget`` (0 if not even
-    one class does): doubling, then bisection."""
+    one class does): doubling, then bisection. ``plan_args`` are :func:`plan_memory`'s
+    (``classes`` aside) and must include ``gpu_memory``."""
     budget = check_budget(budget)
     args = dict(plan_args)
+    if args.get("gpu_memory") is None:
+        raise ValueError("argument `gpu_memory` is needed: largest_classes finds the largest C that fits in it")
 
     def fits(classes: int) -> bool:
         args["classes"] = classes
         return _fits(plan_memory(**args), budget)
 
-    devices = max(1, int(args.get("devices", 1)))
-    if not fits(1):
+    if not fits(1):  # (plan_memory checks the arguments first)
         return 0
+    devices = int(args.get("devices", 1))
     good, bad = 1, 2
     while bad <= (1 << 44) * devices and fits(bad):  # up to 2**44 classes per device
         good, bad = bad, bad * 2

@@ -101,16 +101,25 @@ def _budget_arg(text: str) -> Budget:
         ) from None
 
 
-def _size_arg(text: str) -> int:
-    bare = re.fullmatch(r"\s*[0-9.eE+-]+\s*", text)
-    if bare and not re.fullmatch(r"\s*[0.]+\s*", text):  # a bare number but 0: bytes, surely not what was meant
-        raise argparse.ArgumentTypeError(
-            f"{text!r} has no unit: write e.g. {text.strip()}GiB, {text.strip()}GB or, for bytes, {text.strip()}B"
-        )
+def _parses(text: str) -> bool:
     try:
-        return parse_size(text)
-    except ValueError as e:
+        parse_size(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _size_arg(text: str) -> int:
+    try:
+        nbytes = parse_size(text)
+    except ValueError as e:  # "-0", "5e": not numbers, so no unit to suggest
         raise argparse.ArgumentTypeError(str(e)) from None
+    if nbytes and re.fullmatch(r"\s*[0-9.eE+-]+\s*", text):  # a bare number but 0: bytes, surely not what was meant
+        num = text.strip()
+        forms = [f"{num}{unit}" for unit in ("GiB", "GB") if _parses(num + unit)]  # ("1e19GiB" is too large)
+        hint = f"write e.g. {', '.join(forms)} or, for bytes, {num}B" if forms else f"write {num}B for bytes"
+        raise argparse.ArgumentTypeError(f"{text!r} has no unit: {hint}")
+    return nbytes
 
 
 class _Parser(argparse.ArgumentParser):

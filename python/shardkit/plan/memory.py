@@ -113,7 +113,12 @@ def _named_size(name: str, value: Any) -> int:
 
 
 def format_size(nbytes: int) -> str:
-    """``"1,953.1 MiB"`` below 1 TiB's worth of MiB columns, GiB for 100 GiB and more."""
+    """``"1,953.1 MiB"`` below 1 TiB's worth of MiB columns, GiB for 100 GiB and more.
+    ``nbytes``: an int >= 0 (ValueError naming it otherwise)."""
+    nbytes = _check_int("nbytes", nbytes, 0, None)
+    if nbytes >= 1 << 1000:  # past a float's range: exact integer tenths (rounded half up)
+        tenths = (nbytes * 10 + GiB // 2) // GiB
+        return f"{tenths // 10:,}.{tenths % 10} GiB"
     if nbytes >= 100 * GiB:
         return f"{nbytes / GiB:,.1f} GiB"
     return f"{nbytes / MiB:,.1f} MiB"
@@ -179,7 +184,7 @@ class MemoryPlan:
 MAX_DEVICES = 1 << 16
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
+def _check_int(name: str, value: object, minimum: int, maximum: Optional[int] = MAX_COUNT) -> int:
     # Python and numpy integers (numbers.Integral); bool, floats and strings refused
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(
@@ -188,9 +193,18 @@ def _check_int(name: str, value: object, minimum: int) -> int:
     value = int(value)
     if value < minimum:
         raise ValueError(f"argument `{name}` must be an integer >= {minimum}, got {_brief(value)}")
-    if value > MAX_COUNT:
+    if maximum is not None and value > maximum:
         raise ValueError(f"argument `{name}` must be at most 2**63 - 1, got {_brief(value)}")
     return value
+
+
+def _check_flag(name: str, value: object) -> Optional[bool]:
+    """None or a bool (Python's or numpy's); anything else ('no', 0, 2) a ValueError naming ``name``."""
+    if value is None or isinstance(value, bool):
+        return value
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool_", "bool"):
+        return bool(value)
+    raise ValueError(f"argument `{name}` must be True, False or None, got {type(value).__name__} {_brief(value)}")
 
 
 def _check_choice(name: str, value: object, table: Dict[str, int]) -> str:
@@ -199,6 +213,20 @@ def _check_choice(name: str, value: object, table: Dict[str, int]) -> str:
     if not isinstance(value, str) or value not in table:
         raise ValueError(f"argument `{name}` must be one of {sorted(table)}, got {value!r}")
     return value
+
+
+def _check_rate(sample_rate: object) -> float:
+    """``sample_rate`` as a float in (0, 1]: Python and numpy real numbers; bool refused (as
+    for the sizes), and an int too large for a float (an OverflowError naming nothing)."""
+    rate = math.nan
+    if not isinstance(sample_rate, bool) and isinstance(sample_rate, numbers.Real):
+        try:
+            rate = float(sample_rate)
+        except OverflowError:
+            pass
+    if not 0.0 < rate <= 1.0:
+        raise ValueError(f"argument `sample_rate` must be in (0, 1], got {_brief(sample_rate)}")
+    return rate
 
 
 def _head_parts(rows: int, dim: int, elem: int, states: int, master: bool) -> Tuple[int, int, int]:
@@ -253,14 +281,7 @@ def plan_memory(
     batch = _check_int("batch", batch, 1)
     dtype = _check_choice("dtype", dtype, DTYPE_BYTES)
     optimizer = _check_choice("optimizer", optimizer, OPTIMIZER_STATES)
-    # Python and numpy real numbers; bool refused (as for the sizes above)
-    if (
-        isinstance(sample_rate, bool)
-        or not isinstance(sample_rate, numbers.Real)
-        or not 0.0 < float(sample_rate) <= 1.0
-    ):
-        raise ValueError(f"argument `sample_rate` must be in (0, 1], got {sample_rate!r}")
-    sample_rate = float(sample_rate)
+    sample_rate = _check_rate(sample_rate)
     gpu = None if gpu_memory is None else _named_size("gpu_memory", gpu_memory)
     budget, reserve = _named_size("chunk_budget", chunk_budget), _named_size("reserve", reserve)
     if budget <= 0:
@@ -272,7 +293,8 @@ def plan_memory(
             f"argument `reserve` ({_short_size(reserve)}) must be less than argument `gpu_memory` ({_short_size(gpu)})"
         )
     elem = DTYPE_BYTES[dtype]
-    master = (dtype != "fp32") if master_weights is None else bool(master_weights)
+    master_weights, sparse_grad = _check_flag("master_weights", master_weights), _check_flag("sparse_grad", sparse_grad)
+    master = (dtype != "fp32") if master_weights is None else master_weights
     states = OPTIMIZER_STATES[optimizer]
     B = batch * n_dev
     sampled = sample_rate < 1.0

@@ -4,19 +4,31 @@ the least is used, like water filling the lowest vessels."""
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Union
+from collections.abc import Iterable, Mapping
+from typing import List, Optional, Union
 
-from shardkit.plan.memory import DTYPE_BYTES, OPTIMIZER_STATES, _check_choice, _check_int, _head_parts, _named_size
+from shardkit.plan.memory import (
+    DTYPE_BYTES,
+    OPTIMIZER_STATES,
+    _check_choice,
+    _check_flag,
+    _check_int,
+    _head_parts,
+    _named_size,
+)
 
 
 def head_bytes_per_class(
     dim: int, dtype: str = "fp32", optimizer: str = "sgd-momentum", master_weights: Optional[bool] = None
 ) -> int:
     """Bytes one class costs on its device: weight row, its gradient, fp32 master copy (for
-    fp16/bf16 unless ``master_weights=False``) and optimizer state (as :func:`plan_memory`)."""
+    fp16/bf16 unless ``master_weights=False``) and optimizer state (as :func:`plan_memory`).
+    ``dim``: an int >= 1; bad arguments raise a ValueError naming them."""
+    dim = _check_int("dim", dim, 1)
     dtype = _check_choice("dtype", dtype, DTYPE_BYTES)
     optimizer = _check_choice("optimizer", optimizer, OPTIMIZER_STATES)
-    master = dtype != "fp32" if master_weights is None else bool(master_weights)
+    master_weights = _check_flag("master_weights", master_weights)
+    master = dtype != "fp32" if master_weights is None else master_weights
     weights, master_bytes, states = _head_parts(1, dim, DTYPE_BYTES[dtype], OPTIMIZER_STATES[optimizer], master)
     return weights + master_bytes + states + dim * DTYPE_BYTES[dtype]  # + the gradient row
 
@@ -24,7 +36,7 @@ def head_bytes_per_class(
 def balance_shards(
     classes: int,
     dim: int,
-    used: Sequence[Union[int, str]],
+    used: Iterable[Union[int, str]],
     dtype: str = "fp32",
     optimizer: str = "sgd-momentum",
     master_weights: Optional[bool] = None,
@@ -35,31 +47,38 @@ def balance_shards(
     Args:
         classes: C (int >= 1).
         dim: D, the embedding size.
-        used: bytes each device holds already (ints or size strings such as "3GiB"), e.g.
-            ``list(pipeline.memory_per_device().values())``.
+        used: bytes each device holds already (ints or size strings such as "3GiB"), a list
+            or any iterable, e.g. ``pipeline.memory_per_device().values()``.
         dtype, optimizer, master_weights: as :func:`shardkit.plan.plan_memory`.
 
     Returns a list for ``ShardedSoftmaxLoss(..., shard_sizes=...)``: a device already fuller
-    than the level the head fills the others to gets no class.
+    than the level the head fills the others to gets no class. Exact (integer arithmetic)
+    at any size: the list always sums to ``classes``.
     """
     classes = _check_int("classes", classes, 1)
     dim = _check_int("dim", dim, 1)
-    if isinstance(used, (str, int)) or len(used) == 0:
+    if isinstance(used, Mapping):
+        raise ValueError("argument `used` must list the bytes used on each device, got a mapping: pass its .values()")
+    if isinstance(used, (str, bytes)) or not isinstance(used, Iterable):
         raise ValueError(f"argument `used` must list the bytes used on each device, got {used!r}")
     base = [_named_size(f"used[{k}]", u) for k, u in enumerate(used)]
+    if not base:
+        raise ValueError(f"argument `used` must list the bytes used on each device, got {used!r}")
     per_class = head_bytes_per_class(dim, dtype, optimizer, master_weights)
-    # The water level L with sum_k max(0, L - base_k) = classes * per_class, over the devices
+    # The water level L with sum_k max(0, L - base_k) = classes * per_class, over the n devices
     # below it: add devices in order of their use until the level stops rising past the next.
+    # In integers (n * L = total + sum of their bases): floats lost classes at 2**62 bytes.
     order = sorted(range(len(base)), key=lambda k: base[k])
-    total, active, level = classes * per_class, 0, 0.0
+    total, n, below = classes * per_class, 0, 0
     for n in range(1, len(order) + 1):
-        active = n
-        level = (total + sum(base[k] for k in order[:n])) / n
-        if n == len(order) or level <= base[order[n]]:
+        below += base[order[n - 1]]
+        if n == len(order) or total + below <= n * base[order[n]]:
             break
-    exact = [max(0.0, (level - base[k]) / per_class) if k in order[:active] else 0.0 for k in range(len(base))]
-    sizes = [int(e) for e in exact]
-    by_remainder = sorted(range(len(base)), key=lambda k: exact[k] - sizes[k], reverse=True)
+    # Device k's exact share is num_k / (n * per_class); floors, then the largest remainders.
+    active = set(order[:n])
+    num = [max(0, total + below - n * base[k]) if k in active else 0 for k in range(len(base))]
+    sizes = [x // (n * per_class) for x in num]
+    by_remainder = sorted(range(len(base)), key=lambda k: num[k] % (n * per_class), reverse=True)
     for k in by_remainder[: classes - sum(sizes)]:
         sizes[k] += 1
     return sizes
