@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
-from shardkit.train.errors import UsageError
+from shardkit.train.errors import UsageError, cannot_write
 
 if TYPE_CHECKING:
     import argparse
@@ -112,7 +112,9 @@ def file_for(ckpt_dir: str, world_size: int, rank: int) -> str:
 
 
 def write_atomic(state: Dict[str, Any], path: str) -> None:
-    """``torch.save`` to a temporary file beside ``path``, fsync, then rename over ``path``."""
+    """``torch.save`` to a temporary file beside ``path``, fsync, then rename over ``path``. A
+    write that fails (a full disk, a read-only place) removes the temporary file, keeps the
+    previous checkpoint, and is a UsageError naming ``path`` and the reason."""
     directory = os.path.dirname(path) or "."
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp{os.getpid()}")
     try:
@@ -121,9 +123,13 @@ def write_atomic(state: Dict[str, Any], path: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
+    except BaseException as e:
+        try:
             os.remove(tmp)
+        except OSError:
+            pass
+        if isinstance(e, (OSError, RuntimeError)) and not isinstance(e, torch.OutOfMemoryError):
+            raise cannot_write(path, e) from None
         raise
     try:  # make the rename itself durable
         fd = os.open(directory, os.O_RDONLY)
@@ -209,6 +215,9 @@ def _malformed(state: Dict[str, Any]) -> Optional[str]:
     lists = [v for k, v in history.items() if k != "eval"] + list(history["eval"].values())
     if not all(isinstance(v, list) for v in lists):
         return "history is not a dict of lists"
+    problem = _history_problem(history)
+    if problem is not None:
+        return f"history {problem}"
     opts = state.get("optimizers")
     if not isinstance(opts, list) or len(opts) != 2 or not all(isinstance(o, dict) for o in opts):
         return "optimizers is not a list of the 2 optimizer states (backbone, head)"
@@ -219,6 +228,50 @@ def _malformed(state: Dict[str, Any]) -> Optional[str]:
     if (ema is None) != (not state["args"].get("ema")):
         return "its EMA state does not match its --ema setting"
     return None
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _history_problem(history: Dict[str, Any]) -> Optional[str]:
+    """What is wrong with the values of a history of the right keys (found at resume, not by
+    the plot at the end of the run), or None: one entry per step in each per-step list, one
+    per evaluation in each evaluation list (none for the EMA of a run without one), numbers
+    (the batch top-1 may be None; the peak memory is a list of numbers per step)."""
+    ev = history["eval"]
+    for lists, what in ((history, "step"), (ev, "evaluation")):
+        lengths = {k: len(v) for k, v in lists.items() if k != "eval"}
+        n = lengths["step"]
+        bad = [k for k, m in lengths.items() if m != n and not (lists is ev and k.startswith("ema_") and m == 0)]
+        if bad:
+            return f"lists have unequal lengths (one entry per {what}): " + ", ".join(
+                f"{k} {lengths[k]}" for k in lengths
+            )
+    if len(ev["ema_acc"]) != len(ev["ema_tar"]):
+        return "lists have unequal lengths: eval ema_acc and ema_tar"
+    step_no = (lambda v: type(v) is int and v > 0, "a step number >= 1")
+    number = (_number, "a number")
+    checks = [
+        ("step", history["step"], step_no),
+        ("loss", history["loss"], number),
+        ("top1", history["top1"], (lambda v: v is None or _number(v), "a number or None")),
+        ("img_s", history["img_s"], number),
+        (
+            "mem_gib",
+            history["mem_gib"],
+            (lambda v: isinstance(v, list) and v and all(map(_number, v)), "a list of numbers"),
+        ),
+    ]
+    checks += [(f"eval {k}", v, step_no if k == "step" else number) for k, v in ev.items()]
+    for name, values, (ok, kind) in checks:
+        wrong = next((v for v in values if not ok(v)), _OK)
+        if wrong is not _OK:
+            return f"{name} holds {wrong!r}, not {kind}"
+    return None
+
+
+_OK = object()
 
 
 def settings_of(args: argparse.Namespace) -> Dict[str, Any]:

@@ -57,6 +57,31 @@ def _image_files(folder: str, exts: Tuple[str, ...]) -> List[str]:
     return [os.path.join(d, f) for d in sorted(found) for f in sorted(found[d])]
 
 
+def _class_folders(root: str) -> List[str]:
+    """The names of ``root``'s class folders (sorted; hidden ones skipped). An entry whose
+    kind cannot be read (a link looping onto itself: ELOOP) is a ValueError naming it, as an
+    image file that is not a regular file is."""
+    names = []
+    try:
+        it = os.scandir(root)
+    except OSError as err:
+        raise ValueError(f"--data {root!r}: cannot list it ({err.strerror or err})") from None
+    with it:
+        for e in it:
+            if e.name.startswith("."):
+                continue
+            try:
+                is_dir = e.is_dir()
+            except OSError as err:
+                raise ValueError(
+                    f"--data {root!r}: cannot read the entry {e.path!r} ({err.strerror or err}: a link looping "
+                    "onto itself?); remove or fix it"
+                ) from None
+            if is_dir:
+                names.append(e.name)
+    return sorted(names)
+
+
 def _read(path: str) -> bytes:
     """A file's bytes; a ValueError naming it when it cannot be read."""
     try:
@@ -101,7 +126,7 @@ class ImageFolderDataset(Dataset):
         if not os.path.isdir(root):
             raise ValueError(f"--data {root!r}: not a directory")
         self.root, self.image_size, self.cache_ram, self.channels = root, image_size, cache_ram, channels
-        self.classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+        self.classes = _class_folders(root)
         if not self.classes:
             raise ValueError(f"--data {root!r}: no class subfolders (expected root/<class>/<image files>)")
         exts = tuple(e.lower() for e in extensions)

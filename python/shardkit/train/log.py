@@ -8,6 +8,8 @@ import sys
 import time
 from typing import Optional, Set, TextIO
 
+from shardkit.train.errors import cannot_write
+
 
 def emit(text: str, stream: Optional[TextIO] = None) -> None:
     """``print(text)`` to stdout (or ``stream``), flushed; when the reader has left (``python -m
@@ -40,14 +42,19 @@ class RunLog:
         if enabled:
             os.makedirs(out_dir, exist_ok=True)
             self.file = open(self.path, "a" if append else "w", encoding="utf-8")
-            self.file.write(f"---- {time.strftime('%Y-%m-%d %H:%M:%S')} ----\n")
+            self.write(f"---- {time.strftime('%Y-%m-%d %H:%M:%S')} ----")
 
     def write(self, text: str) -> None:
-        """To the log file only."""
+        """To the log file only; a write that fails (a full disk) is a UsageError naming the
+        file, and nothing more is written to it."""
         text = _printable(text)
         if self.file is not None:
-            self.file.write(text.rstrip("\n") + "\n")
-            self.file.flush()
+            try:
+                self.file.write(text.rstrip("\n") + "\n")
+                self.file.flush()
+            except OSError as e:
+                self.close()
+                raise cannot_write(self.path, e) from None
 
     def line(self, text: str = "") -> None:
         """Printed on stdout and written to the log."""
@@ -63,6 +70,10 @@ class RunLog:
             self.write(f"warning: {text}")
 
     def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-            self.file = None
+        """Closes the file; what it could not write was reported already (by :meth:`write`)."""
+        file, self.file = self.file, None
+        if file is not None:
+            try:
+                file.close()
+            except OSError:
+                pass

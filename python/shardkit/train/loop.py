@@ -242,6 +242,32 @@ def _run(args: argparse.Namespace, world: World, log: RunLog, earlier: bool) -> 
         signal.signal(signal.SIGINT, old_handler)
     bar.close()
     try:
+        return _finish(parts, args, world, history, total, log, ckpt_dir)
+    except KeyboardInterrupt:  # a first Ctrl-C after the last step (its handler is gone): all is saved
+        curves = os.path.join(args.out, "curves.png")
+        if lead and os.path.lexists(curves) and not os.path.islink(curves):
+            os.remove(curves)  # (perhaps half written) a resume evaluates a run without one
+        # (a resume with nothing left to train saved nothing: its checkpoint is the one resumed)
+        where, again = (ckpt_dir, args.out) if total > start else (checkpoint.find(args.resume), args.resume)
+        log.line(
+            f"\ninterrupted during the final evaluation: the checkpoint of step {total} is in {where}; "
+            f"--resume {again} evaluates it"
+        )
+        return 130
+
+
+def _finish(
+    parts: setup.Parts,
+    args: argparse.Namespace,
+    world: World,
+    history: Dict[str, Any],
+    total: int,
+    log: RunLog,
+    ckpt_dir: str,
+) -> int:
+    """The final evaluation, its report and the curves (on rank 0)."""
+    lead = world.rank == 0
+    try:
         report = report_mod.evaluate(parts, args, world)
     except NonFiniteEmbeddingsError as err:  # found by the final evaluation (a step's check did not run)
         raise _diverged(f"by step {total}", args) from err

@@ -7,6 +7,8 @@ from typing import Any, Dict, Sequence
 
 import torch
 
+from shardkit.train.errors import cannot_write
+
 
 def plot(history: Dict[str, Any], devices: Sequence[torch.device], path: str) -> None:
     import matplotlib
@@ -44,11 +46,17 @@ def plot(history: Dict[str, Any], devices: Sequence[torch.device], path: str) ->
         mem_ax = speed_ax.twinx()
         steps = history["step"][-len(mem) :]
         for k, dev in enumerate(devices):
-            mem_ax.plot(steps, [m[k] for m in mem], "--", lw=1, color=f"C{3 + k}", label=f"peak memory {dev}")
+            # (a resume may run on more devices than the steps before it: those have no figure)
+            mem_k = [m[k] if k < len(m) else float("nan") for m in mem]
+            mem_ax.plot(steps, mem_k, "--", lw=1, color=f"C{3 + k}", label=f"peak memory {dev}")
         mem_ax.set_ylabel("GiB (cpu: process peak RSS)")
         mem_ax.set_ylim(0, 1.15 * max(max(m) for m in mem))
         mem_ax.legend(loc="lower right", fontsize=8)
     fig.suptitle("python -m shardkit.train")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=100)
+    except OSError as e:  # a full disk, a read-only place
+        raise cannot_write(path, e) from None
+    finally:
+        plt.close(fig)

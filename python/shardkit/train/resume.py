@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 import shardkit
+from shardkit.softmax.optim import _check_hyperparameters
 from shardkit.train import checkpoint, report
 from shardkit.train.errors import UsageError
 from shardkit.train.setup import Parts
@@ -100,6 +101,7 @@ def load_checkpoint(ckpt_dir: str, parts: Parts, world: World) -> Tuple[int, Dic
     that is unreadable, unsafe, or does not fit the model built from the restored settings."""
     path = checkpoint.file_for(ckpt_dir, world.size, world.rank)
     state = checkpoint.read(path)
+    built = _settings(parts)  # what this run's flags (and the checkpoint's settings) give
     try:
         parts.backbone.load_state_dict(state["backbone"])
         if world.size > 1:
@@ -115,6 +117,7 @@ def load_checkpoint(ckpt_dir: str, parts: Parts, world: World) -> Tuple[int, Dic
             parts.scaler.load_state_dict(state["scaler"])
         if parts.ema is not None and state["ema"] is not None:
             parts.ema.load_state_dict(state["ema"])
+        _check_settings(built, _settings(parts), path)
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
     except (RuntimeError, KeyError, ValueError, TypeError, AttributeError, IndexError) as e:
@@ -132,3 +135,54 @@ def load_checkpoint(ckpt_dir: str, parts: Parts, world: World) -> Tuple[int, Dic
             "(with a lower --lr) without --resume"
         )
     return state["step"], state["history"]
+
+
+# What a checkpoint's optimizer and EMA states carry besides tensors: the trainer builds them
+# from its settings (--weight-decay, --ema, --ema-tau; momentum 0.9), so a resume must find
+# the same values there (the learning rate is set at every step, from --lr).
+_GROUP_KEYS = ("momentum", "dampening", "weight_decay", "nesterov", "maximize")
+_EMA_KEYS = ("decay", "tau", "warmup_gamma", "warmup_power", "min_decay", "update_after_step", "update_every")
+
+
+_Settings = Dict[Tuple[str, int, str], Any]  # (optimizer or "EMA", param group, name): value
+
+
+def _settings(parts: Parts) -> _Settings:
+    """The hyper-parameters of the run's optimizers' param groups and of its EMA, by name."""
+    out: _Settings = {}
+    for opt, which in zip(parts.optimizers, ("backbone", "head")):
+        for k, group in enumerate(opt.param_groups):
+            out.update({(which, k, key): group.get(key) for key in _GROUP_KEYS + ("lr",)})
+    if parts.ema is not None:
+        out.update({("EMA", 0, key): getattr(parts.ema, key, None) for key in _EMA_KEYS})
+    return out
+
+
+def _check_settings(built: _Settings, loaded: _Settings, path: str) -> None:
+    """A UsageError naming the first hyper-parameter a checkpoint's optimizer or EMA state
+    brings that is invalid (momentum outside [0, 1), a negative weight decay: what
+    SparseRowSGD refuses for the head, checked for the backbone's torch.optim.SGD too) or
+    differs from what this run's settings build (a hand-edited ``ema.decay`` would otherwise
+    override --ema silently, as the checkpoint's own --ema setting says otherwise)."""
+    for which, k in dict.fromkeys((w, k) for w, k, _ in loaded if w != "EMA"):
+        try:
+            _check_hyperparameters(
+                {name: loaded[(which, k, name)] for name in _GROUP_KEYS[:4] + ("lr",)},
+                f"the {which} optimizer's param group {k}: ",
+            )
+        except (TypeError, ValueError) as e:
+            raise UsageError(f"checkpoint {path} is malformed ({e}); {_AGAIN}") from None
+    for (which, k, key), value in loaded.items():
+        want = built.get((which, k, key))
+        if key == "lr" or value is want or (value == want and isinstance(value, bool) == isinstance(want, bool)):
+            continue
+        name = "EMA" if which == "EMA" else f"{which} optimizer's param group {k}"
+        flag = f" (from {_FLAG[key]})" if key in _FLAG and (which, k) != ("backbone", 1) else ""
+        raise UsageError(
+            f"checkpoint {path} is malformed (its {name} has {key} {value!r}, not the {want!r} this run's "
+            f"settings give{flag}); {_AGAIN}"
+        )
+
+
+_FLAG = {"weight_decay": "--weight-decay", "decay": "--ema", "tau": "--ema-tau"}
+_AGAIN = "resume from another checkpoint, or start a new run without --resume"

@@ -172,11 +172,9 @@ def _folder_data(args: argparse.Namespace) -> Tuple[TrainSet, int, VerificationS
 
 
 def _pairs_from(images: torch.Tensor, ids: torch.Tensor, seed: int, num_impostor: int = 10000) -> VerificationSet:
-    """Every genuine pair and ``num_impostor`` random impostor pairs of held-out images."""
-    same = ids[:, None] == ids[None, :]
-    a, b = torch.triu_indices(len(ids), len(ids), offset=1)
-    gen_mask = same[a, b]
-    genuine = torch.stack([a[gen_mask], b[gen_mask]], 1)
+    """The genuine pairs of held-out images (every pair of a class, at most ``MAX_GENUINE_PER_CLASS``
+    of a larger class: :func:`_genuine_pairs`) and ``num_impostor`` random impostor pairs."""
+    genuine = _genuine_pairs(ids, seed)
     g = torch.Generator().manual_seed(seed)
     i = torch.randint(0, len(ids), (4 * num_impostor,), generator=g)
     j = torch.randint(0, len(ids), (4 * num_impostor,), generator=g)
@@ -186,6 +184,47 @@ def _pairs_from(images: torch.Tensor, ids: torch.Tensor, seed: int, num_impostor
     pairs = torch.cat([genuine, torch.stack([i[keep], j[keep]], 1)])
     is_same = torch.cat([torch.ones(len(genuine), dtype=torch.bool), torch.zeros(len(keep), dtype=torch.bool)])
     return VerificationSet(images, ids, pairs, is_same, len(genuine))
+
+
+# A held-out class of n images has n(n-1)/2 genuine pairs: beyond this many (a class of over
+# 141 images) a class gives this many, drawn deterministically from --seed (the memory of the
+# pairs and of their scoring stays bounded: ~16 + 8 * --dim bytes a pair).
+MAX_GENUINE_PER_CLASS = 10000
+
+
+def _genuine_pairs(ids: torch.Tensor, seed: int) -> torch.Tensor:
+    """[P, 2] index pairs of same-class images, class by class in order of first appearance:
+    all of a class's pairs, or ``MAX_GENUINE_PER_CLASS`` distinct ones drawn from ``seed``."""
+    cap = MAX_GENUINE_PER_CLASS
+    out = []
+    for c, label in enumerate(torch.unique(ids).tolist()):
+        members = (ids == label).nonzero().flatten()
+        n = len(members)
+        total = n * (n - 1) // 2
+        if total <= 4 * cap:  # small enough to list: all of them, or a random subset
+            a, b = torch.triu_indices(n, n, offset=1)
+            if total > cap:
+                g = torch.Generator().manual_seed((seed * 1000003 + c) % 2**63)
+                pick = torch.randperm(total, generator=g)[:cap].sort().values
+                a, b = a[pick], b[pick]
+        else:  # draw pairs (i < j) at random; among 2 * cap draws of > 4 * cap pairs, >= cap distinct ones
+            g = torch.Generator().manual_seed((seed * 1000003 + c) % 2**63)
+            i = torch.randint(0, n, (2 * cap,), generator=g)
+            j = torch.randint(0, n - 1, (2 * cap,), generator=g)
+            j = j + (j >= i).long()  # j != i
+            lo, hi = torch.minimum(i, j), torch.maximum(i, j)
+            first = _first_occurrences(lo * n + hi)[:cap]
+            a, b = lo[first], hi[first]
+        out.append(torch.stack([members[a], members[b]], 1))
+    return torch.cat(out) if out else torch.zeros(0, 2, dtype=torch.long)
+
+
+def _first_occurrences(keys: torch.Tensor) -> torch.Tensor:
+    """The positions of the first occurrence of each distinct value of ``keys``, in draw order."""
+    _, inverse = torch.unique(keys, return_inverse=True)
+    first = torch.full((int(inverse.max()) + 1,), len(keys), dtype=torch.long)
+    first.scatter_reduce_(0, inverse, torch.arange(len(keys)), reduce="amin")
+    return first.sort().values
 
 
 def init_weights(kind: str, backbone: nn.Module, head: nn.Module, num_classes: int) -> None:
