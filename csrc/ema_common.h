@@ -6,6 +6,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <c10/macros/Macros.h>
 
@@ -194,19 +195,39 @@ C10_HOST_DEVICE inline uint16_t bf16_round_stochastic(uint32_t bits, uint32_t r)
   return static_cast<uint16_t>((bits + r) >> 16);
 }
 
-// ema_update_stochastic_'s arguments: the update's, every EMA tensor bfloat16, seed and counter >= 0.
+// ema_update_stochastic_'s arguments: the update's, seed and counter >= 0, one salt per tensor.
 inline void check_stochastic_args(at::TensorList ema, at::TensorList model, double decay, int64_t seed,
-                                  int64_t counter) {
+                                  int64_t counter, c10::IntArrayRef salts) {
   const char* op = "ema_update_stochastic_";
   check_update_tensors(op, ema, model);
   TORCH_CHECK(std::isfinite(decay) && decay >= 0.0 && decay <= 1.0, op,
               ": argument `decay` must lie in [0, 1], got ", decay);
   TORCH_CHECK(seed >= 0, op, ": argument `seed` must be >= 0, got ", seed);
   TORCH_CHECK(counter >= 0, op, ": argument `counter` must be >= 0, got ", counter);
+  TORCH_CHECK(salts.size() == ema.size(), op, ": argument `salts` must have one entry per `ema` tensor, got ",
+              salts.size(), " for ", ema.size());
+}
+
+// The pairs of an ema_update_stochastic_ call that are not bfloat16 EMAs go to ema_update_ (the
+// backend's own fused kernel), through the dispatcher; returns the indices of the others.
+inline std::vector<size_t> update_the_others(at::TensorList ema, at::TensorList model, double decay) {
+  std::vector<at::Tensor> e, m;
+  std::vector<size_t> bf16;
   for (size_t i = 0; i < ema.size(); ++i) {
-    TORCH_CHECK(ema[i].scalar_type() == at::kBFloat16, op, ": argument `ema` must hold bfloat16 tensors ",
-                "(stochastic rounding is for bfloat16 EMAs), got ", ema[i].scalar_type(), " at index ", i);
+    if (ema[i].scalar_type() == at::kBFloat16) {
+      bf16.push_back(i);
+    } else {
+      e.push_back(ema[i]);
+      m.push_back(model[i]);
+    }
   }
+  if (!e.empty()) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("shardkit::ema_update_", "")
+                         .typed<void(at::TensorList, at::TensorList, double)>();
+    op.call(e, m, decay);
+  }
+  return bf16;
 }
 
 // ---- The bfloat16 packing of ema.swap for a float32 EMA of a bfloat16 model ----------

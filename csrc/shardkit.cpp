@@ -16,9 +16,13 @@ TORCH_LIBRARY(shardkit, m) {
   // The same with the decay read from a one-element float64 tensor on the EMA's device, so a
   // CUDA graph that captured the call takes a new decay per replay (ModelEMA(cuda_graph=True)).
   m.def("ema_update_device_decay_(Tensor(a!)[] ema, Tensor[] model, Tensor decay) -> ()");
-  // A bfloat16 EMA rounded stochastically (ema_common.h): every `ema` tensor bfloat16; the
-  // random bits hash (seed, counter, tensor index, element index), the same on every backend.
-  m.def("ema_update_stochastic_(Tensor(a!)[] ema, Tensor[] model, float decay, int seed, int counter) -> ()");
+  // ema_update_ with its bfloat16 EMA tensors rounded stochastically (ema_common.h), the others
+  // as ema_update_ rounds them; tensor i's random bits hash (seed, counter, salts[i], element),
+  // the same on every backend.
+  m.def(
+      "ema_update_stochastic_(Tensor(a!)[] ema, Tensor[] model, float decay, int seed, int counter, int[] "
+      "salts) "
+      "-> ()");
   // ema.swap(model): same-dtype pairs exchange contents; a float32 EMA of a bfloat16
   // model packs (model <- bf16(ema), ema <- model bits | low ema bits). ema_unswap_
   // restores both bit-exactly (for same-dtype pairs it is the same exchange).

@@ -309,6 +309,25 @@ def compiled_update(mesh):
     return {"compiled_equal": equal, "compiled_updates": ema.updates}
 
 
+def bf16_shards_round_apart(mesh):
+    """A bf16 weight sharded by rows over the ranks, every value 0.5 moving to 0.6 by steps far
+    below a bf16 ulp: each shard's stochastic rounding must draw bits of its own (keyed by where
+    the shard lies in the whole weight), not the same bits at the same local offsets."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(64, 64, bias=False)).bfloat16()
+    fully_shard(model, mesh=mesh)
+    with torch.no_grad():
+        model[0].weight.to_local().fill_(0.5)
+    ema = shardkit.ModelEMA(model, decay=0.999, tau=None)
+    with torch.no_grad():
+        model[0].weight.to_local().fill_(0.6)
+    for step in range(5):
+        ema.update(model, step=step + 2)
+    return {"bf16_full": ema.full_state_dict()["module"]["0.weight"]}
+
+
 def run_rank(rank, world, tmp):
     """Every scenario of one world size on this rank; returns the results to save."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -366,6 +385,7 @@ def run_rank(rank, world, tmp):
     else:
         scenario("resume", lambda: resume_world2(tmp, mesh, rank))
         scenario("exports", lambda: exports_and_errors(tmp, mesh, rank, world))
+        scenario("bf16", lambda: bf16_shards_round_apart(mesh))
         if rank == 0:  # the update has no collective: one rank compiles, the other waits (2 CPUs)
             scenario("compile", lambda: compiled_update(mesh))
     dist.barrier()

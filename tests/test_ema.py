@@ -160,9 +160,11 @@ def test_update_bad_inputs():
         ema_update_([torch.ones(4, dtype=torch.long)], [m], 0.5)
     with pytest.raises(RuntimeError, match="argument `model` must hold floating-point tensors"):
         ema_update_([e], [torch.ones(4, dtype=torch.int32)], 0.5)
-    for bad in (1.5, -0.1, float("nan")):
+    for bad in (1.5, -0.1, float("nan"), 10**400):
         with pytest.raises(ValueError, match="argument `decay` must lie in"):
             ema_update_([e], [m], bad)
+        if isinstance(bad, int):
+            continue  # (the op's schema takes a float: torch refuses the int itself)
         with pytest.raises(RuntimeError, match="argument `decay` must lie in"):
             torch.ops.shardkit.ema_update_([e], [m], bad)
     with pytest.raises(TypeError, match="argument `ema_tensors` must be a list"):
@@ -470,7 +472,7 @@ def test_overlapping_memory_is_refused():
     ema_update_([x[:5], x[5:]], [m[:5], m[1:]], 0.5)  # adjacent, not overlapping
 
 
-@pytest.mark.parametrize("bad", [None, "0.5", True])
+@pytest.mark.parametrize("bad", [None, "0.5", True, torch.tensor(True)])
 def test_update_decay_type(bad):
     with pytest.raises(TypeError, match="argument `decay` must be a float in"):
         ema_update_([torch.randn(2)], [torch.randn(2)], bad)

@@ -160,3 +160,15 @@ def test_sharded_ema_errors_name_what_to_do(runs):
         assert "fully_shard" in res["fsdp1_error"]
         assert "has 0.weight as a plain tensor, the EMA holds a DTensor" in res["plain_model_error"]
         assert res["unsharded_types"] == ["Parameter"] and res["lazy_copied"]
+
+
+def test_bf16_shards_of_one_weight_round_with_bits_of_their_own(runs):
+    # Keyed by the local element's position alone, the two ranks' halves of the weight rounded
+    # identically: rows 0-31 came out equal to rows 32-63.
+    for res in runs[2]:
+        assert "error_bf16" not in res, res.get("error_bf16")
+    full = runs[2][0]["bf16_full"]
+    assert full.shape == (64, 64) and full.dtype == torch.bfloat16
+    assert not torch.equal(full[:32], full[32:])
+    assert torch.equal(full, runs[2][1]["bf16_full"])  # every rank exports the same whole
+    assert 0.5 <= full.float().mean() < 0.51  # moved by stochastic rounding, in expectation 0.5005

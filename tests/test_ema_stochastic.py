@@ -7,7 +7,12 @@ from torch import nn
 
 import shardkit
 
-SR = torch.ops.shardkit.ema_update_stochastic_.default
+OP = torch.ops.shardkit.ema_update_stochastic_.default
+
+
+def SR(ema, model, decay, seed, counter, salts=None):
+    """The op with each tensor's salt its index in the list (as ModelEMA gives a plain model)."""
+    OP(ema, model, decay, seed, counter, list(range(len(ema))) if salts is None else salts)
 
 
 def fp32_update(e, m, decay):
@@ -76,6 +81,9 @@ def test_the_bits_are_keyed_by_seed_counter_and_tensor():
     a = run(3, 5)
     assert all(torch.equal(x, y) for x, y in zip(a, run(3, 5, threads=1)))  # same whatever the threads
     assert not torch.equal(a[0], a[1])  # another tensor index, other bits
+    same = [e.clone(), e.clone()]
+    SR(same, [m, m], 0.9, 3, 5, salts=[7, 7])  # the salt keys the bits, not the position
+    assert torch.equal(same[0], same[1]) and torch.equal(same[1], a[1]) is False
     assert not torch.equal(a[0], run(3, 6)[0]) and not torch.equal(a[0], run(4, 5)[0])
 
 
@@ -94,10 +102,22 @@ def test_special_values_and_the_ends():
     assert torch.equal(copy.float()[~m.isnan()], m.to(torch.bfloat16).float()[~m.isnan()]) and copy[2].isnan()
 
 
+def test_other_dtypes_are_updated_as_ema_update_does():
+    torch.manual_seed(5)
+    ema = [torch.randn(300).to(dt) for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64)]
+    model = [torch.randn(300) for _ in ema]
+    out, ref = [e.clone() for e in ema], [e.clone() for e in ema]
+    SR(out, model, 0.7, 1, 2)
+    shardkit.ops.ema_update_([ref[i] for i in (0, 2, 3)], [model[i] for i in (0, 2, 3)], 0.7)
+    assert all(torch.equal(out[i], ref[i]) for i in (0, 2, 3))
+    lo, hi = bf16_neighbours(fp32_update(ema[1], model[1], 0.7))
+    assert ((out[1].float() == lo) | (out[1].float() == hi)).all()
+
+
 def test_argument_checks_name_the_argument():
     e, m = torch.zeros(4, dtype=torch.bfloat16), torch.ones(4)
-    with pytest.raises(RuntimeError, match="argument `ema` must hold bfloat16"):
-        SR([e.float()], [m], 0.5, 0, 0)
+    with pytest.raises(RuntimeError, match="argument `salts` must have one entry per `ema` tensor"):
+        OP([e], [m], 0.5, 0, 0, [])
     with pytest.raises(RuntimeError, match="argument `seed` must be >= 0"):
         SR([e], [m], 0.5, -1, 0)
     with pytest.raises(RuntimeError, match="argument `decay` must lie in"):
@@ -192,8 +212,10 @@ def test_seed_and_flag_checks(bad):
 @pytest.mark.gpu
 @pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_cuda_equals_cpu_bit_for_bit(model_dtype):
+    # 63 tensors: more than one launch's 48, chunks of 16384 elements straddled, a strided pair
     torch.manual_seed(4)
-    e = [torch.randn(n).to(torch.bfloat16) for n in (1, 1000, 300_001)]
+    sizes = [1, 1000, 300_001, 16384, 16385] + [int(n) for n in torch.randint(1, 5000, (58,))]
+    e = [torch.randn(n).to(torch.bfloat16) for n in sizes]
     m = [(torch.randn(x.numel()) * 2).to(model_dtype) for x in e]
     for decay in (0.3, 0.9999):
         cpu = [x.clone() for x in e]
@@ -201,6 +223,11 @@ def test_cuda_equals_cpu_bit_for_bit(model_dtype):
         SR(cpu, m, decay, 77, 12)
         SR(gpu, [x.cuda() for x in m], decay, 77, 12)
         assert all(torch.equal(a, b.cpu()) for a, b in zip(cpu, gpu))
+    base = torch.randn(300, 2).to(torch.bfloat16)
+    cpu, gpu = base.clone(), base.cuda()
+    SR([cpu[:, 0]], [m[2][:300]], 0.3, 5, 1)
+    SR([gpu[:, 0]], [m[2][:300].cuda()], 0.3, 5, 1)
+    assert torch.equal(cpu, gpu.cpu())
 
 
 @pytest.mark.gpu
@@ -218,3 +245,55 @@ def test_cuda_model_ema_equals_cpu(cuda_graph):
         gpu.update(gnet, step=step + 2)
     gs = gpu.state_dict()["module"]
     assert all(torch.equal(v, gs[k].cpu()) for k, v in cpu.state_dict()["module"].items())
+
+
+def test_a_converted_submodule_keeps_updating():
+    # One submodule of a bf16 EMA converted to fp32 (ema.module[1].float()): the update raised
+    # "must hold bfloat16 tensors"; it now rounds that submodule to nearest, the others at random.
+    torch.manual_seed(6)
+    net = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)).bfloat16()
+    ema = shardkit.ModelEMA(net, decay=0.5, tau=None)
+    ema.module[1].float()
+    ref = {k: v.double() for k, v in ema.module.state_dict().items()}
+    ema.update(net, step=3)
+    for k, v in ema.module.state_dict().items():
+        exact = ref[k] + 0.5 * (net.state_dict()[k].double() - ref[k])
+        assert (v.double() - exact).abs().max() <= (2**-7 if v.dtype == torch.bfloat16 else 1e-6) * exact.abs().max()
+    assert ema.module[1].weight.dtype == torch.float32
+
+
+def test_the_flag_and_seed_are_read_at_each_update_and_checked_when_set():
+    net = bf16_net()
+    ema = shardkit.ModelEMA(net, decay=0.999, tau=None)
+    ema.stochastic_rounding = False  # as timm's ModelEmaV3 reads it: at each update
+    with torch.no_grad():
+        net[0].weight.fill_(0.6)
+    for step in range(50):
+        ema.update(net, step=step + 2)
+    assert (ema.module[0].weight == 0.5).all()
+    ema.stochastic_rounding = True
+    for step in range(300):
+        ema.update(net, step=step + 52)
+    assert ema.module[0].weight.float().mean() > 0.51
+    with pytest.raises(ValueError, match="stochastic_rounding_seed"):
+        ema.stochastic_rounding_seed = -1
+    with pytest.raises(TypeError, match="stochastic_rounding"):
+        ema.stochastic_rounding = "yes"
+
+
+def test_a_pickle_from_before_stochastic_rounding_updates():
+    import pickle
+
+    net = bf16_net()
+    ema = shardkit.ModelEMA(net, decay=0.9, tau=None)
+    state = ema.__getstate__()
+    for key in ("stochastic_rounding", "stochastic_rounding_seed", "_bf16", "_salts"):
+        del state[key]  # what a ModelEMA pickled by an earlier release holds
+    old = shardkit.ModelEMA.__new__(shardkit.ModelEMA)
+    old.__setstate__(pickle.loads(pickle.dumps(state)))
+    twin = shardkit.ModelEMA(net, decay=0.9, tau=None)
+    with torch.no_grad():
+        net[0].weight.add_(0.01)
+    old.update(net, step=5)
+    twin.update(net, step=5)
+    assert same_state(old, twin)

@@ -91,15 +91,16 @@ void ema_update_device_decay_autograd(c10::DispatchKeySet ks, at::TensorList ema
 }
 
 void ema_update_stochastic_autograd(c10::DispatchKeySet ks, at::TensorList ema, at::TensorList model,
-                                    double decay, int64_t seed, int64_t counter) {
+                                    double decay, int64_t seed, int64_t counter, c10::IntArrayRef salts) {
   check_devices("ema_update_stochastic_", ema, model);
   check_writable("ema_update_stochastic_", "ema", ema);
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("shardkit::ema_update_stochastic_", "")
-                       .typed<void(at::TensorList, at::TensorList, double, int64_t, int64_t)>();
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("shardkit::ema_update_stochastic_", "")
+          .typed<void(at::TensorList, at::TensorList, double, int64_t, int64_t, c10::IntArrayRef)>();
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    op.redispatch(ks & c10::after_ADInplaceOrView_keyset, ema, model, decay, seed, counter);
+    op.redispatch(ks & c10::after_ADInplaceOrView_keyset, ema, model, decay, seed, counter, salts);
   }
   bump(ema);
 }

@@ -8,6 +8,7 @@
 
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "ema_common.h"
 
@@ -44,21 +45,21 @@ void update_stochastic(uint16_t* e, const M* m, int64_t n, double w_d, uint64_t 
 }
 
 void ema_update_stochastic_cpu(at::TensorList ema, at::TensorList model, double decay, int64_t seed,
-                               int64_t counter) {
-  check_stochastic_args(ema, model, decay, seed, counter);
+                               int64_t counter, c10::IntArrayRef salts) {
+  check_stochastic_args(ema, model, decay, seed, counter, salts);
   if (!ema.empty()) {
     TORCH_CHECK(ema[0].device().is_cpu(), "ema_update_stochastic_: the CPU kernel got `ema` on ",
                 ema[0].device());
   }
   if (update_at_the_ends(ema, model, decay)) return;
   const double w = model_weight(decay);
-  for (size_t i = 0; i < ema.size(); ++i) {
+  for (const size_t i : update_the_others(ema, model, decay)) {
     if (ema[i].numel() == 0) continue;
     // Strided pairs run on contiguous copies (the element index is then the logical one).
     const bool flat = flat_compatible(ema[i], model[i]);
     at::Tensor e = flat ? ema[i] : ema[i].contiguous();
     const at::Tensor m = flat ? model[i] : model[i].contiguous();
-    const uint64_t key = stochastic_key(seed, counter, static_cast<int64_t>(i));
+    const uint64_t key = stochastic_key(seed, counter, salts[i]);
     auto* ep = reinterpret_cast<uint16_t*>(e.data_ptr());
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, m.scalar_type(), "ema_update_stochastic_", [&] {
       update_stochastic<scalar_t>(ep, m.const_data_ptr<scalar_t>(), e.numel(), w, key);

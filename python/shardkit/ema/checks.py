@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-from typing import Optional, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
 import torch
 
@@ -208,3 +208,10 @@ def describe(decay: float, tau: object, gamma: object, power: object, updates: i
     """ModelEMA's repr."""
     sched = "warmup" if gamma is not None or power is not None else "constant" if tau is None else f"ramp(tau={tau})"
     return f"ModelEMA(decay={decay}, schedule={sched}, updates={updates}, tensors={tensors})"
+
+
+def checked_attribute(name: str, value: Any) -> Any:
+    """A ModelEMA attribute set after construction, checked as the argument of its name."""
+    if name == "updates" or name == "stochastic_rounding_seed":
+        return _check_int(name, value, 0, _MAX_COUNT)
+    return check_bool(name, value) if name == "stochastic_rounding" else value

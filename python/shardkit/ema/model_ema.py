@@ -146,25 +146,23 @@ class ModelEMA(nn.Module):
         self._model_ref: Callable[[], Optional[nn.Module]] = weakref.ref(model)
         ema_device = check_device(device)
 
-        built = sharded.build_ema(src, ema_device, dtype)
-        slots, self._dtensor, self._refs, self._keys = built.slots, built.dtensor, built.refs, built.keys
-        self._ema = built.ema
-        if built.module is not None:  # registered as the submodule `module`, as timm's ModelEmaV3 holds it
-            self._modules["module"] = built.module
+        b = sharded.build_ema(src, ema_device, dtype)
+        slots, self._dtensor, self._refs, self._keys, self._ema = b.slots, b.dtensor, b.refs, b.keys, b.ema
+        if b.module is not None:  # registered as the submodule `module`, as timm's ModelEmaV3 holds it
+            self._modules["module"] = b.module
         self._names = [name for name, _, _, _ in slots]
         self._tracker: Optional[ModelTracker] = None  # the last model seen and its tensors
         self._stage: Optional[HostStage] = None
         self._cuda_graph = checks.check_bool("cuda_graph", cuda_graph)
-        self.stochastic_rounding = checks.check_bool("stochastic_rounding", stochastic_rounding)
-        self.stochastic_rounding_seed = _check_int("stochastic_rounding_seed", stochastic_rounding_seed, 0, _MAX_COUNT)
+        self.stochastic_rounding, self.stochastic_rounding_seed = stochastic_rounding, stochastic_rounding_seed
         self._regroup(slots)
 
     def _regroup(self, slots: List[structure.Slot]) -> None:
         """The update's groups, graph and module probe for the EMA tensors ``self._ema``
         (``slots``: the model's, or after a conversion of ``ema.module``, its own)."""
         averaged = [e.is_floating_point() and (s[3] or not self.copy_float_buffers) for e, s in zip(self._ema, slots)]
-        groups = structure.update_groups(self._ema, averaged, self.stochastic_rounding)
-        self._avg_groups, self._cp_e, self._cp_idx, self._sr_groups = groups
+        self._avg_groups, self._cp_e, self._cp_idx = structure.update_groups(self._ema, averaged)
+        self._bf16, self._salts = sharded.rounding_layout(self._ema, self._avg_groups, self._refs, self._dtensor)
         devices = list({e.device for e in self._ema})
         one_gpu = self._cuda_graph and len(devices) == 1 and devices[0].type == "cuda"
         self._graph = GraphedEMA(devices[0]) if one_gpu else None  # (ema/graph.py)
@@ -189,6 +187,9 @@ class ModelEMA(nn.Module):
         self._flush()
         return dict(self.__dict__, _model_ref=structure._no_model, _tracker=None, _stage=None, _watch=None)
 
+    def __setstate__(self, state: Dict[str, Any]) -> None:  # a pickle from before stochastic rounding too
+        super().__setstate__(sharded.with_rounding(state))
+
     # ---- schedule --------------------------------------------------------------------
     def _set_schedule(self, *args: object) -> None:
         self.__dict__.update(zip(_SCHEDULE, check_schedule(*args)))
@@ -197,7 +198,7 @@ class ModelEMA(nn.Module):
         # `ema.decay = 0.999` (as timm/ultralytics users write): the schedule is checked as a whole
         if name in _SCHEDULE and "update_every" in self.__dict__:
             return self._set_schedule(*(value if n == name else getattr(self, n) for n in _SCHEDULE))
-        super().__setattr__(name, _check_int("updates", value, 0, _MAX_COUNT) if name == "updates" else value)
+        super().__setattr__(name, checks.checked_attribute(name, value))
 
     def get_decay(self, step: Optional[int] = None) -> float:
         """The decay used at schedule step ``step`` (see the class docstring); ``None``: the
@@ -288,7 +289,9 @@ class ModelEMA(nn.Module):
             src = [m if m.device == e.device else m.to(e.device, non_blocking=True) for e, m in zip(self._ema, src)]
         try:
             tracker = None if moved else self._tracker
-            sr = (self._sr_groups, self.stochastic_rounding_seed, dc[1])
+            sr = (
+                (self.stochastic_rounding_seed, dc[1], self._salts) if self.stochastic_rounding and self._bf16 else None
+            )
             structure.apply_update(tracker, self._avg_groups, self._cp_e, self._cp_idx, src, dc[0], self._graph, sr)
         except RuntimeError:
             # e.g. a tensor reshaped in place: name it rather than an index of the op's lists

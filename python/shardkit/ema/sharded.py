@@ -202,3 +202,39 @@ def full_state(state: Dict[str, Any], dtensor: Optional[type[DTensor]]) -> Dict[
         for k, v in state["module"].items()
     }
     return state
+
+
+def rounding_layout(
+    ema: Sequence[torch.Tensor],
+    groups: Sequence[Tuple[List[torch.Tensor], List[int]]],
+    refs: Sequence[torch.Tensor],
+    dtensor: Optional[type[DTensor]],
+) -> Tuple[bool, List[int]]:
+    """(whether an averaged EMA tensor is bf16, the salt of each tensor's stochastic-rounding
+    bits): its index in the model, and for a DTensor's local shard where that shard lies in the
+    whole tensor, so replicas round alike and shards of one tensor apart."""
+    bf16 = any(ema[i].dtype == torch.bfloat16 for _, idx in groups for i in idx)
+    salts = list(range(len(ema)))
+    if bf16 and dtensor is not None:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        for i, ref in enumerate(refs):
+            if type(ref) is dtensor:
+                _, offset = compute_local_shape_and_global_offset(ref.shape, ref.device_mesh, ref.placements)
+                salts[i] = hash((i, *offset)) & (2**62 - 1)  # (ints hash alike in every process)
+    return bf16, salts
+
+
+def with_rounding(state: Dict[str, Any]) -> Dict[str, Any]:
+    """A pickled ModelEMA's state with the stochastic rounding's attributes (their defaults and
+    layout where it was pickled before they existed)."""
+    if "_salts" in state:
+        return state
+    layout = rounding_layout(state["_ema"], state["_avg_groups"], state["_refs"], state["_dtensor"])
+    return {
+        "stochastic_rounding": True,
+        "stochastic_rounding_seed": 0,
+        **state,
+        "_bf16": layout[0],
+        "_salts": layout[1],
+    }

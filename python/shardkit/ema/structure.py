@@ -314,26 +314,17 @@ def swapped(ema: Sequence[Tensor], src: Sequence[Tensor]) -> Iterator[None]:
                 m.copy_(host)
 
 
-def update_groups(
-    ema: List[Tensor], averaged: Sequence[bool], stochastic_rounding: bool
-) -> Tuple[Groups, List[Tensor], List[int], Groups]:
+def update_groups(ema: List[Tensor], averaged: Sequence[bool]) -> Tuple[Groups, List[Tensor], List[int]]:
     """How :func:`apply_update` treats ``ema`` (``averaged[i]``: ``ema[i]`` is averaged, else
     copied): the averaged tensors grouped by device, as (EMA tensors, their indices), one
     fused call per device (a model spread over devices, e.g. a pipelined backbone, has its
-    EMA spread alike); the copied tensors with their indices; and, apart, the averaged bf16 EMAs
-    when ``stochastic_rounding`` (``ema_update_stochastic_``), by device."""
-    stochastic = [a and stochastic_rounding and e.dtype == torch.bfloat16 for a, e in zip(averaged, ema)]
-
-    def by_device(keep: Sequence[bool]) -> Groups:
-        found: Dict[torch.device, List[int]] = {}
-        for i, k in enumerate(keep):
-            if k:
-                found.setdefault(ema[i].device, []).append(i)
-        return [([ema[i] for i in idx], idx) for idx in found.values()]
-
+    EMA spread alike); and the copied tensors with their indices."""
+    by_device: Dict[torch.device, List[int]] = {}
+    for i, a in enumerate(averaged):
+        if a:
+            by_device.setdefault(ema[i].device, []).append(i)
     copy_idx = [i for i, a in enumerate(averaged) if not a]
-    plain = [a and not s for a, s in zip(averaged, stochastic)]
-    return by_device(plain), [ema[i] for i in copy_idx], copy_idx, by_device(stochastic)
+    return [([ema[i] for i in idx], idx) for idx in by_device.values()], [ema[i] for i in copy_idx], copy_idx
 
 
 def apply_update(
@@ -344,24 +335,28 @@ def apply_update(
     src: Sequence[Tensor],
     d: float,
     graph: Optional[GraphedEMA] = None,
-    stochastic: Optional[Tuple[Groups, int, int]] = None,
+    stochastic: Optional[Tuple[int, int, Sequence[int]]] = None,
 ) -> None:
     """``ModelEMA``'s update of its EMA tensors from ``src`` (the model's, in the EMA's order,
     on the EMA's devices) with decay ``d``: ``groups`` are (EMA tensors, indices into ``src``)
     per device, ``copy_to`` the integer buffers copied from ``src[copy_idx]``. Through the
     tracker's cached lists when there is a tracker (not while torch.compile traces: it calls
     the ops), replayed from a CUDA graph when ``graph`` (ema/graph.py) can, else one fused op
-    call per group and one foreach copy. ``stochastic``: (bf16 EMA groups, seed, counter) of
-    ``ema_update_stochastic_``, called after (eager, also with a graph)."""
-    if tracker is not None and not torch.compiler.is_compiling():
+    call per group and one foreach copy. ``stochastic`` = (seed, counter, salts): each group
+    through ``ema_update_stochastic_`` instead (its bf16 EMA tensors rounded stochastically, the
+    bits of tensor i keyed by ``salts[i]``; eager)."""
+    if stochastic is not None:
+        seed, counter, salts = stochastic
+        for ema_k, idx_k in groups:
+            src_k, salts_k = [src[i] for i in idx_k], [salts[i] for i in idx_k]
+            torch.ops.shardkit.ema_update_stochastic_.default(ema_k, src_k, d, seed, counter, salts_k)
+    elif tracker is not None and not torch.compiler.is_compiling():
         lists = tracker.lists_for(groups, copy_to, copy_idx, src)
         if graph is None or not graph.run(lists, d):
             update_lists(*lists, d)
+        return
     else:
         for ema_k, idx_k in groups:
             torch.ops.shardkit.ema_update_.default(ema_k, [src[i] for i in idx_k], d)
-        if copy_to:
-            torch._foreach_copy_(copy_to, [src[i] for i in copy_idx])
-    if stochastic is not None:
-        for ema_k, idx_k in stochastic[0]:
-            torch.ops.shardkit.ema_update_stochastic_.default(ema_k, [src[i] for i in idx_k], d, *stochastic[1:])
+    if copy_to:
+        torch._foreach_copy_(copy_to, [src[i] for i in copy_idx])

@@ -125,9 +125,12 @@ def ema_update_(ema_tensors: Sequence[torch.Tensor], model_tensors: Sequence[tor
     ema_tensors, model_tensors = _paired_lists(ema_tensors, model_tensors)
     if isinstance(decay, (bool, str)) or not isinstance(decay, (numbers.Real, torch.Tensor)):
         raise TypeError(f"argument `decay` must be a float in [0, 1], got {type(decay).__name__} {decay!r}")
-    if isinstance(decay, torch.Tensor) and (decay.numel() != 1 or decay.is_complex()):
+    if isinstance(decay, torch.Tensor) and (decay.numel() != 1 or decay.is_complex() or decay.dtype == torch.bool):
         raise TypeError(f"argument `decay` must be a float in [0, 1] (or a one-element real tensor), got {decay!r}")
-    decay = float(decay)
+    try:
+        decay = float(decay)
+    except OverflowError:  # an int beyond the float range
+        raise ValueError(f"argument `decay` must lie in [0, 1], got an int of {len(str(decay))} digits") from None
     if not 0.0 <= decay <= 1.0:  # also rejects NaN
         raise ValueError(f"argument `decay` must lie in [0, 1], got {decay}")
     _check_written("ema_update_", "ema", ema_tensors)
@@ -253,7 +256,7 @@ def _ema_update_device_decay_fake(ema, model, decay):
 
 
 @torch.library.register_fake("shardkit::ema_update_stochastic_")
-def _ema_update_stochastic_fake(ema, model, decay, seed, counter):
+def _ema_update_stochastic_fake(ema, model, decay, seed, counter, salts):
     return None
 
 
