@@ -1,4 +1,4 @@
-"""python -m shardkit.train under faults found by a second probe: optimizer and EMA settings
+"""python -m shardkit.train under faults: optimizer and EMA settings
 edited into a checkpoint, a history edited by hand, outputs it cannot write (a full disk, a
 read-only place), a class folder that is a looping link, a Ctrl-C during the final
 evaluation, and the genuine pairs of large held-out classes of --data. Each user error is one
@@ -6,11 +6,11 @@ line on stderr and exit status 2."""
 
 import errno
 import os
-import shutil
 
 import pytest
 import torch
 from PIL import Image
+from test_train_faults import _ckpt, _copy, _one_line
 
 from shardkit import train
 from shardkit.train import checkpoint, plots, report, setup
@@ -20,27 +20,11 @@ TINY = "--classes 8 --per-class 8 --image-size 16 --batch 32 --val-classes 4 --v
 TINY += ["--no-progress", "--devices", "cpu", "--ema", "0.9", "--ema-tau", "2", "--eval-every", "0"]
 
 
-def _one_line(capsys, *needles):
-    err = capsys.readouterr().err
-    assert err.startswith("python -m shardkit.train: error: ") and err.count("\n") == 1, err
-    assert "Traceback" not in err and all(n in err for n in needles), err
-    return err
-
-
 @pytest.fixture(scope="module")
 def two_steps(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("runs") / "r")
     assert train.main(TINY + ["--steps", "2", "--out", out]) == 0
     return out
-
-
-def _copy(run, dst):
-    shutil.copytree(run, dst)
-    return str(dst)
-
-
-def _ckpt(run):
-    return os.path.join(run, "checkpoint", checkpoint.CKPT_FILE)
 
 
 def _edit(run, edit):
