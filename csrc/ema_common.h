@@ -181,8 +181,19 @@ C10_HOST_DEVICE inline uint64_t stochastic_key(int64_t seed, int64_t counter, in
   return mix64(base ^ (0xD1B54A32D192ED03ull * (static_cast<uint64_t>(index) + 1)));
 }
 
+// 32-bit arithmetic only (murmur3's finalizer over the element index, offset by the key), so
+// the CPU loop vectorizes; elements past 2^32 fold their high bits into the offset.
 C10_HOST_DEVICE inline uint32_t stochastic_bits(uint64_t key, int64_t element) {
-  return static_cast<uint32_t>(mix64(key + static_cast<uint64_t>(element)) >> 48);
+  const uint64_t k = static_cast<uint64_t>(element);
+  uint32_t x = static_cast<uint32_t>(k) * 0x9E3779B1u +
+               (static_cast<uint32_t>(key) ^ static_cast<uint32_t>(k >> 32) * 0x85EBCA6Bu);
+  x ^= static_cast<uint32_t>(key >> 32);
+  x ^= x >> 16;
+  x *= 0x85EBCA6Bu;
+  x ^= x >> 13;
+  x *= 0xC2B2AE35u;
+  x ^= x >> 16;
+  return x >> 16;
 }
 
 // `bits`: the fp32 pattern of the value; `r`: 16 random bits. NaN and infinities round to
