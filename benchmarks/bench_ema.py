@@ -21,7 +21,9 @@ Models: "resnet50" (the 320 state_dict tensors of torchvision's ResNet-50, 25.6M
 parameters; torchvision's model when installed, else the same shapes), "100m" (a
 GPT-shaped list: 12 layers, d=768, 25000-token vocabulary, 105M parameters) and "350m"
 (GPT-2-medium shapes: 24 layers, d=1024, 50257-token vocabulary, 355M parameters).
-Dtypes: "fp32" (fp32 model and EMA) and "bf16" (bf16 model, fp32 EMA).
+Dtypes: "fp32" (fp32 model and EMA), "bf16" (bf16 model, fp32 EMA) and "bf16ema" (bf16 model
+and bf16 EMA: shardkit and timm >= 1.0.31 both round it stochastically by default; the others
+round to nearest, so their EMA stops moving at decay 0.9999).
 
 Figures: median ms per update; GB/s counting read ema + read model + write ema of the
 floating tensors; the floor = those bytes at the measured device copy bandwidth
@@ -152,10 +154,11 @@ class LoopEMA:
 
 
 class ForeachEMA:
-    """timm ModelEmaV3.apply_update_ (foreach path): timm's own class when importable and
-    the EMA has the model's dtype; otherwise the same ``torch._foreach_lerp_`` calls with the
-    model tensors cast to the EMA dtype first (foreach needs one dtype per pair; timm's
-    class fails on a bf16 model with an fp32 EMA). ``self.impl`` says which ran."""
+    """timm ModelEmaV3.apply_update_ (foreach path): timm's own class when importable and it
+    can keep this EMA dtype (the model's, or any with timm >= 1.0.31's ``dtype=``, whose update
+    then promotes in ``_foreach_add_`` without casting the model); otherwise the same
+    ``torch._foreach_lerp_`` calls with the model tensors cast to the EMA dtype first (timm
+    before 1.0.31 fails on a bf16 model with an fp32 EMA). ``self.impl`` says which ran."""
 
     def __init__(self, model, dtype):
         self.ema = copy.deepcopy(model).to(dtype=dtype).eval()
@@ -168,11 +171,15 @@ class ForeachEMA:
             else "foreach_lerp_ (timm's calls; timm not importable)"
         )
         try:
+            import inspect
+
             from timm.utils.model_ema import ModelEmaV3
 
-            if model_dtype == dtype:
+            if "dtype" in inspect.signature(ModelEmaV3).parameters:
+                self.timm = ModelEmaV3(model, decay=0.9999, dtype=dtype)
+            elif model_dtype == dtype:
                 self.timm = ModelEmaV3(model, decay=0.9999)
-                self.timm.module.to(dtype=dtype)
+            if self.timm is not None:
                 self.ema = None
                 self.impl = "timm ModelEmaV3"
         except ImportError:
@@ -312,11 +319,13 @@ PEERS = ("foreach", "swa", "ema_pytorch", "torch_ema")  # issue 16: shardkit >= 
 
 def run_case(which, dtype_name, device, methods, reps, loop_max_params, burst=1):
     model_dtype = torch.float32 if dtype_name == "fp32" else torch.bfloat16
+    ema_dtype = torch.bfloat16 if dtype_name == "bf16ema" else torch.float32
     model, source = build_model(which, model_dtype, device)
     n_params = sum(p.numel() for p in model.parameters())
     floats = [t for t in model.state_dict().values() if t.is_floating_point()]
     n_tensors = len(model.state_dict())
-    nbytes = sum(t.numel() * (2 * 4 + t.element_size()) for t in floats)  # EMA is fp32
+    ema_size = torch.empty(0, dtype=ema_dtype).element_size()
+    nbytes = sum(t.numel() * (2 * ema_size + t.element_size()) for t in floats)  # EMA read + written
     # All implementations live at once and are timed round-robin, one update each per
     # round (in a rotating order), so load changes on a shared machine hit them alike.
     impls, errors = {}, {}
@@ -325,7 +334,7 @@ def run_case(which, dtype_name, device, methods, reps, loop_max_params, burst=1)
             errors[name] = f"skipped on CPU above {loop_max_params / 1e6:.0f}M params (--loop-max-params)"
             continue
         try:
-            impls[name] = METHODS[name](model, torch.float32)
+            impls[name] = METHODS[name](model, ema_dtype)
             for _ in range(1 if which != "resnet50" else 2):
                 impls[name].update(model)
         except Exception as exc:  # report, do not hide
@@ -333,7 +342,7 @@ def run_case(which, dtype_name, device, methods, reps, loop_max_params, burst=1)
             impls.pop(name, None)
     # The floor: a device copy (clone-like, read + write) of the EMA's size, timed in the
     # same rounds.
-    copy_src = torch.empty(sum(t.numel() for t in floats), dtype=torch.float32, device=device).uniform_()
+    copy_src = torch.empty(sum(t.numel() for t in floats), dtype=ema_dtype, device=device).uniform_()
     copy_dst = torch.empty_like(copy_src)
     for _ in range(2):
         copy_dst.copy_(copy_src)
@@ -341,7 +350,11 @@ def run_case(which, dtype_name, device, methods, reps, loop_max_params, burst=1)
     if device.type == "cpu":  # torch's CPU copy_ is not always memcpy-fast: take the better
         import numpy as np
 
-        copies["memcpy"] = lambda: np.copyto(copy_dst.numpy(), copy_src.numpy())
+        raw_dst, raw_src = copy_dst.view(torch.int16), copy_src.view(torch.int16)  # (numpy has no bf16)
+        copies["memcpy"] = lambda: np.copyto(
+            (raw_dst if ema_dtype == torch.bfloat16 else copy_dst).numpy(),
+            (raw_src if ema_dtype == torch.bfloat16 else copy_src).numpy(),
+        )
     copy_times = {k: [] for k in copies}
     times = {name: [] for name in impls}
     names = list(impls)
@@ -394,7 +407,8 @@ def run_case(which, dtype_name, device, methods, reps, loop_max_params, burst=1)
 def print_case(c):
     print(
         f"\n{c['model']} ({c['source']}): {c['params'] / 1e6:.1f}M params, {c['tensors']} tensors, "
-        f"{c['dtype']} model / fp32 EMA, {c['bytes'] / 1e9:.3f} GB per update, "
+        f"{'bf16 model / bf16 EMA' if c['dtype'] == 'bf16ema' else c['dtype'] + ' model / fp32 EMA'}, "
+        f"{c['bytes'] / 1e9:.3f} GB per update, "
         f"{c['burst']} update(s) timed back to back"
     )
     print(f"  copy bandwidth {c['copy_GBps']:.1f} GB/s -> floor {c['floor_ms']:.2f} ms")
@@ -424,6 +438,17 @@ def check_targets(cases, device):
             out.append(target_line(f"ema {tag}", None, "shardkit did not run"))
             continue
         foreach, loop = ms(c, "foreach"), ms(c, "loop")
+        if c["dtype"] == "bf16ema":  # like with like only: timm's class, which also rounds at random
+            timm = next((r for r in c["rows"] if r["method"] == "foreach" and r.get("impl") == "timm ModelEmaV3"), None)
+            t = None if timm is None else timm.get("ms")
+            out.append(
+                target_line(
+                    f"ema {tag} (both stochastic rounding) >= 1.0x timm ModelEmaV3",
+                    None if t is None else t / ours >= 1.0,
+                    "timm >= 1.0.31 did not run" if t is None else f"{t / ours:.2f}x",
+                )
+            )
+            continue
         if device.type == "cuda":
             if c["model"] == "350m":
                 pct = 100 * c["floor_ms"] / ours
@@ -515,6 +540,14 @@ def main():
         help="on CPU, skip the (very slow) per-tensor loop for larger models",
     )
     args = ap.parse_args()
+    for flag, given, known in (
+        ("--models", args.models, ("resnet50", "100m", "350m")),
+        ("--dtypes", args.dtypes, ("fp32", "bf16", "bf16ema")),
+        ("--methods", args.methods, tuple(METHODS)),
+    ):
+        bad = [v for v in (given or "").split(",") if v and v not in known]
+        if bad:
+            ap.error(f"{flag}: unknown {bad}; choose from {', '.join(known)}")
     device = torch.device(args.device)
     reps = args.reps or (15 if device.type == "cpu" else 50)
     if args.burst < 0 or args.reps < 0:
