@@ -421,7 +421,10 @@ def run(args):
         for _ in range(args.rounds):
             for method in args.methods or METHODS + [f"shardkit@{b}" for b in args.budgets]:
                 if method == "shardkit+checks" and device.type != "cuda":
-                    continue  # on the CPU the check's sync costs nothing extra: same row
+                    if method not in results:
+                        results[method] = None
+                        print(f"  {method:28s} skipped: on the CPU the default check costs no sync (the shardkit row)")
+                    continue
                 reason = unavailable(method, device)
                 if reason:
                     if method not in results:
@@ -633,6 +636,25 @@ def main():
     )
     p.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    for flag, value in (("--repeat", args.repeat), ("--rounds", args.rounds), ("--threads", args.threads)):
+        if value is not None and value < 1:
+            p.error(f"{flag} takes a count >= 1, got {value} (leave it out for the default)")
+    if args.shards < 1:
+        p.error(f"--shards takes a count >= 1, got {args.shards}")
+    for flag, values in (("--batch", args.batch), ("--classes", args.classes), ("--dim", [args.dim])):
+        if any(v is not None and v < 1 for v in values or []):
+            p.error(f"{flag} takes sizes >= 1, got {values}")
+    for shape in args.shape or []:
+        if min(shape) < 1:
+            p.error(f"--shape takes B C D >= 1, got {' '.join(map(str, shape))}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as err:
+        p.error(f"--device {args.device!r}: {err}")
+    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
+        p.error(f"--device {args.device!r}: needs 'cpu' or a visible CUDA device")
+    if args.cpu_target and device.type != "cpu":
+        p.error("--cpu-target runs on the CPU: leave out --device (or give --device cpu)")
     if args.master_weights and not (args.max_classes or args.max_classes_only or args._maxc_child):
         p.error("--master-weights applies to the largest-C search: add --max-classes or --max-classes-only")
     global SHARDS, METHOD_BUDGET_S, CPU_CLOCK, THREADS
