@@ -92,6 +92,15 @@ def _bad_input(rank, world, group):
         out["raised_int"] = None
     except DistributedInputError as err:
         out["raised_int"] = str(err)
+    # An empty batch on the last rank with labels of another length: checked against a one-row
+    # stand-in, it passed there and failed later on that rank alone (the others waited).
+    x, y = (torch.randn(0, D), torch.zeros(3, dtype=torch.long)) if rank == world - 1 else (torch.randn(3, D), labels)
+    t0 = time.time()
+    try:
+        head(x, y.clamp(max=10))
+        out["raised_empty"] = None
+    except DistributedInputError as err:
+        out.update(raised_empty=str(err), seconds_empty=time.time() - t0)
     return out
 
 
@@ -351,12 +360,16 @@ def test_bad_input_raises_on_every_rank(runs, world):
         assert msg is not None
         msg_int = results[world][r]["bad_input"]["raised_int"]
         assert msg_int is not None
+        msg_empty = results[world][r]["bad_input"]["raised_empty"]
+        assert msg_empty is not None and results[world][r]["bad_input"]["seconds_empty"] < 10
         if r == world - 1:
             assert "argument `labels` has class ids >= num_classes=11" in msg
             assert "argument `embeddings` must be floating point" in msg_int
+            assert "argument `labels` has shape [3] but `embeddings` has 0 rows" in msg_empty
         else:
             assert f"rank(s) [{world - 1}] got invalid input" in msg
             assert f"rank(s) [{world - 1}] got invalid input" in msg_int and "different modes" not in msg_int
+            assert f"rank(s) [{world - 1}] got invalid input" in msg_empty
 
 
 @pytest.mark.parametrize("world", WORLDS)

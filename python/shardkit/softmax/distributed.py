@@ -187,7 +187,13 @@ def check_local_input(
         and embeddings.dim() == 2
         and embeddings.shape[0] == 0
     ):
-        # check_tensors rejects empty batches; run it on a one-row stand-in for the rest.
+        # check_tensors rejects empty batches; run it on a one-row stand-in for the rest, after
+        # the labels' length (a stand-in of one of them hid [3] labels for 0 rows).
+        if isinstance(labels, torch.Tensor) and tuple(labels.shape) != (0,):
+            raise ValueError(
+                f"argument `labels` has shape {list(labels.shape)} but `embeddings` has 0 rows; an empty "
+                "batch on a rank takes labels of shape [0]"
+            )
         fake_labels = labels[:1] if isinstance(labels, torch.Tensor) and labels.dim() == 1 else labels
         if isinstance(fake_labels, torch.Tensor) and fake_labels.shape[0] == 0:
             fake_labels = fake_labels.new_zeros(1)
