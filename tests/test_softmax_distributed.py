@@ -101,6 +101,16 @@ def _bad_input(rank, world, group):
         out["raised_empty"] = None
     except DistributedInputError as err:
         out.update(raised_empty=str(err), seconds_empty=time.time() - t0)
+    # NaN embeddings on the last rank: every rank's error is also a NonFiniteEmbeddingsError
+    # (what a training loop catches as divergence in the one-process mode).
+    x = torch.randn(3, D)
+    if rank == world - 1:
+        x[1, 0] = float("nan")
+    try:
+        head(x, labels.clamp(max=10))
+        out["raised_nan"] = None
+    except shardkit.NonFiniteEmbeddingsError as err:
+        out["raised_nan"] = f"{type(err).__name__}: {err}"
     return out
 
 
@@ -360,6 +370,7 @@ def test_bad_input_raises_on_every_rank(runs, world):
         assert msg is not None
         msg_int = results[world][r]["bad_input"]["raised_int"]
         assert msg_int is not None
+        assert "DistributedNonFiniteError" in (results[world][r]["bad_input"]["raised_nan"] or ""), r
         msg_empty = results[world][r]["bad_input"]["raised_empty"]
         assert msg_empty is not None and results[world][r]["bad_input"]["seconds_empty"] < 10
         if r == world - 1:

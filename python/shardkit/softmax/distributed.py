@@ -259,7 +259,7 @@ def distributed_statistics(
         if embeddings.dtype != dtype:
             embeddings = embeddings.to(dtype)  # cast before the gather: fewer bytes on the wire
     except (ValueError, TypeError) as err:
-        error = str(err)
+        error = err
     needs_grad = torch.is_grad_enabled() and isinstance(embeddings, torch.Tensor) and embeddings.requires_grad
     sizes = exchange_batch_info(dctx, embeddings, error, (return_details, with_rank, sample_rate, needs_grad))
     if sum(sizes) == 0:

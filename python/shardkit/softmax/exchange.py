@@ -13,7 +13,15 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from shardkit.softmax.checks import NonFiniteEmbeddingsError
 from shardkit.softmax.collectives import _LAYOUTS, REPLICATED, DistContext, DistributedInputError
+
+
+class DistributedNonFiniteError(DistributedInputError, NonFiniteEmbeddingsError):
+    """Raised on every rank when a rank's embeddings hold NaN or infinite values: a
+    DistributedInputError that ``except shardkit.NonFiniteEmbeddingsError`` also catches, as
+    in the one-process mode (a diverged backbone)."""
+
 
 # A value of the configuration fingerprint (see check_same_config).
 ConfigValue = Union[None, str, float, Tuple[float, ...]]
@@ -104,7 +112,10 @@ def _bits_float(b: int) -> float:
 
 
 def exchange_batch_info(
-    ctx: DistContext, x: object, error: Optional[str], mode: Tuple[bool, bool, float, bool] = (False, False, 1.0, False)
+    ctx: DistContext,
+    x: object,
+    error: Optional[Exception],
+    mode: Tuple[bool, bool, float, bool] = (False, False, 1.0, False),
 ) -> List[int]:
     """Host-side exchange of (batch size, width, dtype, error flag) and of this step's mode
     (``(return_details, with_rank, effective sample_rate, embeddings need a gradient)``: a
@@ -120,7 +131,8 @@ def exchange_batch_info(
     else:
         b, d, code = -1, -1, 0
     details, with_rank, rate, grad = mode
-    row = [b, d, code, 1 if error else 0, int(bool(details)), int(bool(with_rank)), _float_bits(rate), int(bool(grad))]
+    flag = 0 if error is None else 2 if isinstance(error, NonFiniteEmbeddingsError) else 1
+    row = [b, d, code, flag, int(bool(details)), int(bool(with_rank)), _float_bits(rate), int(bool(grad))]
     mine = torch.tensor(row, dtype=torch.int64)
     out = torch.empty(ctx.world_size * len(row), dtype=torch.int64)
     try:
@@ -128,13 +140,15 @@ def exchange_batch_info(
     except Exception as err:  # gloo raises RuntimeError / DistBackendError on timeout or peer loss
         raise ctx.fail("batch-size exchange", err) from err
     info = out.view(ctx.world_size, len(row)).tolist()  # CPU tensor: no device sync
-    if error:
-        raise DistributedInputError(f"ShardedSoftmaxLoss rank {ctx.rank}: {error}")
+    if error is not None:
+        raise (DistributedNonFiniteError if flag == 2 else DistributedInputError)(
+            f"ShardedSoftmaxLoss rank {ctx.rank}: {error}"
+        )
     # Another rank's invalid input first: its mode fields (e.g. whether its non-tensor
     # "embeddings" need a gradient) mean nothing, and a mode mismatch would name the wrong cause.
     bad = [r for r, row in enumerate(info) if row[3]]
     if bad:
-        raise DistributedInputError(
+        raise (DistributedNonFiniteError if any(info[r][3] == 2 for r in bad) else DistributedInputError)(
             f"ShardedSoftmaxLoss rank {ctx.rank}: rank(s) {bad} got invalid input (their error says "
             f"which); every rank raises so that none waits in a collective"
         )
