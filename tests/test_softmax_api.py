@@ -6,6 +6,7 @@ import copy
 import io
 import math
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -243,3 +244,15 @@ def test_extra_repr_shows_the_options_off_their_defaults():
     for part in ("memory_budget=1024", "sample_rate=0.1", "chunk_memory=1048576", "check_inputs=False", "topk=(3,)"):
         assert part in text, (part, text)
     assert "topk=" not in repr(shardkit.ShardedSoftmaxLoss(8, 3))  # the default (1, 5) trimmed to (1,)
+
+
+def test_built_before_init_process_group_under_a_launcher_warns(monkeypatch):
+    # `process_group=dist.group.WORLD` is None before init_process_group: under torchrun the
+    # head silently became a whole head on every rank, each with its own loss.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.warns(UserWarning, match="before torch.distributed.init_process_group"):
+        shardkit.ShardedSoftmaxLoss(8, 10)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        shardkit.ShardedSoftmaxLoss(8, 10)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -220,3 +221,21 @@ def new_shards(
                 "more devices or ranks (`python -m shardkit.plan` sizes it)"
             ) from err
     return nn.ParameterList(shards)
+
+
+def warn_before_init() -> None:
+    """The one-process mode built under a launcher of several processes before
+    torch.distributed is initialized: ``process_group=dist.group.WORLD`` is None then, so a
+    head meant for the process-group mode silently became a whole head on every rank."""
+    import os
+    import warnings
+
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world.isdigit() and int(world) > 1 and dist.is_available() and not dist.is_initialized():
+        warnings.warn(
+            f"ShardedSoftmaxLoss: built in the one-process mode (every class on this process) under a launcher of "
+            f"WORLD_SIZE={world} processes before torch.distributed.init_process_group: `dist.group.WORLD` is None "
+            "until then. For the classes sharded over the processes, build it after init_process_group with "
+            "process_group=dist.group.WORLD",
+            stacklevel=3,
+        )

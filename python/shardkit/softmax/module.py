@@ -26,7 +26,7 @@ from shardkit.softmax.collectives import DATA_PARALLEL
 from shardkit.softmax.core import ShardedLossOutput, ShardStatistics
 from shardkit.softmax.distributed import ProcessGroupShards
 from shardkit.softmax.exchange import ConfigValue
-from shardkit.softmax.head import ShardedHead, new_shards
+from shardkit.softmax.head import ShardedHead, new_shards, warn_before_init
 from shardkit.softmax.local import LocalShards, sharded_cross_entropy
 from shardkit.softmax.margins import Margin
 from shardkit.softmax.sampling import check_sample_rate, mark_sampled
@@ -171,6 +171,7 @@ class ShardedSoftmaxLoss(ShardedHead):
             if input_layout != DATA_PARALLEL:
                 raise ValueError("argument `input_layout` needs `process_group`")
             self._mode = LocalShards(num_classes, devices, shard_sizes)
+            warn_before_init()
         else:
             config: Dict[str, ConfigValue] = {
                 "embedding_dim": embedding_dim,
