@@ -11,7 +11,6 @@ ones they call, which trust their callers.
 
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Any, Iterable, List
 
@@ -60,19 +59,6 @@ def class_offsets(sizes: Iterable[int]) -> List[int]:
     return _collectives.class_offsets(_ints("sizes", sizes))
 
 
-def _check_rate(sample_rate: Any) -> float:
-    # As the loss checks it, plus a number too large for a float (an OverflowError naming nothing).
-    if isinstance(sample_rate, bool) or not isinstance(sample_rate, numbers.Real):
-        raise TypeError(f"argument `sample_rate` must be a float in (0, 1], got {type(sample_rate).__name__}")
-    try:
-        rate = float(sample_rate)
-    except OverflowError:
-        raise ValueError(f"argument `sample_rate` must be in (0, 1], got {_brief(sample_rate)}") from None
-    if not (math.isfinite(rate) and 0.0 < rate <= 1.0):
-        raise ValueError(f"argument `sample_rate` must be in (0, 1], got {_brief(sample_rate)}")
-    return rate
-
-
 def sampled_class_counts(sizes: Iterable[int], sample_rate: float, global_batch: int) -> List[int]:
     """PartialFC: classes used per rank this step, host-known so no sync is needed.
 
@@ -84,7 +70,7 @@ def sampled_class_counts(sizes: Iterable[int], sample_rate: float, global_batch:
         sample_rate: in (0, 1] (``ValueError`` / ``TypeError`` otherwise).
         global_batch: rows of the gathered batch (int >= 0).
     """
-    rate = _check_rate(sample_rate)
+    rate = _sampling.check_sample_rate(sample_rate)
     if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
         raise ValueError(f"argument `sizes` must hold ints >= 0, got {type(sizes).__name__}")
     # numpy integers as Python ones; anything else is refused (ValueError) by the check inside

@@ -19,6 +19,7 @@ equals the full loss exactly.
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -51,15 +52,18 @@ def sampled_class_counts(sizes: Sequence[int], sample_rate: float, global_batch:
 
 
 def check_sample_rate(sample_rate: float) -> float:
-    """``sample_rate`` as a float in (0, 1]; ValueError / TypeError naming the argument."""
-    if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)):
+    """``sample_rate`` as a float in (0, 1] (any real number type but bool); ValueError /
+    TypeError naming the argument, also for an int beyond the float range."""
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, numbers.Real):
         raise TypeError(f"argument `sample_rate` must be a float in (0, 1], got {type(sample_rate).__name__}")
-    if isinstance(sample_rate, int) and not 0 < sample_rate <= 1:  # (an int beyond the float range too)
-        text = str(sample_rate) if abs(sample_rate) < 10**20 else f"an int of {len(str(abs(sample_rate)))} digits"
-        raise ValueError(f"argument `sample_rate` must be in (0, 1], got {text}")
-    rate = float(sample_rate)
-    if not 0.0 < rate <= 1.0:
-        raise ValueError(f"argument `sample_rate` must be in (0, 1], got {sample_rate}")
+    huge = isinstance(sample_rate, int) and abs(sample_rate) >= 10**30
+    shown = f"a {len(str(abs(sample_rate)))}-digit integer" if huge else repr(sample_rate)[:60]
+    try:
+        rate = float(sample_rate)
+    except OverflowError:
+        rate = math.nan
+    if not (math.isfinite(rate) and 0.0 < rate <= 1.0):
+        raise ValueError(f"argument `sample_rate` must be in (0, 1], got {shown}")
     return rate
 
 
