@@ -205,6 +205,7 @@ def _mismatched_modes(rank, group):
             out[case] = str(err)
         out[case + "_seconds"] = time.time() - t0
     head.train()
+    out.update(_one_rank_differs(rank, head, x, y))
     out["after"] = float(head(x, y, return_details=True)[0].detach())  # the head still works
     xr = x.clone().requires_grad_()
     try:  # a gradient penalty through the distributed head: refused on every rank, no stall
@@ -212,6 +213,40 @@ def _mismatched_modes(rank, group):
         out["double"] = None
     except RuntimeError as err:
         out["double"] = str(err)
+    return out
+
+
+def _one_rank_differs(rank, head, x, y):
+    """Rank 1 alone passes a bad forward argument, sets a bad or another option after
+    construction, or calls the heads in another order: every rank raises at once."""
+    other = shardkit.ShardedSoftmaxLoss(D, 11, process_group=head._mode.ctx.group)
+    saved = {k: getattr(head, k) for k in ("label_smoothing", "margin", "reduction", "ignore_index")}
+    cases = {
+        "topk": lambda: head(x, y, return_details=True, topk=50 if rank == 1 else 2),
+        "details_arg": lambda: head(x, y, return_details="yes" if rank == 1 else False),
+        "bad_reduction": lambda: setattr(head, "reduction", "avg" if rank == 1 else "mean"),
+        "smoothing": lambda: setattr(head, "label_smoothing", 0.25 if rank == 1 else 0.0),
+        "margin": lambda: setattr(head, "margin", shardkit.CosFace() if rank == 1 else None),
+        "ignore": lambda: setattr(head, "ignore_index", 3 if rank == 1 else -100),
+        "order": lambda: (other if rank == 1 else head)(x, y),
+    }
+    out = {}
+    for case, step in cases.items():
+        t0 = time.time()
+        try:
+            result = step()
+            if result is None:  # an option was set: the next step meets it
+                head(x, y)
+            out[case] = None
+        except DistributedInputError as err:
+            out[case] = str(err)
+        out[case + "_seconds"] = time.time() - t0
+        for k, v in saved.items():
+            setattr(head, k, v)
+    # the same option changed alike on every rank is fine, as is the other head in the same order
+    head.label_smoothing = 0.25
+    out["alike"] = float(head(x, y).detach()) + float(other(x, y).detach())
+    head.label_smoothing = saved["label_smoothing"]
     return out
 
 
@@ -478,6 +513,33 @@ def test_ranks_in_different_modes_raise_at_once(runs):
         assert max(res[f"{c}_seconds"] for c in ("details", "train_eval", "grad")) < TIMEOUT_S
         assert math.isfinite(res["after"])
         assert "shardkit.ce_shard_stats does not support double backward" in res["double"]
+
+
+@pytest.mark.parametrize(
+    "case, rank1_says",
+    [
+        ("topk", "argument `topk` (50,) holds a k larger than num_classes=11"),
+        ("details_arg", "argument `return_details` must be a Python bool, got str 'yes'"),
+        ("bad_reduction", "argument `reduction` must be one of"),
+        ("smoothing", "`label_smoothing` differs (rank 0: 0, rank 1: 0.25)"),
+        ("margin", "`margin` differs (rank 0: None, rank 1: (64.0, 1.0, 0.0, 0.4))"),
+        ("ignore", "`ignore_index` differs (rank 0: -100, rank 1: 3)"),
+        ("order", "the ranks called different heads this step"),
+    ],
+)
+def test_one_rank_with_another_argument_option_or_head_raises_everywhere(runs, case, rank1_says):
+    # Each used to leave rank 0 waiting until the timeout or give the ranks different losses.
+    per_rank = runs[3]
+    for rank in (0, 1):
+        res = per_rank[rank]["modes"]
+        msg = res[case]
+        assert msg is not None, (rank, case)
+        assert res[case + "_seconds"] < TIMEOUT_S, (rank, case)
+        if rank == 1 or case in ("smoothing", "margin", "ignore", "order"):
+            assert rank1_says in msg, (rank, msg)
+        else:
+            assert "rank(s) [1] got invalid input" in msg, msg
+        assert math.isfinite(res["alike"])
 
 
 def test_head_on_a_subgroup_built_by_its_members_alone(runs):

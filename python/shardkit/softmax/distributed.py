@@ -10,14 +10,14 @@ when it gets a ``process_group``; it answers the same calls as the one-process
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple, Union
+from typing import Dict, NoReturn, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from shardkit import ops
 from shardkit.softmax.budget import check_memory_budget, shard_budgets
-from shardkit.softmax.checks import check_tensors, check_topk, check_values
+from shardkit.softmax.checks import check_options, check_tensors, check_topk, check_values, parse_memory
 from shardkit.softmax.collectives import (
     DistContext,
     DistributedInputError,
@@ -39,7 +39,7 @@ from shardkit.softmax.core import (
 from shardkit.softmax.exchange import ConfigValue, check_same_config, exchange_batch_info
 from shardkit.softmax.head import ShardedHead, checked_weight_loads
 from shardkit.softmax.margins import Margin
-from shardkit.softmax.sampling import mark_sampled, sample_shard, sampled_class_counts
+from shardkit.softmax.sampling import check_sample_rate, mark_sampled, sample_shard, sampled_class_counts
 
 DeviceLike = Union[torch.device, str, int]
 
@@ -94,7 +94,16 @@ class ProcessGroupShards:
             raise ValueError(f"argument `devices` must name ONE device per rank with `process_group`, got {devices}")
         self.devices = [torch.device(devices[0])]
         self.sizes = [self.ctx.num_local]
-        check_same_config(self.ctx, {"num_classes": num_classes, "input_layout": input_layout, **(config or {})})
+        # The head's token pairs this rank's shard with the others' (checked at every step).
+        self.token = check_same_config(
+            self.ctx, {"num_classes": num_classes, "input_layout": input_layout, **(config or {})}
+        )
+
+    def refuse(self, module: ShardedHead, error: Exception) -> NoReturn:
+        """Raises ``error`` (a bad forward argument or option on this rank) on every rank:
+        this rank reports it in the step's exchange, which the others are waiting in."""
+        exchange_batch_info(self.ctx, None, error, token=getattr(self, "token", 0))
+        raise error  # (not reached: the exchange raises DistributedInputError)
 
     def attach(self, module: ShardedHead) -> None:
         """Ranks keep their own shard in ``state_dict()``; loading checks its dtype and layout."""
@@ -131,8 +140,23 @@ class ProcessGroupShards:
     ) -> Union[torch.Tensor, ShardedLossOutput]:
         """The loss of the GLOBAL batch on every rank (see :mod:`shardkit.softmax.collectives`
         for the gradient convention)."""
-        ks = check_topk(module.topk if topk is None else topk) if return_details else ()
-        rate = module.sample_rate if module.training else 1.0  # evaluation uses every class
+        try:  # options set after construction are checked here, as the one-process mode does
+            check_inputs = check_options(
+                module.margin, module.label_smoothing, module.ignore_index, module.reduction, module.check_inputs
+            )
+            ks = check_topk(module.topk if topk is None else topk, module.num_classes) if return_details else ()
+            rate = check_sample_rate(module.sample_rate) if module.training else 1.0  # eval: every class
+            if module.chunk_memory is not None:
+                parse_memory(module.chunk_memory)
+            check_memory_budget(module.memory_budget)
+        except (TypeError, ValueError) as err:
+            self.refuse(module, err)
+        options: dict[str, ConfigValue] = {
+            "margin": None if module.margin is None else tuple(module.margin.params()),
+            "ignore_index": module.ignore_index,
+            "label_smoothing": float(module.label_smoothing),
+            "reduction": module.reduction,
+        }
         generator = module.sample_generator
         assert not isinstance(generator, Sequence)  # the module's setter refuses lists in this mode
         stats, labels_g, used = distributed_statistics(
@@ -144,11 +168,12 @@ class ProcessGroupShards:
             chunk_memory=module.chunk_memory,
             with_rank=bool(ks),
             ignore_index=module.ignore_index,
-            check_inputs=module.check_inputs,
+            check_inputs=check_inputs,
             sample_rate=rate,
             generator=generator,
             return_details=return_details,
             memory_budget=module.memory_budget,
+            identity=(getattr(self, "token", 0), options),
         )
         with torch.autocast(stats.lse.device.type, enabled=False):  # fp32 statistics stay fp32
             loss, valid = loss_from_statistics(
@@ -225,6 +250,7 @@ def distributed_statistics(
     generator: Optional[torch.Generator] = None,
     return_details: bool = False,
     memory_budget: Union[int, str] = 0,
+    identity: Tuple[int, Optional[Dict[str, ConfigValue]]] = (0, None),
 ) -> Tuple[ShardStatistics, torch.Tensor, int]:
     """One rank's part of the distributed loss, up to the global statistics.
 
@@ -242,6 +268,8 @@ def distributed_statistics(
             ranks, with ``with_rank`` and ``sample_rate``, in the per-step exchange).
         memory_budget: this rank's budget (bytes or "auto", as
             :func:`shardkit.sharded_cross_entropy`); ranks may differ.
+        identity: ``(token, options)`` of the head, compared across the ranks in the
+            per-step exchange (see :func:`shardkit.softmax.exchange.exchange_batch_info`).
 
     Returns:
         ``(stats, labels_global, num_classes_used)``: :class:`ShardStatistics` of the
@@ -261,7 +289,8 @@ def distributed_statistics(
     except (ValueError, TypeError) as err:
         error = err
     needs_grad = torch.is_grad_enabled() and isinstance(embeddings, torch.Tensor) and embeddings.requires_grad
-    sizes = exchange_batch_info(dctx, embeddings, error, (return_details, with_rank, sample_rate, needs_grad))
+    mode = (return_details, with_rank, sample_rate, needs_grad)
+    sizes = exchange_batch_info(dctx, embeddings, error, mode, token=identity[0], options=identity[1])
     if sum(sizes) == 0:
         raise DistributedInputError(
             f"ShardedSoftmaxLoss rank {dctx.rank}: argument `embeddings` is empty on every rank; the loss "

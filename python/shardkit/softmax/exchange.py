@@ -6,6 +6,8 @@ disagree (or hang until the group's timeout)."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 import struct
 import zlib
 from typing import Dict, List, Optional, Tuple, Union
@@ -67,31 +69,45 @@ def _decode_field(slots: List[float]) -> ConfigValue:
     return int(v) if v == int(v) else v
 
 
-def check_same_config(ctx: DistContext, config: Dict[str, ConfigValue]) -> None:
+def check_same_config(ctx: DistContext, config: Dict[str, ConfigValue], changed: bool = False) -> int:
     """Raises :class:`DistributedInputError` on every rank unless every rank built its head
     with the same ``config`` (a dict of numbers, strings, None or short tuples of numbers,
-    the same keys on every rank). One all_gather of ``len(config) * 6`` float64 on the CPU
-    group, at construction only. Heads that disagree (e.g. on ``num_classes``) would
-    otherwise train without error, with classes in no shard or in two."""
+    the same keys on every rank). One all_gather of ``len(config) * 6 + 1`` float64 on the
+    CPU group, at construction (and, with ``changed``, when a step's option fingerprints
+    differ: the message then says the options were changed after construction). Heads
+    that disagree (e.g. on ``num_classes``) would otherwise train without error, with
+    classes in no shard or in two.
+
+    Returns the head's token: rank 0's random 52-bit number, the same on every rank, which
+    the per-step exchange compares (heads called in another order on another rank)."""
     names = list(config)
-    mine = torch.tensor([v for name in names for v in _encode_field(config[name])], dtype=torch.float64)
+    token = float(int.from_bytes(os.urandom(7), "little") >> 4)  # 52 bits: exact in float64
+    fields = [v for name in names for v in _encode_field(config[name])]
+    mine = torch.tensor(fields + [token], dtype=torch.float64)
     out = torch.empty(ctx.world_size * mine.numel(), dtype=torch.float64)
     try:
         dist.all_gather_into_tensor(out, mine, group=ctx.cpu_group)
     except Exception as err:
         raise ctx.fail("configuration exchange", err) from err
-    rows = out.view(ctx.world_size, len(names), _SLOTS).tolist()
+    gathered = out.view(ctx.world_size, mine.numel())
+    rows = gathered[:, :-1].reshape(ctx.world_size, len(names), _SLOTS).tolist()
     diffs = []
     for i, name in enumerate(names):
         if any(row[i] != rows[0][i] for row in rows):
             per_rank = ", ".join(f"rank {r}: {_decode_field(row[i])!r}" for r, row in enumerate(rows))
             diffs.append(f"`{name}` differs ({per_rank})")
+    if diffs and changed:
+        raise DistributedInputError(
+            f"ShardedSoftmaxLoss rank {ctx.rank}: the head's options differ between the ranks this step "
+            "(changed after construction on some ranks only): " + "; ".join(diffs) + ". Set them alike on every rank"
+        )
     if diffs:
         raise DistributedInputError(
             f"ShardedSoftmaxLoss rank {ctx.rank}: the ranks of the process group built different heads: "
             + "; ".join(diffs)
             + ". Build the loss with the same arguments on every rank"
         )
+    return int(gathered[0, -1].item())
 
 
 # Per-step mode fields carried by the batch-info exchange (after b, d, dtype code, error).
@@ -111,20 +127,34 @@ def _bits_float(b: int) -> float:
     return struct.unpack("<d", struct.pack("<q", int(b)))[0]
 
 
+def options_fingerprint(options: Dict[str, ConfigValue]) -> int:
+    """A signed 64-bit digest of ``options`` (encoded as :func:`check_same_config` encodes
+    them): what the per-step exchange compares, a few microseconds of host work."""
+    encoded = struct.pack(f"<{_SLOTS * len(options)}d", *[v for k in options for v in _encode_field(options[k])])
+    return int.from_bytes(hashlib.blake2b(encoded, digest_size=8).digest(), "little", signed=True)
+
+
 def exchange_batch_info(
     ctx: DistContext,
     x: object,
     error: Optional[Exception],
     mode: Tuple[bool, bool, float, bool] = (False, False, 1.0, False),
+    token: int = 0,
+    options: Optional[Dict[str, ConfigValue]] = None,
 ) -> List[int]:
-    """Host-side exchange of (batch size, width, dtype, error flag) and of this step's mode
+    """Host-side exchange of (batch size, width, dtype, error flag), of this step's mode
     (``(return_details, with_rank, effective sample_rate, embeddings need a gradient)``: a
-    rank whose embeddings need none skips the backward's reduce-scatter) on the CPU group.
+    rank whose embeddings need none skips the backward's reduce-scatter), of the head's
+    ``token`` (from :func:`check_same_config`) and of a fingerprint of its current
+    ``options`` (those that change the loss: margin, smoothing, ignore_index, reduction),
+    on the CPU group.
 
     Returns every rank's batch size. Raises :class:`DistributedInputError` on every rank
-    when any rank reports an error, when ranks disagree on the width or dtype (or, in the
-    replicated layout, on the batch size), or when they call the loss in different modes
-    (the collectives that follow would differ and stall until the group's timeout).
+    when any rank reports an error, when the ranks call different heads (another order),
+    when they disagree on the width or dtype (or, in the replicated layout, on the batch
+    size), when they call the loss in different modes (the collectives that follow would
+    differ and stall until the group's timeout), or when an option differs (the loss would
+    differ between ranks, silently; a second small exchange names the option).
     """
     if isinstance(x, torch.Tensor) and x.dim() == 2:
         b, d, code = x.shape[0], x.shape[1], _DTYPE_CODES.get(x.dtype, 0)
@@ -132,7 +162,19 @@ def exchange_batch_info(
         b, d, code = -1, -1, 0
     details, with_rank, rate, grad = mode
     flag = 0 if error is None else 2 if isinstance(error, NonFiniteEmbeddingsError) else 1
-    row = [b, d, code, flag, int(bool(details)), int(bool(with_rank)), _float_bits(rate), int(bool(grad))]
+    digest = 0 if options is None else options_fingerprint(options)
+    row = [
+        b,
+        d,
+        code,
+        flag,
+        int(bool(details)),
+        int(bool(with_rank)),
+        _float_bits(rate),
+        int(bool(grad)),
+        token,
+        digest,
+    ]
     mine = torch.tensor(row, dtype=torch.int64)
     out = torch.empty(ctx.world_size * len(row), dtype=torch.int64)
     try:
@@ -152,6 +194,12 @@ def exchange_batch_info(
             f"ShardedSoftmaxLoss rank {ctx.rank}: rank(s) {bad} got invalid input (their error says "
             f"which); every rank raises so that none waits in a collective"
         )
+    if len({row[8] for row in info}) > 1:
+        raise DistributedInputError(
+            f"ShardedSoftmaxLoss rank {ctx.rank}: the ranks called different heads this step (a head's "
+            "shards are paired across the ranks in the order the heads were built): call the heads in "
+            "the same order on every rank"
+        )
     diffs = []
     for k, name in enumerate(_MODE_FIELDS):
         values = [r[4 + k] for r in info]
@@ -165,6 +213,11 @@ def exchange_batch_info(
             "return_details and topk, all in train() or all in eval() mode (sample_rate applies in "
             "training only), and embeddings that require grad on all ranks or on none (the same grad "
             "mode); compute details on every rank and log them on one"
+        )
+    if options is not None and len({row[9] for row in info}) > 1:
+        check_same_config(ctx, options, changed=True)  # names the option (every rank is here)
+        raise DistributedInputError(  # (a digest collision of equal encodings: not reached)
+            f"ShardedSoftmaxLoss rank {ctx.rank}: the head's options differ between the ranks this step"
         )
     widths = sorted({row[1] for row in info})
     dtypes = sorted({row[2] for row in info})

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import List, Literal, Optional, Sequence, Tuple, Union, overload
+from typing import List, Literal, NoReturn, Optional, Sequence, Tuple, Union, overload
 
 import torch
 
@@ -340,6 +340,11 @@ class LocalShards:
     def full_weight(self, module: ShardedHead, device: Optional[DeviceLike] = None) -> torch.Tensor:
         device = module.weight_shards[0].device if device is None else torch.device(device)
         return torch.cat([p.detach().to(device) for p in module.weight_shards], dim=0)
+
+    def refuse(self, module: ShardedHead, error: Exception) -> NoReturn:
+        """Raises ``error`` (a bad forward argument; the process-group mode raises it on
+        every rank)."""
+        raise error
 
     def forward(
         self,

@@ -306,9 +306,12 @@ class ShardedSoftmaxLoss(ShardedHead):
             shardkit.distributed.DistributedInputError: with a ``process_group``, when the ranks' inputs
                 disagree (raised on every rank at once; a ``ValueError``).
         """
-        return_details = bool_arg("return_details", return_details)
-        if topk is not None:
-            topk = check_topk(topk, self.num_classes)
+        try:
+            return_details = bool_arg("return_details", return_details)
+            if topk is not None:
+                topk = check_topk(topk, self.num_classes)
+        except (TypeError, ValueError) as err:
+            self._mode.refuse(self, err)  # with a process group: raised on every rank
         return self._mode.forward(self, embeddings, labels, return_details, topk)
 
     def extra_repr(self) -> str:
