@@ -5,7 +5,9 @@ The batch is cut into ``chunks`` micro-batches. At clock ``t`` stage ``k`` runs 
 ``t - k``: while stage 1 works on micro-batch 0, stage 0 already works on micro-batch 1, so
 with K stages and M micro-batches the devices idle for a fraction (K - 1) / (M + K - 1) of
 the forward (the bubble) instead of (K - 1) / K for the naive split. The tasks of one clock
-run in threads (:mod:`shardkit.parallel.threads`, which carries grad mode and autocast);
+run in threads, one per device (:mod:`shardkit.parallel.threads`, which carries grad mode
+and autocast); tasks that share a device run in stage order, so the draws of its random
+generator (dropout) come in the same order run to run;
 on GPUs each stage has its own stream, and an activation is handed to the next stage by a
 non-blocking copy ordered by the producer's event. Autograd then runs the backward of each
 device on that device's stream.
@@ -27,16 +29,17 @@ update them (momentum applied ``chunks`` times per step), as plain BatchNorm wou
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from typing import Any, Literal, Sequence, Union
+from typing import Any, Iterator, Literal, Sequence, Union
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from shardkit.ops._devices import unavailable_cuda, visible_gpus
-from shardkit.parallel.pipeline_bn import DeferredBatchNorm, no_running_stats_update
+from shardkit.parallel.pipeline_bn import DeferredBatchNorm, micro_batch, no_running_stats_update
 from shardkit.parallel.pipeline_plan import BALANCE_BY, layer_costs, partition, split_evenly
 from shardkit.parallel.scatter import as_device
 from shardkit.parallel.threads import run_parallel
@@ -60,7 +63,7 @@ BATCHNORM_MODES = ("deferred", "micro")
 
 def _layers(stages: Stages) -> list[nn.Module]:
     if isinstance(stages, nn.Sequential):
-        return list(stages.children())
+        return list(stages)  # every position: a layer held twice (a shared activation) runs twice
     if isinstance(stages, (list, tuple)) and all(isinstance(m, nn.Module) for m in stages):
         return list(stages)
     raise TypeError(f"argument `stages` must be an nn.Sequential or a list of nn.Modules, got {type(stages).__name__}")
@@ -97,6 +100,26 @@ def _check_visible(devices: Sequence[torch.device], name: str) -> None:
         f"argument `{name}` names {', '.join(map(str, missing))} but only {count} CUDA GPU(s) are visible "
         f"(cuda:0 to cuda:{count - 1})"
     )
+
+
+def _check_shared(layers: list[nn.Module], balance: list[int], devices: list[torch.device]) -> None:
+    """ValueError when a Parameter or buffer is held by stages on different devices (a layer
+    or a tied weight used in two of them): a tensor lives on one device, and moving the
+    second stage would take it from the first."""
+    where: dict[int, tuple[int, str]] = {}
+    start = 0
+    for s, (size, dev) in enumerate(zip(balance, devices)):
+        stage = nn.Sequential(*layers[start : start + size])
+        start += size
+        for name, t in list(stage.named_parameters()) + list(stage.named_buffers()):
+            first = where.setdefault(id(t), (s, name))
+            if devices[first[0]] != dev:
+                raise ValueError(
+                    f"argument `stages`: the tensor at layer {first[1]!r} of stage {first[0]} is also used by "
+                    f"stage {s} ({name!r}), but the stages are on {devices[first[0]]} and {dev}; a shared layer "
+                    "or tied weight must stay on one device: give those stages the same device (`devices`, "
+                    "`balance`)"
+                )
 
 
 class PipelineModel(nn.Module):
@@ -183,6 +206,7 @@ class PipelineModel(nn.Module):
                 layers = _layers(stages)
             else:
                 layers = [DeferredBatchNorm.convert(m) for m in layers]
+        _check_shared(layers, balance, devs)
         parts: list[nn.Module] = []
         start = 0
         for size, dev in zip(balance, devs):
@@ -246,24 +270,20 @@ class PipelineModel(nn.Module):
         if x.dim() == 0 or x.shape[0] == 0:
             raise ValueError(f"argument `x` must have a non-empty batch along dim 0, got shape {tuple(x.shape)}")
         micro = list(x.tensor_split(min(self.chunks, x.shape[0])))
-        m, k = len(micro), len(self.partitions)
+        m = len(micro)
         self._micro_count = m
-        for part in self.partitions:
-            for mod in part.modules():
-                if isinstance(mod, DeferredBatchNorm):
-                    mod.begin_step(m)
-        streams = self._stage_streams(x)
-        if streams[0] is not None and x.device == self.stage_devices[0]:
-            x.record_stream(streams[0])  # the caller's tensor, read on stage 0's stream
-        acts: list[torch.Tensor] = list(micro)
-        events: list[Event | None] = [None] * m
-        for clock in range(m + k - 1):
-            tasks = [(s, clock - s) for s in range(k) if 0 <= clock - s < m]
-            calls = [functools.partial(self._run_task, s, i, acts[i], events[i], streams) for s, i in tasks]
-            labels = [f"stage {s} (partitions[{s}]), micro-batch {i} of {m}" for s, i in tasks]
-            results = run_parallel(calls, [self.stage_devices[s] for s, _ in tasks], "PipelineModel", labels)
-            for (_, i), (y, event) in zip(tasks, results):
-                acts[i], events[i] = y, event
+        deferred = (
+            [mod for mod in self.partitions.modules() if isinstance(mod, DeferredBatchNorm)]
+            if self.batchnorm == "deferred" and self.training
+            else []
+        )
+        for mod in deferred:
+            mod.begin_step(m)
+        try:
+            acts, events, streams = self._schedule(x, micro)
+        finally:
+            for mod in deferred:
+                mod.end_step()
         # A non-blocking copy to the CPU would return before its data arrived (torch.cat on the
         # host would read it too early): only copies to a GPU are asynchronous.
         non_blocking = self.output_device.type == "cuda"
@@ -276,6 +296,50 @@ class PipelineModel(nn.Module):
         return out
 
     # ---- internals -----------------------------------------------------------------
+
+    def _schedule(
+        self, x: torch.Tensor, micro: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[Event | None], list[Stream | None]]:
+        """The fill-drain clocks. The tasks of one clock that share a device (and so its random
+        generator) run in stage order in one thread, the devices concurrently: dropout draws
+        the same numbers run to run under one seed."""
+        m, k = len(micro), len(self.partitions)
+        streams = self._stage_streams(x)
+        if streams[0] is not None and x.device == self.stage_devices[0]:
+            x.record_stream(streams[0])  # the caller's tensor, read on stage 0's stream
+        acts: list[torch.Tensor] = list(micro)
+        events: list[Event | None] = [None] * m
+        for clock in range(m + k - 1):
+            per_device: dict[torch.device, list[tuple[int, int]]] = {}
+            for s in range(k):
+                if 0 <= clock - s < m:
+                    per_device.setdefault(self.stage_devices[s], []).append((s, clock - s))
+            groups = list(per_device.values())
+            labels = [_TaskLabel(m) for _ in groups]
+            calls = [
+                functools.partial(self._run_tasks, tasks, acts, events, streams, label)
+                for tasks, label in zip(groups, labels)
+            ]
+            devices = [self.stage_devices[tasks[0][0]] for tasks in groups]
+            for tasks, results in zip(groups, run_parallel(calls, devices, "PipelineModel", labels)):
+                for (_, i), (y, event) in zip(tasks, results):
+                    acts[i], events[i] = y, event
+        return acts, events, streams
+
+    def _run_tasks(
+        self,
+        tasks: list[tuple[int, int]],
+        acts: list[torch.Tensor],
+        events: list[Event | None],
+        streams: Sequence[Stream | None],
+        label: _TaskLabel,
+    ) -> list[tuple[torch.Tensor, Event | None]]:
+        out = []
+        for s, i in tasks:
+            label.task = (s, i)
+            with micro_batch(i):
+                out.append(self._run_task(s, i, acts[i], events[i], streams))
+        return out
 
     def _stage_streams(self, x: torch.Tensor) -> list[Stream | None]:
         """One CUDA stream per stage (None on CPUs); each first waits for the caller's stream
@@ -334,10 +398,12 @@ class PipelineModel(nn.Module):
             calls = {"n": 0}
             failed: list[BaseException] = []
 
+            modes = [(mod, mod.training) for mod in part.modules()]
+
             def run(inp: torch.Tensor) -> torch.Tensor:
                 calls["n"] += 1
-                if calls["n"] > 1:
-                    with no_running_stats_update(part):  # the recomputation in the backward
+                if calls["n"] > 1:  # the recomputation in the backward replays the forward's modes
+                    with no_running_stats_update(part), _modes_of(modes):
                         return part(inp)
                 # torch's checkpoint installs its saved-tensor hooks on this thread and removes
                 # them only after the function returns: an exception would leave them in place
@@ -391,6 +457,32 @@ class PipelineModel(nn.Module):
             f"devices={[str(d) for d in self.stage_devices]}, balance={self.balance}, chunks={self.chunks}, "
             f"checkpoint={self.checkpoint!r}, batchnorm={self.batchnorm!r}"
         )
+
+
+@contextlib.contextmanager
+def _modes_of(modes: list[tuple[nn.Module, bool]]) -> Iterator[None]:
+    """Each module's ``training`` flag as recorded (a model switched to ``eval()`` between
+    the forward and the backward still recomputes its training forward), restored after."""
+    now = [(mod, mod.training) for mod, _ in modes]
+    for mod, flag in modes:
+        mod.training = flag
+    try:
+        yield
+    finally:
+        for mod, flag in now:
+            mod.training = flag
+
+
+class _TaskLabel:
+    """Names the task a device's call is running (the note on an error raised in it)."""
+
+    def __init__(self, micro_batches: int) -> None:
+        self.micro_batches = micro_batches
+        self.task = (0, 0)
+
+    def __str__(self) -> str:
+        s, i = self.task
+        return f"stage {s} (partitions[{s}]), micro-batch {i} of {self.micro_batches}"
 
 
 class _null:

@@ -6,12 +6,27 @@ and a checkpoint's recomputation must not update them twice
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+
+_task = threading.local()  # .micro: the micro-batch a pipeline task of this thread runs (else absent)
+
+
+@contextlib.contextmanager
+def micro_batch(index: int) -> Iterator[None]:
+    """Marks the calls within the block as the pipeline's micro-batch ``index`` (what
+    :class:`DeferredBatchNorm` merges per use; calls outside any block act as plain BatchNorm)."""
+    saved = getattr(_task, "micro", None)
+    _task.micro = index
+    try:
+        yield
+    finally:
+        _task.micro = saved
 
 
 @contextlib.contextmanager
@@ -39,10 +54,15 @@ def no_running_stats_update(module: nn.Module) -> Iterator[None]:
 
 
 class DeferredBatchNorm(_BatchNorm):
-    """BatchNorm whose running statistics are updated once per step from every micro-batch
-    of the step (each micro-batch's mean and variance, merged in float64), as one forward of the whole batch
-    would update them; each micro-batch is still normalized with its own statistics.
-    Same parameters, buffers and state_dict keys as the layer it replaces."""
+    """BatchNorm whose running statistics are updated once per pipeline step from every
+    micro-batch of the step (each micro-batch's mean and variance, merged in float64), as one
+    forward of the whole batch would update them; each micro-batch is still normalized with
+    its own statistics. A layer applied several times per forward (a block run twice)
+    updates once per use, in use order, as the unsplit model does. Called outside a
+    pipeline step (the caller's own model, or ``batchnorm="micro"``) it is plain BatchNorm.
+    Same parameters, buffers and state_dict keys as the layer it replaces;
+    :meth:`convert` makes a :class:`DeferredBatchNorm1d` / ``2d`` / ``3d``, which is still an
+    instance of the BatchNorm class it replaces and checks its input's dimensions the same way."""
 
     def __init__(
         self,
@@ -54,18 +74,31 @@ class DeferredBatchNorm(_BatchNorm):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(num_features, eps, momentum, affine, True, device=device, dtype=dtype)
+        self._reset_step(1, False)
+
+    def _reset_step(self, micro_batches: int, active: bool) -> None:
         self.recomputing = False
-        self._expected = 1
-        self._seen = 0
-        # this step's (count, mean, sum of squared deviations) so far, float64
-        self._acc: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        self._expected, self._active = micro_batches, active
+        self._uses: dict[int, int] = {}  # micro-batch -> calls so far this step
+        # per use: (micro-batches seen, count, mean, sum of squared deviations), float64
+        self._acc: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        if "_uses" not in state:  # pickled by an earlier version (which counted calls)
+            self._reset_step(1, False)
 
     @classmethod
-    def convert(cls, module: nn.Module) -> nn.Module:
+    def convert(cls, module: nn.Module, memo: dict[int, nn.Module] | None = None) -> nn.Module:
         """``module`` with every BatchNorm{1,2,3}d that tracks running statistics replaced by
-        a DeferredBatchNorm sharing its Parameters and buffers (SyncBatchNorm is left alone)."""
-        if type(module) in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d) and module.track_running_stats:
-            new = cls.__new__(cls)
+        a DeferredBatchNorm{1,2,3}d sharing its Parameters and buffers (SyncBatchNorm is left
+        alone); a layer held under several names is replaced by one layer under all of them."""
+        memo = {} if memo is None else memo
+        if id(module) in memo:
+            return memo[id(module)]
+        kind = _DEFERRED.get(type(module))
+        if kind is not None and module.track_running_stats:
+            new = kind.__new__(kind)
             nn.Module.__init__(new)
             new.__dict__.update(
                 {k: v for k, v in module.__dict__.items() if k not in ("_parameters", "_buffers", "_modules")}
@@ -73,12 +106,15 @@ class DeferredBatchNorm(_BatchNorm):
             new._parameters = dict(module._parameters)
             new._buffers = dict(module._buffers)
             new._modules = dict(module._modules)
-            new.recomputing, new._expected, new._seen, new._acc = False, 1, 0, None
+            new._reset_step(1, False)
+            memo[id(module)] = new
             return new
-        for name, child in list(module.named_children()):
-            converted = cls.convert(child)
-            if converted is not child:
-                setattr(module, name, converted)
+        memo[id(module)] = module
+        for name, child in list(module._modules.items()):  # every name, repeated layers included
+            if child is not None:
+                converted = cls.convert(child, memo)
+                if converted is not child:
+                    setattr(module, name, converted)
         return module
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
@@ -87,46 +123,86 @@ class DeferredBatchNorm(_BatchNorm):
 
     def begin_step(self, micro_batches: int) -> None:
         """Called by the pipeline before each forward: how many micro-batches make the step."""
-        self._expected, self._seen, self._acc = micro_batches, 0, None
+        self._reset_step(micro_batches, True)
+
+    def end_step(self) -> None:
+        """Called by the pipeline after each forward (also a failed one): every use that saw all
+        the step's micro-batches updates the running statistics, in use order; then the layer
+        is plain BatchNorm again until the next step."""
+        acc, expected = self._acc, self._expected
+        self._reset_step(1, False)
+        for seen, count, mean64, m2 in acc:
+            if seen == expected:
+                self._update(count, mean64, m2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(x)
         if not self.training:
             return super().forward(x)
-        if not self.recomputing:
-            self._accumulate(x.detach())
+        if self.recomputing:  # a checkpoint's recomputation: the step already counted this batch
+            return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
+        micro = getattr(_task, "micro", None)
+        if micro is None or not self._active:  # outside a deferred pipeline step: plain BatchNorm
+            return super().forward(x)
+        self._accumulate(x.detach(), micro)
         return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
 
     @torch.no_grad()
-    def _accumulate(self, x: torch.Tensor) -> None:
-        # built with track_running_stats=True (convert() replaces only such layers)
-        assert self.running_mean is not None and self.running_var is not None and self.num_batches_tracked is not None
+    def _accumulate(self, x: torch.Tensor, micro: int) -> None:
         # Each micro-batch's mean and variance in one pass (torch's var_mean: no E[x^2] - E[x]^2,
         # which in float32 lost a small spread around a large mean), merged across micro-batches
         # in float64 by Chan et al.'s pairwise rule.
+        use = self._uses.get(micro, 0)
+        self._uses[micro] = use + 1
         dims = [0] + list(range(2, x.dim()))
         xf = x if x.dtype in (torch.float32, torch.float64) else x.float()
         var, mean = torch.var_mean(xf, dims, correction=0)
         n = x.numel() // x.shape[1]
-        part = (n, mean.double(), var.double() * n)
-        prev = self._acc
-        if prev is None:
-            self._acc = acc = part
-        else:
-            total = prev[0] + part[0]
-            delta = part[1] - prev[1]
-            self._acc = acc = (
-                total,
-                prev[1] + delta * (part[0] / max(total, 1)),
-                prev[2] + part[2] + delta * delta * (prev[0] * part[0] / max(total, 1)),
-            )
-        self._seen += 1
-        if self._seen < self._expected:
+        part = (1, n, mean.double(), var.double() * n)
+        if use == len(self._acc):
+            self._acc.append(part)
             return
-        count, mean64, m2 = acc
-        self._acc, self._seen = None, 0
+        seen, count, mean0, m2 = self._acc[use]
+        total = count + n
+        delta = part[2] - mean0
+        self._acc[use] = (
+            seen + 1,
+            total,
+            mean0 + delta * (n / max(total, 1)),
+            m2 + part[3] + delta * delta * (count * n / max(total, 1)),
+        )
+
+    @torch.no_grad()
+    def _update(self, count: int, mean64: torch.Tensor, m2: torch.Tensor) -> None:
+        # built with track_running_stats=True (convert() replaces only such layers)
+        assert self.running_mean is not None and self.running_var is not None and self.num_batches_tracked is not None
         unbiased = m2 / max(count - 1, 1)
         self.num_batches_tracked.add_(1)
         momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         self.running_mean.lerp_(mean64.to(self.running_mean.dtype), momentum)
         self.running_var.lerp_(unbiased.to(self.running_var.dtype), momentum)
+
+
+class DeferredBatchNorm1d(DeferredBatchNorm, nn.BatchNorm1d):
+    """:class:`DeferredBatchNorm` replacing an ``nn.BatchNorm1d`` (still an instance of it)."""
+
+    _check_input_dim = nn.BatchNorm1d._check_input_dim
+
+
+class DeferredBatchNorm2d(DeferredBatchNorm, nn.BatchNorm2d):
+    """:class:`DeferredBatchNorm` replacing an ``nn.BatchNorm2d`` (still an instance of it)."""
+
+    _check_input_dim = nn.BatchNorm2d._check_input_dim
+
+
+class DeferredBatchNorm3d(DeferredBatchNorm, nn.BatchNorm3d):
+    """:class:`DeferredBatchNorm` replacing an ``nn.BatchNorm3d`` (still an instance of it)."""
+
+    _check_input_dim = nn.BatchNorm3d._check_input_dim
+
+
+_DEFERRED: dict[type, type[DeferredBatchNorm]] = {
+    nn.BatchNorm1d: DeferredBatchNorm1d,
+    nn.BatchNorm2d: DeferredBatchNorm2d,
+    nn.BatchNorm3d: DeferredBatchNorm3d,
+}

@@ -95,11 +95,27 @@ class ThreadState:
             yield
 
 
+def caller_thread_only() -> bool:
+    """Whether the caller's thread holds state that a worker thread would not see and that
+    ThreadState cannot carry: a ``torch.func`` transform (grad, vmap, jacrev), a torch
+    function or dispatch mode (``FlopCounterMode``, ``with torch.device(...)``) or
+    saved-tensor hooks (``save_on_cpu``, a non-reentrant checkpoint around the call). Run on
+    workers, the calls would compute outside them: wrong gradients under ``torch.func.grad``,
+    uncounted FLOPs, activations not offloaded. Such calls run one after another on the
+    caller's thread instead."""
+    if torch._C._functorch.maybe_current_level() is not None:
+        return True
+    if torch._C._len_torch_function_stack() > 0 or torch._C._len_torch_dispatch_stack() > 0:
+        return True
+    top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top_hooks is not None and top_hooks(False) is not None
+
+
 def run_parallel(
     calls: Sequence[Callable[[], Any]],
     devices: Sequence[torch.device],
     owner: str,
-    labels: Sequence[str] | None = None,
+    labels: Sequence[object] | None = None,
 ) -> list[Any]:
     """Runs ``calls[k]()`` for every k concurrently, call k on ``devices[k]`` under the caller's
     thread state; returns the results in order. Call 0 runs in the calling thread. A failing
@@ -130,9 +146,10 @@ def run_parallel(
         finally:
             _worker.active = nested
 
-    if len(calls) == 1 or getattr(_worker, "active", False):
+    if len(calls) == 1 or getattr(_worker, "active", False) or caller_thread_only():
         # Inside a worker already (nested data parallelism): run in order rather than wait
-        # on the pool from one of its own threads.
+        # on the pool from one of its own threads. Under a transform, mode or hooks of the
+        # caller's thread (see caller_thread_only): in order, on that thread.
         for k in range(len(calls)):
             work(k)
     else:

@@ -1,0 +1,164 @@
+"""PipelineModel against the unsplit model where client code found it wrong: a layer held
+twice in the Sequential, torch.func transforms and dispatch modes over the worker threads,
+the caller's own model after the in-place BatchNorm conversion, the training/eval switch
+between forward and backward with checkpointing, a BatchNorm used twice per forward."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from shardkit.parallel import PipelineModel
+from shardkit.parallel.pipeline import _check_shared
+from shardkit.parallel.pipeline_bn import DeferredBatchNorm, DeferredBatchNorm2d
+
+
+def _x(*shape):
+    return torch.randn(*shape, dtype=torch.float64)
+
+
+def test_a_layer_held_twice_runs_at_each_place():
+    act = nn.Tanh()  # one activation module reused: 6 positions, 4 distinct modules
+    ref = nn.Sequential(nn.Linear(4, 6), act, nn.Linear(6, 6), act, nn.Linear(6, 3), act).double()
+    pipe = PipelineModel(copy.deepcopy(ref), ["cpu", "cpu"], chunks=2)
+    assert sum(pipe.balance) == 6
+    x = _x(5, 4)
+    torch.testing.assert_close(pipe(x), ref(x), rtol=0, atol=0)
+    lin = nn.Linear(4, 4)  # a tied layer, in two stages on one device
+    ref = nn.Sequential(lin, nn.ReLU(), lin).double()
+    pipe = PipelineModel(copy.deepcopy(ref), ["cpu", "cpu"], chunks=2, balance=[2, 1])
+    torch.testing.assert_close(pipe(x), ref(x), rtol=0, atol=0)
+
+
+def test_a_tensor_shared_by_stages_on_two_devices_is_refused():
+    lin = nn.Linear(4, 4)
+    layers = [lin, nn.ReLU(), lin]
+    with pytest.raises(ValueError, match=r"argument `stages`: the tensor at layer '0.weight' of stage 0 .* stage 1"):
+        _check_shared(layers, [2, 1], [torch.device("cpu"), torch.device("cuda", 0)])
+    _check_shared(layers, [2, 1], [torch.device("cpu"), torch.device("cpu")])  # one device: fine
+
+
+def test_torch_func_transforms_and_modes_see_every_stage():
+    # Stages ran on worker threads, outside the caller's functorch transform and modes:
+    # torch.func.grad was off by 0.32 and FlopCounterMode counted half the FLOPs.
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    pipe = PipelineModel(copy.deepcopy(ref), ["cpu", "cpu"], chunks=2)
+    x = _x(4, 4)
+    g_ref = torch.func.grad(lambda i: ref(i).pow(2).sum())(x)
+    torch.testing.assert_close(torch.func.grad(lambda i: pipe(i).pow(2).sum())(x), g_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.func.jacrev(pipe)(x), torch.func.jacrev(ref)(x), rtol=1e-12, atol=1e-12)
+    params = {k: v.detach() for k, v in pipe.named_parameters()}
+    ref_params = {k: v.detach() for k, v in ref.named_parameters()}
+    gp = torch.func.grad(lambda p: torch.func.functional_call(pipe, p, (x,)).pow(2).sum())(params)
+    gr = torch.func.grad(lambda p: torch.func.functional_call(ref, p, (x,)).pow(2).sum())(ref_params)
+    for a, b in zip(gp.values(), gr.values()):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    counts = []
+    for model in (ref, pipe):
+        with FlopCounterMode(display=False) as counter:
+            model(_x(64, 4)).sum().backward()
+        counts.append(counter.get_total_flops())
+    assert counts[0] == counts[1] > 0
+    with torch.autograd.graph.save_on_cpu():  # saved-tensor hooks: the same gradients
+        xx = x.clone().requires_grad_()
+        pipe(xx).pow(2).sum().backward()
+    torch.testing.assert_close(xx.grad, g_ref, rtol=1e-12, atol=1e-12)
+
+
+def test_the_callers_model_stays_batchnorm_after_the_conversion():
+    torch.manual_seed(1)
+    backbone = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 2, 1)).double()
+    ref = copy.deepcopy(backbone)
+    pipe = PipelineModel(backbone, ["cpu", "cpu"], chunks=4)
+    assert isinstance(backbone[1], nn.BatchNorm2d) and isinstance(backbone[1], DeferredBatchNorm)
+    x = _x(8, 3, 6, 6)
+    pipe(x)
+    ref(x)
+    for _ in range(3):  # called directly: plain BatchNorm (was: an update every 4th call)
+        x = _x(8, 3, 6, 6)
+        torch.testing.assert_close(backbone(x), ref(x), rtol=1e-12, atol=1e-12)
+    assert int(backbone[1].num_batches_tracked) == int(ref[1].num_batches_tracked) == 4
+    torch.testing.assert_close(backbone[1].running_mean, ref[1].running_mean, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(backbone[1].running_var, ref[1].running_var, rtol=1e-10, atol=1e-12)
+    micro = PipelineModel(backbone, ["cpu", "cpu"], chunks=4, batchnorm="micro")  # re-wrapped
+    micro(_x(8, 3, 6, 6))
+    assert int(backbone[1].num_batches_tracked) == 4 + 4  # every micro-batch updates
+    bn_first = PipelineModel(nn.Sequential(nn.BatchNorm2d(3), nn.ReLU()).double(), ["cpu", "cpu"], chunks=2)
+    with pytest.raises(ValueError, match="expected 4D input"):  # BatchNorm2d's own input check
+        bn_first(_x(8, 3))
+    copied = pickle.loads(pickle.dumps(backbone))
+    assert type(copied[1]) is DeferredBatchNorm2d
+
+
+@pytest.mark.parametrize("checkpoint", ["except_last", "always"])
+def test_eval_between_forward_and_backward_keeps_the_training_gradients(checkpoint):
+    torch.manual_seed(2)
+    ref = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 3)).double()
+    x = _x(8, 4)
+    expected = None
+    for ckpt in ("never", checkpoint):
+        pipe = PipelineModel(copy.deepcopy(ref), ["cpu", "cpu"], chunks=2, checkpoint=ckpt)
+        xx = x.clone().requires_grad_()
+        loss = pipe(xx).pow(2).sum()
+        pipe.eval()  # e.g. a validation hook between forward and backward
+        loss.backward()
+        assert not any(m.training for m in pipe.modules())  # the switch itself is kept
+        if expected is None:
+            expected = xx.grad
+        else:
+            torch.testing.assert_close(xx.grad, expected, rtol=1e-10, atol=1e-12)
+
+
+class _Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bn = nn.Linear(4, 4), nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.bn(self.lin(self.bn(x)) * 3 + 5)  # one BatchNorm, two uses
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_a_batchnorm_used_twice_updates_once_per_use_as_unsplit(checkpoint):
+    torch.manual_seed(3)
+    ref = nn.Sequential(_Twice(), nn.Tanh(), nn.Linear(4, 2)).double()
+    pipe = PipelineModel(copy.deepcopy(ref), ["cpu", "cpu"], chunks=1, checkpoint=checkpoint)
+    for _ in range(3):
+        x = _x(8, 4) * 2 + 1
+        pipe(x).sum().backward()
+        ref(x).sum().backward()
+    bn = pipe.partitions[0][0].bn
+    assert int(bn.num_batches_tracked) == int(ref[0].bn.num_batches_tracked) == 6
+    torch.testing.assert_close(bn.running_mean, ref[0].bn.running_mean, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(bn.running_var, ref[0].bn.running_var, rtol=1e-10, atol=1e-12)
+    pipe4 = PipelineModel(copy.deepcopy(ref), ["cpu", "cpu"], chunks=4)  # micro-batches merged per use
+    before = int(pipe4.partitions[0][0].bn.num_batches_tracked)
+    pipe4(_x(8, 4))
+    assert int(pipe4.partitions[0][0].bn.num_batches_tracked) == before + 2
+
+
+def test_a_failed_step_updates_the_uses_that_saw_every_micro_batch():
+    class FailOnSecondCall(nn.Module):
+        calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            if self.calls == 2:
+                raise RuntimeError("boom")
+            return x
+
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.BatchNorm1d(4), FailOnSecondCall(), nn.Linear(4, 4), nn.BatchNorm1d(4)).double()
+    pipe = PipelineModel(model, ["cpu", "cpu"], chunks=2, balance=[2, 2])
+    with pytest.raises(RuntimeError, match="boom"):  # micro-batch 1 fails after the first BatchNorm
+        pipe(_x(8, 4))
+    first, second = model[0], model[3]
+    assert int(first.num_batches_tracked) == 1 and int(second.num_batches_tracked) == 0
+    pipe(_x(8, 4))  # the next step starts clean
+    assert int(first.num_batches_tracked) == 2 and int(second.num_batches_tracked) == 1
