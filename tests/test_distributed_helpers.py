@@ -68,3 +68,13 @@ def test_sampled_class_counts_checks_and_numpy_ints():
         sampled_class_counts([10], 0.5, True)
     with pytest.raises(ValueError, match="argument `sizes` must hold ints >= 0"):
         sampled_class_counts(5, 0.5, 4)
+
+
+def test_sampled_class_counts_exact_at_decimal_rates_and_huge_shards():
+    # ceil(rate * C) in float rounded 0.07 * 100 = 7.000000000000001 up to 8 (22 of the
+    # (rate, C) pairs with rate in 0.01..0.99, C < 200), and overflowed for a huge shard.
+    for r in range(1, 100):
+        for c in range(1, 200):
+            assert sampled_class_counts([c], r / 100, 0) == [-((-r * c) // 100)], (r, c)
+    assert sampled_class_counts([10**400], 0.5, 4) == [10**400 // 2]
+    assert sampled_class_counts([4 * 10**30 + 1], 0.25, 0) == [10**30 + 1]

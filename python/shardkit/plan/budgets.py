@@ -16,12 +16,11 @@ still fits.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from numbers import Integral
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
-from shardkit.plan.memory import MAX_SIZE, DeviceMemory, MemoryPlan, _check_int, plan_memory
+from shardkit.plan.memory import MAX_SIZE, DeviceMemory, MemoryPlan, _check_int, plan_memory, sampled_rows
 
 #: The budget label that stands for "the whole shard's logits".
 FULL = "full"
@@ -104,7 +103,7 @@ def _used_classes(plan: MemoryPlan) -> List[int]:
     if plan.sample_rate >= 1.0:
         return [d.classes for d in _distinct(plan)]
     rate, batch = plan.sample_rate, plan.global_batch
-    return [min(d.classes, max(math.ceil(rate * d.classes), min(d.classes, batch))) for d in _distinct(plan)]
+    return [min(d.classes, max(sampled_rows(rate, d.classes), min(d.classes, batch))) for d in _distinct(plan)]
 
 
 def _fits(plan: MemoryPlan, budget: Budget) -> bool:

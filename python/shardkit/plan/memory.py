@@ -35,6 +35,7 @@ import math
 import numbers
 import re
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 __all__ = ["DeviceMemory", "MemoryPlan", "parse_size", "format_size", "plan_memory"]
@@ -67,6 +68,14 @@ _UNITS = {
 #: as torch's sizes; past it figures stop meaning anything (and would overflow float formatting).
 MAX_SIZE = 1 << 63
 MAX_COUNT = (1 << 63) - 1
+
+
+def sampled_rows(sample_rate: float, classes: int) -> int:
+    """``ceil(sample_rate * classes)`` in exact integer arithmetic, with the rate read as
+    the decimal it prints as (0.07 is 7/100, not the binary 0.07000000000000000666 whose
+    product with 100 rounded up to 8), for any class count (no float overflow)."""
+    rate = Fraction(repr(float(sample_rate)))
+    return -((-rate.numerator * classes) // rate.denominator)
 
 
 def _brief(value: object) -> str:
@@ -301,7 +310,7 @@ def plan_memory(
 
     def n_sampled(rows: int) -> int:
         # Every positive class of the batch is kept, so at least min(rows, B) rows are used.
-        return min(rows, max(math.ceil(sample_rate * rows), min(rows, B))) if sampled else rows
+        return min(rows, max(sampled_rows(sample_rate, rows), min(rows, B))) if sampled else rows
 
     # Per class of a chunk: B fp32 logits (+ B gradient values in a 16-bit dtype) and two
     # fp32 weight rows (converted/normalized weights and their gradient).

@@ -30,6 +30,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from shardkit.ops._sampling import partial_fc_sample
+from shardkit.plan.memory import sampled_rows
 
 
 def sampled_class_counts(sizes: Sequence[int], sample_rate: float, global_batch: int) -> List[int]:
@@ -48,7 +49,7 @@ def sampled_class_counts(sizes: Sequence[int], sample_rate: float, global_batch:
     for name, values, shown in (("sizes", sizes, sizes), ("global_batch", [global_batch], global_batch)):
         if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
             raise ValueError(f"argument `{name}` must hold ints >= 0, got {shown!r}")
-    return [min(c, max(math.ceil(sample_rate * c), min(global_batch, c))) for c in sizes]
+    return [min(c, max(sampled_rows(sample_rate, c), min(global_batch, c))) for c in sizes]
 
 
 def check_sample_rate(sample_rate: float) -> float:
