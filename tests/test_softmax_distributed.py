@@ -6,8 +6,10 @@ float64 full-logit reference (see softmax_dist_scenarios.py), and check input er
 errors, re-sharded checkpoints and the failing-rank path. NCCL on GPUs:
 test_softmax_distributed_nccl.py."""
 
+import copy
 import math
 import os
+import pickle
 import time
 import traceback
 from datetime import timedelta
@@ -250,6 +252,36 @@ def _one_rank_differs(rank, head, x, y):
     return out
 
 
+def _copies(rank, group):
+    """A deep copy (ModelEMA's EMA of the head) shares the head's group; a pickled head loads
+    and holds its shard, and says why it cannot run when called."""
+    out = {}
+    head = shardkit.ShardedSoftmaxLoss(D, 11, process_group=group)
+    x, y = torch.randn(3, D), torch.randint(0, 11, (3,))
+    ema = shardkit.ModelEMA(head, decay=0.5, tau=None)
+    with torch.no_grad():
+        head.weight_shards[0].mul_(3.0)
+    ema.update(head, step=10)  # decay 0.5 (timm's first steps copy)
+    expected = head.weight_shards[0].detach() * (0.5 + 0.5 / 3.0)
+    out["ema_weight"] = bool(torch.allclose(ema.module.weight_shards[0], expected, rtol=1e-6, atol=1e-7))
+    out["ema_loss"] = float(ema.module(x, y).detach())  # runs in the head's group, on every rank
+    copied = copy.deepcopy(head)
+    out["copy_equal"] = float(copied(x, y).detach()) == float(head(x, y).detach())
+    loaded = pickle.loads(pickle.dumps(head))
+    out["pickled_shard"] = all(
+        torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), head.state_dict().values())
+    )
+    with torch.device("meta"):  # an ambient device context: the host-side exchanges stay on the CPU
+        ambient = shardkit.ShardedSoftmaxLoss(D, 11, process_group=group)
+    out["ambient"] = (str(ambient.weight_shards[0].device), math.isfinite(float(ambient(x, y).detach())))
+    try:
+        loaded(x, y)
+        out["pickled_call"] = None
+    except RuntimeError as err:
+        out["pickled_call"] = str(err)
+    return out
+
+
 def _failing_rank(rank, group):
     """Rank 1 of a 3-rank group "raises" in user code and never reaches the loss."""
     out = {}
@@ -325,6 +357,7 @@ def _worker(rank, init_file, tmp):
         if rank < 2:
             results["mismatch"] = _mismatched_heads(rank, groups[2])
             results["modes"] = _mismatched_modes(rank, groups[2])
+            results["copies"] = _copies(rank, groups[2])
             results["async_bad"] = _async_bad_label(rank, async_group)
         dist.barrier()
         results["ckpt"] = _checkpoints(rank, data, tmp, groups)
@@ -540,6 +573,21 @@ def test_one_rank_with_another_argument_option_or_head_raises_everywhere(runs, c
         else:
             assert "rank(s) [1] got invalid input" in msg, msg
         assert math.isfinite(res["alike"])
+
+
+def test_a_copy_shares_the_group_and_a_pickled_head_explains_itself(runs):
+    # deepcopy / ModelEMA / pickle of the distributed head used to raise "cannot pickle
+    # ProcessGroup"; a pickled head has its shard but no group to run in.
+    per_rank = runs[3]
+    losses = set()
+    for rank in (0, 1):
+        res = per_rank[rank]["copies"]
+        assert res["ema_weight"] and res["copy_equal"] and res["pickled_shard"], res
+        assert math.isfinite(res["ema_loss"])
+        losses.add(res["ema_loss"])
+        assert "was unpickled: its process group does not travel with it" in res["pickled_call"]
+        assert res["ambient"] == ("cpu", True)  # was "Cannot copy out of meta tensor" at construction
+    assert len(losses) == 1  # the EMA's loss is the global batch's, the same on both ranks
 
 
 def test_head_on_a_subgroup_built_by_its_members_alone(runs):

@@ -17,8 +17,16 @@ from typing import Any, Iterable, List
 from shardkit.softmax import collectives as _collectives
 from shardkit.softmax import sampling as _sampling
 from shardkit.softmax.collectives import CollectiveError, DistributedInputError  # noqa: F401
+from shardkit.softmax.exchange import DistributedNonFiniteError  # noqa: F401
 
-__all__ = ["split_classes", "class_offsets", "sampled_class_counts", "CollectiveError", "DistributedInputError"]
+__all__ = [
+    "split_classes",
+    "class_offsets",
+    "sampled_class_counts",
+    "CollectiveError",
+    "DistributedInputError",
+    "DistributedNonFiniteError",
+]
 
 
 def _brief(value: Any) -> str:

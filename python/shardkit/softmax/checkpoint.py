@@ -145,7 +145,9 @@ def save_shard_file(
     }
     if momentum_buffer is not None:
         blob["momentum_buffer"] = momentum_buffer.detach().to("cpu", copy=True).contiguous()
-        seen = momentum_seen if momentum_seen is not None else torch.ones(weight.shape[0], dtype=torch.bool)
+        seen = (
+            momentum_seen if momentum_seen is not None else torch.ones(weight.shape[0], dtype=torch.bool, device="cpu")
+        )
         blob["momentum_seen"] = seen.detach().to("cpu", copy=True).bool()
     path = os.path.join(directory, _file_name(start, end))
     tmp = f"{path}.tmp{os.getpid()}"
@@ -340,7 +342,7 @@ def load_sharded(module: ShardedSoftmaxLoss, directory: str, optimizer: Optional
                 )
             seen = _gather(entries, blobs, offset, p.shape[0], "momentum_seen")
             if seen is None:  # no flags saved with the rows: every row's buffer was started (as from SGD)
-                seen = torch.ones(p.shape[0], dtype=torch.bool)
+                seen = torch.ones(p.shape[0], dtype=torch.bool, device="cpu")
         loads.append((p, rows, buf, seen))
     with torch.no_grad():
         for p, rows, buf, seen in loads:

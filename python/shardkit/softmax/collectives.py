@@ -35,7 +35,7 @@ and carries no world_size factor: it is exactly ``dL/dX``.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -118,6 +118,11 @@ def _group_timeout(group: dist.ProcessGroup) -> Optional[timedelta]:
     return None
 
 
+class UnpickledHeadError(RuntimeError):
+    """A process-group head restored by pickle was used for a collective: its group stayed
+    with the job that built it."""
+
+
 class DistContext:
     """Communication state of one distributed loss module, created once at construction.
 
@@ -138,14 +143,13 @@ class DistContext:
             raise ValueError(f"argument `input_layout` must be one of {_LAYOUTS}, got {input_layout!r}")
         group = dist.group.WORLD if process_group is None else process_group
         assert group is not None  # the default group exists once torch.distributed is initialized (checked above)
-        self.group = group
-        if self.group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(self.group) < 0:
+        if group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
             raise ValueError(
                 "argument `process_group` does not contain this process: build the loss only on the ranks of its group"
             )
-        self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
-        self.cpu_group = _cpu_group_for(self.group)
+        self._groups: Optional[Tuple[dist.ProcessGroup, dist.ProcessGroup]] = (group, _cpu_group_for(group))
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
         self.layout = input_layout
         self.num_classes = int(num_classes)
         self.class_sizes = split_classes(self.num_classes, self.world_size)
@@ -153,7 +157,37 @@ class DistContext:
         self.class_offset = self.class_offsets[self.rank]
         self.num_local = self.class_sizes[self.rank]
 
-    def fail(self, what: str, err: Exception) -> CollectiveError:
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self._live()[0]
+
+    @property
+    def cpu_group(self) -> dist.ProcessGroup:
+        return self._live()[1]
+
+    def _live(self) -> Tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        if self._groups is None:
+            raise UnpickledHeadError(
+                "this process-group ShardedSoftmaxLoss was unpickled: its process group does not travel "
+                "with it (it belongs to the job that built it). Its shard is in `weight_shards` and "
+                "`state_dict()`; to train or evaluate, build the head in this job and load that state "
+                "(or use shardkit.save_sharded / load_sharded)"
+            )
+        return self._groups
+
+    def __deepcopy__(self, memo: Dict[int, object]) -> DistContext:
+        # Immutable once built, and a process group cannot be copied: a deep copy of the head
+        # (ModelEMA's EMA of it) shares this context, so it runs in the same group.
+        return self
+
+    def __getstate__(self) -> Dict[str, object]:
+        state = dict(self.__dict__)
+        state["_groups"] = None  # a ProcessGroup cannot be pickled; the unpickled head says so when used
+        return state
+
+    def fail(self, what: str, err: Exception) -> Exception:
+        if isinstance(err, UnpickledHeadError):
+            return err  # no collective ran: the head has no group
         return CollectiveError(
             f"ShardedSoftmaxLoss rank {self.rank}/{self.world_size}: collective '{what}' failed "
             f"- another rank may have raised, exited or timed out ({type(err).__name__}: {err})"
@@ -175,7 +209,7 @@ def _pack(x: torch.Tensor, labels: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _unpack(buf: torch.Tensor, dim: int, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = torch.empty((), dtype=dtype, device="cpu").element_size()
     labels = buf[:, :8].contiguous().view(torch.int64).view(-1)
     x = buf[:, 8 : 8 + dim * elem].contiguous().view(dtype)
     return x, labels
@@ -318,8 +352,8 @@ def combine_stats(
 def all_gather_rows(dctx: DistContext, rows: torch.Tensor) -> torch.Tensor:
     """Concatenation over ranks of per-rank ``[n_r, ...]`` tensors (n_r may differ);
     used for ``full_weight()``. Not differentiable; two collectives (sizes, data)."""
-    n = torch.tensor([rows.shape[0]], dtype=torch.int64)
-    ns = torch.empty(dctx.world_size, dtype=torch.int64)
+    n = torch.tensor([rows.shape[0]], dtype=torch.int64, device="cpu")
+    ns = torch.empty(dctx.world_size, dtype=torch.int64, device="cpu")
     try:
         dist.all_gather_into_tensor(ns, n, group=dctx.cpu_group)
         sizes = ns.tolist()

@@ -118,7 +118,7 @@ class ProcessGroupShards:
         seeded by one draw of the global CPU generator plus the rank: ranks seeded alike still
         give different classes different rows (the one-process draw is not reproduced; use
         :func:`shardkit.import_full_weight` for an exact copy of a given weight)."""
-        seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item()) + 1000003 * self.ctx.rank
+        seed = int(torch.randint(0, 2**62, (), dtype=torch.int64, device="cpu").item()) + 1000003 * self.ctx.rank
         gen = torch.Generator().manual_seed(seed % 2**63)
         bound = 1.0 / module.embedding_dim**0.5
         for p in module.weight_shards:

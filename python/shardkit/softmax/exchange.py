@@ -83,8 +83,8 @@ def check_same_config(ctx: DistContext, config: Dict[str, ConfigValue], changed:
     names = list(config)
     token = float(int.from_bytes(os.urandom(7), "little") >> 4)  # 52 bits: exact in float64
     fields = [v for name in names for v in _encode_field(config[name])]
-    mine = torch.tensor(fields + [token], dtype=torch.float64)
-    out = torch.empty(ctx.world_size * mine.numel(), dtype=torch.float64)
+    mine = torch.tensor(fields + [token], dtype=torch.float64, device="cpu")
+    out = torch.empty(ctx.world_size * mine.numel(), dtype=torch.float64, device="cpu")
     try:
         dist.all_gather_into_tensor(out, mine, group=ctx.cpu_group)
     except Exception as err:
@@ -175,8 +175,8 @@ def exchange_batch_info(
         token,
         digest,
     ]
-    mine = torch.tensor(row, dtype=torch.int64)
-    out = torch.empty(ctx.world_size * len(row), dtype=torch.int64)
+    mine = torch.tensor(row, dtype=torch.int64, device="cpu")
+    out = torch.empty(ctx.world_size * len(row), dtype=torch.int64, device="cpu")
     try:
         dist.all_gather_into_tensor(out, mine, group=ctx.cpu_group)
     except Exception as err:  # gloo raises RuntimeError / DistBackendError on timeout or peer loss

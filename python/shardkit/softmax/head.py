@@ -214,7 +214,7 @@ def new_shards(
         except RuntimeError as err:  # torch.OutOfMemoryError, or the CPU allocator's enforce
             if "alloc" not in str(err).lower() and not isinstance(err, torch.OutOfMemoryError):
                 raise
-            nbytes = size * dim * torch.empty(0, dtype=dtype).element_size()
+            nbytes = size * dim * (dtype or torch.get_default_dtype()).itemsize
             raise MemoryError(
                 f"ShardedSoftmaxLoss: a shard of {size} classes x {dim} (`num_classes`, `embedding_dim`) "
                 f"needs {nbytes / 2**30:.1f} GiB on {dev}, which it cannot allocate; shard the classes over "
