@@ -304,7 +304,10 @@ class ShardedSoftmaxLoss(ShardedHead):
             shardkit.NonFiniteEmbeddingsError: NaN/inf embeddings (with ``check_inputs``; a
                 ``ValueError``).
             shardkit.distributed.DistributedInputError: with a ``process_group``, when the ranks' inputs
-                disagree (raised on every rank at once; a ``ValueError``).
+                disagree, when any rank's input, forward argument or option is invalid (instead of
+                the TypeError / ValueError above, which its message carries), when an option
+                differs between the ranks, or when the ranks call different heads (raised on
+                every rank at once; a ``ValueError``).
         """
         try:
             return_details = bool_arg("return_details", return_details)
