@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from shardkit.parallel import PipelineModel
+from shardkit.parallel import DataParallelModel, PipelineModel
 from shardkit.parallel.pipeline import _check_shared
 from shardkit.parallel.pipeline_bn import DeferredBatchNorm, DeferredBatchNorm2d
 
@@ -162,3 +162,34 @@ def test_a_failed_step_updates_the_uses_that_saw_every_micro_batch():
     assert int(first.num_batches_tracked) == 1 and int(second.num_batches_tracked) == 0
     pipe(_x(8, 4))  # the next step starts clean
     assert int(first.num_batches_tracked) == 2 and int(second.num_batches_tracked) == 1
+
+
+class _Where(nn.Module):
+    """Records the default device and the thread its forward ran on."""
+
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+
+    def forward(self, x):
+        import threading
+
+        self.log.append((str(torch.empty(0).device), threading.current_thread().name))
+        return x
+
+
+@pytest.mark.parametrize("wrapper", ["pipeline", "data_parallel"])
+def test_workers_carry_the_default_device_and_stay_concurrent(wrapper):
+    # torch.set_default_device / `with torch.device` are per thread: workers made factory
+    # tensors on the CPU under a caller's default device of another kind.
+    log = []
+    if wrapper == "pipeline":
+        model = PipelineModel([_Where(log), _Where(log)], ["cpu", "cpu"], chunks=2)
+    else:
+        model = DataParallelModel(_Where(log), device_ids=["cpu", "cpu"])
+    x = torch.randn(4, 3)
+    with torch.device("meta"):
+        model(x)
+    assert {where for where, _ in log} == {"meta"}, log
+    if wrapper == "data_parallel":  # still on the worker threads, not run one after another
+        assert len({thread for _, thread in log}) == 2, log

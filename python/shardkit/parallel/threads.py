@@ -64,10 +64,22 @@ def profiler_range(name: str) -> ContextManager[object]:
     return _NO_RANGE
 
 
+def _default_devices() -> list[torch.device]:
+    """The default devices of the caller's function-mode stack (``torch.set_default_device``,
+    ``with torch.device(...)``), bottom first; a worker thread enters them again."""
+    if torch._C._len_torch_function_stack() == 0:
+        return []
+    from torch.utils._device import DeviceContext
+
+    stack = torch.overrides._get_current_function_mode_stack()
+    return [m.device for m in stack if isinstance(m, DeviceContext)]
+
+
 class ThreadState:
     """The caller's thread-local state that a worker thread must see: grad mode, inference
-    mode, autocast (per device type: enabled, dtype, cache) and the current CUDA stream of
-    every device of the call."""
+    mode, autocast (per device type: enabled, dtype, cache), the default device
+    (``torch.set_default_device`` is per thread) and the current CUDA stream of every device
+    of the call."""
 
     def __init__(self, devices: Sequence[torch.device]) -> None:
         self.grad = torch.is_grad_enabled()
@@ -75,10 +87,13 @@ class ThreadState:
         self.autocast = [(dt, torch.get_autocast_dtype(dt)) for dt in ("cpu", "cuda") if torch.is_autocast_enabled(dt)]
         self.autocast_cache = torch.is_autocast_cache_enabled()
         self.streams = {d: torch.cuda.current_stream(d) for d in set(devices) if d.type == "cuda"}
+        self.default_devices = _default_devices()
 
     @contextlib.contextmanager
     def applied(self, device: torch.device) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
+            for default in self.default_devices:  # the caller's default device for factory calls
+                stack.enter_context(torch.device(default))
             if self.inference:
                 stack.enter_context(torch.inference_mode())
             stack.enter_context(torch.set_grad_enabled(self.grad))
@@ -98,15 +113,17 @@ class ThreadState:
 def caller_thread_only() -> bool:
     """Whether the caller's thread holds state that a worker thread would not see and that
     ThreadState cannot carry: a ``torch.func`` transform (grad, vmap, jacrev), a torch
-    function or dispatch mode (``FlopCounterMode``, ``with torch.device(...)``) or
+    dispatch mode (``FlopCounterMode``), a function mode other than a default device or
     saved-tensor hooks (``save_on_cpu``, a non-reentrant checkpoint around the call). Run on
     workers, the calls would compute outside them: wrong gradients under ``torch.func.grad``,
     uncounted FLOPs, activations not offloaded. Such calls run one after another on the
     caller's thread instead."""
     if torch._C._functorch.maybe_current_level() is not None:
         return True
-    if torch._C._len_torch_function_stack() > 0 or torch._C._len_torch_dispatch_stack() > 0:
+    if torch._C._len_torch_dispatch_stack() > 0:
         return True
+    if torch._C._len_torch_function_stack() > 0 and len(_default_devices()) < torch._C._len_torch_function_stack():
+        return True  # a function mode other than a default device (which ThreadState carries)
     top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     return top_hooks is not None and top_hooks(False) is not None
 
