@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from shardkit.parallel import DataParallelModel, PipelineModel
-from shardkit.parallel.pipeline import _check_shared
+from shardkit.parallel.pipeline_tasks import check_shared
 from shardkit.parallel.pipeline_bn import DeferredBatchNorm, DeferredBatchNorm2d
 
 
@@ -39,8 +39,8 @@ def test_a_tensor_shared_by_stages_on_two_devices_is_refused():
     lin = nn.Linear(4, 4)
     layers = [lin, nn.ReLU(), lin]
     with pytest.raises(ValueError, match=r"argument `stages`: the tensor at layer '0.weight' of stage 0 .* stage 1"):
-        _check_shared(layers, [2, 1], [torch.device("cpu"), torch.device("cuda", 0)])
-    _check_shared(layers, [2, 1], [torch.device("cpu"), torch.device("cpu")])  # one device: fine
+        check_shared(layers, [2, 1], [torch.device("cpu"), torch.device("cuda", 0)])
+    check_shared(layers, [2, 1], [torch.device("cpu"), torch.device("cpu")])  # one device: fine
 
 
 def test_torch_func_transforms_and_modes_see_every_stage():

@@ -29,33 +29,23 @@ update them (momentum applied ``chunks`` times per step), as plain BatchNorm wou
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import threading
-from typing import Any, Iterator, Literal, Sequence, Union
+from typing import Any, Literal, Sequence, Union
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from shardkit.ops._devices import unavailable_cuda, visible_gpus
-from shardkit.parallel.pipeline_bn import DeferredBatchNorm, micro_batch, no_running_stats_update
+from shardkit.parallel.pipeline_bn import DeferredBatchNorm, micro_batch
 from shardkit.parallel.pipeline_plan import BALANCE_BY, layer_costs, partition, split_evenly
+from shardkit.parallel.pipeline_tasks import TaskLabel, check_shared, null_context, rng_lock, run_checkpointed
 from shardkit.parallel.scatter import as_device
 from shardkit.parallel.threads import run_parallel
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
-_RNG_LOCKS: dict[str, threading.RLock] = {}  # device -> RLock: one task at a time per random generator (checkpointing)
-_RNG_LOCKS_GUARD = threading.Lock()
-
 Stages = Union[nn.Sequential, Sequence[nn.Module]]
 Stream = torch.cuda.Stream
 Event = torch.cuda.Event
-
-
-def _rng_lock(dev: torch.device) -> threading.RLock:
-    with _RNG_LOCKS_GUARD:
-        return _RNG_LOCKS.setdefault(str(dev), threading.RLock())
 
 
 BATCHNORM_MODES = ("deferred", "micro")
@@ -100,26 +90,6 @@ def _check_visible(devices: Sequence[torch.device], name: str) -> None:
         f"argument `{name}` names {', '.join(map(str, missing))} but only {count} CUDA GPU(s) are visible "
         f"(cuda:0 to cuda:{count - 1})"
     )
-
-
-def _check_shared(layers: list[nn.Module], balance: list[int], devices: list[torch.device]) -> None:
-    """ValueError when a Parameter or buffer is held by stages on different devices (a layer
-    or a tied weight used in two of them): a tensor lives on one device, and moving the
-    second stage would take it from the first."""
-    where: dict[int, tuple[int, str]] = {}
-    start = 0
-    for s, (size, dev) in enumerate(zip(balance, devices)):
-        stage = nn.Sequential(*layers[start : start + size])
-        start += size
-        for name, t in list(stage.named_parameters()) + list(stage.named_buffers()):
-            first = where.setdefault(id(t), (s, name))
-            if devices[first[0]] != dev:
-                raise ValueError(
-                    f"argument `stages`: the tensor at layer {first[1]!r} of stage {first[0]} is also used by "
-                    f"stage {s} ({name!r}), but the stages are on {devices[first[0]]} and {dev}; a shared layer "
-                    "or tied weight must stay on one device: give those stages the same device (`devices`, "
-                    "`balance`)"
-                )
 
 
 class PipelineModel(nn.Module):
@@ -206,7 +176,7 @@ class PipelineModel(nn.Module):
                 layers = _layers(stages)
             else:
                 layers = [DeferredBatchNorm.convert(m) for m in layers]
-        _check_shared(layers, balance, devs)
+        check_shared(layers, balance, devs)
         parts: list[nn.Module] = []
         start = 0
         for size, dev in zip(balance, devs):
@@ -315,7 +285,7 @@ class PipelineModel(nn.Module):
                 if 0 <= clock - s < m:
                     per_device.setdefault(self.stage_devices[s], []).append((s, clock - s))
             groups = list(per_device.values())
-            labels = [_TaskLabel(m) for _ in groups]
+            labels = [TaskLabel(m) for _ in groups]
             calls = [
                 functools.partial(self._run_tasks, tasks, acts, events, streams, label)
                 for tasks, label in zip(groups, labels)
@@ -332,7 +302,7 @@ class PipelineModel(nn.Module):
         acts: list[torch.Tensor],
         events: list[Event | None],
         streams: Sequence[Stream | None],
-        label: _TaskLabel,
+        label: TaskLabel,
     ) -> list[tuple[torch.Tensor, Event | None]]:
         out = []
         for s, i in tasks:
@@ -366,7 +336,7 @@ class PipelineModel(nn.Module):
         last = i == self._micro_count - 1
         use_ckpt = self.checkpoint == "always" or (self.checkpoint == "except_last" and not last)
         if self.checkpoint != "never" and torch.is_grad_enabled():
-            with _rng_lock(self.stage_devices[s]):  # see the module docstring: recomputations replay the draws
+            with rng_lock(self.stage_devices[s]):  # see the module docstring: recomputations replay the draws
                 return self._launch(s, x, ready, streams, use_ckpt)
         return self._launch(s, x, ready, streams, use_ckpt)
 
@@ -382,7 +352,7 @@ class PipelineModel(nn.Module):
             y = self._run_stage(part, x.to(dev) if x.device != dev else x, use_ckpt, s)
             return y, None
         prev = streams[s - 1] if s > 0 and x.device.type == "cuda" else None
-        with torch.cuda.stream(prev) if prev is not None else _null(), torch.cuda.stream(stream):
+        with torch.cuda.stream(prev) if prev is not None else null_context(), torch.cuda.stream(stream):
             if ready is not None:
                 stream.wait_event(ready)
             x_in = x.to(dev, non_blocking=True) if x.device != dev else x
@@ -395,33 +365,7 @@ class PipelineModel(nn.Module):
 
     def _run_stage(self, part: nn.Module, x: torch.Tensor, use_ckpt: bool, s: int) -> torch.Tensor:
         if use_ckpt and torch.is_grad_enabled():
-            calls = {"n": 0}
-            failed: list[BaseException] = []
-
-            modes = [(mod, mod.training) for mod in part.modules()]
-
-            def run(inp: torch.Tensor) -> torch.Tensor:
-                calls["n"] += 1
-                if calls["n"] > 1:  # the recomputation in the backward replays the forward's modes
-                    with no_running_stats_update(part), _modes_of(modes):
-                        return part(inp)
-                # torch's checkpoint installs its saved-tensor hooks on this thread and removes
-                # them only after the function returns: an exception would leave them in place
-                # (until the exception is collected, possibly on another thread), and every
-                # later forward on this thread would save its tensors into this failed call.
-                try:
-                    return part(inp)
-                except BaseException as e:  # noqa: BLE001 (re-raised below, once checkpoint is done)
-                    failed.append(e)
-                    return inp.new_empty(0)
-
-            y = _checkpoint(run, x, use_reentrant=False)
-            if failed:
-                error = failed.pop()
-                try:
-                    raise error
-                finally:
-                    del error  # no reference cycle through this frame
+            y = run_checkpointed(part, x)
         else:
             y = part(x)
         if not isinstance(y, torch.Tensor):
@@ -457,40 +401,6 @@ class PipelineModel(nn.Module):
             f"devices={[str(d) for d in self.stage_devices]}, balance={self.balance}, chunks={self.chunks}, "
             f"checkpoint={self.checkpoint!r}, batchnorm={self.batchnorm!r}"
         )
-
-
-@contextlib.contextmanager
-def _modes_of(modes: list[tuple[nn.Module, bool]]) -> Iterator[None]:
-    """Each module's ``training`` flag as recorded (a model switched to ``eval()`` between
-    the forward and the backward still recomputes its training forward), restored after."""
-    now = [(mod, mod.training) for mod, _ in modes]
-    for mod, flag in modes:
-        mod.training = flag
-    try:
-        yield
-    finally:
-        for mod, flag in now:
-            mod.training = flag
-
-
-class _TaskLabel:
-    """Names the task a device's call is running (the note on an error raised in it)."""
-
-    def __init__(self, micro_batches: int) -> None:
-        self.micro_batches = micro_batches
-        self.task = (0, 0)
-
-    def __str__(self) -> str:
-        s, i = self.task
-        return f"stage {s} (partitions[{s}]), micro-batch {i} of {self.micro_batches}"
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> Literal[False]:
-        return False
 
 
 def bubble_fraction(stages: int, chunks: int) -> float:
