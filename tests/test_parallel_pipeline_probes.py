@@ -14,8 +14,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from shardkit.parallel import DataParallelModel, PipelineModel
-from shardkit.parallel.pipeline_tasks import check_shared
 from shardkit.parallel.pipeline_bn import DeferredBatchNorm, DeferredBatchNorm2d
+from shardkit.parallel.pipeline_tasks import check_shared
 
 
 def _x(*shape):
