@@ -16,6 +16,9 @@ from shardkit.ops._devices import check_visible
 # float math of the schedule).
 _MAX_COUNT = 2**63 - 1
 
+# The schedule's attributes of ModelEMA, in check_schedule's order (schedule_decay takes all but the last).
+SCHEDULE = ("decay", "tau", "warmup_gamma", "warmup_power", "min_decay", "update_after_step", "update_every")
+
 # check_schedule's result: decay, tau, warmup_gamma, warmup_power, min_decay, update_after_step, update_every
 Schedule = Tuple[float, Optional[float], Optional[float], Optional[float], float, int, int]
 
@@ -210,8 +213,21 @@ def describe(decay: float, tau: object, gamma: object, power: object, updates: i
     return f"ModelEMA(decay={decay}, schedule={sched}, updates={updates}, tensors={tensors})"
 
 
+def check_flag(name: str, value: object) -> bool:
+    """``value`` as a bool: a Python bool or a numpy bool (converted); else a TypeError naming
+    ``name`` (``ema.enabled = 0`` would be saved as an int that no state_dict loads)."""
+    kind = type(value)
+    if kind.__module__ == "numpy" and kind.__name__ in ("bool_", "bool"):
+        return bool(value)
+    if not isinstance(value, bool):
+        raise TypeError(f"argument `{name}` must be a bool (Python or numpy), got {kind.__name__} {_short(value)}")
+    return value
+
+
 def checked_attribute(name: str, value: Any) -> Any:
     """A ModelEMA attribute set after construction, checked as the argument of its name."""
     if name == "updates" or name == "stochastic_rounding_seed":
         return _check_int(name, value, 0, _MAX_COUNT)
-    return check_bool(name, value) if name == "stochastic_rounding" else value
+    if name == "enabled":
+        return check_flag(name, value)
+    return check_bool(name, value) if name in ("stochastic_rounding", "copy_float_buffers") else value

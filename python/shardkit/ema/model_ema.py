@@ -14,28 +14,29 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils.hooks import RemovableHandle
 
 from shardkit.ema import checks, sharded, structure
-from shardkit.ema.checks import _MAX_COUNT, _check_int, _check_step, check_device, check_schedule, schedule_decay
+from shardkit.ema.checks import _MAX_COUNT, SCHEDULE, _check_int, _check_step, check_device, schedule_decay
+from shardkit.ema.diagnose import named_failure
 from shardkit.ema.graph import GraphedEMA
 from shardkit.ema.hooks import attach_update
+from shardkit.ema.settings import Settings, pickled_state, unpickled_state
 from shardkit.ema.stage import HostStage
 from shardkit.ema.state import FORMAT, check_module_state, check_state, load_module_state, timm_state
 from shardkit.ema.structure import ModelTracker, _unwrap, check_structure, slot_tensor
+from shardkit.ema.swap import SwapPairs, swapped
 from shardkit.ema.watch import ModuleWatch
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
 
 __all__ = ["ModelEMA"]
 
-# The schedule's attributes, in check_schedule's order (schedule_decay takes all but the last).
-_SCHEDULE = ("decay", "tau", "warmup_gamma", "warmup_power", "min_decay", "update_after_step", "update_every")
 
-
-class ModelEMA(nn.Module):
+class ModelEMA(Settings, nn.Module):
     """Exponential moving average of a model's parameters and buffers.
 
     Every ``update(model)``: ``e <- e + (1 - d) * (m - e)`` for every floating parameter
     (and floating buffer, unless ``copy_float_buffers``), one fused kernel for all of
-    them; integer buffers (e.g. BatchNorm's ``num_batches_tracked``) are copied.
+    them; integer and float8 buffers (e.g. BatchNorm's ``num_batches_tracked``) are copied.
+    A float8 parameter or a tensor on the meta device is refused (TypeError, ValueError).
 
     Args:
         model: the ``nn.Module`` to average (DataParallel, DistributedDataParallel and
@@ -63,7 +64,8 @@ class ModelEMA(nn.Module):
             the training step never waits on it; pending updates are applied before
             ``module``, ``state_dict()`` and ``swap`` are used.
         copy_float_buffers: copy floating buffers (e.g. BatchNorm running stats) instead
-            of averaging them (timm's ``exclude_buffers``).
+            of averaging them (timm's ``exclude_buffers``). Like ``use_warmup`` and
+            ``exclude_buffers``, an attribute too: set later, it takes effect at the next update.
         cuda_graph: replay each update from a CUDA graph (decay read from a device scalar; see
             ema/graph.py), for updates bound by host time (many small tensors), where the EMA
             lives on one CUDA device and every pair is contiguous or dense with equal strides;
@@ -77,6 +79,7 @@ class ModelEMA(nn.Module):
             update rounds up or down at random with the fp32 update's expected value, so steps
             below a bf16 ulp (decay 0.9999) add up instead of rounding away; the bits hash (seed,
             ``updates``, tensor, element): runs, resumes, ranks, devices agree. False: to nearest.
+            Per tensor, by its dtype at the update: also a part of the EMA converted later.
 
     ``t`` is ``step`` (an int >= 0) when ``update(model, step=...)`` gives one (timm), else the count of
     applied updates including this one (``self.updates``, 1 on the first update; timm without
@@ -97,15 +100,6 @@ class ModelEMA(nn.Module):
     which reshards) or export with :meth:`full_state_dict`. Update after the optimizer step.
     FSDP1 (``FullyShardedDataParallel``'s flat parameters) is refused with a TypeError.
     """
-
-    # the schedule (set from the arguments of the same names, checked)
-    decay: float
-    tau: Optional[float]
-    warmup_gamma: Optional[float]
-    warmup_power: Optional[float]
-    min_decay: float
-    update_after_step: int
-    update_every: int
 
     def __init__(
         self,
@@ -143,6 +137,7 @@ class ModelEMA(nn.Module):
         self._calls = 0
         self.enabled = True
         self._swapped = False
+        self._swap_pairs: Optional[SwapPairs] = None  # inside swap: the pairs exchanged in place
         self._model_ref: Callable[[], Optional[nn.Module]] = weakref.ref(model)
         ema_device = check_device(device)
 
@@ -155,13 +150,15 @@ class ModelEMA(nn.Module):
         self._stage: Optional[HostStage] = None
         self._cuda_graph = checks.check_bool("cuda_graph", cuda_graph)
         self.stochastic_rounding, self.stochastic_rounding_seed = stochastic_rounding, stochastic_rounding_seed
-        self._regroup(slots)
+        self._regroup([s[3] for s in slots])
 
-    def _regroup(self, slots: List[structure.Slot]) -> None:
-        """The update's groups, graph and module probe for the EMA tensors ``self._ema``
-        (``slots``: the model's, or after a conversion of ``ema.module``, its own)."""
-        averaged = [e.is_floating_point() and (s[3] or not self.copy_float_buffers) for e, s in zip(self._ema, slots)]
-        self._avg_groups, self._cp_e, self._cp_idx = structure.update_groups(self._ema, averaged)
+    def _regroup(self, params: List[bool]) -> None:
+        """The update's groups, graph and module watch for the EMA tensors ``self._ema``
+        (``params[i]``: tensor i is a parameter); the model's lists are built again."""
+        self._params, cp = params, self.copy_float_buffers
+        self._averaged = [e.dtype in checks.EMA_DTYPES and (p or not cp) for e, p in zip(self._ema, params)]
+        self._avg_groups, self._cp_e, self._cp_idx = structure.update_groups(self._ema, self._averaged)
+        self._tracker = None
         self._bf16, self._salts = sharded.rounding_layout(self._ema, self._avg_groups, self._refs, self._dtensor)
         devices = list({e.device for e in self._ema})
         one_gpu = self._cuda_graph and len(devices) == 1 and devices[0].type == "cuda"
@@ -178,33 +175,23 @@ class ModelEMA(nn.Module):
             return
         slots = check_structure(self._module, self._names, self._ema, "ModelEMA.update (its module, ema.module)")
         self._ema = self._refs = [slot_tensor(s) for s in slots]
-        self._tracker = None
-        self._regroup(slots)
+        self._regroup([s[3] for s in slots])
 
     def __getstate__(self) -> Dict[str, Any]:
         """Pickling (``torch.save(ema)``, ``copy.deepcopy``) keeps weights, schedule, counters
-        (staged updates applied first), not the link to the model (:meth:`attach` needs it)."""
-        self._flush()
-        return dict(self.__dict__, _model_ref=structure._no_model, _tracker=None, _stage=None, _watch=None)
+        (staged updates applied first), not the link to the model (:meth:`attach` needs it).
+        Inside ``with ema.swap(model):`` too: the copy holds the EMA weights and is not swapped."""
+        return pickled_state(self)
 
-    def __setstate__(self, state: Dict[str, Any]) -> None:  # a pickle from before stochastic rounding too
-        super().__setstate__(sharded.with_rounding(state))
+    def __setstate__(self, state: Dict[str, Any]) -> None:  # a pickle of an earlier release too
+        super().__setstate__(unpickled_state(state))
 
-    # ---- schedule --------------------------------------------------------------------
-    def _set_schedule(self, *args: object) -> None:
-        self.__dict__.update(zip(_SCHEDULE, check_schedule(*args)))
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # `ema.decay = 0.999` (as timm/ultralytics users write): the schedule is checked as a whole
-        if name in _SCHEDULE and "update_every" in self.__dict__:
-            return self._set_schedule(*(value if n == name else getattr(self, n) for n in _SCHEDULE))
-        super().__setattr__(name, checks.checked_attribute(name, value))
-
+    # ---- schedule (the attributes: ema/settings.py) --------------------------------------
     def get_decay(self, step: Optional[int] = None) -> float:
         """The decay used at schedule step ``step`` (see the class docstring); ``None``: the
         decay of the next ``update(model)`` without a step (step ``updates + 1``)."""
         step = self.updates + 1 if step is None else step if type(step) is int and step >= 0 else _check_step(step)
-        return schedule_decay(step, *(getattr(self, name) for name in _SCHEDULE[:-1]))
+        return schedule_decay(step, *(getattr(self, name) for name in SCHEDULE[:-1]))
 
     # ---- the averaged module -----------------------------------------------------------
     @property
@@ -255,21 +242,23 @@ class ModelEMA(nn.Module):
             step = _check_step(step)  # the slow path: checks, converts numpy integers
         if not self.enabled:
             return
-        self.__dict__["_calls"] += 1
-        if self._calls % self.update_every:
+        calls, n = self._calls + 1, self.updates + 1  # (counted once the update is done: not if it raises)
+        if calls % self.update_every:
+            self.__dict__["_calls"] = calls
             return
         if self._watch is None or self._watch.changed():
             self._follow_module()
         src = self._model_tensors(model, "ModelEMA.update")
-        self.__dict__["updates"] += 1  # (a plain attribute: no nn.Module.__setattr__ on the hot path)
-        d = self.get_decay(self.updates if step is None else step)
+        d = self.get_decay(n if step is None else step)
         if self._ema and self._ema[0].device.type == "cpu" and src[0].is_cuda:  # pinned host staging
             if self._stage is None:
                 self._stage = HostStage(src)
-            self._stage.push(src, (d, self.updates), self._average)
+            self._stage.push(src, (d, n), self._average)
         else:
             self._flush()  # updates still staged (the model was on the GPU before) go first
-            self._average(src, (d, self.updates))
+            self._average(src, (d, n))
+        self.__dict__["_calls"] = calls  # (plain attributes: no nn.Module.__setattr__ on the hot path)
+        self.__dict__["updates"] = n
 
     @torch.no_grad()
     def set(self, model: nn.Module) -> None:
@@ -293,12 +282,12 @@ class ModelEMA(nn.Module):
                 (self.stochastic_rounding_seed, dc[1], self._salts) if self.stochastic_rounding and self._bf16 else None
             )
             structure.apply_update(tracker, self._avg_groups, self._cp_e, self._cp_idx, src, dc[0], self._graph, sr)
-        except RuntimeError:
-            # e.g. a tensor reshaped in place: name it rather than an index of the op's lists
+        except (RuntimeError, TypeError, ValueError) as err:
+            # e.g. a tensor reshaped or converted in place: name it rather than an index of the op's lists
             model = self._tracker.model() if self._tracker is not None else None
             if model is not None:
                 check_structure(model, self._names, self._refs, "ModelEMA.update")
-            raise
+            raise named_failure(err, self._names, self._ema, src, self._averaged, self._avg_groups) from err
 
     # ---- swap --------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -320,14 +309,14 @@ class ModelEMA(nn.Module):
         if self._dtensor is not None:  # no unsharded FSDP2 parameters before or after the block
             sharded.reshard(_unwrap(model))
         src = self._model_tensors(model, "ModelEMA.swap")
-        self._swapped = True
         try:
-            with structure.swapped(self._ema, src):
+            with swapped(self._ema, src, self._names) as self._swap_pairs:
+                self._swapped = True
                 yield model
         finally:
             if self._dtensor is not None:  # a forward in the block may leave EMA values unsharded
                 sharded.reshard(_unwrap(model))
-            self._swapped = False
+            self._swapped, self._swap_pairs = False, None
 
     # ---- checkpoints -------------------------------------------------------------------
     def _module_state(self, keep_vars: bool = False) -> Dict[str, Any]:
@@ -358,7 +347,7 @@ class ModelEMA(nn.Module):
             "module": self._module_state(),
             "updates": self.updates,
             "calls": self._calls,
-            **{name: getattr(self, name) for name in _SCHEDULE},
+            **{name: getattr(self, name) for name in SCHEDULE},
             "copy_float_buffers": self.copy_float_buffers,
             "enabled": self.enabled,
         }
@@ -380,7 +369,7 @@ class ModelEMA(nn.Module):
             result = super().load_state_dict(state_dict, strict=strict, assign=assign)
             self._follow_module()  # assign=True replaced the module's tensors
             return result
-        schedule = None if weights_only is not None else check_state(state_dict, FORMAT, self.copy_float_buffers)
+        schedule = None if weights_only is not None else check_state(state_dict, FORMAT)
         module_state = state_dict["module"] if weights_only is None else weights_only
         check_module_state(self._module_state(keep_vars=True), module_state)
         self._follow_module()
@@ -388,6 +377,7 @@ class ModelEMA(nn.Module):
         if schedule is not None:
             self._set_schedule(*schedule)
             self.updates, self._calls, self.enabled = (state_dict[k] for k in ("updates", "calls", "enabled"))
+            self.copy_float_buffers = state_dict["copy_float_buffers"]
         return _IncompatibleKeys([], [])
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:

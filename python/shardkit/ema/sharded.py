@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequenc
 import torch
 from torch import nn
 
-from shardkit.ema.structure import Slot, _slots, check_no_complex, copy_module, ema_copy, slot_tensor
+from shardkit.ema.structure import Slot, _slots, check_model, copy_module, ema_copy, slot_tensor
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -106,7 +106,7 @@ def build_ema(src: nn.Module, device: Optional[torch.device], dtype: Optional[to
     each rank keeps its local shards, with DTensor views of them as the references (FSDP2
     refuses deepcopy, and a copy would be a full one)."""
     slots = _slots(src)
-    check_no_complex(slots, "ModelEMA")
+    check_model(slots, "ModelEMA")
     check_not_fsdp1(src, "ModelEMA")
     dtensor = dtensor_type()
     if not any(type(table[key]) is dtensor for _, table, key, _ in slots):

@@ -47,9 +47,9 @@ def timm_state(state_dict: object) -> Optional[Dict[str, Any]]:
     return {k[len("module.") :]: v for k, v in state_dict.items()}
 
 
-def check_state(state_dict: object, expected_format: str, copy_float_buffers: bool) -> Schedule:
-    """A ModelEMA state_dict's keys, counters and schedule (not its tensors), checked; returns
-    the schedule as :func:`check_schedule` gives it. ValueError naming the bad entry."""
+def check_state(state_dict: object, expected_format: str) -> Schedule:
+    """A ModelEMA state_dict's keys, counters, flags and schedule (not its tensors), checked;
+    returns the schedule as :func:`check_schedule` gives it. ValueError naming the bad entry."""
     if not isinstance(state_dict, dict) or state_dict.get("format") != expected_format:
         raise ValueError(f"argument `state_dict` is not a ModelEMA state_dict (expected format {expected_format!r})")
     for key, kinds in _STATE_KEYS.items():
@@ -68,11 +68,6 @@ def check_state(state_dict: object, expected_format: str, copy_float_buffers: bo
                 f"argument `state_dict` has a corrupt {key!r}: expected an int in [0, 2**63 - 1], "
                 f"got {_short(state_dict[key])}"
             )
-    if bool(state_dict["copy_float_buffers"]) != copy_float_buffers:
-        raise ValueError(
-            "argument `state_dict` was saved with copy_float_buffers="
-            f"{state_dict['copy_float_buffers']}, this ModelEMA has {copy_float_buffers}"
-        )
     try:
         schedule = check_schedule(
             state_dict["decay"],

@@ -3,17 +3,17 @@ against the EMA's, and noticing cheaply, on every update, that the model has cha
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import operator
 import weakref
-from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import nn
 
+from shardkit.ema.checks import EMA_DTYPES
 from shardkit.ema.graph import GraphedEMA
-from shardkit.ops._ema import UpdateLists, swap_pairs_, unswap_pairs_, update_lists
+from shardkit.ops._ema import UpdateLists, update_lists
 
 Tensor = torch.Tensor
 # (name, owner table, key, is_param) of one parameter or buffer: the tensor is table[key], the
@@ -22,7 +22,7 @@ Slot = Tuple[str, Dict[str, Any], str, bool]
 # (EMA tensors, indices into the model's tensors) of one device
 Groups = Sequence[Tuple[List[Tensor], List[int]]]
 
-__all__ = ["ModelTracker", "check_structure", "check_no_complex", "copy_module", "ema_copy", "plan_swap"]
+__all__ = ["ModelTracker", "check_structure", "check_model", "copy_module", "ema_copy", "apply_update"]
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -78,8 +78,9 @@ def copy_attributes(src: nn.Module, dst: nn.Module, include: Collection[str], ex
 
 
 def ema_copy(t: torch.Tensor, device: Optional[torch.device], dtype: Optional[torch.dtype]) -> torch.Tensor:
-    """``t`` detached and copied to the EMA's ``device`` and, if floating, ``dtype`` (None: t's)."""
-    dtype = dtype if dtype and t.is_floating_point() else t.dtype
+    """``t`` detached and copied to the EMA's ``device`` and, if averaged (a floating dtype but
+    float8, whose buffers are copied), ``dtype`` (None: t's)."""
+    dtype = dtype if dtype and t.dtype in EMA_DTYPES else t.dtype
     return t.detach().to(device=device or t.device, dtype=dtype, copy=True)
 
 
@@ -151,8 +152,10 @@ def _check_layout(name: str, t: Tensor, e: Tensor, where: str) -> None:
         )
 
 
-def check_no_complex(slots: Sequence[Slot], where: str) -> None:
-    """TypeError naming the first complex parameter or buffer: the EMA averages real ones."""
+def check_model(slots: Sequence[Slot], where: str) -> None:
+    """A model ModelEMA can average, checked at construction: TypeError naming the first complex
+    parameter or buffer, or float8 (any floating dtype the op does not average) parameter;
+    ValueError naming the first tensor on the meta device (a model not yet materialized)."""
     for slot in slots:
         t = slot_tensor(slot)
         if t.is_complex():
@@ -160,6 +163,18 @@ def check_no_complex(slots: Sequence[Slot], where: str) -> None:
                 f"{where}: argument `model` has {slot[0]} of dtype {t.dtype}; ModelEMA averages "
                 "real floating tensors (and copies integer ones): keep a complex value as a real "
                 "parameter of torch.view_as_real's shape [..., 2]"
+            )
+        if slot[3] and t.is_floating_point() and t.dtype not in EMA_DTYPES:
+            raise TypeError(
+                f"{where}: argument `model` has the parameter {slot[0]} of dtype {t.dtype}; ModelEMA averages "
+                "float32, float64, float16 and bfloat16 parameters (float8 buffers are copied, as integer "
+                "ones): average the higher-precision weights that float8 training casts from"
+            )
+        if t.is_meta:
+            raise ValueError(
+                f"{where}: argument `model` has {slot[0]} on the meta device (no data to average); build the "
+                "ModelEMA once the model's weights exist (after to_empty() and their initialization, or a "
+                "checkpoint's load)"
             )
 
 
@@ -267,51 +282,6 @@ class ModelTracker:
         assert model is not None  # the caller holds it (ModelEMA checks follows() first)
         self._snapshot(model, where)
         return list(self._tensors)
-
-
-def _flat_ok(e: torch.Tensor, m: torch.Tensor) -> bool:
-    if e.is_contiguous() and m.is_contiguous():
-        return True
-    return e.dim() == 4 and e.stride() == m.stride() and e.is_contiguous(memory_format=torch.channels_last)
-
-
-def plan_swap(
-    ema: Sequence[Tensor], src: Sequence[Tensor]
-) -> Tuple[List[Tensor], List[Tensor], List[Tuple[Tensor, Tensor, Tensor]]]:
-    """How ``ModelEMA.swap`` puts each EMA tensor into the model's: (EMA tensors, model tensors)
-    that the swap ops exchange or pack in place (same device, and the same dtype or a float32
-    EMA of a flat-compatible bfloat16 tensor), and (EMA, model, host copy of the model's) for
-    every other pair, which is copied over with the model's values stashed in host memory."""
-    ex_e: List[Tensor] = []
-    ex_m: List[Tensor] = []
-    stash: List[Tuple[Tensor, Tensor, Tensor]] = []
-    for e, m in zip(ema, src):
-        if e.device == m.device and (
-            e.dtype == m.dtype or (e.dtype == torch.float32 and m.dtype == torch.bfloat16 and _flat_ok(e, m))
-        ):
-            ex_e.append(e)
-            ex_m.append(m)
-        else:
-            stash.append((e, m, m.detach().to("cpu", copy=True)))
-    return ex_e, ex_m, stash
-
-
-@contextlib.contextmanager
-def swapped(ema: Sequence[Tensor], src: Sequence[Tensor]) -> Iterator[None]:
-    """``ModelEMA.swap``'s exchange: ``src`` (the model's tensors) holds the EMA's values inside
-    the block and its own, bit-exactly, after it (also on an exception); see :func:`plan_swap`."""
-    ex_e, ex_m, stash = plan_swap(ema, src)
-    with torch.no_grad():
-        swap_pairs_(ex_e, ex_m)
-        for e, m, _ in stash:
-            m.copy_(e)
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            unswap_pairs_(ex_e, ex_m)
-            for _, m, host in stash:
-                m.copy_(host)
 
 
 def update_groups(ema: List[Tensor], averaged: Sequence[bool]) -> Tuple[Groups, List[Tensor], List[int]]:

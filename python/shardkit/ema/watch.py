@@ -1,43 +1,21 @@
-"""How ``ModelEMA`` notices, in O(1) per update, that its own module changed under it: a
-conversion (``ema.module.half()``, ``.float()``, ``.to()``), a load with ``assign=True``, or a
-replaced module, submodule or tensor. The EMA then reads its tensors again."""
+"""How ``ModelEMA`` notices, cheaply on every update, that its own module changed under it: a
+conversion (``ema.module.half()``, ``.float()``, ``.to()``, of the whole module or of any
+submodule), a load with ``assign=True``, or a replaced module, submodule or tensor. The EMA then
+reads its tensors again."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from shardkit.ema.structure import Slot, _slots, slot_tensor
+from shardkit.ema.structure import _slots, slot_tensor
+from shardkit.ops._ema import update_layout
 
 Tensor = torch.Tensor
 
-__all__ = ["ModuleWatch", "probe_slots", "probe_changed"]
-
-
-def probe_slots(slots: Sequence[Slot]) -> List[Tuple[Dict[str, Any], str, Tensor, torch.dtype, torch.device]]:
-    """What :func:`probe_changed` looks at: (table, key, tensor, dtype, device) of the first and
-    last parameter and buffer. Converting the EMA's module (``ema.module.half()``, ``.float()``,
-    ``.to(...)``, or a first or last submodule alone) replaces its buffers and changes its
-    parameters' dtype or device: four dict reads notice it on every update."""
-    params = [s for s in slots if s[3]]
-    buffers = [s for s in slots if not s[3]]
-    out, seen = [], set()
-    for slot in params[:1] + params[-1:] + buffers[:1] + buffers[-1:]:
-        t = slot_tensor(slot)
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append((slot[1], slot[2], t, t.dtype, t.device))
-    return out
-
-
-def probe_changed(probe: Sequence[Tuple[Dict[str, Any], str, Tensor, torch.dtype, torch.device]]) -> bool:
-    """Whether a tensor of :func:`probe_slots` was replaced or changed dtype or device."""
-    for table, key, t, dtype, device in probe:  # (a loop: every update runs it)
-        if table.get(key) is not t or t.dtype != dtype or t.device != device:
-            return True
-    return False
+__all__ = ["ModuleWatch"]
 
 
 class _Writes:
@@ -73,23 +51,43 @@ class _WatchedTable(dict):
 
 
 class ModuleWatch:
-    """Notices, in O(1) per update, that ModelEMA's ``module`` changed under it: a conversion
-    (``ema.module.half()``, ``.float()``, ``.to()``, of the whole module or any submodule:
-    ultralytics' validator halves ``ema.ema``) or a replacement (``ema.module = other``, a
-    submodule or tensor assigned) leaves the EMA's tensor lists pointing at tensors the module no
-    longer holds. Its tables count their writes; the first and last parameter's dtype and device
-    are compared too (a conversion changes parameters in place, through ``.data``)."""
+    """Notices that ModelEMA's ``module`` changed under it: a conversion (``ema.module.half()``,
+    ``.float()``, ``.to()``, of the whole module or any submodule: ultralytics' validator halves
+    ``ema.ema``) or a replacement (``ema.module = other``, a submodule or tensor assigned) leaves
+    the EMA's tensor lists pointing at tensors the module no longer holds, or at tensors of
+    another dtype or device.
+
+    Two checks per update: the module's tables count their writes (a converted buffer, a
+    replaced tensor or submodule), and the layout of every tensor of the module (address, dtype,
+    device, sizes, strides: ``shardkit._C.ema_layout``, one C call, ~10 ns per tensor) is compared
+    with the one seen: a conversion changes parameters in place (through ``.data``, or
+    ``torch.utils.swap_tensors``), in any submodule. Under ``torch.compile`` the dtypes and
+    devices are compared in Python instead (the compiler turns them into guards)."""
 
     def __init__(self, holder: nn.Module, module: Optional[nn.Module]) -> None:
         self.writes = _Writes()
-        self.probe: List[Tuple[Dict[str, Any], str, Tensor, torch.dtype, torch.device]] = []
+        tensors: List[Tensor] = []
         if module is not None:
             owners = [holder] + list(module.modules())
             for m in owners:
                 for name in ("_parameters", "_buffers", "_modules") if m is not holder else ("_modules",):
                     object.__setattr__(m, name, _WatchedTable(getattr(m, name), self.writes))
-            self.probe = probe_slots(_slots(module))
+            tensors = [slot_tensor(s) for s in _slots(module)]
+        # ema_layout takes two lists of one length (its copy lists): the two halves, which
+        # share the middle tensor when the count is odd
+        half = (len(tensors) + 1) // 2
+        self._halves = (tensors[:half], tensors[len(tensors) - half :])
+        self._meta = [(t, t.dtype, t.device) for t in tensors]
+        # (made while torch.compile traces: no layout, and the first eager update looks again)
+        self.layout: Optional[bytes] = None if torch.compiler.is_compiling() else self._layout()
         self.seen = self.writes.n
 
+    def _layout(self) -> Optional[bytes]:
+        return update_layout([], [], *self._halves) if self._meta else None
+
     def changed(self) -> bool:
-        return self.writes.n != self.seen or probe_changed(self.probe)
+        if self.writes.n != self.seen:
+            return True
+        if torch.compiler.is_compiling():
+            return any(t.dtype != dtype or t.device != device for t, dtype, device in self._meta)
+        return self._layout() != self.layout
