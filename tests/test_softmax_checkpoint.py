@@ -12,6 +12,7 @@ import torch
 
 import shardkit
 from shardkit.distributed import class_offsets, split_classes
+from shardkit.softmax import shard_files
 from shardkit.softmax.checkpoint import read_rows, save_shard_file
 
 
@@ -312,14 +313,22 @@ def test_a_parametrized_head_round_trips_its_own_state_dict():
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full to stand for a full disk")
-def test_a_full_disk_leaves_no_partial_file_and_keeps_the_old_one(tmp_path):
-    # torch's writer raised a bare RuntimeError ("[enforce fail at inline_container.cc]") and
-    # left the temporary file behind on the full disk.
+@pytest.mark.parametrize(
+    "error", [RuntimeError("[enforce fail at inline_container.cc] disk full"), KeyboardInterrupt()]
+)
+def test_a_failed_write_leaves_no_partial_file_and_keeps_the_old_one(tmp_path, monkeypatch, error):
+    # torch's writer raised a bare RuntimeError on a full disk and left the temporary file;
+    # Ctrl-C during a save left a partial temporary file too.
     w = torch.randn(5, 4)
     path = save_shard_file(str(tmp_path), w, 0, 5)
-    tmp = f"{path}.tmp{os.getpid()}"
-    os.symlink("/dev/full", tmp)  # the next write of the temporary file fails as on a full disk
-    with pytest.raises(OSError, match="cannot write shard file .*classes"):
+
+    def failing_save(obj, f):
+        f.write(b"partial")
+        raise error
+
+    monkeypatch.setattr(shard_files.torch, "save", failing_save)
+    with pytest.raises(OSError if isinstance(error, RuntimeError) else KeyboardInterrupt):
         save_shard_file(str(tmp_path), w * 2, 0, 5)
-    assert not os.path.lexists(tmp)
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(path)]
+    monkeypatch.undo()
     assert torch.equal(torch.load(path, weights_only=True)["weight"], w)

@@ -412,3 +412,19 @@ def test_bit_flipped_head_shard_file_is_refused(tmp_path):
     _flip_a_bit_inside(files[-1], lambda i: "/data/" in i.filename)
     with pytest.raises(UsageError, match=r"head shard file .* is corrupted \(its member .* fails its CRC32"):
         resume._verify_head_files(directory, parts)
+
+
+def test_head_shard_files_of_another_step_are_refused(tmp_path):
+    # Under torchrun the head's shard files are saved beside the rank files; a save interrupted
+    # between them left head rows of step N+1 with the optimizer and backbone of step N.
+    import shardkit
+    from shardkit.train import resume
+    from shardkit.train.errors import UsageError
+
+    head = shardkit.ShardedSoftmaxLoss(8, 40, devices=["cpu", "cpu"])
+    directory = str(tmp_path / "head")
+    shardkit.save_sharded(head, directory, tag=7)
+    resume._check_head_tag(directory, 7, "ckpt.pt.rank0")  # the same save: no error
+    resume._check_head_tag(directory, None, "ckpt.pt.rank0")  # a checkpoint from before the tags
+    with pytest.raises(UsageError, match=r"checkpoint ckpt.pt.rank0 is of step 6 but its head's shard files .* step 7"):
+        resume._check_head_tag(directory, 6, "ckpt.pt.rank0")

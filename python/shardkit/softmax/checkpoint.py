@@ -16,7 +16,7 @@ True). Save into an empty (or this head's own) directory: files of another shard
 there overlap and loading rejects them.
 
 Which files are shards: exactly the names ``classes-<12 digits>-<12 digits>.pt``; every
-other file (an interrupted save's ``*.tmp<pid>``, notes, a README) is ignored. Every shard
+other file (a temporary ``*.tmp*``, notes, a README) is ignored. Every shard
 file that loading reads is checked: a file that does not unpickle with
 ``weights_only=True`` (empty, truncated, garbage, or a pickle that would run code), a dict
 of another format, or rows/offsets that disagree with its name raise ``ValueError`` naming
@@ -25,41 +25,34 @@ the file.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
+from torch.nn.utils import parametrize
 
 from shardkit.softmax.optim import momentum_state_problem
+from shardkit.softmax.shard_files import (
+    _check_directory,
+    _index,
+    _load_shard,
+    save_shard_file,
+)
 
 if TYPE_CHECKING:
     from shardkit.softmax.module import ShardedSoftmaxLoss
 
-FORMAT = "shardkit.sharded_weight"
-VERSION = 1
-
-__all__ = ["save_sharded", "load_sharded", "export_full_weight", "import_full_weight", "save_shard_file", "read_rows"]
-
-
-def _file_name(start: int, end: int) -> str:
-    return f"classes-{start:012d}-{end:012d}.pt"
-
-
-_SHARD_NAME = re.compile(r"classes-(\d{12})-(\d{12})\.pt")
-_MOMENTUM_KEYS = ("momentum_buffer", "momentum_seen")
-
-
-def _check_directory(directory: object) -> None:
-    if not isinstance(directory, (str, os.PathLike)):
-        raise TypeError(f"argument `directory` must be a path (str or os.PathLike), got {type(directory).__name__}")
-
-
-def _describe(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dim()}-D {value.dtype} tensor"
-    return type(value).__name__
+__all__ = [
+    "save_sharded",
+    "load_sharded",
+    "export_full_weight",
+    "import_full_weight",
+    "save_shard_file",
+    "read_rows",
+    "save_id_of",
+]
+_ROW_KEYS = ("momentum_buffer", "momentum_seen")
 
 
 def _check_optimizer(optimizer: object) -> None:
@@ -70,138 +63,12 @@ def _check_optimizer(optimizer: object) -> None:
         )
 
 
-def _load_shard(
-    path: str, start: int, end: int, num_classes: Optional[int] = None, dim: Optional[int] = None
-) -> Dict[str, Any]:
-    """The dict of one shard file, checked against its name (and the checkpoint's class
-    count and width when given). ValueError naming the file on anything unexpected."""
-    try:
-        blob = torch.load(path, weights_only=True, mmap=True)
-    except Exception as err:  # EOFError, UnpicklingError, RuntimeError of the zip reader, ...
-        raise ValueError(
-            f"shard file {path!r} cannot be read as a {FORMAT} file (empty, truncated, garbage, or "
-            f"not a weights-only pickle): {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-        ) from err
-    if not isinstance(blob, dict) or blob.get("format") != FORMAT or blob.get("version") != VERSION:
-        got = (blob.get("format"), blob.get("version")) if isinstance(blob, dict) else type(blob).__name__
-        raise ValueError(f"shard file {path!r} is not a {FORMAT} v{VERSION} file (got {got!r})")
-    weight = blob.get("weight")
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise ValueError(f"shard file {path!r} holds no 2-D `weight` tensor")
-    if weight.layout != torch.strided or not weight.is_floating_point():
-        raise ValueError(
-            f"shard file {path!r}: `weight` must be a dense floating-point tensor, got {weight.dtype} ({weight.layout})"
-        )
-    if blob.get("class_offset") != start or weight.shape[0] != end - start:
-        raise ValueError(
-            f"shard file {path!r}: its name says classes [{start}, {end}) ({end - start} rows), the file "
-            f"holds {weight.shape[0]} rows at class_offset {blob.get('class_offset')!r}"
-        )
-    if (num_classes is not None and blob.get("num_classes") != num_classes) or (
-        dim is not None and weight.shape[1] != dim
-    ):
-        raise ValueError(
-            f"shard file {path!r} holds {blob.get('num_classes')!r} classes x {weight.shape[1]}, the other "
-            f"shard files {num_classes} x {dim} (files of another checkpoint in the directory?)"
-        )
-    problem = momentum_state_problem(
-        blob.get("momentum_buffer"), blob.get("momentum_seen"), weight.shape, weight.dtype, _MOMENTUM_KEYS, "`weight`'s"
-    )
-    if problem is not None:
-        raise ValueError(f"shard file {path!r}: {problem[1]}")
-    return blob
-
-
-def save_shard_file(
-    directory: str,
-    weight: torch.Tensor,
-    class_offset: int,
-    num_classes: int,
-    momentum_buffer: Optional[torch.Tensor] = None,
-    momentum_seen: Optional[torch.Tensor] = None,
-) -> str:
-    """Write one shard ([n, D] rows of classes [class_offset, class_offset + n)) into
-    ``directory`` (created if missing); atomic (temporary file + rename). Returns the path.
-    ``momentum_buffer`` must be a floating [n, D] tensor, ``momentum_seen`` a bool [n] one."""
-    _check_directory(directory)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.is_floating_point():
-        raise TypeError(f"argument `weight` must be a 2-D floating-point tensor, got {_describe(weight)}")
-    problem = momentum_state_problem(
-        momentum_buffer, momentum_seen, weight.shape, weight.dtype, _MOMENTUM_KEYS, "`weight`'s"
-    )
-    if problem is not None:
-        raise problem[0](f"argument {problem[1]}")
-    os.makedirs(directory, exist_ok=True)
-    start, end = int(class_offset), int(class_offset) + weight.shape[0]
-    if not 0 <= start <= end <= num_classes:
-        raise ValueError(f"argument `class_offset` {start} with {weight.shape[0]} rows is outside [0, {num_classes})")
-    blob = {
-        "format": FORMAT,
-        "version": VERSION,
-        "num_classes": int(num_classes),
-        "embedding_dim": int(weight.shape[1]),
-        "class_offset": start,
-        "weight": weight.detach().to("cpu", copy=True).contiguous(),
-    }
-    if momentum_buffer is not None:
-        blob["momentum_buffer"] = momentum_buffer.detach().to("cpu", copy=True).contiguous()
-        seen = (
-            momentum_seen if momentum_seen is not None else torch.ones(weight.shape[0], dtype=torch.bool, device="cpu")
-        )
-        blob["momentum_seen"] = seen.detach().to("cpu", copy=True).bool()
-    path = os.path.join(directory, _file_name(start, end))
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        torch.save(blob, tmp)
-        os.replace(tmp, path)
-    except (OSError, RuntimeError) as err:  # a full disk: torch's writer raises RuntimeError
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise OSError(f"cannot write shard file {path!r} (disk full or not writable?): {err}") from err
-    return path
-
-
-def _index(directory: str) -> Tuple[int, int, List[Tuple[int, int, str]]]:
-    """(num_classes, dim, [(start, end, path)] sorted) of a checkpoint directory; checks
-    that the files tile [0, num_classes) exactly."""
-    _check_directory(directory)
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(f"argument `directory`: no checkpoint directory at {directory!r}")
-    entries = []
-    for name in sorted(os.listdir(directory)):
-        match = _SHARD_NAME.fullmatch(name)
-        if match is None:
-            continue  # not a shard file (see the module docstring)
-        start, end = int(match.group(1)), int(match.group(2))
-        if end < start:
-            raise ValueError(f"shard file {os.path.join(directory, name)!r}: its class range ends before it starts")
-        entries.append((start, end, os.path.join(directory, name)))
-    if not entries:
-        raise FileNotFoundError(
-            f"argument `directory`: {directory!r} holds no shard files (classes-<start>-<end>.pt, 12 digits each)"
-        )
-    head = _load_shard(entries[0][2], entries[0][0], entries[0][1])
-    num_classes, dim = head.get("num_classes"), head["weight"].shape[1]
-    if not isinstance(num_classes, int) or head.get("embedding_dim") != dim:
-        raise ValueError(f"shard file {entries[0][2]!r} has a corrupt `num_classes` or `embedding_dim`")
-    expected = 0
-    for start, end, path in entries:
-        if start != expected:
-            raise ValueError(
-                f"checkpoint {directory!r}: shard files must tile [0, {num_classes}) without gaps "
-                f"or overlaps, found {path!r} at class {start} where {expected} was expected "
-                "(files of another sharding left in the directory?)"
-            )
-        expected = end
-    if expected != num_classes:
-        raise ValueError(f"checkpoint {directory!r}: shard files cover [0, {expected}) of {num_classes} classes")
-    return num_classes, dim, entries
-
-
 def read_rows(directory: str, start: int, count: int, key: str = "weight") -> Optional[torch.Tensor]:
     """Rows [start, start + count) of ``key`` ("weight", "momentum_buffer" or
     "momentum_seen") from a checkpoint directory, on the CPU, bit-exact; None when the
     files lack ``key``."""
+    if key not in ("weight", *_ROW_KEYS):
+        raise ValueError(f"argument `key` must be 'weight', 'momentum_buffer' or 'momentum_seen', got {key!r}")
     num_classes, dim, entries = _index(directory)
     if not 0 <= start <= start + count <= num_classes:
         raise ValueError(f"rows [{start}, {start + count}) are outside the checkpoint's [0, {num_classes})")
@@ -235,21 +102,39 @@ def _shards(module: ShardedSoftmaxLoss) -> Tuple[List[Tuple[int, torch.nn.Parame
             f"argument `module` must be a shardkit.ShardedSoftmaxLoss (a class-sharded head), got "
             f"{type(module).__name__}"
         )
+    if parametrize.is_parametrized(module.weight_shards):
+        raise TypeError(
+            "argument `module` has parametrized weight shards (e.g. weight_norm): save_sharded, "
+            "load_sharded and import_full_weight copy plain rows and would miss the parametrization's "
+            "originals; use the head's state_dict() / load_state_dict() (which hold them), or remove "
+            "the parametrization first"
+        )
     return list(zip(module.class_offsets, module.weight_shards)), module.num_classes
 
 
 def save_sharded(
-    module: ShardedSoftmaxLoss, directory: str, optimizer: Optional[torch.optim.Optimizer] = None
+    module: ShardedSoftmaxLoss,
+    directory: str,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    tag: Optional[int] = None,
 ) -> List[str]:
     """Save this process's shards of ``module`` (a :class:`shardkit.ShardedSoftmaxLoss`, one-
     process or distributed) into ``directory``. In the distributed mode every rank calls
-    it with the same (shared-filesystem) directory; no collective is needed. With
-    ``optimizer``, the shards' momentum buffers are saved too. Returns the written paths
-    (one file per local shard; the rows keep their dtype and are written from any device).
+    it with the same (shared-filesystem) directory. With ``optimizer``, the shards' momentum
+    buffers are saved too. Returns the written paths (one file per local shard; the rows keep
+    their dtype and are written from any device).
+
+    Every file records the save's id (``tag`` when given, e.g. the step; else a random id,
+    agreed on by the ranks with one small gloo all_gather in the process-group mode), and
+    :func:`load_sharded` refuses a directory whose files come from several saves (a save
+    interrupted after some files were replaced). Each file is written atomically and
+    durably; the directory as a whole is not: save each checkpoint into a new directory to
+    always keep an intact one.
 
     Raises:
         TypeError: ``module`` is not a :class:`shardkit.ShardedSoftmaxLoss`, ``directory``
-            not a path, ``optimizer`` not a ``torch.optim.Optimizer``.
+            not a path, ``optimizer`` not a ``torch.optim.Optimizer``, ``tag`` not an int;
+            the shards are parametrized (``weight_norm``: use the head's ``state_dict``).
         TypeError, ValueError: a shard's optimizer state holds a ``momentum_buffer`` that is not
             a floating tensor of the shard's shape, or ``seen`` flags that are not a bool tensor
             of its row count (the shard and key are named; nothing is written).
@@ -267,29 +152,76 @@ def save_sharded(
             where = f"the state of shard {k} (classes [{offset}, {offset + p.shape[0]}))"
             raise problem[0](f"argument `optimizer`: {where}: {problem[1]}")
         states.append((buf, seen))
+    save_id = _new_save_id(module, shards, num_classes, tag)
     return [
-        save_shard_file(directory, p, offset, num_classes, buf, seen)
+        save_shard_file(directory, p, offset, num_classes, buf, seen, save_id)
         for (offset, p), (buf, seen) in zip(shards, states)
     ]
 
 
-def _check_same_momentum(
-    entries: List[Tuple[int, int, str]], blobs: Dict[str, Dict[str, Any]], num_classes: int, dim: int
-) -> None:
-    """Refuse a checkpoint whose shard files disagree on holding ``momentum_buffer`` (every file
-    is read, the ones this process loads no rows from too, so every rank decides alike):
-    restoring the momentum of some shards only would go unnoticed. ValueError naming a file
-    that has it and one that lacks it."""
+def _new_save_id(
+    module: ShardedSoftmaxLoss, shards: List[Tuple[int, torch.nn.Parameter]], num_classes: int, tag: Optional[int]
+) -> Optional[int]:
+    """The id every file of this save records: ``tag`` when given; else a random one when this
+    call writes every class (the one-process mode), rank 0's in the process-group mode (one
+    small gloo all_gather: every rank calls save_sharded, as documented); else (a part of
+    the classes saved without a process group) none."""
+    if tag is not None:
+        if isinstance(tag, bool) or not isinstance(tag, int) or not -(2**63) <= tag < 2**63:
+            raise TypeError(f"argument `tag` must be an int (int64), got {tag!r}")
+        return tag
+    mine = int.from_bytes(os.urandom(8), "little") >> 1
+    ctx = getattr(getattr(module, "_mode", None), "ctx", None)
+    if ctx is None:
+        return mine if sum(p.shape[0] for _, p in shards) == num_classes else None
+    ids = torch.empty(ctx.world_size, dtype=torch.int64, device="cpu")
+    try:
+        dist.all_gather_into_tensor(ids, torch.tensor([mine], dtype=torch.int64, device="cpu"), group=ctx.cpu_group)
+    except Exception as err:
+        raise ctx.fail("save_sharded id exchange", err) from err
+    return int(ids[0])
+
+
+def save_id_of(directory: str) -> Optional[int]:
+    """The id of the save a checkpoint directory's files come from (None for files saved
+    before ids were written); ValueError when its files come from several saves."""
+    num_classes, dim, entries = _index(directory)
+    return _check_files_agree(entries, {}, num_classes, dim)
+
+
+def _check_files_agree(
+    entries: List[Tuple[int, int, str]],
+    blobs: Dict[str, Dict[str, Any]],
+    num_classes: int,
+    dim: int,
+    momentum: bool = False,
+) -> Optional[int]:
+    """Every shard file of the directory comes from one save (the same ``save_id``: files of
+    an interrupted save mixed with an earlier one's are refused) and, with ``momentum``, all
+    hold ``momentum_buffer`` or none do (restoring the momentum of some shards only would go
+    unnoticed). Every file is read (memory-mapped: the pickles, not the rows), the ones this
+    process loads no rows from too, so every rank decides alike. ValueError naming two files
+    that differ. Returns the save id."""
+    ids: Dict[Optional[int], str] = {}
     has: Dict[bool, str] = {}
     for start, end, path in entries:
         blob = blobs[path] if path in blobs else _load_shard(path, start, end, num_classes, dim)
+        ids.setdefault(blob.get("save_id"), path)
         has.setdefault("momentum_buffer" in blob, path)
-    if len(has) == 2:
+    if len(ids) > 1:
+        (id_a, path_a), (id_b, path_b) = list(ids.items())[:2]
+        raise ValueError(
+            f"shard files {path_a!r} and {path_b!r} come from different saves (ids {id_a} and {id_b}): an "
+            "interrupted or concurrent save_sharded left files of two checkpoints mixed; load an "
+            "intact checkpoint (save each checkpoint into a new directory to always keep one)"
+        )
+    if momentum and len(has) == 2:
         raise ValueError(
             f"shard file {has[False]!r} lacks the `momentum_buffer` (and `momentum_seen`) that shard file "
             f"{has[True]!r} holds: a checkpoint saved with an optimizer for some shards only (or files "
             "of two saves mixed); its momentum cannot be restored for every shard"
         )
+    return next(iter(ids))
 
 
 def load_sharded(module: ShardedSoftmaxLoss, directory: str, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
@@ -325,8 +257,7 @@ def load_sharded(module: ShardedSoftmaxLoss, directory: str, optimizer: Optional
         for start, end, path in _covering(entries, offset, p.shape[0]):
             if path not in blobs:
                 blobs[path] = _load_shard(path, start, end, num_classes, dim)
-    if optimizer is not None:
-        _check_same_momentum(entries, blobs, num_classes, dim)
+    _check_files_agree(entries, blobs, num_classes, dim, momentum=optimizer is not None)
     loads = []
     optimized = {id(q) for group in optimizer.param_groups for q in group["params"]} if optimizer is not None else set()
     for k, (offset, p) in enumerate(shards):
@@ -347,9 +278,18 @@ def load_sharded(module: ShardedSoftmaxLoss, directory: str, optimizer: Optional
     with torch.no_grad():
         for p, rows, buf, seen in loads:
             p.copy_(rows)
-            if optimizer is not None and buf is not None and seen is not None:
-                optimizer.state[p]["momentum_buffer"] = buf.to(device=p.device, dtype=p.dtype)
-                optimizer.state[p]["seen"] = seen.to(device=p.device, dtype=torch.bool)
+            if optimizer is None:
+                continue
+            state = optimizer.state[p]
+            if buf is not None and seen is not None:
+                state["momentum_buffer"] = buf.to(device=p.device, dtype=p.dtype)
+                state["seen"] = seen.to(device=p.device, dtype=torch.bool)
+            else:  # no momentum saved: none for the loaded rows (as Optimizer.load_state_dict)
+                state.pop("momentum_buffer", None)
+                state.pop("seen", None)
+            replaced = getattr(optimizer, "state_replaced", None)
+            if callable(replaced):
+                replaced(p)  # SparseRowSGD: its per-row `seen` rule applies again
 
 
 def export_full_weight(module: ShardedSoftmaxLoss) -> torch.Tensor:

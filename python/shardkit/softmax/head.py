@@ -111,9 +111,10 @@ def _state_dict_post_hook(
     # not depend on the shard count.
     if parametrize.is_parametrized(module.weight_shards):
         return  # torch's own entries (the parametrizations' originals), loaded by torch as they are
-    for k in range(len(module.weight_shards)):
-        state_dict.pop(f"{prefix}weight_shards.{k}", None)
-    state_dict[prefix + "weight"] = checkpoint_weight(module)
+    entries = [state_dict.pop(f"{prefix}weight_shards.{k}", None) for k in range(len(module.weight_shards))]
+    # one shard: its own entry (the Parameter itself with keep_vars=True, as torch gives)
+    one = entries[0] if len(entries) == 1 and entries[0] is not None else None
+    state_dict[prefix + "weight"] = one if one is not None else checkpoint_weight(module)
 
 
 def _load_state_dict_pre_hook(

@@ -210,6 +210,11 @@ class SparseRowSGD(torch.optim.Optimizer):
             if "seen" in state:
                 state["seen"] = state["seen"].bool()
 
+    def state_replaced(self, p: torch.Tensor) -> None:
+        """Called after ``p``'s momentum state was replaced from outside (e.g. by
+        :func:`shardkit.load_sharded`): its next step takes the per-row ``seen`` rule again."""
+        self._all_seen.discard(p)
+
     def _check_state_dict(self, state_dict: object) -> None:
         """TypeError / ValueError naming the param group and key of the first entry of
         ``state_dict`` that the constructor or a step would refuse."""

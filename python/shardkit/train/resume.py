@@ -75,7 +75,9 @@ def save_checkpoint(ckpt_dir: str, parts: Parts, step: int, history: Dict[str, A
         "args": checkpoint.settings_of(parts.args),
     }
     if world.size > 1:
-        shardkit.save_sharded(parts.head, os.path.join(ckpt_dir, "head"))
+        # tagged with the step: a resume refuses head files of another save than this file's
+        shardkit.save_sharded(parts.head, os.path.join(ckpt_dir, "head"), tag=step)
+        state["head_tag"] = step
     else:
         state["head"] = parts.head.state_dict()
     checkpoint.write_atomic(state, os.path.join(ckpt_dir, CKPT_FILE + rank_sfx))
@@ -96,6 +98,20 @@ def _verify_head_files(directory: str, parts: Parts) -> None:
             checkpoint.verify_archive(os.path.join(directory, name), again, "head shard file")
 
 
+def _check_head_tag(directory: str, tag: Optional[int], path: str) -> None:
+    """The head's shard files come from the save that wrote ``path`` (a save interrupted
+    between the head's files and the rank files would mix two steps)."""
+    if tag is None or not os.path.isdir(directory):
+        return  # a checkpoint written before the tags (or no head files: load_sharded says so)
+    found = shardkit.softmax.checkpoint.save_id_of(directory)
+    if found != tag:
+        raise UsageError(
+            f"checkpoint {path} is of step {tag} but its head's shard files in {directory} are of "
+            f"{'step ' + str(found) if found is not None else 'another save'} (a save interrupted between "
+            "them?); resume from another checkpoint, or start a new run without --resume"
+        )
+
+
 def load_checkpoint(ckpt_dir: str, parts: Parts, world: World) -> Tuple[int, Dict[str, Any]]:
     """Restore a checkpoint into ``parts``; returns (step, history). A UsageError for a file
     that is unreadable, unsafe, or does not fit the model built from the restored settings."""
@@ -106,6 +122,7 @@ def load_checkpoint(ckpt_dir: str, parts: Parts, world: World) -> Tuple[int, Dic
         parts.backbone.load_state_dict(state["backbone"])
         if world.size > 1:
             _verify_head_files(os.path.join(ckpt_dir, "head"), parts)
+            _check_head_tag(os.path.join(ckpt_dir, "head"), state.get("head_tag"), path)
             shardkit.load_sharded(parts.head, os.path.join(ckpt_dir, "head"))
         else:
             parts.head.load_state_dict(state["head"])
