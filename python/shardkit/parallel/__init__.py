@@ -7,8 +7,10 @@ and ``DataParallelCriterion`` computes the loss on every device and reduces it e
 Modules of the wing: :mod:`~shardkit.parallel.data_parallel` (the two classes),
 :mod:`~shardkit.parallel.pipeline` (PipelineModel: a backbone split over devices with
 micro-batches pipelined, BatchNorm in :mod:`~shardkit.parallel.pipeline_bn`, the balance plan in
-:mod:`~shardkit.parallel.pipeline_plan`),
+:mod:`~shardkit.parallel.pipeline_plan`, per-task helpers in :mod:`~shardkit.parallel.pipeline_tasks`),
 :mod:`~shardkit.parallel.loss_weights` (what each device's loss weighs),
+:mod:`~shardkit.parallel.loss_reduce` (the per-device results reduced into one; the gate that
+keeps a chunk of weight 0 out of the gradients),
 :mod:`~shardkit.parallel.replicate` (per-step replicas),
 :mod:`~shardkit.parallel.scatter` (device lists, chunk sizes, splitting arguments, ``gather``),
 :mod:`~shardkit.parallel.threads` (per-device calls in threads),

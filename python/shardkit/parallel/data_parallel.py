@@ -14,9 +14,10 @@ Device modes (the same code path in all of them):
   GPU repeated in the list (``[0, 0]``): the same replicas, built without copies
   (:func:`shardkit.parallel.replicate.share_replicas`): one module object per chunk whose
   parameters ARE the module's (gradients accumulate into them), replica 0 with the
-  module's buffers and the others with their own copies, replication callbacks run on
+  module's buffers and the others with their own copies (one per distinct buffer, with
+  autograd for a buffer that requires grad, as torch's), replication callbacks run on
   them: the per-replica path of the GPUs, so BatchNorm statistics come from chunk 0 in
-  both.
+  both (and from no chunk when chunk 0 is empty, ``gpu0_bsz=0``). "cpu:0" means "cpu".
 * ``device_ids=None`` with no GPU, or a single device: the module is called directly and
   its output returned as it is (not in a list), as ``encoding.parallel`` does; the
   criterion then also calls its module directly.
@@ -36,9 +37,9 @@ from typing import Any, Sequence, Union
 import torch
 from torch import nn
 
-from shardkit.ops import weighted_loss_reduce
 from shardkit.parallel import scatter as U
-from shardkit.parallel.loss_weights import WeightedLoss, _call, _chunk_loss, _strip_weight, warn_own_forward
+from shardkit.parallel.loss_reduce import ChunkGate, reduce_results
+from shardkit.parallel.loss_weights import WeightedLoss, _chunk_loss, direct_call, warn_own_forward
 from shardkit.parallel.replicate import replicate_module, share_replicas
 from shardkit.parallel.sync import execute_replication_callbacks
 from shardkit.parallel.threads import profiler_range, run_parallel
@@ -161,8 +162,10 @@ class DataParallelModel(nn.DataParallel):
             if len(self._devices) == 1:
                 inputs, kwargs = U.to_device((inputs, kwargs), src)
                 return self.module(*inputs, **kwargs)
-            devices, per_device = self._split(inputs, kwargs)
-            replicas = self.replicate(self.module, [d.index if d.type == "cuda" else d for d in devices])
+            devices, per_device, first = self._split(inputs, kwargs)
+            ids = [d.index if d.type == "cuda" else d for d in devices]
+            # device_ids[0] left out (gpu0_bsz=0): no replica keeps the module's buffers, as on GPUs
+            replicas = self.replicate(self.module, ids) if first == 0 else self.replicate(self.module, ids, False)
             outputs = self.parallel_apply(
                 replicas, [a for a, _ in per_device], [k for _, k in per_device], devices=devices
             )
@@ -170,7 +173,7 @@ class DataParallelModel(nn.DataParallel):
 
     def _split(
         self, inputs: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[list[torch.device], list[tuple[tuple[Any, ...], dict[str, Any]]]]:
+    ) -> tuple[list[torch.device], list[tuple[tuple[Any, ...], dict[str, Any]]], int]:
         first = U.first_batched_tensor((inputs, kwargs), self.dim)
         if first is None:
             raise ValueError(
@@ -190,19 +193,26 @@ class DataParallelModel(nn.DataParallel):
         )
         used = [k for k, s in enumerate(sizes) if s > 0]
         devices = [self._devices[k] for k in used]
-        return devices, U.split_args(inputs, kwargs, [sizes[k] for k in used], devices, self.dim, "DataParallelModel")
+        per_device = U.split_args(inputs, kwargs, [sizes[k] for k in used], devices, self.dim, "DataParallelModel")
+        return devices, per_device, used[0]
 
     def scatter(
         self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, device_ids: Sequence[int | torch.device]
     ) -> tuple[tuple[tuple[Any, ...], ...], tuple[dict[str, Any], ...]]:
         """Per-device (args, kwargs) with the balanced split (nn.DataParallel's hook)."""
-        _, per_device = self._split(inputs, kwargs or {})
+        _, per_device, _ = self._split(inputs, kwargs or {})
         return tuple(a for a, _ in per_device), tuple(k for _, k in per_device)
 
-    def replicate(self, module: nn.Module, device_ids: Sequence[int | torch.device]) -> list[nn.Module]:
+    def replicate(
+        self, module: nn.Module, device_ids: Sequence[int | torch.device], keep_buffers: bool = True
+    ) -> list[nn.Module]:
         """Replicas for ``device_ids`` (sharing the parameters where the devices repeat or are
-        CPUs), then the ``__data_parallel_replicate__`` callbacks, as encoding.parallel does."""
-        modules = share_replicas(module, len(device_ids)) if self._shared else replicate_module(module, device_ids)
+        CPUs; ``keep_buffers=False``: the first chunk was left out, no replica holds the module's
+        buffers), then the ``__data_parallel_replicate__`` callbacks, as encoding.parallel does."""
+        if self._shared:
+            modules = share_replicas(module, len(device_ids), keep_buffers=keep_buffers)
+        else:
+            modules = replicate_module(module, device_ids)
         execute_replication_callbacks(modules)
         return modules
 
@@ -230,8 +240,9 @@ class DataParallelCriterion(nn.DataParallel):
         module: the criterion (e.g. ``nn.CrossEntropyLoss(ignore_index=255)``).
         device_ids, output_device, dim: as for :class:`DataParallelModel`; use the same
             ``device_ids`` for both. The loss is returned on ``output_device``.
-        legacy_mean: reduce with encoding.parallel's unweighted mean of the per-device
-            losses (differs from the single-device loss when chunks are uneven).
+        legacy_mean: reduce as encoding.parallel does: the sum of the per-device results over
+            the device count, whatever the criterion's reduction (differs from the
+            single-device loss when chunks are uneven, or with ``reduction='sum'``).
 
     Forward: ``criterion(outputs, *targets, **kwargs)`` with ``outputs`` the list returned by
     DataParallelModel. Targets (and tensor keyword arguments) are split with the chunk
@@ -248,14 +259,20 @@ class DataParallelCriterion(nn.DataParallel):
     keyword bound to the parameter after the outputs in the criterion's ``forward``.
     ``reduction='sum'`` criteria are summed; ``reduction='none'`` results (one loss per
     sample) are concatenated along ``dim`` in batch order. Any other criterion must return
-    one-element losses. A dict or tuple of losses is reduced entry by entry (non-tensor
-    entries come back as the list of per-device values).
+    one-element losses. A dict or tuple of losses is reduced entry by entry: integer tensors
+    are counts (e.g. ``(pred == y).sum()``), summed over the devices (the one-device value);
+    non-tensor entries come back as the list of per-device values. A chunk of weight 0
+    (every target ignored, a mask of zeros) adds nothing to the loss and no gradient (no
+    NaN; with per-chunk replicas, the criterion's own parameters included). Under
+    ``torch.func`` transforms and forward-mode AD the split and the reduction run as torch
+    ops (same results).
 
     Raises ValueError for bad device arguments (as DataParallelModel), outputs of 0 samples,
     targets whose batch does not match the outputs' sizes (naming the argument), a keyword
     form whose target cannot be told for a criterion weighed by its targets, losses of more
-    than one element without ``reduction='none'`` (whatever the split), or per-sample losses
-    that do not match the chunks with it.
+    than one element without ``reduction='none'`` (whatever the split), per-sample losses
+    that do not match the chunks with it, bool entries (naming the entry), or a list of
+    per-device outputs given to a criterion with no device or one (naming ``device_ids``).
     """
 
     _devices: list[torch.device]  # as DataParallelModel's
@@ -278,11 +295,8 @@ class DataParallelCriterion(nn.DataParallel):
     def forward(self, inputs: Any, *targets: Any, **kwargs: Any) -> Any:
         """The reduced loss on ``output_device`` (see the class notes)."""
         with profiler_range("shardkit.DataParallelCriterion.forward"):
-            if not self.device_ids:
-                return _strip_weight(_call(self.module, inputs, targets, kwargs))
-            if len(self._devices) == 1:
-                targets, kwargs = U.to_device((targets, kwargs), self._devices[0])
-                return _strip_weight(_call(self.module, inputs, targets, kwargs))
+            if len(self._devices) <= 1:
+                return direct_call(self.module, self._devices, self.dim, inputs, targets, kwargs)
             if kwargs.get("return_details"):
                 raise ValueError(
                     "DataParallelCriterion: `return_details=True` is not supported (per-device details are not "
@@ -313,12 +327,19 @@ class DataParallelCriterion(nn.DataParallel):
                 replicas = self.replicate(self.module, [d.index for d in devices])
             # Each worker also computes its chunk's weight (the valid-target count of a mean
             # criterion): those few small ops then run in parallel, not after the join.
-            auto = not (self.legacy_mean or getattr(self.module, "reduction", "mean") == "sum")
+            reduction = getattr(self.module, "reduction", "mean")
+            auto = not (self.legacy_mean or reduction == "sum")
             if auto:
                 warn_own_forward(self.module)
+            # Weighted means: a chunk of weight 0 must send no gradient (loss_reduce.ChunkGate).
+            weighted = auto and reduction != "none" and torch.is_grad_enabled()
+            gates: list[ChunkGate | None] = [ChunkGate() for _ in devices] if weighted else [None] * len(devices)
+            for gate, replica in zip(gates, replicas):
+                if gate is not None and replica is not self.module:  # per-chunk replicas: gate their parameters
+                    gate.parameters(replica)
             calls = [
-                functools.partial(_chunk_loss, m, out, t, k, n, auto)
-                for m, out, (t, k), n in zip(replicas, inputs, per_device, sizes)
+                functools.partial(_chunk_loss, m, out, t, k, n, auto, gate)
+                for m, out, (t, k), n, gate in zip(replicas, inputs, per_device, sizes, gates)
             ]
             results = run_parallel(calls, devices, "DataParallelCriterion")
             return self._reduce(results, sizes)
@@ -362,50 +383,16 @@ class DataParallelCriterion(nn.DataParallel):
 
     def _reduce(self, results: list[tuple[Any, Any]], sizes: list[int]) -> Any:
         """Reduces the workers' (value, weight) pairs (see _chunk_loss); ``sizes``: the samples
-        of each chunk."""
+        of each chunk. ``legacy_mean``: encoding.parallel's sum of the per-device results over
+        the device count, whatever the criterion's reduction."""
         reduction = getattr(self.module, "reduction", "mean")
-        values = [value for value, _ in results]
-        weights = [1 if self.legacy_mean or reduction == "sum" else weight for _, weight in results]
-        out_dev = U.as_device(self.output_device)
-        normalize = reduction != "sum"
-
-        def combine(leaves: list[Any]) -> Any:
-            shapes = [tuple(x.shape) for x in leaves]
-            if reduction == "none":  # per-sample losses, gathered in batch order
-                d = self.dim if self.dim >= 0 else self.dim + max(len(shape) for shape in shapes)
-                if any(len(shape) <= d or shape[d] != n for shape, n in zip(shapes, sizes)):
-                    raise ValueError(
-                        f"DataParallelCriterion: the criterion has reduction='none' but returned losses of shapes "
-                        f"{shapes} for chunks of {sizes} samples; with reduction='none' it must return one loss "
-                        f"per sample (the chunk's size along dim {self.dim}), which are concatenated in batch order"
-                    )
-                return torch.cat([x.to(out_dev, non_blocking=out_dev.type == "cuda") for x in leaves], self.dim)
-            if any(x.numel() != 1 for x in leaves):
-                # Per-sample (or any non-scalar) losses cannot be averaged across devices
-                # element by element: that would pair unrelated samples, and fail when the
-                # chunks differ in size. Refused whatever the split, so a script fails alike
-                # on every batch size and device count.
-                raise ValueError(
-                    f"DataParallelCriterion: the criterion returned losses of shapes {shapes} (chunks of {sizes} "
-                    f"samples), but its reduction is {reduction!r}: each device's loss must be a scalar (one "
-                    f"element) to be reduced across devices; for per-sample losses give the criterion "
-                    f"reduction='none' (a `reduction` attribute), and they are concatenated in batch order"
-                )
-            return weighted_loss_reduce(leaves, weights, out_dev, normalize)
-
-        def combine_nested(vals: list[Any]) -> Any:
-            v0 = vals[0]
-            if isinstance(v0, torch.Tensor) and all(isinstance(v, torch.Tensor) for v in vals):
-                return combine(vals)
-            if isinstance(v0, (tuple, list)) and all(type(v) is type(v0) and len(v) == len(v0) for v in vals):
-                parts = [combine_nested([v[i] for v in vals]) for i in range(len(v0))]
-                return type(v0)(*parts) if hasattr(v0, "_fields") else type(v0)(parts)
-            if isinstance(v0, dict) and all(isinstance(v, dict) and v.keys() == v0.keys() for v in vals):
-                return type(v0)((key, combine_nested([v[key] for v in vals])) for key in v0)
-            if isinstance(v0, (torch.Tensor, tuple, list, dict)):
-                raise ValueError(
-                    "DataParallelCriterion: the criterion returned different structures on different devices"
-                )
-            return list(vals)
-
-        return combine_nested(values)
+        equal = self.legacy_mean or reduction == "sum"
+        return reduce_results(
+            [value for value, _ in results],
+            [1 if equal else weight for _, weight in results],
+            sizes,
+            reduction=reduction,
+            normalize=self.legacy_mean or reduction != "sum",
+            dim=self.dim,
+            out_dev=U.as_device(self.output_device),
+        )

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from shardkit.ops._parallel import check_weight
+from shardkit.parallel import scatter as U
 
 
 class WeightedLoss(NamedTuple):
@@ -33,15 +34,72 @@ def _call(module: nn.Module, output: Any, targets: tuple[Any, ...], kwargs: dict
     return module(output, *targets, **kwargs)
 
 
+def direct_call(
+    module: nn.Module,
+    devices: list[torch.device],
+    dim: int,
+    inputs: Any,
+    targets: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """DataParallelCriterion with no device or one: the criterion called directly, as
+    encoding.parallel does. A list of per-device outputs of a DataParallelModel over more
+    devices (the outputs' batches add up to the targets') cannot be reduced here: refused
+    naming the device lists, where the criterion would fail on the list naming neither."""
+    where = f"one device ({devices[0]})" if devices else "no device (device_ids=None without a GPU)"
+    if type(inputs) is list and len(inputs) > 1:
+        target = U.first_batched_tensor((targets, kwargs), dim)
+        firsts = [U.first_batched_tensor(out, dim) for out in inputs]
+        batch = [t.size(dim) for t in firsts if t is not None]
+        if target is not None and len(batch) == len(inputs) and sum(batch) == target.size(dim):
+            raise ValueError(
+                f"DataParallelCriterion over {where} calls its criterion directly, but got a list of "
+                f"{len(inputs)} outputs of {batch} samples, which together make the targets' batch of "
+                f"{sum(batch)}: the per-device outputs of a DataParallelModel over {len(inputs)} devices; "
+                "give DataParallelCriterion the same device_ids as DataParallelModel"
+            )
+    if devices:
+        targets, kwargs = U.to_device((targets, kwargs), devices[0])
+    try:
+        return _strip_weight(_call(module, inputs, targets, kwargs))
+    except Exception as e:
+        if isinstance(inputs, list):
+            e.add_note(
+                f"(DataParallelCriterion over {where} passed its list input to the criterion as it is; if it "
+                "holds a DataParallelModel's per-device outputs, give both the same device_ids)"
+            )
+        raise
+
+
 def _chunk_loss(
-    module: nn.Module, output: Any, targets: tuple[Any, ...], kwargs: dict[str, Any], samples: int, auto: bool
+    module: nn.Module,
+    output: Any,
+    targets: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    samples: int,
+    auto: bool,
+    gate: Any = None,
 ) -> tuple[Any, Any]:
     """One worker's part of DataParallelCriterion: (loss value, its weight). The weight is
     what the criterion reports, else (when ``auto``) the denominator of its mean on this
-    chunk, else the chunk's sample count."""
-    value, weight = _split_weight(_call(module, output, targets, kwargs))
+    chunk, else the chunk's sample count. ``gate`` (a loss_reduce.ChunkGate): the criterion
+    gets ``output`` through it, and it learns the weight (no gradient from a chunk of weight 0)."""
+    if gate is None:
+        result = _call(module, output, targets, kwargs)
+    else:
+        try:
+            result = _call(module, gate.inputs(output), targets, kwargs)
+        except RuntimeError as e:
+            # torch refuses in-place changes of a custom Function's view: a criterion that
+            # modifies its inputs runs on them ungated (a chunk of weight 0 is then not gated)
+            if "created inside a custom Function" not in str(e):
+                raise
+            result = _call(module, output, targets, kwargs)
+    value, weight = _split_weight(result)
     if weight is None:
         weight = _auto_weight(module, _target_of(module, output, targets, kwargs), samples) if auto else samples
+    if gate is not None:
+        gate.weight = weight
     return value, weight
 
 

@@ -68,18 +68,30 @@ def refuse_compiled(module: nn.Module, what: str) -> None:
             )
 
 
-def share_replicas(module: nn.Module, count: int, what: str = "DataParallelModel") -> list[nn.Module]:
+def share_replicas(
+    module: nn.Module, count: int, what: str = "DataParallelModel", keep_buffers: bool = True
+) -> list[nn.Module]:
     """``count`` replicas of ``module`` on its own device, built like torch's replicate():
     every sub-module copied shallowly (``_replicate_for_data_parallel``), parameters set as
     plain attributes (and in ``_former_parameters``) -- here the original Parameters
     themselves, so gradients accumulate into them with no reduction -- and buffers: replica
     0 the original tensors (its BatchNorm running statistics are the module's), the others
-    clones whose updates are dropped, as on GPUs other than the first."""
+    copies whose updates are dropped, as on GPUs other than the first. ``keep_buffers=False``
+    (the chunk of ``device_ids[0]`` left out, e.g. ``gpu0_bsz=0``): every replica gets copies,
+    so the module's buffers miss the step, as on GPUs, where the first device's replica is
+    dropped then.
+
+    As torch's replicate(), each distinct buffer is copied ONCE per replica (a buffer
+    registered in two sub-modules stays one tensor in every replica), and a buffer that
+    requires grad is copied with autograd while grad mode is on (torch's Broadcast), so
+    every chunk's use of it reaches its gradient."""
     refuse_compiled(module, what)
     modules = list(module.modules())
     index = {id(m): i for i, m in enumerate(modules)}
     copies = [[m._replicate_for_data_parallel() for m in modules] for _ in range(count)]
+    grad_on = torch.is_grad_enabled()
     for j in range(count):
+        own: dict[int, torch.Tensor] = {}  # this replica's copy of each distinct buffer
         for i, m in enumerate(modules):
             replica = copies[j][i]
             replica._former_parameters = OrderedDict()
@@ -90,5 +102,9 @@ def share_replicas(module: nn.Module, count: int, what: str = "DataParallelModel
                 object.__setattr__(replica, key, param)
                 replica._former_parameters[key] = param
             for key, buf in m._buffers.items():
-                replica._buffers[key] = buf if (j == 0 or buf is None) else buf.detach().clone()
+                if buf is not None and (j > 0 or not keep_buffers):
+                    if id(buf) not in own:
+                        own[id(buf)] = buf.clone() if (buf.requires_grad and grad_on) else buf.detach().clone()
+                    buf = own[id(buf)]
+                replica._buffers[key] = buf
     return [copies[j][0] for j in range(count)]

@@ -29,6 +29,10 @@ def as_device(d: Any) -> torch.device:
         dev = torch.device(d)
     except (RuntimeError, TypeError) as err:
         raise ValueError(f"not a device: {d!r} (use e.g. 'cpu', 'cuda:0' or a CUDA index)") from err
+    if dev.type == "cpu" and dev.index is not None:
+        # torch has one CPU device and reports CPU tensors as plain "cpu" ("cpu:0" would never
+        # equal the device of a module or output moved there)
+        dev = torch.device("cpu")
     if dev.type == "cuda" and dev.index is None:
         # without a GPU, "cuda" means cuda:0 (the default current device), so the callers'
         # checks of what is visible (or nn.DataParallel's CPU fallback) apply to it
@@ -213,8 +217,28 @@ def split_args(
             )
     if not leaves:
         return [(args, kwargs) for _ in devices]
-    pieces = split_to_devices(leaves, list(sizes), list(devices), dim)
+    if pure_torch_mode():
+        pieces = [list(p) for p in zip(*[composite_split(t, sizes, devices, dim) for t in leaves])]
+    else:
+        pieces = split_to_devices(leaves, list(sizes), list(devices), dim)
     return [unflatten(spec, iter(p)) for p in pieces]
+
+
+def pure_torch_mode() -> bool:
+    """Whether a ``torch.func`` transform (grad, vmap, jacrev, jvp) or forward-mode AD
+    (``torch.autograd.forward_ad``) is active: the C++ ops (split_to_devices,
+    weighted_loss_reduce) have no batching rule, functorch support or forward derivative,
+    so pure-torch composites of the same math run instead (tensor_split + .to, torch ops)."""
+    if torch._C._functorch.maybe_current_level() is not None:
+        return True
+    return getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
+
+
+def composite_split(t: torch.Tensor, sizes: Sequence[int], devices: Sequence[torch.device], dim: int) -> list[Any]:
+    """split_to_devices for one tensor in torch ops: fresh contiguous pieces (never views of
+    ``t``, as the op's), piece k on ``devices[k]``."""
+    pieces = t.split(list(sizes), dim)
+    return [p.to(d, copy=True, memory_format=torch.contiguous_format) for p, d in zip(pieces, devices)]
 
 
 def to_device(obj: Any, device: torch.device) -> Any:

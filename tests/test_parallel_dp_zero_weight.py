@@ -1,0 +1,170 @@
+"""DataParallelCriterion with a chunk that has nothing valid (weight 0: a mask of zeros, every
+target ignored): the loss AND the gradients equal the unsplit model + criterion on one device
+in float64. The chunk's own criterion backward computes 0 * (1/0) = NaN; the chunk gate
+(shardkit.parallel.loss_reduce) selects it away, so no parameter gradient is NaN."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from shardkit.parallel import DataParallelCriterion, DataParallelModel, WeightedLoss
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+class MaskedMSE(nn.Module):  # the guide's criterion: its weight is the valid elements
+    def forward(self, pred, target, mask):
+        return WeightedLoss(((pred - target) ** 2 * mask).sum() / mask.sum(), mask.sum())
+
+
+class ScaledMaskedMSE(nn.Module):  # a criterion with a learnable parameter
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand((), dtype=torch.float64) + 0.5)
+
+    def forward(self, pred, target, mask):
+        return WeightedLoss((self.scale * (pred - target) ** 2 * mask).sum() / mask.sum(), mask.sum())
+
+
+class MaskedCE(nn.Module):  # an int `ignore_index` attribute: weighed by its valid targets
+    reduction = "mean"
+
+    def __init__(self, ignore_index=-1):
+        super().__init__()
+        self.ignore_index = ignore_index
+
+    def forward(self, logits, target):
+        valid = target != self.ignore_index
+        ce = nn.functional.cross_entropy(logits, target.clamp_min(0), reduction="none")
+        return (ce * valid).sum() / valid.sum()
+
+
+def _net():
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+
+
+def _sizes(batch, k):
+    q, r = divmod(batch, k)
+    return [q + (1 if i < r else 0) for i in range(k)]
+
+
+def _check_grads(model, ref, tol=1e-12):
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad is not None and not p.grad.isnan().any(), name
+        assert rel(p.grad, q.grad) <= tol, name
+
+
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("empty", [0, -1])  # the first or the last chunk holds nothing valid
+def test_masked_mse_with_an_empty_chunk(k, empty):
+    net = _net()
+    ref = copy.deepcopy(net)
+    batch = 3 * k + 1
+    x, tgt = torch.randn(batch, 4, dtype=torch.float64), torch.randn(batch, 3, dtype=torch.float64)
+    mask = (torch.rand(batch, 3) > 0.3).double()
+    sizes = _sizes(batch, k)
+    start = 0 if empty == 0 else batch - sizes[-1]
+    stop = sizes[0] if empty == 0 else batch
+    mask[start:stop] = 0
+    mask[stop % batch] = 1  # another chunk keeps valid elements
+    devices = ["cpu"] * k
+    loss = DataParallelCriterion(MaskedMSE(), devices)(DataParallelModel(net, devices)(x), tgt, mask)
+    loss.backward()
+    ref_loss = ((ref(x) - tgt) ** 2 * mask).sum() / mask.sum()
+    ref_loss.backward()
+    assert rel(loss, ref_loss) <= 1e-12
+    _check_grads(net, ref)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_ignore_index_criterion_with_a_fully_ignored_chunk(k):
+    net = _net()
+    ref = copy.deepcopy(net)
+    batch = 2 * k + 1
+    x, y = torch.randn(batch, 4, dtype=torch.float64), torch.randint(0, 3, (batch,))
+    y[_sizes(batch, k)[0] :] = -1  # every chunk but the first fully ignored
+    devices = ["cpu"] * k
+    loss = DataParallelCriterion(MaskedCE(), devices)(DataParallelModel(net, devices)(x), y)
+    loss.backward()
+    ref_loss = MaskedCE()(ref(x), y)
+    ref_loss.backward()
+    assert rel(loss, ref_loss) <= 1e-12
+    _check_grads(net, ref)
+
+
+def test_learnable_criterion_parameter_gets_no_nan():
+    """The criterion's per-chunk replicas have their parameters gated too."""
+    net, crit = _net(), ScaledMaskedMSE()
+    ref, ref_crit = copy.deepcopy(net), copy.deepcopy(crit)
+    x, tgt = torch.randn(7, 4, dtype=torch.float64), torch.randn(7, 3, dtype=torch.float64)
+    mask = torch.ones(7, 3, dtype=torch.float64)
+    mask[4:] = 0  # chunk 1 of [4, 3]
+    devices = ["cpu", "cpu"]
+    loss = DataParallelCriterion(crit, devices)(DataParallelModel(net, devices)(x), tgt, mask)
+    loss.backward()
+    ref_crit(ref(x), tgt, mask).loss.backward()
+    _check_grads(net, ref)
+    assert not crit.scale.grad.isnan() and rel(crit.scale.grad, ref_crit.scale.grad) <= 1e-12
+
+
+def test_double_backward_with_an_empty_chunk():
+    """A gradient penalty (grad of the loss with create_graph, then backward) equals one device."""
+    net = _net()
+    ref = copy.deepcopy(net)
+    x, tgt = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    mask = (torch.rand(6, 3) > 0.3).double()
+    mask[0] = 1
+    mask[3:] = 0
+    devices = ["cpu", "cpu"]
+    model, crit = DataParallelModel(net, devices), DataParallelCriterion(MaskedMSE(), devices)
+
+    def penalty(loss, params):
+        grads = torch.autograd.grad(loss, params, create_graph=True)
+        return loss + sum(g.pow(2).sum() for g in grads)
+
+    penalty(crit(model(x), tgt, mask), list(net.parameters())).backward()
+    ref_loss = ((ref(x) - tgt) ** 2 * mask).sum() / mask.sum()
+    penalty(ref_loss, list(ref.parameters())).backward()
+    _check_grads(net, ref, tol=1e-10)
+
+
+def test_all_chunks_valid_is_unchanged_and_eval_needs_no_gate():
+    """No empty chunk: the same results as before; under no_grad nothing is gated."""
+    net = _net()
+    ref = copy.deepcopy(net)
+    x, y = torch.randn(9, 4, dtype=torch.float64), torch.randint(0, 3, (9,))
+    y[1] = -1
+    devices = ["cpu"] * 3
+    crit = DataParallelCriterion(nn.CrossEntropyLoss(ignore_index=-1), devices)
+    loss = crit(DataParallelModel(net, devices)(x), y)
+    loss.backward()
+    ref_loss = nn.functional.cross_entropy(ref(x), y, ignore_index=-1)
+    ref_loss.backward()
+    assert rel(loss, ref_loss) <= 1e-12
+    _check_grads(net, ref)
+    with torch.no_grad():
+        assert rel(crit(DataParallelModel(net, devices)(x), y), ref_loss) <= 1e-12
+
+
+def test_a_criterion_that_modifies_its_input_in_place_still_works():
+    """torch refuses in-place changes of the gate's view: such a criterion runs ungated."""
+
+    class InPlaceCE(nn.Module):
+        def forward(self, logits, target):
+            logits.sub_(logits.max(1, keepdim=True).values.detach())  # in place on the model output
+            return nn.functional.cross_entropy(logits, target)
+
+    net = _net()
+    ref = copy.deepcopy(net)
+    x, y = torch.randn(7, 4, dtype=torch.float64), torch.randint(0, 3, (7,))
+    devices = ["cpu"] * 2
+    loss = DataParallelCriterion(InPlaceCE(), devices)(DataParallelModel(net, devices)(x), y)
+    loss.backward()
+    ref_loss = InPlaceCE()(ref(x), y)
+    ref_loss.backward()
+    assert rel(loss, ref_loss) <= 1e-12
+    _check_grads(net, ref)
