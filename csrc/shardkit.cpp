@@ -39,10 +39,13 @@ TORCH_LIBRARY(shardkit, m) {
       "float scale, float m1, float m2, float m3, bool normalize, int chunk_classes) "
       "-> (Tensor lse, Tensor target_logit, Tensor logit_sum, Tensor greater_count)");
   // Gradients of ce_shard_stats w.r.t. the raw x and w, recomputing each chunk's logits.
+  // need_grad_w=False (a frozen w): no [C, D] grad_w is made and no dW GEMM runs; grad_w is
+  // then an empty [0] tensor.
   m.def(
       "ce_shard_stats_backward(Tensor grad_lse, Tensor grad_target, Tensor grad_sum, Tensor x, "
       "Tensor w, Tensor labels, Tensor lse, int class_offset, float scale, float m1, float m2, "
-      "float m3, bool normalize, int chunk_classes) -> (Tensor grad_x, Tensor grad_w)");
+      "float m3, bool normalize, int chunk_classes, bool need_grad_w=True) -> (Tensor grad_x, Tensor "
+      "grad_w)");
   // The memory-budget pair: ce_shard_stats that also keeps the logits of keep_chunks of its
   // class chunks (spread evenly; all of them when keep_chunks reaches the chunk count) for
   // its backward, which recomputes only the others. kept_logits: [B * kept classes], on the CPU
@@ -59,8 +62,8 @@ TORCH_LIBRARY(shardkit, m) {
   m.def(
       "ce_shard_stats_backward_kept(Tensor grad_lse, Tensor grad_target, Tensor grad_sum, Tensor x, "
       "Tensor w, Tensor labels, Tensor lse, Tensor kept_logits, Tensor kept_target, int class_offset, "
-      "float scale, float m1, float m2, float m3, bool normalize, int chunk_classes, int keep_chunks) "
-      "-> (Tensor grad_x, Tensor grad_w)");
+      "float scale, float m1, float m2, float m3, bool normalize, int chunk_classes, int keep_chunks, "
+      "bool need_grad_w=True) -> (Tensor grad_x, Tensor grad_w)");
   // ---- end sharded cross-entropy ----
 
   // ---- parallel -----------------------------------------------------------------

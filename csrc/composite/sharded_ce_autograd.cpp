@@ -96,7 +96,7 @@ class CeShardStatsFn : public torch::autograd::Function<CeShardStatsFn> {
                                .findSchemaOrThrow("shardkit::ce_shard_stats_backward", "")
                                .typed<GradTuple(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                                 const Tensor&, const Tensor&, const Tensor&, int64_t, double,
-                                                double, double, double, bool, int64_t)>();
+                                                double, double, double, bool, int64_t, bool)>();
     variable_list out(11);  // x, w, then nine arguments without a gradient
     const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
     if (!(need_x || need_w)) return out;
@@ -104,8 +104,9 @@ class CeShardStatsFn : public torch::autograd::Function<CeShardStatsFn> {
     const Tensor &x = saved[0], &w = saved[1], &labels = saved[2], &lse = saved[3];
     const auto g = stat_grads(grads, x, w, lse);
     const Params p = load_params(ctx);
+    // A frozen w: the op makes no [C, D] gradient (nor its GEMMs).
     auto [gx, gw] = op.call(g[0], g[1], g[2], x, w, labels, lse, p.class_offset, p.scale, p.m1, p.m2, p.m3,
-                            p.normalize, p.chunk_classes);
+                            p.normalize, p.chunk_classes, need_w);
     if (need_x) out[0] = gx;
     if (need_w) out[1] = gw;
     return out;
@@ -145,7 +146,7 @@ class CeShardStatsKeepFn : public torch::autograd::Function<CeShardStatsKeepFn> 
             .findSchemaOrThrow("shardkit::ce_shard_stats_backward_kept", "")
             .typed<GradTuple(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                              const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, double,
-                             double, double, double, bool, int64_t, int64_t)>();
+                             double, double, double, bool, int64_t, int64_t, bool)>();
     variable_list out(12);  // x, w, then ten arguments without a gradient
     const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
     if (!(need_x || need_w)) return out;
@@ -153,8 +154,9 @@ class CeShardStatsKeepFn : public torch::autograd::Function<CeShardStatsKeepFn> 
     const Tensor &x = saved[0], &w = saved[1], &labels = saved[2], &lse = saved[3];
     const auto g = stat_grads(grads, x, w, lse);
     const Params p = load_params(ctx);
-    auto [gx, gw] = op.call(g[0], g[1], g[2], x, w, labels, lse, saved[4], saved[5], p.class_offset, p.scale,
-                            p.m1, p.m2, p.m3, p.normalize, p.chunk_classes, ctx->saved_data["keep"].toInt());
+    auto [gx, gw] =
+        op.call(g[0], g[1], g[2], x, w, labels, lse, saved[4], saved[5], p.class_offset, p.scale, p.m1, p.m2,
+                p.m3, p.normalize, p.chunk_classes, ctx->saved_data["keep"].toInt(), need_w);
     if (need_x) out[0] = gx;
     if (need_w) out[1] = gw;
     return out;

@@ -162,15 +162,16 @@ std::tuple<Tensor, Tensor> stats_backward(const Tensor& grad_lse, const Tensor& 
                                           const Tensor& grad_sum, const Tensor& x, const Tensor& w,
                                           const Tensor& labels, const Tensor& lse_in, int64_t class_offset,
                                           double scale, double m1, double m2, double m3, bool normalize,
-                                          int64_t chunk_classes, const Kept* kept) {
+                                          int64_t chunk_classes, const Kept* kept, bool need_w) {
   // Called below autograd (register_autograd handles it); inputs may still require grad,
   // which out= ATen calls refuse.
   const at::NoGradGuard no_grad;
   const auto acc = acc_dtype(x.scalar_type());
   const int64_t B = x.size(0), D = x.size(1), C = w.size(0);
-  Tensor grad_w = at::empty({C, D}, w.options());
+  // A frozen w (need_w false): no [C, D] gradient and no dW GEMM, only an empty [0] result.
+  Tensor grad_w = need_w ? at::empty({C, D}, w.options()) : at::empty({0}, w.options());
   if (B == 0 || C == 0) return {at::zeros({B, D}, x.options()), grad_w.zero_()};
-  prefer_huge_pages(grad_w);
+  if (need_w) prefer_huge_pages(grad_w);
   const Margin mg = make_margin(scale, m1, m2, m3, normalize);
   const Tensor gl = grad_lse.to(acc).contiguous(), gt = grad_target.to(acc).contiguous(),
                gs = grad_sum.to(acc).contiguous(), lse = lse_in.to(acc).contiguous(),
@@ -217,6 +218,7 @@ std::tuple<Tensor, Tensor> stats_backward(const Tensor& grad_lse, const Tensor& 
           }
           const Tensor& Wc = ws.wc;
           dxt[tid].addmm_(L, Wc);
+          if (!need_w) return;
           Tensor gw = grad_w.narrow(0, j0, n);
           if (direct_dw) {
             at::mm_out(gw, L.t(), xr.x);
@@ -253,18 +255,18 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cpu(const Tensor& grad_lse, c
                                                        const Tensor& w, const Tensor& labels,
                                                        const Tensor& lse, int64_t class_offset, double scale,
                                                        double m1, double m2, double m3, bool normalize,
-                                                       int64_t chunk_classes) {
+                                                       int64_t chunk_classes, bool need_grad_w) {
   check_backward(grad_lse, grad_target, grad_sum, x, w, labels, lse, class_offset, scale, m1, m2, m3,
                  normalize, chunk_classes);
   return stats_backward(grad_lse, grad_target, grad_sum, x, w, labels, lse, class_offset, scale, m1, m2, m3,
-                        normalize, chunk_classes, nullptr);
+                        normalize, chunk_classes, nullptr, need_grad_w);
 }
 
 std::tuple<Tensor, Tensor> ce_shard_stats_backward_kept_cpu(
     const Tensor& grad_lse, const Tensor& grad_target, const Tensor& grad_sum, const Tensor& x,
     const Tensor& w, const Tensor& labels, const Tensor& lse, const Tensor& kept_logits,
     const Tensor& kept_target, int64_t class_offset, double scale, double m1, double m2, double m3,
-    bool normalize, int64_t chunk_classes, int64_t keep_chunks) {
+    bool normalize, int64_t chunk_classes, int64_t keep_chunks, bool need_grad_w) {
   check_backward(grad_lse, grad_target, grad_sum, x, w, labels, lse, class_offset, scale, m1, m2, m3,
                  normalize, chunk_classes);
   const int64_t chunk = std::max<int64_t>(1, std::min(chunk_classes, w.size(0)));
@@ -272,7 +274,7 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_kept_cpu(
   check_kept(x, w, kept_logits, kept_target, chunk, keep_chunks, acc, acc);
   const Kept kept{KeptChunks(w.size(0), chunk, keep_chunks), kept_logits, kept_target};
   return stats_backward(grad_lse, grad_target, grad_sum, x, w, labels, lse, class_offset, scale, m1, m2, m3,
-                        normalize, chunk_classes, &kept);
+                        normalize, chunk_classes, &kept, need_grad_w);
 }
 
 }  // namespace

@@ -116,6 +116,7 @@ void chunk_grads(const Tensor& G, const Tensor& v, const Tensor& xin, const Tens
   const auto dt = xin.scalar_type();
   if (!low) {  // fp32 / fp64: G holds the gradient w.r.t. the raw rows' dots (times 1 / |w_j|)
     dx.addmm_(G, v);
+    if (!gw.defined()) return;  // a frozen w: no dW
     at::mm_out(gw, G.t(), xin);
     if (normalize) {
       AT_DISPATCH_FLOATING_TYPES(dt, "sce_dw", [&] {
@@ -137,6 +138,7 @@ void chunk_grads(const Tensor& G, const Tensor& v, const Tensor& xin, const Tens
     at::mm_out(dxc, G, v, at::kFloat);
     dx.add_(dxc);
   }
+  if (!gw.defined()) return;  // a frozen w: no dW
   if (!mixed && !normalize) {
     // The 16-bit rows written once by the GEMM (fp32 accumulation; split-K partial sums may be
     // reduced in 16 bits where torch allows it, as in nn.Linear's own dW).

@@ -452,7 +452,7 @@ std::tuple<Tensor, Tensor> stats_backward(const Tensor& grad_lse, const Tensor& 
                                           const Tensor& grad_sum, const Tensor& x, const Tensor& w,
                                           const Tensor& labels, const Tensor& lse_in, int64_t class_offset,
                                           double scale, double m1, double m2, double m3, bool normalize,
-                                          int64_t chunk_classes, const KeptLogits* kept) {
+                                          int64_t chunk_classes, const KeptLogits* kept, bool need_w) {
   // Called below autograd (register_autograd handles it); inputs may still require grad,
   // which out= ATen calls refuse.
   const at::NoGradGuard no_grad;
@@ -461,7 +461,8 @@ std::tuple<Tensor, Tensor> stats_backward(const Tensor& grad_lse, const Tensor& 
   const auto acc = acc_dtype(x.scalar_type());
   const auto dt = x.scalar_type();
   const int64_t B = x.size(0), D = x.size(1), C = w.size(0);
-  Tensor grad_w = at::empty({C, D}, w.options());
+  // A frozen w (need_w false): no [C, D] gradient and no dW GEMM, only an empty [0] result.
+  Tensor grad_w = need_w ? at::empty({C, D}, w.options()) : at::empty({0}, w.options());
   if (B == 0 || C == 0) return {at::zeros({B, D}, x.options()), grad_w.zero_()};
   const Margin mg = make_margin(scale, m1, m2, m3, normalize);
   const auto opts = x.options().dtype(acc);
@@ -551,8 +552,8 @@ std::tuple<Tensor, Tensor> stats_backward(const Tensor& grad_lse, const Tensor& 
     }
     {
       const c10::cuda::CUDAStreamGuard on(side);
-      chunk_grads(G, v, p.xin, b.rw, b.tmp, dx, dxc, grad_w.narrow(0, j0, n), low, mixed, normalize, hat,
-                  /*first=*/j0 == 0 && dx_by_gemm, n, D);
+      chunk_grads(G, v, p.xin, b.rw, b.tmp, dx, dxc, need_w ? grad_w.narrow(0, j0, n) : Tensor(), low, mixed,
+                  normalize, hat, /*first=*/j0 == 0 && dx_by_gemm, n, D);
     }
     if (overlap) released[slot].record(side);
   }
@@ -581,11 +582,11 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_cuda(const Tensor& grad_lse, 
                                                         const Tensor& w, const Tensor& labels,
                                                         const Tensor& lse, int64_t class_offset, double scale,
                                                         double m1, double m2, double m3, bool normalize,
-                                                        int64_t chunk_classes) {
+                                                        int64_t chunk_classes, bool need_grad_w) {
   check_backward(grad_lse, grad_target, grad_sum, x, w, labels, lse, class_offset, scale, m1, m2, m3,
                  normalize, chunk_classes);
   return stats_backward(grad_lse, grad_target, grad_sum, x, w, labels, lse, class_offset, scale, m1, m2, m3,
-                        normalize, chunk_classes, nullptr);
+                        normalize, chunk_classes, nullptr, need_grad_w);
 }
 
 // The memory-budget pair (sharded_ce_kept.cuh): the chunks KeptChunks(C, chunk, keep_chunks) names
@@ -611,7 +612,7 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_kept_cuda(
     const Tensor& grad_lse, const Tensor& grad_target, const Tensor& grad_sum, const Tensor& x,
     const Tensor& w, const Tensor& labels, const Tensor& lse, const Tensor& kept_logits,
     const Tensor& kept_target, int64_t class_offset, double scale, double m1, double m2, double m3,
-    bool normalize, int64_t chunk_classes, int64_t keep_chunks) {
+    bool normalize, int64_t chunk_classes, int64_t keep_chunks, bool need_grad_w) {
   check_backward(grad_lse, grad_target, grad_sum, x, w, labels, lse, class_offset, scale, m1, m2, m3,
                  normalize, chunk_classes);
   const int64_t chunk = std::max<int64_t>(1, std::min(chunk_classes, w.size(0)));
@@ -620,7 +621,7 @@ std::tuple<Tensor, Tensor> ce_shard_stats_backward_kept_cuda(
   const KeptLogits kept{KeptChunks(w.size(0), chunk, keep_chunks), kept_logits, kept_target, x.size(0),
                         is_low(x.scalar_type())};
   return stats_backward(grad_lse, grad_target, grad_sum, x, w, labels, lse, class_offset, scale, m1, m2, m3,
-                        normalize, chunk_classes, &kept);
+                        normalize, chunk_classes, &kept, need_grad_w);
 }
 
 }  // namespace

@@ -199,13 +199,27 @@ def _ce_shard_stats_fake(x, w, labels, target_ref, class_offset, scale, m1, m2, 
 
 @torch.library.register_fake("shardkit::ce_shard_stats_backward")
 def _ce_shard_stats_backward_fake(
-    grad_lse, grad_target, grad_sum, x, w, labels, lse, class_offset, scale, m1, m2, m3, normalize, chunk_classes
+    grad_lse,
+    grad_target,
+    grad_sum,
+    x,
+    w,
+    labels,
+    lse,
+    class_offset,
+    scale,
+    m1,
+    m2,
+    m3,
+    normalize,
+    chunk_classes,
+    need_grad_w=True,
 ):
     torch._check(x.dim() == 2 and w.dim() == 2, lambda: "arguments `x` and `w` must be 2-D")
     _check_devices_fake(x, w=w, labels=labels, lse=lse, grad_lse=grad_lse)
     _check_dtypes_fake(x, w)
-    # grad_x in x's dtype, grad_w in w's (fp32 in the mixed mode).
-    return x.new_empty(x.shape), w.new_empty(w.shape)
+    # grad_x in x's dtype, grad_w in w's (fp32 in the mixed mode); [0] for a frozen w.
+    return x.new_empty(x.shape), w.new_empty(w.shape if need_grad_w else (0,))
 
 
 @torch.library.register_fake("shardkit::ce_shard_stats_keep")
@@ -227,4 +241,5 @@ def _ce_shard_stats_backward_kept_fake(
     grad_lse, grad_target, grad_sum, x, w, labels, lse, kept_logits, kept_target, *params
 ):
     _check_devices_fake(x, kept_logits=kept_logits, kept_target=kept_target)
-    return _ce_shard_stats_backward_fake(grad_lse, grad_target, grad_sum, x, w, labels, lse, *params[:7])
+    need_grad_w = params[8] if len(params) > 8 else True
+    return _ce_shard_stats_backward_fake(grad_lse, grad_target, grad_sum, x, w, labels, lse, *params[:7], need_grad_w)
