@@ -193,3 +193,21 @@ def test_workers_carry_the_default_device_and_stay_concurrent(wrapper):
     assert {where for where, _ in log} == {"meta"}, log
     if wrapper == "data_parallel":  # still on the worker threads, not run one after another
         assert len({thread for _, thread in log}) == 2, log
+
+
+@pytest.mark.parametrize("switch", ["eval_then_train", "train_then_eval"])
+def test_a_recomputation_under_another_mode_leaves_batchnorm_counters(switch):
+    # The recomputation froze the layers by their flags at backward time (before replaying the
+    # forward's): num_batches_tracked went to -2, or the stats were updated a second time.
+    torch.manual_seed(5)
+    seq = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4), nn.BatchNorm1d(4))
+    pipe = PipelineModel(seq, ["cpu", "cpu"], chunks=2, checkpoint="always", batchnorm="micro")
+    pipe.train(switch == "train_then_eval")
+    out = pipe(torch.randn(8, 4))
+    bns = [m for m in pipe.modules() if isinstance(m, nn.BatchNorm1d)]
+    after_forward = [(int(m.num_batches_tracked), m.running_mean.clone()) for m in bns]
+    pipe.train(switch == "eval_then_train")
+    out.sum().backward()
+    for m, (count, mean) in zip(bns, after_forward):
+        assert int(m.num_batches_tracked) == count
+        assert torch.equal(m.running_mean, mean)

@@ -82,6 +82,7 @@ class DeferredBatchNorm(_BatchNorm):
         self._uses: dict[int, int] = {}  # micro-batch -> calls so far this step
         # per use: (micro-batches seen, count, mean, sum of squared deviations), float64
         self._acc: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+        self._stream: torch.cuda.Stream | None = None  # where the accumulators were made (CUDA)
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
@@ -129,11 +130,14 @@ class DeferredBatchNorm(_BatchNorm):
         """Called by the pipeline after each forward (also a failed one): every use that saw all
         the step's micro-batches updates the running statistics, in use order; then the layer
         is plain BatchNorm again until the next step."""
-        acc, expected = self._acc, self._expected
+        acc, expected, stream = self._acc, self._expected, self._stream
         self._reset_step(1, False)
-        for seen, count, mean64, m2 in acc:
-            if seen == expected:
-                self._update(count, mean64, m2)
+        # On the stream that made the accumulators (the stage's), as when the last micro-batch's
+        # forward updated them: the caller's stream has not waited for the stage streams here.
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for seen, count, mean64, m2 in acc:
+                if seen == expected:
+                    self._update(count, mean64, m2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(x)
@@ -154,6 +158,8 @@ class DeferredBatchNorm(_BatchNorm):
         # in float64 by Chan et al.'s pairwise rule.
         use = self._uses.get(micro, 0)
         self._uses[micro] = use + 1
+        if x.is_cuda:
+            self._stream = torch.cuda.current_stream(x.device)
         dims = [0] + list(range(2, x.dim()))
         xf = x if x.dtype in (torch.float32, torch.float64) else x.float()
         var, mean = torch.var_mean(xf, dims, correction=0)

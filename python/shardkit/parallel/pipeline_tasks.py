@@ -55,7 +55,7 @@ def run_checkpointed(part: nn.Module, x: torch.Tensor) -> torch.Tensor:
     def run(inp: torch.Tensor) -> torch.Tensor:
         calls["n"] += 1
         if calls["n"] > 1:  # the recomputation in the backward replays the forward's modes
-            with no_running_stats_update(part), _modes_of(modes):
+            with _modes_of(modes), no_running_stats_update(part):  # modes first: they pick the layers
                 return part(inp)
         # torch's checkpoint installs its saved-tensor hooks on this thread and removes
         # them only after the function returns: an exception would leave them in place
