@@ -89,6 +89,19 @@ def test_first_chunk_left_out_leaves_the_batchnorm_statistics_as_on_gpus(split):
         torch.testing.assert_close(value, before[key], rtol=0, atol=0)
 
 
+def test_a_subclass_replicate_of_two_arguments_still_works_with_the_first_chunk_left_out():
+    calls = []
+
+    class Mine(DataParallelModel):
+        def replicate(self, module, device_ids):  # nn.DataParallel's signature
+            calls.append(len(device_ids))
+            return super().replicate(module, device_ids)
+
+    net = nn.Linear(5, 4).double()
+    outs = Mine(net, ["cpu"] * 3, gpu0_bsz=0)(torch.randn(10, 5, dtype=torch.float64))
+    assert len(outs) == 2 and calls == [2]
+
+
 @pytest.mark.parametrize("ids", [["cpu:0", "cpu:0"], [torch.device("cpu", 0)] * 3, ["cpu:0", "cpu"]])
 def test_cpu_device_ids_with_an_index_are_plain_cpu(ids):
     net = nn.Linear(4, 3).double()

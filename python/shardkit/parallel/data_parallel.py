@@ -165,7 +165,10 @@ class DataParallelModel(nn.DataParallel):
             devices, per_device, first = self._split(inputs, kwargs)
             ids = [d.index if d.type == "cuda" else d for d in devices]
             # device_ids[0] left out (gpu0_bsz=0): no replica keeps the module's buffers, as on GPUs
-            replicas = self.replicate(self.module, ids) if first == 0 else self.replicate(self.module, ids, False)
+            own = type(self).replicate is DataParallelModel.replicate  # (a subclass's takes two arguments)
+            replicas = (
+                self.replicate(self.module, ids) if first == 0 or not own else self.replicate(self.module, ids, False)
+            )
             outputs = self.parallel_apply(
                 replicas, [a for a, _ in per_device], [k for _, k in per_device], devices=devices
             )
