@@ -10,6 +10,7 @@ import copy
 import math
 import os
 import pickle
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -271,6 +272,20 @@ def _copies(rank, group):
     out["pickled_shard"] = all(
         torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), head.state_dict().values())
     )
+    # save_sharded with an optimizer state refused on rank 1 only: every rank raises at once,
+    # none writes (rank 0 used to write and return, rank 1 raised; ids then came apart)
+    opt = shardkit.SparseRowSGD(head.parameters(), lr=0.1, momentum=0.9)
+    if rank == 1:
+        opt.state[head.weight_shards[0]]["momentum_buffer"] = torch.zeros(1, 1)
+    directory = os.path.join(tempfile.gettempdir(), f"shardkit_dist_save_{os.getppid()}")
+    t0 = time.time()
+    try:
+        shardkit.save_sharded(head, directory, opt)
+        out["bad_save"] = None
+    except (TypeError, ValueError) as err:
+        out["bad_save"] = f"{type(err).__name__}: {err}"
+    out["bad_save_seconds"] = time.time() - t0
+    out["bad_save_wrote"] = os.path.isdir(directory) and len(os.listdir(directory)) > 0
     with torch.device("meta"):  # an ambient device context: the host-side exchanges stay on the CPU
         ambient = shardkit.ShardedSoftmaxLoss(D, 11, process_group=group)
     out["ambient"] = (str(ambient.weight_shards[0].device), math.isfinite(float(ambient(x, y).detach())))
@@ -587,6 +602,11 @@ def test_a_copy_shares_the_group_and_a_pickled_head_explains_itself(runs):
         losses.add(res["ema_loss"])
         assert "was unpickled: its process group does not travel with it" in res["pickled_call"]
         assert res["ambient"] == ("cpu", True)  # was "Cannot copy out of meta tensor" at construction
+        assert res["bad_save_seconds"] < TIMEOUT_S and not res["bad_save_wrote"], res
+        if rank == 1:
+            assert "argument `optimizer`: the state of shard 0" in res["bad_save"], res["bad_save"]
+        else:
+            assert "DistributedInputError: save_sharded rank 0: rank(s) [1] refused" in res["bad_save"]
     assert len(losses) == 1  # the EMA's loss is the global batch's, the same on both ranks
 
 

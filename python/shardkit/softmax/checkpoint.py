@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.utils import parametrize
 
+from shardkit.softmax.collectives import DistributedInputError
 from shardkit.softmax.optim import momentum_state_problem
 from shardkit.softmax.shard_files import (
     _check_directory,
@@ -120,12 +121,13 @@ def save_sharded(
 ) -> List[str]:
     """Save this process's shards of ``module`` (a :class:`shardkit.ShardedSoftmaxLoss`, one-
     process or distributed) into ``directory``. In the distributed mode every rank calls
-    it with the same (shared-filesystem) directory. With ``optimizer``, the shards' momentum
+    it with the same (shared-filesystem) directory: a collective (one small gloo all_gather,
+    so an argument refused on one rank raises on every rank and none writes). With
+    ``optimizer``, the shards' momentum
     buffers are saved too. Returns the written paths (one file per local shard; the rows keep
     their dtype and are written from any device).
 
-    Every file records the save's id (``tag`` when given, e.g. the step; else a random id,
-    agreed on by the ranks with one small gloo all_gather in the process-group mode), and
+    Every file records the save's id (``tag`` when given, e.g. the step; else a random id), and
     :func:`load_sharded` refuses a directory whose files come from several saves (a save
     interrupted after some files were replaced). Each file is written atomically and
     durably; the directory as a whole is not: save each checkpoint into a new directory to
@@ -141,45 +143,70 @@ def save_sharded(
         OSError: the directory cannot be created or written.
     """
     shards, num_classes = _shards(module)
-    _check_directory(directory)
-    _check_optimizer(optimizer)
+    error: Optional[Exception] = None
     states = []
-    for k, (offset, p) in enumerate(shards):
-        state = optimizer.state.get(p, {}) if optimizer is not None else {}
-        buf, seen = state.get("momentum_buffer"), state.get("seen")
-        problem = momentum_state_problem(buf, seen, p.shape, p.dtype)
-        if problem is not None:
-            where = f"the state of shard {k} (classes [{offset}, {offset + p.shape[0]}))"
-            raise problem[0](f"argument `optimizer`: {where}: {problem[1]}")
-        states.append((buf, seen))
-    save_id = _new_save_id(module, shards, num_classes, tag)
+    try:
+        _check_directory(directory)
+        _check_optimizer(optimizer)
+        _check_tag(tag)
+        for k, (offset, p) in enumerate(shards):
+            state = optimizer.state.get(p, {}) if optimizer is not None else {}
+            buf, seen = state.get("momentum_buffer"), state.get("seen")
+            problem = momentum_state_problem(buf, seen, p.shape, p.dtype)
+            if problem is not None:
+                where = f"the state of shard {k} (classes [{offset}, {offset + p.shape[0]}))"
+                raise problem[0](f"argument `optimizer`: {where}: {problem[1]}")
+            states.append((buf, seen))
+    except (TypeError, ValueError) as err:
+        error = err
+    save_id = _new_save_id(module, shards, num_classes, tag, error)
     return [
         save_shard_file(directory, p, offset, num_classes, buf, seen, save_id)
         for (offset, p), (buf, seen) in zip(shards, states)
     ]
 
 
+def _check_tag(tag: Optional[int]) -> None:
+    if tag is not None and (isinstance(tag, bool) or not isinstance(tag, int) or not -(2**63) <= tag < 2**63):
+        raise TypeError(f"argument `tag` must be an int (int64), got {tag!r}")
+
+
 def _new_save_id(
-    module: ShardedSoftmaxLoss, shards: List[Tuple[int, torch.nn.Parameter]], num_classes: int, tag: Optional[int]
+    module: ShardedSoftmaxLoss,
+    shards: List[Tuple[int, torch.nn.Parameter]],
+    num_classes: int,
+    tag: Optional[int],
+    error: Optional[Exception],
 ) -> Optional[int]:
-    """The id every file of this save records: ``tag`` when given; else a random one when this
-    call writes every class (the one-process mode), rank 0's in the process-group mode (one
-    small gloo all_gather: every rank calls save_sharded, as documented); else (a part of
-    the classes saved without a process group) none."""
-    if tag is not None:
-        if isinstance(tag, bool) or not isinstance(tag, int) or not -(2**63) <= tag < 2**63:
-            raise TypeError(f"argument `tag` must be an int (int64), got {tag!r}")
-        return tag
+    """The id every file of this save records: ``tag`` when given, else a random one. In the
+    process-group mode the ranks exchange (error flag, id) with one small gloo all_gather, so
+    an argument refused on one rank raises on every rank (none writes) and the ranks take
+    rank 0's id. Without a process group, a call that writes only part of the classes (ranks
+    saving on their own) records none unless ``tag`` is given. Raises ``error`` (this rank's)."""
     mine = int.from_bytes(os.urandom(8), "little") >> 1
     ctx = getattr(getattr(module, "_mode", None), "ctx", None)
-    if ctx is None:
-        return mine if sum(p.shape[0] for _, p in shards) == num_classes else None
-    ids = torch.empty(ctx.world_size, dtype=torch.int64, device="cpu")
-    try:
-        dist.all_gather_into_tensor(ids, torch.tensor([mine], dtype=torch.int64, device="cpu"), group=ctx.cpu_group)
-    except Exception as err:
-        raise ctx.fail("save_sharded id exchange", err) from err
-    return int(ids[0])
+    if ctx is not None:
+        row = torch.tensor([int(error is not None), mine], dtype=torch.int64, device="cpu")
+        rows = torch.empty(2 * ctx.world_size, dtype=torch.int64, device="cpu")
+        try:
+            dist.all_gather_into_tensor(rows, row, group=ctx.cpu_group)
+        except Exception as err:
+            raise ctx.fail("save_sharded exchange", err) from err
+        flags, ids = rows.view(ctx.world_size, 2).t().tolist()
+        if error is not None:
+            raise error
+        bad = [r for r, f in enumerate(flags) if f]
+        if bad:
+            raise DistributedInputError(
+                f"save_sharded rank {ctx.rank}: rank(s) {bad} refused their arguments (their error says which); "
+                "no rank wrote its files"
+            )
+        return tag if tag is not None else ids[0]
+    if error is not None:
+        raise error
+    if tag is not None:
+        return tag
+    return mine if sum(p.shape[0] for _, p in shards) == num_classes else None
 
 
 def save_id_of(directory: str) -> Optional[int]:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import tempfile
+import secrets
+import threading
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -140,7 +141,10 @@ def save_shard_file(
     tmp = None
     try:
         # a temporary name of this call's own (threads of one process saving at once each get one)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=_file_name(start, end) + ".tmp")
+        # (created with mode 0666 less the umask, as open() makes files: mkstemp's 0600 would hide
+        # the checkpoint from the other users of a shared filesystem)
+        tmp = f"{path}.tmp{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         with os.fdopen(fd, "wb") as f:
             torch.save(blob, f)
             f.flush()
