@@ -133,3 +133,26 @@ def test_swap_of_overlapping_views_names_both_and_changes_nothing():
     assert_bits(model, before)
     assert_bits(ema.module, ema_before)
     ema.update(model)  # not left swapped
+
+
+def test_swap_of_disjoint_views_of_one_buffer():
+    # Parameters over disjoint parts of one flat buffer (a fused weight split into Parameters)
+    # swapped fine before overlapping views were refused; they still do.
+    class Flat(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            flat = torch.randn(20, dtype=torch.float64)
+            self.a = torch.nn.Parameter(flat[:8].view(2, 4))
+            self.b = torch.nn.Parameter(flat[8:].view(3, 4))
+
+    model = Flat()
+    ema = shardkit.ModelEMA(model, 0.5, tau=None)
+    with torch.no_grad():
+        model.a.add_(2.0)
+        model.b.add_(4.0)
+    ema.update(model, step=10)
+    before = snapshot(model)
+    with ema.swap(model):
+        torch.testing.assert_close(model.a, before["a"] - 1.0, rtol=0, atol=1e-15)
+        torch.testing.assert_close(model.b, before["b"] - 2.0, rtol=0, atol=1e-15)
+    assert_bits(model, before)

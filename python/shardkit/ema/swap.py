@@ -45,19 +45,22 @@ def plan_swap(
     ex_e: List[Tensor] = []
     ex_m: List[Tensor] = []
     stash: List[Tuple[Tensor, Tensor, Tensor]] = []
-    seen: Dict[Tuple[torch.device, int], Tuple[int, Tensor]] = {}
+    seen: Dict[Tuple[torch.device, int], List[Tuple[int, Tensor]]] = {}
     for i, (e, m) in enumerate(zip(ema, src)):
         if m.numel() and m.layout == torch.strided and not m.is_nested:
             key = (m.device, m.untyped_storage().data_ptr())
-            first = seen.setdefault(key, (i, m))
-            if first[0] != i:
-                if _same_view(first[1], m):
-                    continue  # storage-tied to an earlier tensor: swapped with it
+            earlier = seen.setdefault(key, [])
+            tied = next((j for j, t in earlier if _same_view(t, m)), None)
+            if tied is not None:
+                continue  # storage-tied to an earlier tensor: swapped with it
+            clash = next((j for j, t in earlier if _overlap(t, m)), None)
+            if clash is not None:
                 raise ValueError(
-                    f"ModelEMA.swap: argument `model` has {names[i]} and {names[first[0]]} in one memory as "
+                    f"ModelEMA.swap: argument `model` has {names[i]} and {names[clash]} in one memory (overlapping) as "
                     "different views; swap writes each of them in place, so they need memory of their own "
                     "(tie weights as one Parameter, or as Parameters over the very same view)"
                 )
+            earlier.append((i, m))  # disjoint views of one buffer (a flat parameter's parts) are fine
         if e.device == m.device and (
             e.dtype == m.dtype or (e.dtype == torch.float32 and m.dtype == torch.bfloat16 and _flat_ok(e, m))
         ):
@@ -66,6 +69,19 @@ def plan_swap(
         else:
             stash.append((e, m, m.detach().to("cpu", copy=True)))
     return ex_e, ex_m, stash
+
+
+def _overlap(a: Tensor, b: Tensor) -> bool:
+    """Whether two tensors of one storage reach a common byte (their spans, first to last
+    element, intersect: interleaved views count as overlapping)."""
+
+    def span(t: Tensor) -> Tuple[int, int]:
+        start = int(t.storage_offset()) * t.element_size()
+        extent = sum((int(size) - 1) * abs(int(stride)) for size, stride in zip(t.shape, t.stride())) + 1
+        return start, start + extent * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 # The pairs a swap exchanged in place (EMA tensors, model tensors): put back for a pickle.
