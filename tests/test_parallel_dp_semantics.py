@@ -202,3 +202,26 @@ def test_a_direct_criterion_taking_a_list_still_works():
     preds, y = [torch.randn(5, 3), torch.randn(5, 3)], torch.randint(0, 3, (5,))
     got = DataParallelCriterion(DeepSupervision(), None)(preds, y)
     torch.testing.assert_close(got, DeepSupervision()(preds, y))
+
+
+def test_seeded_randomness_repeats_on_a_repeated_device_list():
+    # Calls sharing a device (its random generator) ran concurrently: dropout in the model and
+    # PartialFC sampling in a shared head drew in thread-timing order (17 of 30 seeded calls differed).
+    import shardkit
+
+    net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 8))
+    model = DataParallelModel(net, device_ids=["cpu"] * 4)
+    xb = torch.randn(32, 16)
+    outs = set()
+    for _ in range(12):
+        torch.manual_seed(1)
+        outs.add(torch.cat(model(xb)).sum().item())
+    assert len(outs) == 1
+    head = shardkit.ShardedSoftmaxLoss(16, 400, devices=["cpu", "cpu"], sample_rate=0.1)
+    crit = DataParallelCriterion(head, device_ids=["cpu", "cpu"])
+    x, y = torch.randn(64, 16), torch.randint(0, 400, (64,))
+    losses = set()
+    for _ in range(12):
+        head.sample_generator = torch.Generator().manual_seed(1)
+        losses.add(crit(list(x.split(32)), y).item())
+    assert len(losses) == 1

@@ -42,7 +42,7 @@ from shardkit.parallel.loss_reduce import ChunkGate, reduce_results
 from shardkit.parallel.loss_weights import WeightedLoss, _chunk_loss, direct_call, warn_own_forward
 from shardkit.parallel.replicate import replicate_module, share_replicas
 from shardkit.parallel.sync import execute_replication_callbacks
-from shardkit.parallel.threads import profiler_range, run_parallel
+from shardkit.parallel.threads import profiler_range, run_parallel, same_device_order
 
 __all__ = ["DataParallelModel", "DataParallelCriterion", "WeightedLoss"]
 
@@ -229,7 +229,7 @@ class DataParallelModel(nn.DataParallel):
         """Calls replica k on (inputs[k], kwargs[k]) in its device's thread; the outputs."""
         devices = devices if devices is not None else self._devices[: len(replicas)]
         calls = [functools.partial(m, *a, **k) for m, a, k in zip(replicas, inputs, kwargs)]
-        return run_parallel(calls, devices, "DataParallelModel")
+        return run_parallel(calls, devices, "DataParallelModel", after=same_device_order(devices))
 
     def gather(self, outputs: list[Any], output_device: int | torch.device | None) -> list[Any]:
         """No gather: the per-device outputs, for DataParallelCriterion."""
@@ -344,7 +344,11 @@ class DataParallelCriterion(nn.DataParallel):
                 functools.partial(_chunk_loss, m, out, t, k, n, auto, gate)
                 for m, out, (t, k), n, gate in zip(replicas, inputs, per_device, sizes, gates)
             ]
-            results = run_parallel(calls, devices, "DataParallelCriterion")
+            # Calls that share a random generator (a device's, or a criterion shared by the threads,
+            # e.g. a class-sharded head with its sample_generator) run in chunk order: seeded steps repeat.
+            shared = replicas[0] is self.module and len(replicas) > 1
+            order = [k - 1 if k else None for k in range(len(calls))] if shared else same_device_order(devices)
+            results = run_parallel(calls, devices, "DataParallelCriterion", after=order)
             return self._reduce(results, sizes)
 
     def replicate(self, module: nn.Module, device_ids: Sequence[int | torch.device]) -> list[nn.Module]:

@@ -128,24 +128,42 @@ def caller_thread_only() -> bool:
     return top_hooks is not None and top_hooks(False) is not None
 
 
+def same_device_order(devices: Sequence[torch.device]) -> list[int | None]:
+    """For :func:`run_parallel`'s ``after``: each call waits for the previous call on its device
+    (calls sharing a device share its random generator: their draws then come in call order,
+    so a seeded step repeats; calls on distinct devices stay concurrent)."""
+    last: dict[torch.device, int] = {}
+    after: list[int | None] = []
+    for k, d in enumerate(devices):
+        after.append(last.get(d))
+        last[d] = k
+    return after
+
+
 def run_parallel(
     calls: Sequence[Callable[[], Any]],
     devices: Sequence[torch.device],
     owner: str,
     labels: Sequence[object] | None = None,
+    after: Sequence[int | None] | None = None,
 ) -> list[Any]:
     """Runs ``calls[k]()`` for every k concurrently, call k on ``devices[k]`` under the caller's
-    thread state; returns the results in order. Call 0 runs in the calling thread. A failing
+    thread state; returns the results in order. Call 0 runs in the calling thread. ``after[k]``
+    (an index below k, or None): call k starts once that call has finished. A failing
     call's exception is re-raised here, same type and message, with its original traceback
     and a note naming the call (``labels[k]``, default "chunk k of K") and the device."""
     state = ThreadState(devices)
     results: list[Any] = [None] * len(calls)
     errors: list[BaseException | None] = [None] * len(calls)
+    finished = [threading.Event() for _ in calls] if after is not None else []
 
     def work(k: int) -> None:
         nested = getattr(_worker, "active", False)
         _worker.active = True
         try:
+            first = after[k] if after is not None else None
+            if first is not None:
+                finished[first].wait()
             if k == 0 and devices[0].type == "cpu":  # the caller's own thread and state: nothing to apply
                 results[0] = calls[0]()
                 return
@@ -162,6 +180,8 @@ def run_parallel(
             errors[k] = e
         finally:
             _worker.active = nested
+            if finished:
+                finished[k].set()
 
     if len(calls) == 1 or getattr(_worker, "active", False) or caller_thread_only():
         # Inside a worker already (nested data parallelism): run in order rather than wait
