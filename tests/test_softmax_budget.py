@@ -284,6 +284,26 @@ def test_module_budget_forms():
         assert shardkit.ShardedSoftmaxLoss(4, 10, memory_budget=zero).memory_budget == 0
     assert shardkit.ShardedSoftmaxLoss(4, 10, memory_budget=" Auto ").memory_budget == "auto"
     assert "memory_budget=1000" in repr(shardkit.ShardedSoftmaxLoss(4, 10, memory_budget=1000))
+    # "full" (the README's and the planner's name for keeping every chunk) was refused by the module
+    assert shardkit.ShardedSoftmaxLoss(4, 10, memory_budget=" FULL ").memory_budget == "full"
+
+
+def test_full_budget_keeps_every_logit_and_equals_budget_zero():
+    torch.manual_seed(3)
+    B, D, C = 16, 12, 3000
+    x, y = torch.randn(B, D, dtype=torch.float64), torch.randint(0, C, (B,))
+    head = shardkit.ShardedSoftmaxLoss(D, C, dtype=torch.float64, memory_budget="full", chunk_memory=4096)
+    extra = module_extra_bytes(head, x, y)
+    assert extra >= B * C * 8  # every chunk's logits kept (float64 statistics on the CPU)
+    grads = []
+    for budget in ("full", 0):
+        head.memory_budget = budget
+        xx = x.clone().requires_grad_()
+        head.weight_shards[0].grad = None
+        head(xx, y).backward()
+        grads.append((xx.grad, head.weight_shards[0].grad))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-15)
 
 
 def module_extra_bytes(head, x, y, **kwargs):

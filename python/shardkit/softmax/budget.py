@@ -31,22 +31,29 @@ AUTO_SHARE = 0.25
 Budget = Union[int, str]
 
 
+#: What ``memory_budget="full"`` grants per device: every chunk's logits are kept, whatever
+#: their size (the planner's "full" budget).
+FULL_BYTES = 1 << 62
+
+
 def check_memory_budget(value: Budget) -> Budget:
-    """``memory_budget`` as bytes (int >= 0) or ``"auto"``: an int, a size string such as
-    ``"2GiB"`` or ``"512MB"``, 0 / ``"0"`` (keep nothing), or ``"auto"``. ValueError /
-    TypeError naming the argument otherwise."""
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
+    """``memory_budget`` as bytes (int >= 0), ``"auto"`` or ``"full"``: an int, a size string
+    such as ``"2GiB"`` or ``"512MB"``, 0 / ``"0"`` (keep nothing), ``"auto"``, or ``"full"``
+    (keep every chunk's logits). ValueError / TypeError naming the argument otherwise."""
+    if isinstance(value, str) and value.strip().lower() in ("auto", "full"):
+        return value.strip().lower()
     if isinstance(value, str) and re.fullmatch(r"\s*0+(\.0*)?\s*(b|kb|mb|gb|kib|mib|gib)?\s*", value, re.IGNORECASE):
         return 0  # "0", "0B", "0 MiB": keep nothing (parse_memory takes positive sizes only)
     if isinstance(value, Integral) and not isinstance(value, bool) and int(value) == 0:
         return 0
     if isinstance(value, Integral) and not isinstance(value, bool) and int(value) < 0:
-        raise ValueError(f"argument `memory_budget` must be >= 0 bytes, a size like '2GiB' or 'auto', got {value!r}")
+        raise ValueError(
+            f"argument `memory_budget` must be >= 0 bytes, a size like '2GiB', 'auto' or 'full', got {value!r}"
+        )
     try:
         return parse_memory(value, "memory_budget")
     except ValueError as err:
-        raise ValueError(f"{err} (or 'auto', or 0 to keep nothing)") from None
+        raise ValueError(f"{err} (or 'auto', 'full', or 0 to keep nothing)") from None
 
 
 @torch.compiler.assume_constant_result
@@ -83,6 +90,8 @@ def device_budget(budget: Budget, device: torch.device) -> int:
     """The bytes a budget grants on ``device``: the budget itself, or for "auto"
     :data:`AUTO_SHARE` of the available memory: the CPU's, or a CUDA device's with
     ``SHARDKIT_CUDA_KEEP=1`` (0 otherwise, and on other devices, which keep nothing)."""
+    if budget == "full":
+        return FULL_BYTES if device.type == "cpu" or (device.type == "cuda" and cuda_keep_enabled()) else 0
     if budget != "auto":
         return int(budget)
     if device.type == "cpu":

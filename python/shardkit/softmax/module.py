@@ -86,7 +86,8 @@ class ShardedSoftmaxLoss(ShardedHead):
             backward, to keep the logits of as many class chunks as fit so that the backward
             need not recompute them (three GEMMs' work instead of four): an int, a string like
             "2GiB", "auto" (a quarter of the memory available at each forward,
-            :data:`shardkit.softmax.budget.AUTO_SHARE`) or 0 (the default: keep nothing;
+            :data:`shardkit.softmax.budget.AUTO_SHARE`), "full" (keep every chunk, B x 4 bytes
+            per class) or 0 (the default: keep nothing;
             extra memory O(B x chunk)). A hard bound, shared by a device's shards by their
             classes; the same loss and gradients at every budget. Kept logits are float32
             (float64 for float64 weights), B x 4 bytes per class. CPU shards use it; CUDA
