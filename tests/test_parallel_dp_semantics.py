@@ -225,3 +225,23 @@ def test_seeded_randomness_repeats_on_a_repeated_device_list():
         head.sample_generator = torch.Generator().manual_seed(1)
         losses.add(crit(list(x.split(32)), y).item())
     assert len(losses) == 1
+
+
+def test_a_stateless_criterion_on_distinct_devices_stays_concurrent(monkeypatch):
+    # The shared-criterion ordering (for a head spread over devices, with its sample_generator)
+    # caught every criterion without state too, serializing CrossEntropyLoss across GPUs.
+    from shardkit.parallel import data_parallel
+
+    seen = []
+    real = data_parallel.run_parallel
+
+    def spy(calls, devices, owner, labels=None, after=None):
+        seen.append((owner, list(after) if after is not None else None))
+        return real(calls, devices, owner, labels, after)
+
+    monkeypatch.setattr(data_parallel, "run_parallel", spy)
+    monkeypatch.setattr(data_parallel, "same_device_order", lambda devices: [None] * len(devices))  # as distinct GPUs
+    net = nn.Linear(4, 3).double()
+    x, y = torch.randn(9, 4, dtype=torch.float64), torch.randint(0, 3, (9,))
+    DataParallelCriterion(nn.CrossEntropyLoss(), ["cpu"] * 3)(DataParallelModel(net, ["cpu"] * 3)(x), y)
+    assert seen == [("DataParallelModel", [None] * 3), ("DataParallelCriterion", [None] * 3)]

@@ -346,7 +346,7 @@ class DataParallelCriterion(nn.DataParallel):
             ]
             # Calls that share a random generator (a device's, or a criterion shared by the threads,
             # e.g. a class-sharded head with its sample_generator) run in chunk order: seeded steps repeat.
-            shared = replicas[0] is self.module and len(replicas) > 1
+            shared = len(state_devices) > 1 and len(replicas) > 1  # (a stateless criterion: concurrent)
             order = [k - 1 if k else None for k in range(len(calls))] if shared else same_device_order(devices)
             results = run_parallel(calls, devices, "DataParallelCriterion", after=order)
             return self._reduce(results, sizes)
