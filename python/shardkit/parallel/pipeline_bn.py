@@ -138,6 +138,8 @@ class DeferredBatchNorm(_BatchNorm):
             for seen, count, mean64, m2 in acc:
                 if seen == expected:
                     self._update(count, mean64, m2)
+        if stream is not None:  # what runs next on the caller's stream sees the updated statistics
+            torch.cuda.current_stream(stream.device).wait_stream(stream)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(x)
