@@ -121,8 +121,9 @@ def save_sharded(
 ) -> List[str]:
     """Save this process's shards of ``module`` (a :class:`shardkit.ShardedSoftmaxLoss`, one-
     process or distributed) into ``directory``. In the distributed mode every rank calls
-    it with the same (shared-filesystem) directory: a collective (one small gloo all_gather,
-    so an argument refused on one rank raises on every rank and none writes). With
+    it with the same (shared-filesystem) directory; without ``tag`` it is a collective (one small
+    gloo all_gather, so an argument refused on one rank raises on every rank and none writes;
+    pass ``tag``, e.g. the step, to save from a background thread: no collective). With
     ``optimizer``, the shards' momentum
     buffers are saved too. Returns the written paths (one file per local shard; the rows keep
     their dtype and are written from any device).
@@ -157,7 +158,7 @@ def save_sharded(
                 where = f"the state of shard {k} (classes [{offset}, {offset + p.shape[0]}))"
                 raise problem[0](f"argument `optimizer`: {where}: {problem[1]}")
             states.append((buf, seen))
-    except (TypeError, ValueError) as err:
+    except Exception as err:  # noqa: BLE001 (every rank learns of it in the exchange; re-raised there)
         error = err
     save_id = _new_save_id(module, shards, num_classes, tag, error)
     return [
@@ -178,14 +179,14 @@ def _new_save_id(
     tag: Optional[int],
     error: Optional[Exception],
 ) -> Optional[int]:
-    """The id every file of this save records: ``tag`` when given, else a random one. In the
-    process-group mode the ranks exchange (error flag, id) with one small gloo all_gather, so
-    an argument refused on one rank raises on every rank (none writes) and the ranks take
-    rank 0's id. Without a process group, a call that writes only part of the classes (ranks
+    """The id every file of this save records: ``tag`` when given (no collective), else a
+    random one: in the process-group mode the ranks exchange (error flag, id) with one small
+    gloo all_gather, so an argument refused on one rank raises on every rank (none writes) and
+    the ranks take rank 0's id. Without a process group, a call that writes only part of the classes (ranks
     saving on their own) records none unless ``tag`` is given. Raises ``error`` (this rank's)."""
     mine = int.from_bytes(os.urandom(8), "little") >> 1
     ctx = getattr(getattr(module, "_mode", None), "ctx", None)
-    if ctx is not None:
+    if ctx is not None and tag is None:  # a tagged save needs no collective (a background thread's)
         row = torch.tensor([int(error is not None), mine], dtype=torch.int64, device="cpu")
         rows = torch.empty(2 * ctx.world_size, dtype=torch.int64, device="cpu")
         try:
