@@ -34,16 +34,9 @@ from shardkit.plan.memory import sampled_rows
 
 
 def sampled_class_counts(sizes: Sequence[int], sample_rate: float, global_batch: int) -> List[int]:
-    """PartialFC: classes used per rank this step, host-known so no sync is needed.
-
-    ``K_r = min(C_r, max(ceil(rate * C_r), min(B_g, C_r)))``: at least as many as the batch
-    can have distinct positives, so every positive always fits.
-
-    Args:
-        sizes: classes per rank (ints >= 0).
-        sample_rate: in (0, 1] (``ValueError`` / ``TypeError`` otherwise).
-        global_batch: rows of the gathered batch (int >= 0).
-    """
+    """PartialFC's classes per rank this step (the formula and arguments:
+    :func:`shardkit.distributed.sampled_class_counts`, the public form, which also takes numpy
+    integers); Python ints here."""
     sample_rate = check_sample_rate(sample_rate)
     sizes = list(sizes)
     for name, values, shown in (("sizes", sizes, sizes), ("global_batch", [global_batch], global_batch)):
