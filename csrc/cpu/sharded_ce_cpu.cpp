@@ -190,7 +190,8 @@ std::tuple<Tensor, Tensor> stats_backward(const Tensor& grad_lse, const Tensor& 
     const int64_t* y = lab.const_data_ptr<int64_t>();
     const T s = static_cast<T>(mg.scale);
     for_each_chunk(
-        xr.x, C, chunk, nt, !direct_dw, [&](int64_t tid, Workspace& ws, int64_t k, int64_t j0, int64_t n) {
+        xr.x, C, chunk, nt, need_w && !direct_dw,
+        [&](int64_t tid, Workspace& ws, int64_t k, int64_t j0, int64_t n) {
           // A kept chunk: its scaled logits are read from the kept buffer (not written: a second
           // backward of a retained graph reads them again), its dlogits go to the workspace.
           const bool keep = kept != nullptr && kept->set.kept(k);

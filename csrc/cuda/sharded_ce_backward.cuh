@@ -87,14 +87,15 @@ bool overlap_enabled() {
 // The buffers of one chunk of the backward: its dlogits G ([B, chunk], x's dtype; 16-bit only:
 // fp32 / fp64 write them over the logits), the fp32 / fp64 logits (with_logits: the unfused
 // kernels), its rows converted to x's dtype (mixed), normalized (16-bit normalize), their inverse
-// norms (normalize) and the fp32 dW rows before their fix-up (16-bit, normalized, not mixed).
+// norms (normalize) and the fp32 dW rows before their fix-up (16-bit, normalized, not mixed; none
+// for a frozen w: need_w false).
 // G and the logits get `pad` elements more (the memory budget's phase shift).
 struct ChunkBuffers {
   Tensor g, logits, wbuf, what, rw, tmp;
 };
 
 ChunkBuffers chunk_buffers(const Tensor& x, int64_t chunk, int64_t D, bool with_logits, bool low, bool mixed,
-                           bool normalize, const at::TensorOptions& acc_opts, int64_t pad = 0) {
+                           bool normalize, bool need_w, const at::TensorOptions& acc_opts, int64_t pad = 0) {
   ChunkBuffers b;
   const int64_t B = x.size(0);
   b.logits = with_logits ? at::empty({B * chunk + pad}, acc_opts) : Tensor();
@@ -102,7 +103,7 @@ ChunkBuffers chunk_buffers(const Tensor& x, int64_t chunk, int64_t D, bool with_
   b.wbuf = mixed ? at::empty({chunk * D}, x.options()) : Tensor();
   b.what = low && normalize ? at::empty({chunk * D}, x.options()) : Tensor();
   b.rw = normalize ? at::empty({chunk}, acc_opts) : Tensor();
-  b.tmp = low && !mixed && normalize ? at::empty({chunk * D}, acc_opts) : Tensor();
+  b.tmp = need_w && low && !mixed && normalize ? at::empty({chunk * D}, acc_opts) : Tensor();
   return b;
 }
 

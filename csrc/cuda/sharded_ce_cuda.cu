@@ -493,7 +493,7 @@ std::tuple<Tensor, Tensor> stats_backward(const Tensor& grad_lse, const Tensor& 
   const int64_t pad = kept != nullptr ? 3 : 0;
   ChunkBuffers bufs[2];
   for (int k = 0; k < (overlap ? 2 : 1); ++k)
-    bufs[k] = chunk_buffers(x, chunk, D, with_logits, low, mixed, normalize, opts, pad);
+    bufs[k] = chunk_buffers(x, chunk, D, with_logits, low, mixed, normalize, need_w, opts, pad);
   // w.r.t. the GEMM's x (normalized x when normalize): where cuBLAS accumulates every chunk's dX
   // into it, the first chunk's GEMM initializes it.
   const bool own_rows = hat || mixed;  // the dX GEMM's rows: a contiguous buffer, or w's own
