@@ -17,11 +17,14 @@ from softmax_reference import margin_kwargs, reference_unowned_targets
 import shardkit
 
 
-def test_init_matches_nn_linear():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim", [3, 32, 37, 512])
+def test_init_matches_nn_linear(dtype, dim):
+    # bit for bit in every dtype (float64 used to differ by one rounding of the bound)
     torch.manual_seed(1234)
-    linear = torch.nn.Linear(37, 101, bias=False)
+    linear = torch.nn.Linear(dim, 101, bias=False, dtype=dtype)
     torch.manual_seed(1234)
-    loss_fn = shardkit.ShardedSoftmaxLoss(37, 101, devices=["cpu"] * 4)
+    loss_fn = shardkit.ShardedSoftmaxLoss(dim, 101, devices=["cpu"] * 4, dtype=dtype)
     assert torch.equal(loss_fn.full_weight(), linear.weight.detach())
 
 

@@ -5,6 +5,7 @@ and not on the module; and the one-process checkpoint form (one class-ordered ``
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
@@ -49,6 +50,13 @@ class ShardedHead(nn.Module):
 
         @property
         def shard_sizes(self) -> Tuple[int, ...]: ...
+
+
+def init_bound(fan_in: int) -> float:
+    """nn.Linear's init bound, computed as ``kaiming_uniform_(a=sqrt(5))`` computes it (so a
+    float64 draw is bit-identical too, not one rounding away as ``1 / sqrt(fan_in)`` would be)."""
+    gain = nn.init.calculate_gain("leaky_relu", math.sqrt(5))
+    return math.sqrt(3.0) * (gain / math.sqrt(fan_in))
 
 
 def class_ordered_checkpoints(module: ShardedHead) -> None:

@@ -27,7 +27,7 @@ from shardkit.softmax.core import (
     shard_statistics,
     to_device,
 )
-from shardkit.softmax.head import ShardedHead, class_ordered_checkpoints
+from shardkit.softmax.head import ShardedHead, class_ordered_checkpoints, init_bound
 from shardkit.softmax.margins import Margin
 from shardkit.softmax.sampling import check_sample_rate, mark_sampled, sample_shard, sampled_class_counts
 
@@ -331,7 +331,7 @@ class LocalShards:
     @torch.no_grad()
     def reset_parameters(self, module: ShardedHead) -> None:
         # Drawn on the CPU shard by shard in class order: the same numbers as one [C, D] draw.
-        bound = 1.0 / module.embedding_dim**0.5
+        bound = init_bound(module.embedding_dim)
         for p in module.weight_shards:
             if p.device.type == "meta":
                 continue
