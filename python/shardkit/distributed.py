@@ -14,6 +14,9 @@ from __future__ import annotations
 import numbers
 from typing import Any, Iterable, List
 
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
 from shardkit.softmax import collectives as _collectives
 from shardkit.softmax import sampling as _sampling
 from shardkit.softmax.collectives import CollectiveError, DistributedInputError  # noqa: F401
@@ -22,6 +25,7 @@ from shardkit.softmax.exchange import DistributedNonFiniteError  # noqa: F401
 __all__ = [
     "split_classes",
     "class_offsets",
+    "ddp_ignore_heads",
     "sampled_class_counts",
     "CollectiveError",
     "DistributedInputError",
@@ -88,3 +92,40 @@ def sampled_class_counts(sizes: Iterable[int], sample_rate: float, global_batch:
 
 def _as_int(value: Any) -> Any:
     return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
+
+
+def ddp_ignore_heads(model: nn.Module) -> List[str]:
+    """Lets ``DistributedDataParallel(model)`` wrap a model that holds process-group heads:
+    marks every process-group :class:`shardkit.ShardedSoftmaxLoss` shard inside ``model`` (its
+    parameters and buffers) for DDP to leave alone. Call it on the unwrapped model, before
+    ``DistributedDataParallel(model)``. Without it, DDP copies rank 0's shard over the other
+    ranks' when it is built and averages the gradients of different classes; the head's
+    forward then raises (``DistributedInputError`` on every rank).
+
+    Adds to the names already set for DDP to ignore. Returns the names of ``model``'s
+    parameters and buffers DDP will leave alone. ``TypeError`` for a model already wrapped
+    (DDP reads the names when it is built), ``ValueError`` when ``model`` holds no
+    process-group head.
+    """
+    from shardkit.softmax.distributed import ProcessGroupShards
+    from shardkit.softmax.module import ShardedSoftmaxLoss
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"argument `model` must be an nn.Module, got {type(model).__name__}")
+    if isinstance(model, DistributedDataParallel):
+        raise TypeError(
+            "argument `model` is already a DistributedDataParallel, which reads the names to ignore "
+            "when it is built: call ddp_ignore_heads on the model before wrapping it"
+        )
+    names: List[str] = []
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, ShardedSoftmaxLoss) and isinstance(module.__dict__.get("_mode"), ProcessGroupShards):
+            dot = prefix + "." if prefix else ""
+            names += [dot + n for n, _ in module.named_parameters(remove_duplicate=False)]
+            names += [dot + n for n, _ in module.named_buffers(remove_duplicate=False)]
+    if not names:
+        raise ValueError("argument `model` holds no ShardedSoftmaxLoss with a process_group: nothing to ignore")
+    before = list(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+    merged = before + [n for n in names if n not in before]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, merged)
+    return merged

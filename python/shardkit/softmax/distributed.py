@@ -10,10 +10,12 @@ when it gets a ``process_group``; it answers the same calls as the one-process
 
 from __future__ import annotations
 
+import weakref
 from typing import Dict, NoReturn, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from shardkit import ops
 from shardkit.softmax.budget import check_memory_budget, shard_budgets
@@ -37,11 +39,39 @@ from shardkit.softmax.core import (
     weights_for,
 )
 from shardkit.softmax.exchange import ConfigValue, check_same_config, exchange_batch_info
-from shardkit.softmax.head import ShardedHead, checked_weight_loads
+from shardkit.softmax.head import ShardedHead, checked_weight_loads, init_bound
 from shardkit.softmax.margins import Margin
 from shardkit.softmax.sampling import check_sample_rate, mark_sampled, sample_shard, sampled_class_counts
 
 DeviceLike = Union[torch.device, str, int]
+
+# The DistributedDataParallel modules already checked for a head's shard: {ddp: {id(shard): ref}}.
+_DDP_CHECKED: weakref.WeakKeyDictionary[torch.nn.Module, Dict[int, weakref.ref]] = weakref.WeakKeyDictionary()
+
+
+def check_not_synced_by_ddp(shard: torch.Tensor) -> None:
+    """Refuses (``ValueError``) a shard that the DistributedDataParallel running this forward
+    synchronizes: DDP copied rank 0's shard over the other ranks' at construction and would
+    average the gradients of different classes. One class-attribute read per step; the
+    module's parameters are searched once per DDP module."""
+    active = getattr(DistributedDataParallel, "_get_active_ddp_module", None)
+    ddp = active() if active is not None else None
+    if ddp is None:
+        return
+    seen = _DDP_CHECKED.setdefault(ddp, {})
+    ref = seen.get(id(shard))
+    if ref is not None and ref() is shard:
+        return
+    ignored = getattr(ddp, "parameters_to_ignore", ())
+    synced = [n for n, p in ddp.module.named_parameters(remove_duplicate=False) if p is shard and n not in ignored]
+    if synced:
+        raise ValueError(
+            f"this process-group head's shard (parameter {synced[0]!r}) is inside a DistributedDataParallel "
+            "that synchronizes it: DDP copied rank 0's shard over the other ranks' when it was built and "
+            "would average the gradients of different classes. Wrap the backbone alone in DDP, or call "
+            "shardkit.distributed.ddp_ignore_heads(model) before DistributedDataParallel(model)"
+        )
+    seen[id(shard)] = weakref.ref(shard)
 
 
 def default_device(group: dist.ProcessGroup) -> torch.device:
@@ -120,7 +150,7 @@ class ProcessGroupShards:
         :func:`shardkit.import_full_weight` for an exact copy of a given weight)."""
         seed = int(torch.randint(0, 2**62, (), dtype=torch.int64, device="cpu").item()) + 1000003 * self.ctx.rank
         gen = torch.Generator().manual_seed(seed % 2**63)
-        bound = 1.0 / module.embedding_dim**0.5
+        bound = init_bound(module.embedding_dim)
         for p in module.weight_shards:
             if p.device.type != "meta":
                 p.copy_(torch.empty(p.shape, dtype=p.dtype, device="cpu").uniform_(-bound, bound, generator=gen))
@@ -149,6 +179,7 @@ class ProcessGroupShards:
             if module.chunk_memory is not None:
                 parse_memory(module.chunk_memory)
             check_memory_budget(module.memory_budget)
+            check_not_synced_by_ddp(module.weight_shards[0])
         except (TypeError, ValueError) as err:
             self.refuse(module, err)
         options: dict[str, ConfigValue] = {
