@@ -82,8 +82,12 @@ def test_model_ema_update_compiles_whole():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_normalize_compiles_whole():
-    norm = shardkit.Normalize((0.5, 0.4, 0.3), (0.25, 0.2, 0.3))
-    images = torch.randint(0, 256, (3, 7, 5, 3), dtype=torch.uint8)
-    compiled = torch.compile(norm, fullgraph=True)
-    torch.testing.assert_close(compiled(images), norm(images), rtol=0, atol=0)
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_normalize_compiles_whole(dynamic):
+    # dynamic=True makes the module's float lists symbolic (its checks used to break the graph)
+    torch._dynamo.reset()
+    norm = shardkit.Normalize((0.5, 0.4, 0.3), (0.25, 0.2, 0.3), memory_format=torch.channels_last)
+    compiled = torch.compile(norm, fullgraph=True, dynamic=dynamic)
+    for batch in (3, 5):
+        images = torch.randint(0, 256, (batch, 7, 5, 3), dtype=torch.uint8)
+        torch.testing.assert_close(compiled(images), norm(images), rtol=0, atol=0)

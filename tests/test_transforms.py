@@ -1,5 +1,7 @@
 """shardkit.ops.normalize_images / shardkit.Normalize against a float64 reference."""
 
+import io
+
 import pytest
 import torch
 
@@ -131,6 +133,22 @@ def test_module_matches_functional():
     x = images.permute(0, 3, 1, 2).contiguous()
     assert torch.equal(mod_bf16(x), normalize_images(x, mean, std, input_layout="NCHW", dtype=torch.bfloat16))
     assert "NCHW" in repr(mod_bf16)
+
+
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
+def test_a_model_holding_the_module_saves_and_loads_whole(fmt):
+    # torch.save pickles with protocol 2, which cannot pickle a torch.memory_format
+    mean, std = random_stats(3)
+    model = torch.nn.Sequential(shardkit.Normalize(mean, std, memory_format=fmt), torch.nn.Conv2d(3, 4, 3))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    images = random_images((2, 8, 8, 3))
+    assert loaded[0].memory_format == fmt and loaded[0](images).is_contiguous(memory_format=fmt)
+    assert torch.equal(loaded(images), model(images))
+    with pytest.raises(ValueError, match="memory_format"):
+        loaded[0].memory_format = torch.preserve_format
 
 
 def test_opcheck():

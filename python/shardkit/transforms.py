@@ -50,7 +50,18 @@ class Normalize(nn.Module):
         _check_mean_std(self.mean, self.std, dtype)
         self.input_layout = input_layout
         self.dtype = dtype
-        self.memory_format = memory_format
+        # a bool, not the torch.memory_format: torch.save (pickle protocol 2) cannot pickle those
+        self._channels_last = memory_format == torch.channels_last
+
+    @property
+    def memory_format(self) -> torch.memory_format:
+        """The output's memory format (``torch.contiguous_format`` or ``torch.channels_last``)."""
+        return torch.channels_last if self._channels_last else torch.contiguous_format
+
+    @memory_format.setter
+    def memory_format(self, value: torch.memory_format) -> None:
+        _check_options(self.input_layout, self.dtype, value)
+        self._channels_last = value == torch.channels_last
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 ``images`` ([N, H, W, C] or as ``input_layout`` says; 3-D for one image) ->

@@ -165,7 +165,8 @@ def normalize_images(
     if images.is_nested or images.layout != torch.strided:
         raise TypeError(f"argument `images` must be a dense (strided) tensor, got layout {images.layout}")
     mean_l, std_l = _as_floats("mean", mean), _as_floats("std", std)
-    _check_mean_std(mean_l, std_l, dtype)
+    if not torch.compiler.is_compiling():  # (values may be symbolic there; the op checks them too)
+        _check_mean_std(mean_l, std_l, dtype)
     return torch.ops.shardkit.normalize_images(
         images, mean_l, std_l, input_layout == "NHWC", dtype, memory_format == torch.channels_last
     )
