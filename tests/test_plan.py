@@ -266,7 +266,7 @@ def test_balance_shards_evens_out_memory(devices):
 
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
     per_class = head_bytes_per_class(512, "fp16", "sgd-momentum")
-    assert per_class == 512 * (2 + 4 + 4 + 2)  # weight, fp32 master, fp32 momentum, gradient
+    assert per_class == 512 * (2 + 4 + 4 + 2) + 1  # weight, fp32 master, fp32 momentum, gradient; row flag
     classes = int(torch.randint(1, 5_000_000, (), generator=g))
     used = [int(u) for u in torch.randint(0, 8 * 2**30, (devices,), generator=g)]
     sizes = balance_shards(classes, 512, used, dtype="fp16")
@@ -317,14 +317,24 @@ def test_device_count_bounds_and_many_devices_stay_fast():
     assert not all(d.fits for d in plan_memory(classes=big + 4096, **kw).devices)
 
 
-@pytest.mark.parametrize("flag", ["--gpu-memory", "--reserve", "--chunk-budget"])
-def test_cli_sizes_need_a_unit(flag, capsys):
-    # "--gpu-memory 80" read as 80 bytes: every row then said "fits in 0.0 MiB: NO".
-    args = ["--classes", "1000", "--dim", "8", "--batch", "4", "--gpu-memory", "80GiB", flag, "80"]
+@pytest.mark.parametrize("value", ["80", "0.5"])
+@pytest.mark.parametrize("flag", ["--gpu-memory", "--reserve", "--chunk-budget", "--memory-budget"])
+def test_cli_sizes_need_a_unit(flag, value, capsys):
+    # "--gpu-memory 80" read as 80 bytes: every row then said "fits in 0.0 MiB: NO"; "0.5" was
+    # refused as "got 0", "--memory-budget 4" planned 4 bytes
+    args = ["--classes", "1000", "--dim", "8", "--batch", "4", "--gpu-memory", "80GiB", flag, value]
     with pytest.raises(SystemExit) as e:
         main(args)
     assert e.value.code == 2
-    assert f"argument {flag}: '80' has no unit" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"argument {flag}: '{value}' has no unit: write e.g. {value}GiB" in err, err
+    assert ("for bytes, 80B" in err) == (value == "80"), err
+
+
+def test_cli_a_zero_needs_no_unit(capsys):
+    args = ["--classes", "1000", "--dim", "8", "--batch", "4", "--gpu-memory", "80GiB", "--reserve", "0"]
+    assert main([*args, "--memory-budget", "0", "0.0", "full"]) == 0
+    assert capsys.readouterr().out.count("0 (recompute)") == 2
 
 
 _HUGE = str(10**400)

@@ -9,7 +9,7 @@ import torch
 
 from shardkit.ops import kept_bytes, kept_chunks_for_budget
 from shardkit.plan import kept_logits, largest_classes, main, plan_budgets, plan_memory
-from shardkit.plan.budgets import FULL
+from shardkit.plan.budgets import FULL, _fits
 
 GiB = 1 << 30
 
@@ -54,6 +54,23 @@ def test_largest_classes_is_the_largest_that_fits(budget):
         return max(d.total for d in plan.devices) + kept_logits(plan.global_batch, shard, plan.chunk_classes, budget)[1]
 
     assert total(best) + (1 << 30) <= 6 << 30 < total(best + 1) + (1 << 30)
+
+
+@pytest.mark.parametrize(
+    "budget, args",
+    [
+        (65536, dict(dim=8, devices=1, batch=4, dtype="bf16", optimizer="sgd-momentum", sample_rate=0.3)),
+        (200000, dict(dim=16, devices=3, batch=4, dtype="fp32", optimizer="sgd-momentum")),
+        (20000, dict(dim=32, devices=2, batch=16, dtype="bf16", optimizer="sgd")),
+    ],
+)
+def test_largest_classes_past_the_point_where_the_whole_shard_stops_being_kept(budget, args):
+    # Past that point a device keeps whole chunks, fewer bytes than just before it, so larger
+    # counts fit again: the search used to stop short (12,771 classes fit, 11,301 reported).
+    args = dict(args, gpu_memory=3 << 19)
+    best = largest_classes(budget, **args)
+    fitting = [c for c in range(1, 2 * best + 2) if _fits(plan_memory(classes=c, **args), budget)]
+    assert best == max(fitting)
 
 
 def test_cli_prints_the_budget_table(capsys):

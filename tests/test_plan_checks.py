@@ -61,7 +61,17 @@ def test_head_bytes_per_class_checks_dim(dim, message):
 
 
 def test_head_bytes_per_class_takes_numpy_ints():
-    assert head_bytes_per_class(np.int64(8)) == head_bytes_per_class(8) == 8 * 12
+    assert head_bytes_per_class(np.int64(8)) == head_bytes_per_class(8) == 8 * 12 + 1  # + the row flag
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("optimizer", ["sgd", "sgd-momentum", "adam"])
+def test_head_bytes_per_class_is_plan_memorys_head_per_class(dtype, optimizer):
+    d = plan_memory(1000, 24, 1, 1, dtype=dtype, optimizer=optimizer).devices[0]
+    assert (
+        head_bytes_per_class(24, dtype, optimizer) * 1000
+        == d.weights + d.master_weights + d.gradients + d.optimizer_state
+    )
 
 
 @pytest.mark.parametrize(

@@ -141,24 +141,53 @@ def plan_budgets(budgets: Sequence[Budget], **plan_args: Any) -> List[BudgetPlan
 
 def largest_classes(budget: Budget, **plan_args: Any) -> int:
     """The largest class count whose plan fits ``gpu_memory`` at ``budget`` (0 if not even
-    one class does): doubling, then bisection. ``plan_args`` are :func:`plan_memory`'s
-    (``classes`` aside) and must include ``gpu_memory``."""
+    one class does). ``plan_args`` are :func:`plan_memory`'s (``classes`` aside) and must
+    include ``gpu_memory``.
+
+    A device keeps its whole shard's logits while they fit the budget and whole chunks after,
+    so the kept bytes drop (by up to a chunk) where its shard outgrows the budget: fitting is
+    monotone in C only between those points. The search bisects each such stretch (all
+    devices keeping their whole shard, some, none) and returns the largest count found."""
     budget = check_budget(budget)
     args = dict(plan_args)
     if args.get("gpu_memory") is None:
         raise ValueError("argument `gpu_memory` is needed: largest_classes finds the largest C that fits in it")
 
-    def fits(classes: int) -> bool:
+    def plan(classes: int) -> MemoryPlan:
         args["classes"] = classes
-        return _fits(plan_memory(**args), budget)
+        return plan_memory(**args)
 
-    if not fits(1):  # (plan_memory checks the arguments first)
+    def whole(classes: int, every: bool) -> bool:  # all / some devices keep their whole shard
+        p = plan(classes)
+        used = _used_classes(p)
+        size = min(used) if not every else max(used)
+        return isinstance(budget, int) and 0 < budget and p.global_batch * (size + 1) * 4 <= budget
+
+    def fits(classes: int) -> bool:
+        return _fits(plan(classes), budget)
+
+    if not fits(1):  # (plan_memory checks the arguments first); more classes keep more bytes
         return 0
-    devices = int(args.get("devices", 1))
-    good, bad = 1, 2
-    while bad <= (1 << 44) * devices and fits(bad):  # up to 2**44 classes per device
-        good, bad = bad, bad * 2
+    top = (1 << 44) * int(args.get("devices", 1))  # up to 2**44 classes per device
+    all_whole = _last_true(lambda c: whole(c, every=True), top)
+    some_whole = _last_true(lambda c: whole(c, every=False), top)
+    best = 0
+    for first, last in ((1, all_whole), (all_whole + 1, some_whole), (some_whole + 1, top)):
+        if first <= last and fits(first):
+            best = max(best, _last_true(fits, last, first))
+    return best
+
+
+def _last_true(pred: Any, top: int, first: int = 1) -> int:
+    """The largest c in [first, top] with pred(c), for a pred true up to some point and false
+    after it (first - 1 if pred(first) is false): doubling from ``first``, then bisection."""
+    if not pred(first):
+        return first - 1
+    good, bad = first, first + 1
+    while bad <= top and pred(bad):
+        good, bad = bad, first + 2 * (bad - first)
+    bad = min(bad, top + 1)
     while bad - good > 1:
         mid = (good + bad) // 2
-        good, bad = (mid, bad) if fits(mid) else (good, mid)
+        good, bad = (mid, bad) if pred(mid) else (good, mid)
     return good

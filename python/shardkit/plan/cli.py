@@ -93,12 +93,14 @@ def _budget_arg(text: str) -> Budget:
     try:
         if text.strip().lower() in (FULL, "auto"):
             return check_budget(text, "--memory-budget")
-        return parse_size(text)
+        nbytes = parse_size(text)
     except ValueError as e:
         msg = str(e).replace("argument `--memory-budget` ", "").replace("bytes (an int >= 0)", "a size such as 1GiB")
         raise argparse.ArgumentTypeError(
             msg if "'full'" in msg else f"{msg}; or 'full' (the whole shard's logits)"
         ) from None
+    _refuse_bare_number(text)  # ("0" is the recompute design: no unit needed)
+    return nbytes
 
 
 def _parses(text: str) -> bool:
@@ -114,12 +116,26 @@ def _size_arg(text: str) -> int:
         nbytes = parse_size(text)
     except ValueError as e:  # "-0", "5e": not numbers, so no unit to suggest
         raise argparse.ArgumentTypeError(str(e)) from None
-    if nbytes and re.fullmatch(r"\s*[0-9.eE+-]+\s*", text):  # a bare number but 0: bytes, surely not what was meant
-        num = text.strip()
-        forms = [f"{num}{unit}" for unit in ("GiB", "GB") if _parses(num + unit)]  # ("1e19GiB" is too large)
-        hint = f"write e.g. {', '.join(forms)} or, for bytes, {num}B" if forms else f"write {num}B for bytes"
-        raise argparse.ArgumentTypeError(f"{text!r} has no unit: {hint}")
+    _refuse_bare_number(text)
     return nbytes
+
+
+def _refuse_bare_number(text: str) -> None:
+    # A bare number other than 0 ("80", "0.5"): bytes, surely not what was meant.
+    try:
+        value = float(text) if re.fullmatch(r"\s*[0-9.eE+-]+\s*", text) else 0.0
+    except ValueError:
+        return
+    if value == 0.0:
+        return
+    num = text.strip()
+    forms = [f"{num}{unit}" for unit in ("GiB", "GB") if _parses(num + unit)]  # ("1e19GiB" is too large)
+    in_bytes = f"{num}B" if value == int(value) else None  # (not 0.5B: bytes are whole)
+    if forms:
+        hint = f"write e.g. {', '.join(forms)}" + (f" or, for bytes, {in_bytes}" if in_bytes else "")
+    else:
+        hint = f"write {in_bytes} for bytes" if in_bytes else "give a unit, e.g. GiB"
+    raise argparse.ArgumentTypeError(f"{text!r} has no unit: {hint}")
 
 
 class _Parser(argparse.ArgumentParser):

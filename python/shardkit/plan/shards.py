@@ -30,7 +30,8 @@ def head_bytes_per_class(
     master_weights = _check_flag("master_weights", master_weights)
     master = dtype != "fp32" if master_weights is None else master_weights
     weights, master_bytes, states = _head_parts(1, dim, DTYPE_BYTES[dtype], OPTIMIZER_STATES[optimizer], master)
-    return weights + master_bytes + states + dim * DTYPE_BYTES[dtype]  # + the gradient row
+    flag = 1 if optimizer == "sgd-momentum" else 0  # SparseRowSGD's per-row "seen" flag, as plan_memory
+    return weights + master_bytes + states + flag + dim * DTYPE_BYTES[dtype]  # + the gradient row
 
 
 def balance_shards(
