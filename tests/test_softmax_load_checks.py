@@ -234,13 +234,22 @@ def test_load_sharded_refuses_a_bad_entry_naming_the_file(tmp_path, entries, key
 
 def test_save_and_load_sharded_check_their_arguments(tmp_path):
     head, opt, directory = _trained_head(tmp_path)
-    for bad in ("sgd", torch.nn.Linear(2, 2)):
-        with pytest.raises(TypeError, match="argument `optimizer` must be a torch.optim.Optimizer"):
+    adamw = torch.optim.AdamW(head.parameters())  # its state is not SGD's momentum: refused, untouched
+    for bad, says in (
+        ("sgd", "must be a torch.optim.Optimizer"),
+        (torch.nn.Linear(2, 2), "must be a torch.optim.Optimizer"),
+        (adamw, "must be shardkit.SparseRowSGD or torch.optim.SGD .*got AdamW"),
+    ):
+        with pytest.raises(TypeError, match=f"argument `optimizer` {says}"):
             shardkit.save_sharded(head, str(tmp_path / "new"), bad)
         weights = head.full_weight().clone()
-        with pytest.raises(TypeError, match="argument `optimizer` must be a torch.optim.Optimizer"):
+        with pytest.raises(TypeError, match=f"argument `optimizer` {says}"):
             shardkit.load_sharded(head, directory, bad)
         assert torch.equal(head.full_weight(), weights)
+    assert not adamw.state
+    sgd = torch.optim.SGD(head.parameters(), lr=0.1, momentum=0.9)  # torch's SGD: the same momentum
+    shardkit.load_sharded(head, directory, sgd)
+    assert all(sgd.state[p]["momentum_buffer"].shape == p.shape for p in head.parameters())
     assert not os.path.exists(tmp_path / "new")
     for bad in (None, 5):
         with pytest.raises(TypeError, match="argument `directory` must be a path"):

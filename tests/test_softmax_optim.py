@@ -191,3 +191,34 @@ def test_dense_steps_equal_torch_sgd_with_sparse_rows_beside(momentum, dampening
             assert torch.equal(opt.state[a]["momentum_buffer"], sgd.state[b]["momentum_buffer"])
             assert opt.state[a]["seen"].all()
         assert opt.state[head]["seen"].tolist() == seen_ref
+
+
+@pytest.mark.parametrize(
+    "kind",
+    ["1d_lr", "2d_lr", "fraction"],
+)
+def test_hyperparameters_of_any_accepted_form_step_as_floats(kind):
+    # A one-element tensor lr that is not 0-d, and Fractions (both accepted by the checks),
+    # used to fail in the step (torch's `alpha` takes numbers and 0-d tensors only).
+    from fractions import Fraction
+
+    floats = dict(lr=0.1, momentum=0.5, weight_decay=0.25, dampening=0.5)
+    if kind == "fraction":
+        given = {k: Fraction(v) for k, v in floats.items()}
+    else:
+        lr = torch.tensor([0.1], dtype=torch.float64)  # (float32 0.1 is another number)
+        given = dict(floats, lr=lr if kind == "1d_lr" else lr.view(1, 1))
+    torch.manual_seed(2)
+    start = torch.randn(9, 4, dtype=torch.float64)
+    results = []
+    for kw in (floats, given):
+        head, dense = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start[:3].clone())
+        opt = shardkit.SparseRowSGD([head, dense], **kw)
+        for rows in ([0, 3], [3, 8], [1]):
+            opt.zero_grad(set_to_none=True)
+            loss = F.embedding(torch.tensor(rows), head, sparse=True).pow(2).sum() + dense.pow(3).sum()
+            loss.backward()
+            opt.step()
+        results.append((head.detach(), dense.detach()))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-15, atol=0)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.nn.utils import parametrize
 
 from shardkit.softmax.collectives import DistributedInputError
-from shardkit.softmax.optim import momentum_state_problem
+from shardkit.softmax.optim import SparseRowSGD, momentum_state_problem
 from shardkit.softmax.shard_files import (
     _check_directory,
     _index,
@@ -57,11 +57,20 @@ _ROW_KEYS = ("momentum_buffer", "momentum_seen")
 
 
 def _check_optimizer(optimizer: object) -> None:
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+    # The shard files hold SGD's momentum: another optimizer's state (AdamW's moments, RMSprop's
+    # own "momentum_buffer") would be dropped on save, or overwritten with SGD's on load.
+    if optimizer is None or isinstance(optimizer, (SparseRowSGD, torch.optim.SGD)):
+        return
+    if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
-            f"argument `optimizer` must be a torch.optim.Optimizer (e.g. shardkit.SparseRowSGD) or None, got "
-            f"{type(optimizer).__name__}"
+            f"argument `optimizer` must be a torch.optim.Optimizer (shardkit.SparseRowSGD or torch.optim.SGD) or "
+            f"None, got {type(optimizer).__name__}"
         )
+    raise TypeError(
+        f"argument `optimizer` must be shardkit.SparseRowSGD or torch.optim.SGD (the shard files hold SGD's "
+        f"momentum), got {type(optimizer).__name__}: pass optimizer=None and save / load its state with its "
+        "own state_dict()"
+    )
 
 
 def read_rows(directory: str, start: int, count: int, key: str = "weight") -> Optional[torch.Tensor]:
@@ -136,8 +145,9 @@ def save_sharded(
 
     Raises:
         TypeError: ``module`` is not a :class:`shardkit.ShardedSoftmaxLoss`, ``directory``
-            not a path, ``optimizer`` not a ``torch.optim.Optimizer``, ``tag`` not an int;
-            the shards are parametrized (``weight_norm``: use the head's ``state_dict``).
+            not a path, ``optimizer`` not a ``shardkit.SparseRowSGD`` or ``torch.optim.SGD`` (the
+            files hold SGD momentum only), ``tag`` not an int; the shards are parametrized
+            (``weight_norm``: use the head's ``state_dict``).
         TypeError, ValueError: a shard's optimizer state holds a ``momentum_buffer`` that is not
             a floating tensor of the shard's shape, or ``seen`` flags that are not a bool tensor
             of its row count (the shard and key are named; nothing is written).
@@ -262,7 +272,8 @@ def load_sharded(module: ShardedSoftmaxLoss, directory: str, optimizer: Optional
 
     Raises:
         TypeError: ``module`` is not a :class:`shardkit.ShardedSoftmaxLoss`, ``directory`` not
-            a path, ``optimizer`` not a ``torch.optim.Optimizer``.
+            a path, ``optimizer`` not a ``shardkit.SparseRowSGD`` or
+            ``torch.optim.SGD``.
         FileNotFoundError: ``directory`` does not exist or holds no shard files.
         ValueError: the class count or embedding width differ from the module's; a shard
             file is malformed (a non-floating ``weight``; a ``momentum_buffer`` that is not a

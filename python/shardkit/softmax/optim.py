@@ -43,6 +43,15 @@ def _real(name: str, value: object, where: str) -> float:
         ) from None
 
 
+def _hyper(group: dict[str, Any]) -> tuple[Any, float, float, float]:
+    """(lr, weight_decay, momentum, dampening) as the steps use them: floats (a Fraction or a
+    numpy number as well), a tensor lr as a 0-d tensor (``[0.1]`` too, as torch.optim.SGD
+    takes it; typed Any: torch's stubs list numbers only for `alpha`, which takes 0-d tensors)."""
+    lr = group["lr"]
+    lr = lr.reshape(()) if isinstance(lr, torch.Tensor) else float(lr)
+    return lr, float(group["weight_decay"]), float(group["momentum"]), float(group["dampening"])
+
+
 def _check_hyperparameters(group: dict[str, Any], where: str = "") -> None:
     """ValueError / TypeError naming the first bad hyper-parameter of ``group``."""
     lr, momentum, dampening, wd = (
@@ -337,7 +346,8 @@ class SparseRowSGD(torch.optim.Optimizer):
 
     def _sgd_tensor(self, p: torch.Tensor, group: dict[str, Any]) -> None:
         # torch.optim.SGD's single-tensor step: the same operations as _sgd_tensors.
-        lr, wd, momentum = float(group["lr"]), group["weight_decay"], group["momentum"]
+        lr, wd, momentum, dampening = _hyper(group)
+        lr = float(lr)
         assert p.grad is not None
         g = p.grad if wd == 0 else p.grad.add(p, alpha=wd)
         if momentum != 0:
@@ -347,12 +357,13 @@ class SparseRowSGD(torch.optim.Optimizer):
                 state["seen"] = torch.ones(p.shape[0] if p.dim() else 1, dtype=torch.bool, device=p.device)
                 buf = state["momentum_buffer"]
             else:
-                buf = state["momentum_buffer"].mul_(momentum).add_(g, alpha=1.0 - group["dampening"])
+                buf = state["momentum_buffer"].mul_(momentum).add_(g, alpha=1.0 - dampening)
             g = g.add(buf, alpha=momentum) if group["nesterov"] else buf
         p.add_(g, alpha=-lr)
 
     def _sgd_tensors(self, ps: list[torch.Tensor], group: dict[str, Any]) -> None:
-        lr, wd, momentum = float(group["lr"]), group["weight_decay"], group["momentum"]
+        lr, wd, momentum, dampening = _hyper(group)
+        lr = float(lr)
         grads: list[torch.Tensor] | tuple[torch.Tensor, ...] = [p.grad for p in ps if p.grad is not None]
         if wd != 0:
             grads = torch._foreach_add(grads, ps, alpha=wd)
@@ -361,7 +372,7 @@ class SparseRowSGD(torch.optim.Optimizer):
             if started:
                 bufs = [self.state[ps[i]]["momentum_buffer"] for i in started]
                 torch._foreach_mul_(bufs, momentum)
-                torch._foreach_add_(bufs, [grads[i] for i in started], alpha=1.0 - group["dampening"])
+                torch._foreach_add_(bufs, [grads[i] for i in started], alpha=1.0 - dampening)
             for p, g in zip(ps, grads):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
@@ -373,7 +384,7 @@ class SparseRowSGD(torch.optim.Optimizer):
         torch._foreach_add_(ps, grads, alpha=-lr)
 
     def _update(self, p: torch.Tensor, rows: torch.Tensor | None, g: torch.Tensor, group: dict[str, Any]) -> None:
-        lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
+        lr, wd, momentum, dampening = _hyper(group)
         current = p if rows is None else p.index_select(0, rows)
         if wd != 0:
             g = g.add(current, alpha=wd)
@@ -388,7 +399,7 @@ class SparseRowSGD(torch.optim.Optimizer):
             seen = seen_all if rows is None else seen_all.index_select(0, rows)
             seen = seen.view((-1,) + (1,) * (g.dim() - 1)) if g.dim() else seen.view(())
             # torch.optim.SGD starts a buffer with the raw gradient (no dampening).
-            new_buf = torch.where(seen, buf.mul(momentum).add(g, alpha=1.0 - group["dampening"]), g)
+            new_buf = torch.where(seen, buf.mul(momentum).add(g, alpha=1.0 - dampening), g)
             if rows is None:
                 buf_all.copy_(new_buf)
                 seen_all.fill_(True)
