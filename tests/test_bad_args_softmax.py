@@ -37,13 +37,21 @@ def test_numpy_integer_shard_sizes_are_ints():
         _head(devices=["cpu", "cpu"], shard_sizes=[np.int64(3), np.int64(6)])
 
 
-@pytest.mark.parametrize("topk, exc", [("15", TypeError), ((1.5,), TypeError), ((0,), ValueError), (None, None)])
+@pytest.mark.parametrize(
+    "topk, exc",
+    [("15", TypeError), ((1.5,), TypeError), ((0,), ValueError), (None, None), (torch.tensor(2), TypeError)],
+)
 def test_topk(topk, exc):
     if exc is None:
         assert _head(topk=topk).topk == ()
-    else:
-        with pytest.raises(exc, match="topk"):
-            _head(topk=topk)
+        return
+    with pytest.raises(exc, match="argument `topk`"):
+        _head(topk=topk)
+    head, x, y = _head(), torch.randn(3, 8), torch.randint(0, 10, (3,))
+    with pytest.raises(exc, match="argument `topk`"):
+        head(x, y, return_details=True, topk=topk)
+    with pytest.raises(exc, match="argument `topk`"):
+        shardkit.sharded_cross_entropy(x, list(head.weight_shards), y, return_details=True, topk=topk)
 
 
 def test_sample_generator_must_be_generators():

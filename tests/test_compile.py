@@ -65,6 +65,26 @@ def test_sampled_head_compiles_whole_and_draws_what_eager_draws():
     assert all(getattr(p, "_shardkit_sampled", False) for p in head.weight_shards)
 
 
+def test_a_sampling_rate_schedule_compiles_whole_at_each_rate():
+    # A rate changed on the head (a schedule), or another head's rate, used to become a symbolic
+    # float in dynamo, and the sampled counts need a concrete one: fullgraph failed.
+    head = shardkit.ShardedSoftmaxLoss(8, 50, devices=["cpu", "cpu"], sample_rate=0.5)
+    step = torch.compile(lambda e, t: head(e, t, return_details=True), fullgraph=True)
+    x, y = torch.randn(8, 8), torch.randint(0, 50, (8,))
+    for rate in (0.5, 0.3, 0.2, 1.0, 0.3):
+        head.sample_rate = rate
+        seed = int(torch.randint(0, 2**31, ()).item())
+        torch.manual_seed(seed)
+        out = step(x, y)
+        torch.manual_seed(seed)
+        ref = head(x, y, return_details=True)
+        torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out.lse, ref.lse, rtol=1e-5, atol=1e-6)
+    other = shardkit.ShardedSoftmaxLoss(8, 50, devices=["cpu", "cpu"])
+    torch.testing.assert_close(torch.compile(other, fullgraph=True)(x, y), other(x, y), rtol=1e-5, atol=1e-6)
+    assert head.sample_rate == 0.3 and isinstance(head.sample_rate, float)
+
+
 def test_model_ema_update_compiles_whole():
     torch.manual_seed(int(torch.randint(0, 2**31, ()).item()))
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 2))

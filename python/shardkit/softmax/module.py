@@ -223,6 +223,25 @@ class ShardedSoftmaxLoss(ShardedHead):
         self.__dict__["_sample_generator"] = value
 
     @property
+    def sample_rate(self) -> Any:
+        """PartialFC's rate in (0, 1] (checked at each forward, as the other options)."""
+        text = self.__dict__.get("_sample_rate_text")
+        # A float is kept as its repr: torch.compile treats a str as a constant (a guard on its
+        # value) where it would make a changed float symbolic, and the sampled counts need a
+        # concrete rate (a head whose rate changed, e.g. by a schedule, then compiles whole).
+        if text is not None:
+            return float(text)
+        if "_sample_rate_value" in self.__dict__:
+            return self.__dict__["_sample_rate_value"]
+        return self.__dict__.get("sample_rate")  # a module pickled before the property
+
+    @sample_rate.setter
+    def sample_rate(self, value: Any) -> None:
+        is_float = isinstance(value, float)
+        self.__dict__["_sample_rate_text"] = float.__repr__(value) if is_float else None
+        self.__dict__["_sample_rate_value"] = None if is_float else value
+
+    @property
     def embedding_dim(self) -> int:
         """D (fixed at construction: the shards' width)."""
         return self._fixed_sizes()[0]
