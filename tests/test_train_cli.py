@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from shardkit import train
+from shardkit.train import layout
 from shardkit.train import loop as train_loop
 from shardkit.train.models import build_backbone
 from shardkit.train.world import init_distributed
@@ -213,12 +214,16 @@ def test_torchrun_two_ranks_and_resume(tmp_path):
     )
     r = subprocess.run(cmd + ["--steps", "3"], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert sorted(os.listdir(os.path.join(out, "checkpoint", "head")))  # one file per rank's class range
+    ckpt = os.path.join(out, "checkpoint")
+    first = layout.generation(ckpt)  # the save's generation folder, named in LATEST
+    assert first is not None and sorted(os.listdir(ckpt)) == ["LATEST", os.path.basename(first)]
+    assert sorted(os.listdir(os.path.join(first, "head")))  # one file per rank's class range
     r = subprocess.run(cmd + ["--steps", "4", "--resume", out], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stdout
-    state = torch.load(os.path.join(out, "checkpoint", train_loop.CKPT_FILE + ".rank1"), weights_only=True)
-    assert state["step"] == 4
+    second = layout.generation(ckpt)
+    state = torch.load(os.path.join(second, train_loop.CKPT_FILE + ".rank1"), weights_only=True)
+    assert state["step"] == 4 and not os.path.exists(first)  # the older generation is removed
 
 
 def test_pipeline_over_two_cpu_devices(tmp_path, capsys):

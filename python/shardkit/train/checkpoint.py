@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
+from shardkit.train import layout
 from shardkit.train.errors import UsageError, cannot_write
 
 if TYPE_CHECKING:
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 
     from shardkit.softmax import ShardedSoftmaxLoss
 
-CKPT_FILE = "checkpoint.pt"
+CKPT_FILE = layout.CKPT_FILE
 FORMAT = "shardkit.train/2"
 
 # Settings that define the run (its data, model, loss and data order): restored on resume;
@@ -73,37 +74,44 @@ EVAL_KEYS = ("step", "raw_acc", "raw_tar", "ema_acc", "ema_tar")
 
 
 def find(path: str) -> Optional[str]:
-    """The checkpoint directory at ``path`` or ``path/checkpoint`` (a one-process checkpoint,
-    or the rank-0 file of a torchrun one), else None."""
+    """The directory of the checkpoint to resume at ``path`` or ``path/checkpoint`` (where a
+    one-process checkpoint is, or the generation folder of a torchrun one: see
+    :mod:`shardkit.train.layout`), else None."""
     for cand in (path, os.path.join(path, "checkpoint")):
-        if any(os.path.isfile(os.path.join(cand, CKPT_FILE + sfx)) for sfx in ("", ".rank0")):
-            return cand
+        found = layout.newest_file(cand)
+        if found is not None:
+            return os.path.dirname(found)
     return None
 
 
 def run_dir(ckpt_dir: str) -> str:
     """The run directory a checkpoint directory belongs to (where a resume writes by default)."""
     ckpt_dir = os.path.normpath(ckpt_dir)
+    if layout.is_generation(ckpt_dir):  # <out>/checkpoint/step-...: a torchrun save
+        ckpt_dir = os.path.dirname(ckpt_dir) or "."
     if os.path.basename(ckpt_dir) == "checkpoint":
         return os.path.dirname(ckpt_dir) or "."
     return ckpt_dir
 
 
 def file_for(ckpt_dir: str, world_size: int, rank: int) -> str:
-    """This process's checkpoint file; a UsageError when the checkpoint was written by another
-    number of processes (one file for one process, ``.rankR`` files under torchrun)."""
+    """This process's checkpoint file; a UsageError when the checkpoint to resume (the newest
+    in ``ckpt_dir``) was written by another number of processes (one file for one process,
+    ``.rankR`` files under torchrun)."""
     single = os.path.join(ckpt_dir, CKPT_FILE)
+    newest = layout.newest_file(ckpt_dir)
+    one_process = newest is not None and os.path.basename(newest) == CKPT_FILE
     if world_size == 1:
-        if os.path.isfile(single):
+        if one_process:
             return single
         ranks = len([f for f in os.listdir(ckpt_dir) if f.startswith(CKPT_FILE + ".rank")])
         raise UsageError(
             f"{ckpt_dir} holds a checkpoint of a torchrun run with {ranks} processes; resume it "
-            f"with `torchrun --nproc_per_node={ranks} -m shardkit.train --resume {ckpt_dir}`"
+            f"with `torchrun --nproc_per_node={ranks} -m shardkit.train --resume {run_dir(ckpt_dir)}`"
         )
-    path = os.path.join(ckpt_dir, f"{CKPT_FILE}.rank{rank}")
-    if not os.path.isfile(path):
-        what = "a one-process run" if os.path.isfile(single) else "a run with fewer processes"
+    path = os.path.join(os.path.dirname(newest) if newest else ckpt_dir, f"{CKPT_FILE}.rank{rank}")
+    if one_process or not os.path.isfile(path):
+        what = "a one-process run" if one_process else "a run with fewer processes"
         raise UsageError(
             f"{ckpt_dir} holds a checkpoint of {what} (no {os.path.basename(path)}); resume it with "
             "the same number of processes it was written with"
@@ -131,14 +139,7 @@ def write_atomic(state: Dict[str, Any], path: str) -> None:
         if isinstance(e, (OSError, RuntimeError)) and not isinstance(e, torch.OutOfMemoryError):
             raise cannot_write(path, e) from None
         raise
-    try:  # make the rename itself durable
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    layout.fsync_dir(directory)  # make the rename itself durable
 
 
 # Files whose CRCs were checked, by (inode, size, mtime, ctime): --resume reads rank 0's file

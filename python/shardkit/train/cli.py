@@ -27,7 +27,7 @@ from typing import NoReturn, Optional, Sequence, Set
 import torch
 import torch.distributed as dist
 
-from shardkit.train import checkpoint, checks, loop, ranks
+from shardkit.train import checkpoint, checks, layout, loop, ranks
 from shardkit.train.argtypes import (
     MAX_LR,
     MAX_SCALE,
@@ -256,8 +256,8 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                 f"--resume {args.resume!r}: no checkpoint found there (expected {checkpoint.CKPT_FILE} in it "
                 "or in its checkpoint/); give the --out of an earlier run"
             )
-        ranks = sorted(f for f in os.listdir(found) if f.startswith(checkpoint.CKPT_FILE))
-        path = os.path.join(found, ranks[0])
+        path = layout.newest_file(found)
+        assert path is not None  # (find returned its folder)
         saved = checkpoint.read(path)
         checks.check_saved_settings(parser, saved["args"], path)
         checkpoint.restore_settings(args, _explicit(argv), saved["args"], found)

@@ -9,10 +9,11 @@ import re
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 import shardkit
 from shardkit.softmax.optim import _check_hyperparameters
-from shardkit.train import checkpoint, report
+from shardkit.train import checkpoint, layout, report
 from shardkit.train.errors import UsageError
 from shardkit.train.setup import Parts
 from shardkit.train.world import World
@@ -74,13 +75,46 @@ def save_checkpoint(ckpt_dir: str, parts: Parts, step: int, history: Dict[str, A
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
         "args": checkpoint.settings_of(parts.args),
     }
-    if world.size > 1:
-        # tagged with the step: a resume refuses head files of another save than this file's
-        shardkit.save_sharded(parts.head, os.path.join(ckpt_dir, "head"), tag=step)
-        state["head_tag"] = step
-    else:
+    if world.size == 1:
         state["head"] = parts.head.state_dict()
-    checkpoint.write_atomic(state, os.path.join(ckpt_dir, CKPT_FILE + rank_sfx))
+        checkpoint.write_atomic(state, os.path.join(ckpt_dir, CKPT_FILE))
+        layout.remove_others(ckpt_dir, keep=None)  # an earlier torchrun run's files
+        return
+    # Every rank's files into a new generation folder, named in LATEST once all are written
+    # (shardkit.train.layout): a save killed halfway leaves the previous one complete.
+    name = layout.generation_name(step, _agreed_nonce(world))
+    gen = os.path.join(ckpt_dir, name)
+    failed = None
+    try:
+        os.makedirs(gen, exist_ok=True)
+        # tagged with the step: a resume refuses head files of another save than this file's
+        shardkit.save_sharded(parts.head, os.path.join(gen, "head"), tag=step)
+        state["head_tag"] = step
+        checkpoint.write_atomic(state, os.path.join(gen, CKPT_FILE + rank_sfx))
+    except Exception as e:  # every rank learns of it below, and none commits
+        failed = e
+    if _any_rank(world, failed is not None):
+        if failed is not None:
+            raise failed
+        raise UsageError(f"another rank could not write its checkpoint files into {gen}; {ckpt_dir} keeps the last one")
+    if world.rank == 0:
+        layout.commit(ckpt_dir, name)
+
+
+def _agreed_nonce(world: World) -> int:
+    """One random draw of rank 0's, the same on every rank (the generation's name)."""
+    nonce = torch.tensor([int.from_bytes(os.urandom(4), "little")], dtype=torch.int64, device=world.device)
+    if dist.is_initialized():
+        dist.broadcast(nonce, src=0)
+    return int(nonce.item())
+
+
+def _any_rank(world: World, flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank (one all-reduce)."""
+    t = torch.tensor([1.0 if flag else 0.0], device=world.device)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
 
 
 _SHARD_FILE = re.compile(r"classes-(\d{12})-(\d{12})\.pt")  # shardkit.save_sharded's file names

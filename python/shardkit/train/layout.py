@@ -1,0 +1,128 @@
+"""Where the checkpoint of a ``python -m shardkit.train`` run lives in ``<out>/checkpoint``.
+
+One process: ``checkpoint.pt``, one file replaced atomically. Under torchrun a save is many
+files (each rank's ``checkpoint.pt.rankR`` and the head's shard files in ``head/``), which no
+rename replaces at once: each save writes them into a new generation folder
+``step-<step>-<id>``; once every rank has written its files, rank 0 names that folder in
+``LATEST`` (replaced atomically) and removes the older ones. A save killed at any point leaves
+``LATEST`` naming the previous complete checkpoint.
+
+After a save the folder holds one layout only (a one-process save removes a torchrun run's
+files, and the reverse). Where an interrupted clean-up left both, the newer one is resumed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from typing import List, Optional, Tuple
+
+CKPT_FILE = "checkpoint.pt"
+LATEST = "LATEST"
+_GENERATION = re.compile(r"step-\d{12}-[0-9a-f]{8}")
+
+
+def generation_name(step: int, nonce: int) -> str:
+    """The folder of one torchrun save (``nonce``: one random draw, the same on every rank)."""
+    return f"step-{step:012d}-{nonce & 0xFFFFFFFF:08x}"
+
+
+def is_generation(path: str) -> bool:
+    return bool(_GENERATION.fullmatch(os.path.basename(os.path.normpath(path))))
+
+
+def generation(ckpt_dir: str) -> Optional[str]:
+    """The generation folder ``LATEST`` names in ``ckpt_dir``, else None."""
+    try:
+        with open(os.path.join(ckpt_dir, LATEST), encoding="utf-8") as f:
+            name = f.read().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    path = os.path.join(ckpt_dir, name)
+    return path if _GENERATION.fullmatch(name) and os.path.isdir(path) else None
+
+
+def _mtime(path: str) -> Optional[int]:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None
+
+
+def newest_file(directory: str) -> Optional[str]:
+    """The checkpoint file to resume from in ``directory`` (a checkpoint folder or a generation
+    folder): the newest of ``checkpoint.pt``, ``checkpoint.pt.rank0`` and the rank-0 file of
+    the generation ``LATEST`` names (dated by ``LATEST``, written once the save was complete).
+    None when there is none."""
+    found: List[Tuple[int, int, str]] = []
+    for rank, name in enumerate((CKPT_FILE, CKPT_FILE + ".rank0")):
+        t = _mtime(os.path.join(directory, name))
+        if t is not None:
+            found.append((t, rank, os.path.join(directory, name)))
+    gen = generation(directory)
+    if gen is not None and os.path.isfile(os.path.join(gen, CKPT_FILE + ".rank0")):
+        t = _mtime(os.path.join(directory, LATEST))
+        found.append((t or 0, 2, os.path.join(gen, CKPT_FILE + ".rank0")))
+    return max(found)[2] if found else None
+
+
+def commit(ckpt_dir: str, name: str) -> None:
+    """Names generation ``name`` in ``LATEST`` (durably: temporary file, fsync, rename, fsync
+    of the folder), then removes every other layout's files. Rank 0 calls it once every rank
+    has written its files of ``name``."""
+    tmp = os.path.join(ckpt_dir, f".{LATEST}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(ckpt_dir, LATEST))
+    except BaseException:
+        _remove(tmp)
+        raise
+    fsync_dir(ckpt_dir)
+    remove_others(ckpt_dir, keep=name)
+
+
+def remove_others(ckpt_dir: str, keep: Optional[str]) -> None:
+    """Removes what another save left in ``ckpt_dir``: with ``keep`` (a torchrun save's
+    generation) every other generation and a one-process run's files; without (a one-process
+    save) every torchrun file. Best effort: a file that cannot be removed stays (the newer
+    layout is resumed)."""
+    try:
+        names = os.listdir(ckpt_dir)
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(ckpt_dir, name)
+        torchrun_file = name == "head" or name.startswith(CKPT_FILE + ".rank") or name == LATEST
+        if keep is None:
+            stale = torchrun_file or _GENERATION.fullmatch(name) is not None
+        else:
+            stale = (torchrun_file and name != LATEST) or name == CKPT_FILE
+            stale = stale or (_GENERATION.fullmatch(name) is not None and name != keep)
+        if stale:
+            _remove(path)
+
+
+def _remove(path: str) -> None:
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+    except OSError:
+        pass
+
+
+def fsync_dir(directory: str) -> None:
+    """fsync of a folder: the renames in it become durable (nothing where it cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

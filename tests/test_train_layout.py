@@ -1,0 +1,74 @@
+"""Where the trainer's checkpoints live (shardkit.train.layout): a torchrun save is a generation
+folder named in LATEST only once complete, so a save killed halfway leaves the previous one the
+one resumed; after a save one layout remains; where two are left, the newer is resumed."""
+
+import os
+import time
+
+import pytest
+import torch
+
+from shardkit.train import checkpoint, layout
+from shardkit.train.errors import UsageError
+
+RANK_FILE = checkpoint.CKPT_FILE + ".rank{}"
+
+
+def _torchrun_save(ckpt, step, ranks=2, commit=True, files=None):
+    name = layout.generation_name(step, int.from_bytes(os.urandom(4), "little"))
+    gen = os.path.join(ckpt, name)
+    os.makedirs(os.path.join(gen, "head"))
+    for r in range(ranks if files is None else files):
+        torch.save({"step": step, "rank": r}, os.path.join(gen, RANK_FILE.format(r)))
+    if commit:
+        layout.commit(ckpt, name)
+    return gen
+
+
+def _one_process_save(ckpt, step):
+    checkpoint.write_atomic({"step": step}, os.path.join(ckpt, checkpoint.CKPT_FILE))
+    layout.remove_others(ckpt, keep=None)
+
+
+def test_a_torchrun_save_killed_halfway_leaves_the_previous_one_resumed(tmp_path):
+    ckpt = str(tmp_path / "checkpoint")
+    os.makedirs(ckpt)
+    first = _torchrun_save(ckpt, 10)
+    _torchrun_save(ckpt, 20, commit=False, files=1)  # rank 1 killed before its file
+    assert checkpoint.find(str(tmp_path)) == first
+    assert checkpoint.file_for(first, 2, 1) == os.path.join(first, RANK_FILE.format(1))
+    assert checkpoint.run_dir(first) == str(tmp_path)
+    second = _torchrun_save(ckpt, 20)  # a complete save: named, and the others removed
+    assert checkpoint.find(str(tmp_path)) == second
+    assert sorted(os.listdir(ckpt)) == ["LATEST", os.path.basename(second)]
+
+
+def test_one_layout_remains_after_a_save_and_the_newer_is_resumed(tmp_path):
+    ckpt = str(tmp_path)
+    _one_process_save(ckpt, 4)
+    gen = _torchrun_save(ckpt, 7)  # a torchrun run in the same --out replaces it
+    assert sorted(os.listdir(ckpt)) == ["LATEST", os.path.basename(gen)]
+    _one_process_save(ckpt, 9)  # and the reverse
+    assert os.listdir(ckpt) == [checkpoint.CKPT_FILE]
+    # an earlier layout's files left beside a newer save (a clean-up cut short): the newer wins
+    torch.save({"step": 1}, os.path.join(ckpt, RANK_FILE.format(0)))
+    torch.save({"step": 1}, os.path.join(ckpt, RANK_FILE.format(1)))
+    time.sleep(0.01)
+    checkpoint.write_atomic({"step": 12}, os.path.join(ckpt, checkpoint.CKPT_FILE))
+    assert layout.newest_file(ckpt) == os.path.join(ckpt, checkpoint.CKPT_FILE)
+    assert checkpoint.file_for(ckpt, 1, 0) == os.path.join(ckpt, checkpoint.CKPT_FILE)
+    with pytest.raises(UsageError, match="holds a checkpoint of a one-process run"):
+        checkpoint.file_for(ckpt, 2, 0)  # (used to read the older torchrun run's files)
+    time.sleep(0.01)
+    os.utime(os.path.join(ckpt, RANK_FILE.format(0)))  # now the torchrun files are the newer
+    with pytest.raises(UsageError, match="torchrun run with 2 processes"):
+        checkpoint.file_for(ckpt, 1, 0)
+
+
+def test_a_bad_latest_is_no_checkpoint(tmp_path):
+    gen = _torchrun_save(str(tmp_path), 3)
+    for text in ("../elsewhere", "step-1", "", "\xff"):
+        with open(tmp_path / "LATEST", "w", encoding="utf-8") as f:
+            f.write(text)
+        assert layout.generation(str(tmp_path)) is None and checkpoint.find(str(tmp_path)) is None
+    assert checkpoint.find(gen) == gen  # --resume given the generation folder itself
