@@ -137,6 +137,7 @@ def test_data_parallel_and_sampling_modes_run(tmp_path):
         (["--resume", "/nonexistent/dir"], "no checkpoint found"),
         (["--sample-rate", "1.5"], "must be in (0, 1]"),
         (["--classes", "0"], "must be > 0"),
+        (["--classes", "1"], "--classes must be >= 2, got 1"),
         (["--margin", "sphere"], "invalid choice"),
         (["--ema", "1.0"], "--ema must be in [0, 1)"),
         (["--val-per-class", "1"], "must be >= 2"),
@@ -199,7 +200,10 @@ def test_image_folder_data(tmp_path, cache, capsys):
     assert "verification on 3 held-out identities" in capsys.readouterr().out
     # Too few classes for the held-out split: a clear error, not a crash.
     assert train.main(argv[:-2] + ["--val-classes", "8", "--out", out + "2"]) == 2
-    assert "need more than --val-classes=8" in capsys.readouterr().err
+    assert "need more than --val-classes=8, by 2 or more" in capsys.readouterr().err
+    # one training class left (it used to train at loss 0, "100% top-1"): refused too
+    assert train.main(argv[:-2] + ["--val-classes", "7", "--out", out + "3"]) == 2
+    assert "--data has 8 classes; need more than --val-classes=7, by 2 or more" in capsys.readouterr().err
 
 
 def test_torchrun_two_ranks_and_resume(tmp_path):
@@ -281,3 +285,15 @@ def test_ctrl_c_in_the_last_step_then_resume_evaluates(tmp_path, monkeypatch, ca
     assert os.path.exists(os.path.join(part, "curves.png"))
     results = [open(os.path.join(d, "log.txt")).read().split("results", 1)[-1] for d in (full, part)]
     assert "verification" in results[1] and results[0].splitlines()[:6] == results[1].splitlines()[:6]
+
+
+def test_epochs_given_on_resume_sets_the_length_of_a_run_saved_with_steps(tmp_path, capsys):
+    # The saved --steps used to win over an --epochs given on resume, though the trainer's own
+    # hint for a finished run suggests "more --epochs".
+    out = str(tmp_path / "run")
+    assert train.main(TINY + ["--steps", "2", "--devices", "cpu", "--out", out]) == 0
+    assert train.main(["--resume", out, "--epochs", "2"]) == 0
+    assert "at step 2 of 8" in capsys.readouterr().out  # 4 steps per epoch: 128 images, batch 32
+    assert _history(out)["step"] == 8
+    assert train.main(["--resume", out, "--steps", "9"]) == 0  # and --steps still sets it
+    assert _history(out)["step"] == 9

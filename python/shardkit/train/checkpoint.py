@@ -301,6 +301,8 @@ def restore_settings(args: argparse.Namespace, explicit: Set[str], saved: Dict[s
             )
         setattr(args, key, value)
     for key in CHANGEABLE:
+        if key == "steps" and "epochs" in explicit:
+            continue  # --epochs given on resume sets the length (a run saved with --steps said so)
         if key not in explicit and key in saved:
             setattr(args, key, saved[key])
 

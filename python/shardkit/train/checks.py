@@ -90,6 +90,10 @@ def check_args(a: argparse.Namespace) -> None:
         raise UsageError(f"--out {a.out!r}: {parent!r} is a file, not a directory; give another --out")
     if a.val_per_class < 2 or a.val_classes < 2:
         raise UsageError("--val-classes and --val-per-class must be >= 2 (verification needs pairs)")
+    if a.data is None and a.classes < 2:
+        raise UsageError(
+            f"--classes must be >= 2, got {a.classes} (a softmax over one class has loss 0: nothing to learn)"
+        )
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     _check_batch_norm_pieces(a, world_size)
     for name, want_dir in (("checkpoint", True), ("log.txt", False), ("curves.png", False)):

@@ -144,10 +144,11 @@ def _folder_data(args: argparse.Namespace) -> Tuple[TrainSet, int, VerificationS
             raise UsageError(f"{line}; remove or replace that file in --data") from None
         raise UsageError(f"{e}; point --data at a folder of class subfolders of images") from None
     k = len(full.classes)
-    if k <= args.val_classes:
+    if k < args.val_classes + 2:
         raise UsageError(
-            f"--data has {k} classes; need more than --val-classes={args.val_classes} "
-            f"(the last --val-classes classes are held out for verification)"
+            f"--data has {k} classes; need more than --val-classes={args.val_classes}, by 2 or more "
+            f"(the last --val-classes classes are held out for verification; a softmax over one class has "
+            f"loss 0: nothing to learn)"
         )
     train_k = k - args.val_classes
     labels = [lb for _, lb in full.samples]
