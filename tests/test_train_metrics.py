@@ -122,3 +122,24 @@ def test_evaluation_batches_are_not_tiny():
     from shardkit.train.report import eval_batch
 
     assert [eval_batch(b) for b in (1, 2, 3, 4, 5, 31, 32, 33, 128, 1000)] == [8, 16, 24, 32, 32, 32, 32, 33, 128, 1000]
+
+
+@pytest.mark.parametrize("classes, per_class, count", [(10, 4, 10000), (20, 3, 10000), (50, 8, 5000), (3, 1, 10)])
+def test_impostor_pairs_are_distinct_pairs_of_different_classes(classes, per_class, count):
+    # They used to be drawn with replacement: 10 x 4 held-out images (720 impostor pairs) gave
+    # "10000 impostor pairs" and a FAR resolution of 1e-4 it did not have.
+    from shardkit.train.data import verification_split
+    from shardkit.train.metrics import impostor_pairs
+
+    ids = torch.arange(classes).repeat_interleave(per_class)[torch.randperm(classes * per_class)]
+    total = math.comb(len(ids), 2) - classes * math.comb(per_class, 2)
+    pairs = impostor_pairs(ids, count, torch.Generator().manual_seed(3))
+    assert len(pairs) == min(count, total)
+    assert bool((pairs[:, 0] < pairs[:, 1]).all()) and bool((ids[pairs[:, 0]] != ids[pairs[:, 1]]).all())
+    assert len({tuple(p) for p in pairs.tolist()}) == len(pairs)
+    assert torch.equal(pairs, impostor_pairs(ids, count, torch.Generator().manual_seed(3)))  # seeded
+    if per_class >= 2:
+        res = verification_split(classes, per_class, 8, seed=1, train_classes=5).evaluate(
+            torch.randn(classes * per_class, 6, dtype=torch.float64), far=1e-3
+        )
+        assert res.num_impostor == min(10000, total) and res.far_reliable == (min(10000, total) >= 1e4)

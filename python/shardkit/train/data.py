@@ -281,7 +281,8 @@ def verification_split(
     """Held-out identities ``train_classes .. train_classes + num_identities - 1`` (never seen by
     a :class:`SyntheticIdentities` with ``num_classes <= train_classes``), ``per_identity``
     images each; every genuine pair (all same-identity combinations) and ``num_impostor``
-    distinct-identity pairs drawn deterministically from ``seed``."""
+    distinct pairs of different identities (all of them if there are fewer), drawn
+    deterministically from ``seed``."""
     if num_identities < 2 or per_identity < 2:
         raise ValueError(f"need >= 2 identities with >= 2 images each, got {num_identities} x {per_identity}")
     ds = SyntheticIdentities(
@@ -297,14 +298,12 @@ def verification_split(
     a, b = torch.triu_indices(per_identity, per_identity, offset=1)
     base = torch.arange(num_identities)[:, None] * per_identity
     genuine = torch.stack([(base + a).reshape(-1), (base + b).reshape(-1)], dim=1)
+    from shardkit.train.metrics import impostor_pairs
+
     g = torch.Generator().manual_seed(_mix(seed, 3, train_classes))
-    i = torch.randint(0, len(ds), (num_impostor,), generator=g)
-    j = torch.randint(0, len(ds) - per_identity, (num_impostor,), generator=g)
-    # Map j over the images of the other identities: skip i's own block.
-    start = ids[i] * per_identity
-    j = torch.where(j >= start, j + per_identity, j)
-    pairs = torch.cat([genuine, torch.stack([i, j], dim=1)])
-    is_same = torch.cat([torch.ones(len(genuine), dtype=torch.bool), torch.zeros(num_impostor, dtype=torch.bool)])
+    impostor = impostor_pairs(ids, num_impostor, g)
+    pairs = torch.cat([genuine, impostor])
+    is_same = torch.cat([torch.ones(len(genuine), dtype=torch.bool), torch.zeros(len(impostor), dtype=torch.bool)])
     return VerificationSet(images, ids, pairs, is_same, len(genuine))
 
 

@@ -27,6 +27,7 @@ import torch
 
 __all__ = [
     "cosine_scores",
+    "impostor_pairs",
     "best_threshold_accuracy",
     "kfold_accuracy",
     "tar_at_far",
@@ -167,3 +168,32 @@ def evaluate_verification(
     return VerificationResult(
         acc, std, best, thr, tar, far, fthr, fach, 1.0 / n_imp, n_imp >= 10.0 / far, int(same.sum()), n_imp
     )
+
+
+def impostor_pairs(ids: torch.Tensor, count: int, generator: torch.Generator) -> torch.Tensor:
+    """``[K, 2]`` int64 indices of distinct unordered pairs (``i < j``) of images of different
+    classes (``ids [M]``), in random order: ``count`` of them drawn without replacement, or
+    every such pair when there are fewer (pairs drawn twice would count twice in TAR@FAR and
+    overstate its resolution)."""
+    m = len(ids)
+    sizes = torch.unique(ids, return_counts=True)[1].tolist() if m else []
+    total = m * (m - 1) // 2 - sum(n * (n - 1) // 2 for n in sizes)
+    if total <= count:  # all of them, shuffled
+        parts = [
+            torch.stack([torch.full_like(js, i), js], 1)
+            for i in range(m)
+            for js in [(ids[i + 1 :] != ids[i]).nonzero().flatten() + i + 1]
+            if len(js)
+        ]
+        every = torch.cat(parts) if parts else torch.empty(0, 2, dtype=torch.int64)
+        return every[torch.randperm(len(every), generator=generator)]
+    keys: dict = {}  # insertion-ordered: the order drawn
+    while len(keys) < count:
+        i = torch.randint(0, m, (2 * count,), generator=generator)
+        j = torch.randint(0, m, (2 * count,), generator=generator)
+        lo, hi = torch.minimum(i, j), torch.maximum(i, j)
+        ok = ids[lo] != ids[hi]
+        for key in (lo[ok] * m + hi[ok]).tolist():
+            keys.setdefault(key, None)
+    drawn = torch.tensor(list(keys)[:count], dtype=torch.int64)
+    return torch.stack([drawn // m, drawn % m], 1)

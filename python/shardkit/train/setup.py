@@ -26,6 +26,7 @@ from shardkit.train.data import (
     verification_split,
 )
 from shardkit.train.errors import UsageError
+from shardkit.train.metrics import impostor_pairs
 from shardkit.train.models import Backbone, IResNet, build_backbone
 from shardkit.train.world import World
 
@@ -174,16 +175,14 @@ def _folder_data(args: argparse.Namespace) -> Tuple[TrainSet, int, VerificationS
 
 def _pairs_from(images: torch.Tensor, ids: torch.Tensor, seed: int, num_impostor: int = 10000) -> VerificationSet:
     """The genuine pairs of held-out images (every pair of a class, at most ``MAX_GENUINE_PER_CLASS``
-    of a larger class: :func:`_genuine_pairs`) and ``num_impostor`` random impostor pairs."""
+    of a larger class: :func:`_genuine_pairs`) and ``num_impostor`` distinct random impostor pairs
+    (all of them if there are fewer: :func:`shardkit.train.metrics.impostor_pairs`)."""
     genuine = _genuine_pairs(ids, seed)
-    g = torch.Generator().manual_seed(seed)
-    i = torch.randint(0, len(ids), (4 * num_impostor,), generator=g)
-    j = torch.randint(0, len(ids), (4 * num_impostor,), generator=g)
-    keep = (ids[i] != ids[j]).nonzero().flatten()[:num_impostor]
-    if len(genuine) == 0 or len(keep) == 0:
+    impostor = impostor_pairs(ids, num_impostor, torch.Generator().manual_seed(seed))
+    if len(genuine) == 0 or len(impostor) == 0:
         raise UsageError("the held-out classes give no genuine or no impostor pairs; use more --val-per-class images")
-    pairs = torch.cat([genuine, torch.stack([i[keep], j[keep]], 1)])
-    is_same = torch.cat([torch.ones(len(genuine), dtype=torch.bool), torch.zeros(len(keep), dtype=torch.bool)])
+    pairs = torch.cat([genuine, impostor])
+    is_same = torch.cat([torch.ones(len(genuine), dtype=torch.bool), torch.zeros(len(impostor), dtype=torch.bool)])
     return VerificationSet(images, ids, pairs, is_same, len(genuine))
 
 
