@@ -164,7 +164,7 @@ def _run(args: argparse.Namespace, world: World, log: RunLog, earlier: bool) -> 
     if args.profile:
         from shardkit.train import profile
 
-        return profile.run(parts, args, steps_per_epoch, _lr_at(0, total, args.lr), log)
+        return profile.run(parts, args, steps_per_epoch, _lr_at(0, total, args.lr), log, world)
     history = new_history()
     start = 0
     if args.resume:

@@ -27,6 +27,7 @@ import torch
 if TYPE_CHECKING:
     from shardkit.train.log import RunLog
     from shardkit.train.setup import Parts
+    from shardkit.train.world import World
 
 # (start, end) events of one occurrence of a phase, one pair per CUDA device
 _Pairs = List[Tuple[torch.cuda.Event, torch.cuda.Event]]
@@ -118,9 +119,10 @@ def verdict(shares: Dict[str, float], on_gpu: bool) -> str:
     return "balanced: no phase dominates"
 
 
-def run(parts: Parts, args: argparse.Namespace, steps_per_epoch: int, lr: float, log: RunLog) -> int:
+def run(parts: Parts, args: argparse.Namespace, steps_per_epoch: int, lr: float, log: RunLog, world: World) -> int:
     """Profile ``args.profile`` steps from step 0 at learning rate ``lr``; print the table and
-    verdict; write the trace and chart."""
+    verdict (the rate of every rank's images, as training reports it); write the trace and
+    chart (rank 0's; under torchrun each other rank writes ``..._rank<r>``)."""
     parts.backbone_train.train()
     n = args.profile
     timer = _Timer(parts.devices)
@@ -128,7 +130,8 @@ def run(parts: Parts, args: argparse.Namespace, steps_per_epoch: int, lr: float,
         for g in opt.param_groups:
             g["lr"] = lr
     _step(parts, args, 0, steps_per_epoch, _Timer(parts.devices))  # warm-up: first-call costs
-    trace = os.path.join(args.out, "profile_trace.json")
+    sfx = f"_rank{world.rank}" if world.rank else ""
+    trace = os.path.join(args.out, f"profile_trace{sfx}.json")
     t0 = time.perf_counter()
     activities = [torch.profiler.ProfilerActivity.CPU]
     if timer.cuda:
@@ -144,12 +147,15 @@ def run(parts: Parts, args: argparse.Namespace, steps_per_epoch: int, lr: float,
         warnings.filterwarnings("ignore", message="Profiler won't be using warmup")  # the warm-up step ran above
         schedule = torch.profiler.schedule(wait=0, warmup=0, active=min(n, TRACE_STEPS), repeat=1)
         prof = torch.profiler.profile(activities=activities, schedule=schedule, acc_events=True)
+    stepping = 0.0  # the profiler's own prof.step() calls: the last active one processes every event
     with prof:
         for i in range(1, n + 1):
             _step(parts, args, i, steps_per_epoch, timer)
+            t1 = time.perf_counter()
             prof.step()
+            stepping += time.perf_counter() - t1
         device = timer.device_seconds() if timer.cuda else None  # waits for the devices
-        wall = time.perf_counter() - t0  # before the profiler stops (processing its events takes long)
+        wall = time.perf_counter() - t0 - stepping  # the steps' time (the profiler's event processing left out)
     os.makedirs(args.out, exist_ok=True)
     prof.export_chrome_trace(trace)
     # What the verdict weighs: host times on the CPU; on GPUs the device spans, and the host
@@ -159,7 +165,7 @@ def run(parts: Parts, args: argparse.Namespace, steps_per_epoch: int, lr: float,
         used["data wait"] = timer.total["data wait"]
     timed = sum(used.get(p, 0.0) for p in PHASES)
     shares = {p: used.get(p, 0.0) / max(timed, 1e-12) for p in PHASES}
-    images = n * args.batch * args.accumulate
+    images = n * args.batch * args.accumulate * world.size  # every rank's (training's img/s is the job's)
     log.line(f"\nprofile: {n} steps, {1000 * wall / n:.1f} ms/step, {images / wall:.0f} img/s (profiler on)")
     if device is None:
         log.line(f"  {'phase':<16} {'ms/step':>9} {'share':>7}")
@@ -173,7 +179,7 @@ def run(parts: Parts, args: argparse.Namespace, steps_per_epoch: int, lr: float,
                 f"{100 * shares[p]:>6.1f}%"
             )
     log.line(f"verdict: {verdict(shares, device is not None)}")
-    chart = os.path.join(args.out, "profile.png")
+    chart = os.path.join(args.out, f"profile{sfx}.png")
     _chart(shares, {p: 1000 * used.get(p, 0.0) / n for p in PHASES}, chart)
     traced = f"steps 1-{min(n, TRACE_STEPS)}" if n > 1 else "step 1"
     log.line(f"trace: {trace} ({traced}; open in https://ui.perfetto.dev)   chart: {chart}")
