@@ -240,3 +240,40 @@ def test_an_int_sample_rate_out_of_range_is_named(rate):
     # 10**400 raised Python's bare OverflowError ("int too large to convert to float").
     with pytest.raises(ValueError, match=r"argument `sample_rate` must be in \(0, 1\]"):
         shardkit.ShardedSoftmaxLoss(4, 10, sample_rate=rate)
+
+
+def test_label_smoothing_takes_real_numbers_and_refuses_the_rest_by_name():
+    # numpy scalars were refused ("must be a float, got float32") though nn.CrossEntropyLoss,
+    # sample_rate and the margins take them; 10**400 raised a bare OverflowError.
+    x, y = torch.randn(5, 8), torch.randint(0, 10, (5,))
+    ref = _head(label_smoothing=0.25)
+    for value in (np.float32(0.25), np.float64(0.25)):
+        head = _head(label_smoothing=value)
+        head.load_state_dict(ref.state_dict())
+        torch.testing.assert_close(head(x, y), ref(x, y), rtol=0, atol=0)
+    for value, exc in (
+        (10**400, ValueError),
+        (float("nan"), ValueError),
+        (np.float32(1.5), ValueError),
+        (True, TypeError),
+        ("0.1", TypeError),
+    ):
+        with pytest.raises(exc, match="argument `label_smoothing`"):
+            _head(label_smoothing=value)
+        with pytest.raises(exc, match="argument `label_smoothing`"):
+            shardkit.sharded_cross_entropy(x, list(ref.weight_shards), y, label_smoothing=value)
+
+
+def test_a_shard_replaced_by_one_of_another_shape_is_refused_at_the_forward():
+    # The loss ran over 22 classes (labels 20 and 21 accepted) while num_classes said 20, and
+    # state_dict() saved a weight no 20-class head would load.
+    head = shardkit.ShardedSoftmaxLoss(8, 20, devices=["cpu", "cpu"])
+    x, y = torch.randn(4, 8), torch.randint(0, 20, (4,))
+    good = head(x, y)
+    kept = head.weight_shards[0]
+    for shape in ((12, 8), (10, 6), (10,)):
+        head.weight_shards[0] = torch.nn.Parameter(torch.randn(shape))
+        with pytest.raises(ValueError, match=r"argument `weight_shards` was changed to shapes .* holds 20 classes"):
+            head(x, y)
+    head.weight_shards[0] = torch.nn.Parameter(kept.detach().clone())  # the same shape: a new Parameter is fine
+    torch.testing.assert_close(head(x, y), good, rtol=0, atol=0)

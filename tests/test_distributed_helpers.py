@@ -29,6 +29,9 @@ def test_split_classes_and_offsets_still_work():
         ((10, 2.0), TypeError, "argument `world_size` must be an int >= 1, got float 2.0"),
         ((10, True), TypeError, "argument `world_size` must be an int >= 1, got bool True"),
         ((10, 0), ValueError, "argument `world_size` must be an int >= 1, got 0"),
+        # (a list that long used to be built until memory ran out)
+        ((10, 2**63), ValueError, f"argument `world_size` must be an int in [1, {2**20}], got {2**63}"),
+        ((10, 2**20 + 1), ValueError, f"argument `world_size` must be an int in [1, {2**20}], got {2**20 + 1}"),
     ],
 )
 def test_split_classes_refuses_bad_arguments(args, error, message):

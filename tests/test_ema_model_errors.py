@@ -85,6 +85,18 @@ def test_a_parameter_converted_to_float8_in_place_is_named_and_the_counters_stay
     _assert_unchanged(ema, weights, counters)
 
 
+@pytest.mark.parametrize("sparse", ["parameter", "buffer"])
+def test_a_sparse_tensor_is_refused_at_construction_naming_it(sparse):
+    # (it failed inside the EMA's watch: "Cannot access data pointer of Tensor that doesn't have storage")
+    model = nn.Sequential(nn.Linear(3, 3))
+    if sparse == "parameter":
+        model.emb = nn.Parameter(torch.eye(3).to_sparse())
+    else:
+        model.register_buffer("emb", torch.eye(3).to_sparse())
+    with pytest.raises(TypeError, match=r"argument `model` has emb of layout torch.sparse_coo, not a dense tensor"):
+        shardkit.ModelEMA(model)
+
+
 @pytest.mark.parametrize("device", [None, "cpu"])
 def test_a_model_on_the_meta_device_is_refused_at_construction_naming_the_tensor(device):
     with torch.device("meta"):

@@ -277,14 +277,18 @@ def test_save_sharded_refuses_a_bad_optimizer_state_writing_nothing(tmp_path, st
     assert not os.path.exists(tmp_path / "x")
 
 
-def test_load_sharded_names_an_optimizer_without_the_shards(tmp_path):
-    _, _, directory = _trained_head(tmp_path)
+def test_save_and_load_sharded_name_an_optimizer_without_the_shards(tmp_path):
+    trained, _, directory = _trained_head(tmp_path)
     head, opt = _fresh()
     other = shardkit.SparseRowSGD([torch.nn.Parameter(torch.randn(3))], lr=0.1, momentum=0.9)
     weights = head.full_weight().clone()
     with pytest.raises(ValueError, match="argument `optimizer` does not optimize shard 0 of `module`"):
         shardkit.load_sharded(head, directory, other)
     assert torch.equal(head.full_weight(), weights) and not other.state
+    # saving with it (e.g. the backbone's optimizer) used to write no momentum, silently
+    with pytest.raises(ValueError, match="argument `optimizer` does not optimize shard 0 of `module`"):
+        shardkit.save_sharded(trained, str(tmp_path / "other"), other)
+    assert not os.path.exists(tmp_path / "other")
 
 
 def test_resharded_checkpoints_with_momentum_still_round_trip(tmp_path):

@@ -12,7 +12,7 @@ ones they call, which trust their callers.
 from __future__ import annotations
 
 import numbers
-from typing import Any, Iterable, List
+from typing import Any, Iterable, List, Optional
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -41,12 +41,18 @@ def _brief(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _int(name: str, value: Any, minimum: int) -> int:
+def _int(name: str, value: Any, minimum: int, maximum: Optional[int] = None) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"argument `{name}` must be an int >= {minimum}, got {type(value).__name__} {_brief(value)}")
     if int(value) < minimum:
         raise ValueError(f"argument `{name}` must be an int >= {minimum}, got {_brief(value)}")
+    if maximum is not None and int(value) > maximum:
+        raise ValueError(f"argument `{name}` must be an int in [{minimum}, {maximum}], got {_brief(value)}")
     return int(value)
+
+
+# The most ranks split_classes plans for (it returns a list of that length).
+MAX_WORLD_SIZE = 1 << 20
 
 
 def _ints(name: str, values: Any) -> List[int]:
@@ -61,9 +67,11 @@ def split_classes(num_classes: int, world_size: int) -> List[int]:
 
     Args:
         num_classes: C (int >= 1).
-        world_size: ranks (int >= 1).
+        world_size: ranks (int in [1, 2**20]).
     """
-    return _collectives.split_classes(_int("num_classes", num_classes, 1), _int("world_size", world_size, 1))
+    return _collectives.split_classes(
+        _int("num_classes", num_classes, 1), _int("world_size", world_size, 1, MAX_WORLD_SIZE)
+    )
 
 
 def class_offsets(sizes: Iterable[int]) -> List[int]:

@@ -154,7 +154,8 @@ def _check_layout(name: str, t: Tensor, e: Tensor, where: str) -> None:
 
 def check_model(slots: Sequence[Slot], where: str) -> None:
     """A model ModelEMA can average, checked at construction: TypeError naming the first complex
-    parameter or buffer, or float8 (any floating dtype the op does not average) parameter;
+    parameter or buffer, float8 (any floating dtype the op does not average) parameter, or sparse
+    (or other non-strided) tensor;
     ValueError naming the first tensor on the meta device (a model not yet materialized)."""
     for slot in slots:
         t = slot_tensor(slot)
@@ -169,6 +170,11 @@ def check_model(slots: Sequence[Slot], where: str) -> None:
                 f"{where}: argument `model` has the parameter {slot[0]} of dtype {t.dtype}; ModelEMA averages "
                 "float32, float64, float16 and bfloat16 parameters (float8 buffers are copied, as integer "
                 "ones): average the higher-precision weights that float8 training casts from"
+            )
+        if t.layout != torch.strided or t.is_nested:  # (the EMA's watch and ops read dense memory)
+            raise TypeError(
+                f"{where}: argument `model` has {slot[0]} of layout {'nested' if t.is_nested else t.layout}, "
+                "not a dense tensor; ModelEMA averages dense (strided) parameters and buffers"
             )
         if t.is_meta:
             raise ValueError(

@@ -150,7 +150,8 @@ def save_sharded(
             (``weight_norm``: use the head's ``state_dict``).
         TypeError, ValueError: a shard's optimizer state holds a ``momentum_buffer`` that is not
             a floating tensor of the shard's shape, or ``seen`` flags that are not a bool tensor
-            of its row count (the shard and key are named; nothing is written).
+            of its row count (the shard and key are named; nothing is written); ``optimizer``
+            does not optimize a shard of ``module`` (ValueError).
         OSError: the directory cannot be created or written.
     """
     shards, num_classes = _shards(module)
@@ -160,7 +161,13 @@ def save_sharded(
         _check_directory(directory)
         _check_optimizer(optimizer)
         _check_tag(tag)
+        optimized = {id(q) for g in optimizer.param_groups for q in g["params"]} if optimizer is not None else set()
         for k, (offset, p) in enumerate(shards):
+            if optimizer is not None and id(p) not in optimized:  # (its momentum would be lost silently)
+                raise ValueError(
+                    f"argument `optimizer` does not optimize shard {k} of `module` (classes [{offset}, "
+                    f"{offset + p.shape[0]})): pass the head's optimizer, or optimizer=None to save the weights only"
+                )
             state = optimizer.state.get(p, {}) if optimizer is not None else {}
             buf, seen = state.get("momentum_buffer"), state.get("seen")
             problem = momentum_state_problem(buf, seen, p.shape, p.dtype)

@@ -8,7 +8,7 @@ one tiny flag tensor and one host sync, and run only when ``check_inputs`` asks.
 from __future__ import annotations
 
 import re
-from numbers import Integral
+from numbers import Integral, Real
 from typing import Any, Iterable, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
@@ -59,9 +59,16 @@ def check_options(
             "argument `margin` must be None or a shardkit margin (CosFace, ArcFace, CombinedMargin), "
             f"got {type(margin).__name__}"
         )
-    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
+    # (int, float) first: dynamo traces that check on a symbolic float; numpy scalars and other
+    # real numbers after it, as nn.CrossEntropyLoss takes them
+    plain = isinstance(label_smoothing, (int, float)) and not isinstance(label_smoothing, bool)
+    if not plain and (isinstance(label_smoothing, bool) or not isinstance(label_smoothing, Real)):
         raise TypeError(f"argument `label_smoothing` must be a float, got {type(label_smoothing).__name__}")
-    if not 0.0 <= float(label_smoothing) <= 1.0:
+    try:
+        smoothing = float(label_smoothing)
+    except OverflowError:
+        raise ValueError("argument `label_smoothing` must be in [0, 1], got an int too large for a float") from None
+    if not 0.0 <= smoothing <= 1.0:
         raise ValueError(f"argument `label_smoothing` must be in [0, 1], got {label_smoothing}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, Integral):
         raise TypeError(f"argument `ignore_index` must be an int, got {type(ignore_index).__name__}")

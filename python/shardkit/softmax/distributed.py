@@ -39,7 +39,7 @@ from shardkit.softmax.core import (
     weights_for,
 )
 from shardkit.softmax.exchange import ConfigValue, check_same_config, exchange_batch_info
-from shardkit.softmax.head import ShardedHead, checked_weight_loads, init_bound
+from shardkit.softmax.head import ShardedHead, check_shard_shapes, checked_weight_loads, init_bound
 from shardkit.softmax.margins import Margin
 from shardkit.softmax.sampling import check_sample_rate, mark_sampled, sample_shard, sampled_class_counts
 
@@ -180,6 +180,7 @@ class ProcessGroupShards:
                 parse_memory(module.chunk_memory)
             check_memory_budget(module.memory_budget)
             check_not_synced_by_ddp(module.weight_shards[0])
+            check_shard_shapes(module, self.ctx.num_local)
         except (TypeError, ValueError) as err:
             self.refuse(module, err)
         options: dict[str, ConfigValue] = {

@@ -52,6 +52,20 @@ class ShardedHead(nn.Module):
         def shard_sizes(self) -> Tuple[int, ...]: ...
 
 
+def check_shard_shapes(module: ShardedHead, rows: int) -> None:
+    """ValueError naming ``weight_shards`` when a shard was replaced by one of another shape:
+    ``rows`` classes in all (the head's, or with a process group this rank's) of width D."""
+    shapes = [tuple(p.shape) for p in module.weight_shards]
+    if sum(s[0] for s in shapes if len(s) == 2) != rows or any(
+        len(s) != 2 or s[1] != module.embedding_dim for s in shapes
+    ):
+        raise ValueError(
+            f"argument `weight_shards` was changed to shapes {shapes}: this head holds {rows} classes of width "
+            f"{module.embedding_dim} (fixed at construction; num_classes, checkpoints and labels follow it); "
+            "copy new rows into the shards in place, or build a new head"
+        )
+
+
 def init_bound(fan_in: int) -> float:
     """nn.Linear's init bound, computed as ``kaiming_uniform_(a=sqrt(5))`` computes it (so a
     float64 draw is bit-identical too, not one rounding away as ``1 / sqrt(fan_in)`` would be)."""

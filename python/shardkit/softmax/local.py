@@ -27,7 +27,7 @@ from shardkit.softmax.core import (
     shard_statistics,
     to_device,
 )
-from shardkit.softmax.head import ShardedHead, class_ordered_checkpoints, init_bound
+from shardkit.softmax.head import ShardedHead, check_shard_shapes, class_ordered_checkpoints, init_bound
 from shardkit.softmax.margins import Margin
 from shardkit.softmax.sampling import check_sample_rate, mark_sampled, sample_shard, sampled_class_counts
 
@@ -354,6 +354,7 @@ class LocalShards:
         return_details: bool,
         topk: Union[int, Sequence[int], None],
     ) -> Union[torch.Tensor, ShardedLossOutput]:
+        check_shard_shapes(module, module.num_classes)
         if (
             isinstance(embeddings, torch.Tensor)
             and not embeddings.is_nested
