@@ -157,6 +157,39 @@ def test_allreduce_arguments_are_named():
     with pytest.raises(TypeError, match="argument `tensors` must hold tensors, got list at index 1"):
         allreduce(1, t, [1.0])
     assert torch.equal(allreduce(1, t, t)[1], 2 * t)
+    # a float64 group summed into group 0's float32 (1 + 1e-12 became 2.0), torch's broadcast
+    # error, a meta tensor's copy error: each refused naming `tensors`
+    with pytest.raises(ValueError, match=r"tensor 0 of group 1 is torch.float64\[2\], group 0's is torch.float32"):
+        allreduce(1, t, torch.ones(2, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"tensor 1 of group 1 is torch.float32\[3\]"):
+        allreduce(2, t, t, t, torch.ones(3))
+    with pytest.raises(ValueError, match="argument `tensors` holds a tensor on the meta device"):
+        allreduce(1, t, torch.ones(2, device="meta"))
+
+
+def test_gather_and_replication_callbacks_name_their_bad_arguments():
+    from shardkit.parallel import execute_replication_callbacks, gather
+
+    a, b = torch.ones(2, 3), torch.zeros(3, 3)
+    for dim, exc in ((None, TypeError), ("0", TypeError), (True, TypeError), (2**63, ValueError), (2, ValueError)):
+        with pytest.raises(exc, match="argument `dim`"):
+            gather([a, b], "cpu", dim)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"argument `target_device`: cuda:0 is not available"):
+            gather([a, b], "cuda")
+    with pytest.raises(ValueError, match=r"argument `outputs\[0\]`: device 1's keys \['b'\] are not device 0's"):
+        gather([({"a": a},), ({"b": a},)], "cpu")
+    with pytest.raises(ValueError, match="argument `outputs`: device 1's entry has 1 items, device 0's 2"):
+        gather([(a, a), (a,)], "cpu")
+    with pytest.raises(TypeError, match="argument `outputs`: device 1's entry is a str, device 0's a Tensor"):
+        gather([a, "x"], "cpu")
+    assert torch.equal(gather([torch.tensor(1.0), torch.tensor(2.0)], "cpu"), torch.tensor([1.0, 2.0]))
+    assert torch.equal(gather([{"x": (a,)}, {"x": (b,)}], "cpu", -2)["x"][0], torch.cat([a, b]))
+    for bad in (None, [], nn.Linear(2, 2)):
+        with pytest.raises(TypeError, match="argument `modules` must be a non-empty list of replicas"):
+            execute_replication_callbacks(bad)
+    with pytest.raises(TypeError, match="argument `modules` must hold nn.Modules, got int at index 1"):
+        execute_replication_callbacks([nn.Linear(2, 2), 1])
 
 
 def test_balance_by_needs_a_sample_tensor():

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import torch
 
 from shardkit.ops import split_to_devices
+from shardkit.ops._devices import check_visible
 
 # ---- devices ------------------------------------------------------------------------
 
@@ -254,7 +255,9 @@ def to_device(obj: Any, device: torch.device) -> Any:
 def gather(outputs: Sequence[Any], target_device: Any, dim: int = 0) -> Any:
     """Concatenates per-device outputs (tensors, or tuples/lists/dicts of them, as
     DataParallelModel returns) along ``dim`` on ``target_device``; differentiable.
-    E.g. embeddings ``[b_k, D]`` from K devices -> ``[B, D]`` on one device."""
+    E.g. embeddings ``[b_k, D]`` from K devices -> ``[B, D]`` on one device; 0-d tensors (per-device
+    losses) -> a ``[K]`` vector. Entries that differ in kind, keys or length between the devices
+    are refused naming them (TypeError / ValueError)."""
     if isinstance(outputs, torch.Tensor):
         raise TypeError("argument `outputs` must be the list of per-device outputs, got a Tensor")
     if not isinstance(outputs, (list, tuple)) or len(outputs) == 0:
@@ -262,13 +265,41 @@ def gather(outputs: Sequence[Any], target_device: Any, dim: int = 0) -> Any:
             "argument `outputs` must be a non-empty list of per-device outputs (what DataParallelModel returns), "
             f"got {outputs!r}"
         )
-    dev = as_device(target_device)
+    try:
+        dev = as_device(target_device)
+    except ValueError as err:
+        raise ValueError(f"argument `target_device`: {err}") from None
+    check_visible([dev], "target_device")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"argument `dim` must be an int, got {type(dim).__name__}")
+    return _gather(list(outputs), dev, dim, "outputs")
+
+
+def _gather(outputs: list[Any], dev: torch.device, dim: int, where: str) -> Any:
+    # ``where``: the outputs' path in messages (outputs[k]['logits'][0] ...)
     first = outputs[0]
-    if isinstance(first, torch.Tensor):
+    kinds = (torch.Tensor, dict, tuple, list)
+    kind = next((k for k in kinds if isinstance(first, k)), None)
+    for k, o in enumerate(outputs):
+        if kind is not None and not isinstance(o, kind):
+            raise TypeError(
+                f"argument `{where}`: device {k}'s entry is a {type(o).__name__}, device 0's a {type(first).__name__}"
+            )
+    if kind is torch.Tensor:
+        if all(o.dim() == 0 for o in outputs):  # per-device scalars (losses): a [K] vector, as nn.parallel.gather
+            return torch.stack([o.to(dev, non_blocking=dev.type == "cuda") for o in outputs])
+        if not -first.dim() <= dim < max(first.dim(), 1):
+            raise ValueError(f"argument `dim` is {dim}, out of range for the {first.dim()}-d tensors in `{where}`")
         return torch.cat([o.to(dev, non_blocking=dev.type == "cuda") for o in outputs], dim)
-    if isinstance(first, dict):
-        return type(first)((k, gather([o[k] for o in outputs], dev, dim)) for k in first)
-    if isinstance(first, (tuple, list)):
-        parts = [gather([o[i] for o in outputs], dev, dim) for i in range(len(first))]
+    if kind is dict:
+        for k, o in enumerate(outputs):
+            if set(o) != set(first):
+                raise ValueError(f"argument `{where}`: device {k}'s keys {sorted(map(str, o))} are not device 0's")
+        return type(first)((key, _gather([o[key] for o in outputs], dev, dim, f"{where}[{key!r}]")) for key in first)
+    if kind is not None:
+        for k, o in enumerate(outputs):
+            if len(o) != len(first):
+                raise ValueError(f"argument `{where}`: device {k}'s entry has {len(o)} items, device 0's {len(first)}")
+        parts = [_gather([o[i] for o in outputs], dev, dim, f"{where}[{i}]") for i in range(len(first))]
         return type(first)(*parts) if hasattr(first, "_fields") else type(first)(parts)
     return list(outputs)

@@ -73,6 +73,16 @@ def allreduce(*inputs: Any) -> tuple[torch.Tensor, ...]:
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"allreduce: argument `tensors` must hold tensors, got {type(t).__name__} at index {i}")
+        if t.is_meta:
+            raise ValueError(f"allreduce: argument `tensors` holds a tensor on the meta device (no data) at index {i}")
+    if len(tensors) % num_inputs == 0:
+        for i, t in enumerate(tensors[num_inputs:], start=num_inputs):
+            first = tensors[i % num_inputs]
+            if t.shape != first.shape or t.dtype != first.dtype:  # (a sum over them takes group 0's)
+                raise ValueError(
+                    f"allreduce: argument `tensors`: tensor {i % num_inputs} of group {i // num_inputs} is "
+                    f"{t.dtype}{list(t.shape)}, group 0's is {first.dtype}{list(first.shape)}: each must be alike"
+                )
     return _AllReduce.apply(*inputs)
 
 
@@ -84,6 +94,13 @@ def execute_replication_callbacks(modules: Sequence[nn.Module]) -> None:
     """Calls ``m.__data_parallel_replicate__(ctx, copy_id)`` on every sub-module of every
     replica that defines it; copy j of a sub-module gets copy_id j and the context shared
     by all copies of that sub-module; the master copy (copy 0) is called first."""
+    if isinstance(modules, nn.Module) or not isinstance(modules, Sequence) or not modules:
+        raise TypeError(
+            f"argument `modules` must be a non-empty list of replicas (nn.Modules), got {type(modules).__name__}"
+        )
+    for k, m in enumerate(modules):
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"argument `modules` must hold nn.Modules, got {type(m).__name__} at index {k}")
     n_sub = len(list(modules[0].modules()))
     ctxs = [CallbackContext() for _ in range(n_sub)]
     for copy_id, module in enumerate(modules):
