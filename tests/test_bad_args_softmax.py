@@ -39,7 +39,14 @@ def test_numpy_integer_shard_sizes_are_ints():
 
 @pytest.mark.parametrize(
     "topk, exc",
-    [("15", TypeError), ((1.5,), TypeError), ((0,), ValueError), (None, None), (torch.tensor(2), TypeError)],
+    [
+        ("15", TypeError),
+        ((1.5,), TypeError),
+        ((0,), ValueError),
+        (None, None),
+        (torch.tensor(2), TypeError),
+        (np.array(2), TypeError),
+    ],
 )
 def test_topk(topk, exc):
     if exc is None:

@@ -259,3 +259,22 @@ def test_built_before_init_process_group_under_a_launcher_warns(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         shardkit.ShardedSoftmaxLoss(8, 10)
+
+
+def test_sample_rate_reaches_attribute_copiers_and_old_pickles():
+    # The rate is a property (a constant to torch.compile); ModelEMA.update_attr (and
+    # ultralytics' copy_attr), which copy __dict__'s public entries, still carry it over, and a
+    # head pickled while it was a plain attribute keeps its rate.
+    head = shardkit.ShardedSoftmaxLoss(4, 30, sample_rate=0.5)
+    ema = shardkit.ModelEMA(head)
+    head.sample_rate = 0.25
+    ema.update_attr(head)
+    assert ema.module.sample_rate == 0.25
+    old = shardkit.ShardedSoftmaxLoss(4, 30, sample_rate=0.5)
+    for key in ("_sample_rate_text", "_sample_rate_value"):
+        del old.__dict__[key]
+    old.__dict__["sample_rate"] = 0.125
+    revived = pickle.loads(pickle.dumps(old))
+    assert revived.sample_rate == 0.125
+    revived.sample_rate = 0.75
+    assert revived.sample_rate == 0.75 and revived.__dict__["sample_rate"] == 0.75

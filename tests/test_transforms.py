@@ -1,6 +1,7 @@
 """shardkit.ops.normalize_images / shardkit.Normalize against a float64 reference."""
 
 import io
+import pickle
 
 import pytest
 import torch
@@ -149,6 +150,12 @@ def test_a_model_holding_the_module_saves_and_loads_whole(fmt):
     assert torch.equal(loaded(images), model(images))
     with pytest.raises(ValueError, match="memory_format"):
         loaded[0].memory_format = torch.preserve_format
+    # a Normalize pickled before (it held the torch.memory_format itself) loads and runs
+    old = shardkit.Normalize(mean, std)
+    del old.__dict__["_channels_last"]
+    old.__dict__["memory_format"] = fmt
+    revived = pickle.loads(pickle.dumps(old))
+    assert revived.memory_format == fmt and torch.equal(revived(images), model[0](images))
 
 
 def test_opcheck():

@@ -110,7 +110,9 @@ def ddp_ignore_heads(model: nn.Module) -> List[str]:
     ranks' when it is built and averages the gradients of different classes; the head's
     forward then raises (``DistributedInputError`` on every rank).
 
-    Adds to the names already set for DDP to ignore. Returns the names of ``model``'s
+    Call it on the very module given to DDP: on ``torch.compile(model)`` when that is what DDP
+    wraps (the names then carry its ``_orig_mod.`` prefix); compiling ``DDP(model)`` instead
+    needs it on ``model``. Adds to the names already set for DDP to ignore. Returns the names of ``model``'s
     parameters and buffers DDP will leave alone. ``TypeError`` for a model already wrapped
     (DDP reads the names when it is built), ``ValueError`` when ``model`` holds no
     process-group head.
@@ -120,7 +122,7 @@ def ddp_ignore_heads(model: nn.Module) -> List[str]:
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"argument `model` must be an nn.Module, got {type(model).__name__}")
-    if isinstance(model, DistributedDataParallel):
+    if isinstance(getattr(model, "_orig_mod", model), DistributedDataParallel):  # (torch.compile(DDP(m)) too)
         raise TypeError(
             "argument `model` is already a DistributedDataParallel, which reads the names to ignore "
             "when it is built: call ddp_ignore_heads on the model before wrapping it"

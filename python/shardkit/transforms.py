@@ -63,6 +63,13 @@ class Normalize(nn.Module):
         _check_options(self.input_layout, self.dtype, value)
         self._channels_last = value == torch.channels_last
 
+    def __setstate__(self, state: dict) -> None:
+        # a Normalize pickled before the format was kept as a bool held the torch.memory_format
+        fmt = state.pop("memory_format", None)
+        super().__setstate__(state)
+        if fmt is not None:
+            self._channels_last = fmt == torch.channels_last
+
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 ``images`` ([N, H, W, C] or as ``input_layout`` says; 3-D for one image) ->
         ``[N, C, H, W]`` (or ``[C, H, W]``) of ``dtype`` on the same device. Errors (naming

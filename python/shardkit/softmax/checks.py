@@ -257,8 +257,10 @@ def check_topk(topk: Union[int, Sequence[int], None], num_classes: Optional[int]
         return ()
     if isinstance(topk, Integral):
         ks: Tuple[Any, ...] = (topk,)
-    elif isinstance(topk, torch.Tensor) and topk.dim() == 0:  # (iterating one raises torch's TypeError)
-        raise TypeError("argument `topk` must be an int or a sequence of ints, got a 0-d tensor: pass int(topk)")
+    elif getattr(topk, "ndim", None) == 0:  # a 0-d tensor or array (iterating one raises a bare TypeError)
+        raise TypeError(
+            f"argument `topk` must be an int or a sequence of ints, got a 0-d {type(topk).__name__}: pass int(topk)"
+        )
     elif isinstance(topk, (str, bytes)) or not hasattr(topk, "__iter__"):
         raise TypeError(f"argument `topk` must be an int or a sequence of ints, got {type(topk).__name__}")
     else:

@@ -24,8 +24,10 @@ the first ``C % W`` ranks hold one class more). Per step and rank:
 Semantics (InsightFace's convention): every rank returns the loss of the global batch;
 the head's gradients are exact; each rank's embedding gradient is ``world_size * dL/dX_r``,
 so that after DDP AVERAGES the backbone gradients the update equals single-process
-training on the global batch. Therefore the head must NOT be wrapped in DDP (its shards
-differ per rank), and every rank must call backward on the loss it got, unchanged.
+training on the global batch. Therefore DDP must not synchronize the head (its shards differ
+per rank: wrap the backbone alone, or mark them with
+:func:`shardkit.distributed.ddp_ignore_heads`), and every rank must call backward on the loss
+it got, unchanged.
 
 The replicated layout (``input_layout="replicated"``: every rank holds the same
 embeddings and labels, tensor-parallel style) skips the gather; dX is all-reduced (sum)

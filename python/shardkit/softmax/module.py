@@ -228,7 +228,8 @@ class ShardedSoftmaxLoss(ShardedHead):
         text = self.__dict__.get("_sample_rate_text")
         # A float is kept as its repr: torch.compile treats a str as a constant (a guard on its
         # value) where it would make a changed float symbolic, and the sampled counts need a
-        # concrete rate (a head whose rate changed, e.g. by a schedule, then compiles whole).
+        # concrete rate: a head whose rate changed compiles whole again, one graph per distinct
+        # rate (up to dynamo's recompile limit, 8 by default).
         if text is not None:
             return float(text)
         if "_sample_rate_value" in self.__dict__:
@@ -240,6 +241,9 @@ class ShardedSoftmaxLoss(ShardedHead):
         is_float = isinstance(value, float)
         self.__dict__["_sample_rate_text"] = float.__repr__(value) if is_float else None
         self.__dict__["_sample_rate_value"] = None if is_float else value
+        # A public copy, never read here (the property wins): attribute copiers that walk
+        # __dict__ (ModelEMA.update_attr, ultralytics' copy_attr) copy the rate through it.
+        self.__dict__["sample_rate"] = value
 
     @property
     def embedding_dim(self) -> int:
