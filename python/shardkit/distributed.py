@@ -68,6 +68,9 @@ def split_classes(num_classes: int, world_size: int) -> List[int]:
     Args:
         num_classes: C (int >= 1).
         world_size: ranks (int in [1, 2**20]).
+
+    Raises ``TypeError`` (not an int: a float, a bool, a string) or ``ValueError`` (out of
+    range) naming the argument.
     """
     return _collectives.split_classes(
         _int("num_classes", num_classes, 1), _int("world_size", world_size, 1, MAX_WORLD_SIZE)
@@ -75,7 +78,8 @@ def split_classes(num_classes: int, world_size: int) -> List[int]:
 
 
 def class_offsets(sizes: Iterable[int]) -> List[int]:
-    """Start class id of each rank's range, from the per-rank ``sizes`` (ints >= 0)."""
+    """Start class id of each rank's range, from the per-rank ``sizes`` (ints >= 0): a list
+    of ``len(sizes)`` ints. ``TypeError`` / ``ValueError`` naming the entry otherwise."""
     return _collectives.class_offsets(_ints("sizes", sizes))
 
 

@@ -32,6 +32,11 @@ class Normalize(nn.Module):
             convolutions on recent GPUs).
 
     Shapes: input uint8 ``[N, H, W, C]`` (or as ``input_layout`` says) -> ``[N, C, H, W]`` of ``dtype``.
+
+    Raises (at construction, naming the argument): ``TypeError`` for ``mean`` / ``std`` that are
+    not sequences of numbers; ``ValueError`` for lengths that differ, a zero or non-finite
+    ``std``, values whose output would not fit ``dtype``, or a bad ``input_layout``, ``dtype``
+    or ``memory_format`` (see :func:`shardkit.ops.normalize_images`).
     """
 
     def __init__(

@@ -52,8 +52,13 @@ def allreduce(*inputs: Any) -> tuple[torch.Tensor, ...]:
 
     ``tensors`` are K groups of ``num_inputs`` tensors, group k on device k (e.g. each
     replica's ``(sum, square_sum)`` in SyncBN). Returns K * num_inputs tensors: tensor j
-    of group k is the sum over groups of tensor j, on group k's device. The backward is
-    the same all-reduce of the gradients.
+    of group k is the sum over groups of tensor j, on group k's device, of its dtype and
+    shape. The backward is the same all-reduce of the gradients.
+
+    Raises ``TypeError`` / ``ValueError`` naming the argument: ``num_inputs`` not an int >= 1,
+    no tensors, a count that is not a multiple of ``num_inputs``, an entry that is not a
+    tensor or is on the meta device, tensor j of a group of another dtype or shape than
+    group 0's.
     """
     if not inputs:
         raise TypeError("allreduce(num_inputs, *tensors): argument `num_inputs` is missing")

@@ -116,8 +116,17 @@ def _fits(plan: MemoryPlan, budget: Budget) -> bool:
 
 
 def plan_budgets(budgets: Sequence[Budget], **plan_args: Any) -> List[BudgetPlan]:
-    """:class:`BudgetPlan` per budget (bytes or :data:`FULL`) for the head that
-    :func:`shardkit.plan.plan_memory` plans from ``plan_args`` (its arguments, by name)."""
+    """:class:`BudgetPlan` per budget for the head that :func:`shardkit.plan.plan_memory` plans
+    from ``plan_args`` (its arguments, by name): a list, one per budget, in order.
+
+    Args:
+        budgets: ``memory_budget`` values to plan: bytes (ints >= 0) or :data:`FULL`.
+        plan_args: :func:`shardkit.plan.plan_memory`'s arguments; with ``gpu_memory`` each
+            row also gets its ``largest_classes``.
+
+    Raises ``TypeError`` / ``ValueError`` naming the argument: ``budgets`` not a list, an entry
+    that is a float, a bool, a size string (the command line parses those) or ``"auto"`` (its
+    bytes depend on the memory free at run time); ``plan_memory``'s own errors."""
     if isinstance(budgets, (str, bytes)) or not isinstance(budgets, Sequence):
         raise TypeError(
             f"argument `budgets` must be a list of budgets (bytes or {FULL!r}), got {type(budgets).__name__}"
@@ -147,7 +156,10 @@ def largest_classes(budget: Budget, **plan_args: Any) -> int:
     A device keeps its whole shard's logits while they fit the budget and whole chunks after,
     so the kept bytes drop (by up to a chunk) where its shard outgrows the budget: fitting is
     monotone in C only between those points. The search bisects each such stretch (all
-    devices keeping their whole shard, some, none) and returns the largest count found."""
+    devices keeping their whole shard, some, none) and returns the largest count found.
+
+    Raises ``ValueError`` without ``gpu_memory``; ``TypeError`` / ``ValueError`` naming a bad
+    ``budget`` (as :func:`plan_budgets`) or a bad ``plan_memory`` argument."""
     budget = check_budget(budget)
     args = dict(plan_args)
     if args.get("gpu_memory") is None:

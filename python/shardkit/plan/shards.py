@@ -55,6 +55,10 @@ def balance_shards(
     Returns a list for ``ShardedSoftmaxLoss(..., shard_sizes=...)``: a device already fuller
     than the level the head fills the others to gets no class. Exact (integer arithmetic)
     at any size: the list always sums to ``classes``.
+
+    Raises ``TypeError`` / ``ValueError`` naming the argument: ``classes`` or ``dim`` not an
+    int >= 1, an entry of ``used`` that is neither bytes >= 0 nor a size string, an unknown
+    ``dtype`` or ``optimizer``.
     """
     classes = _check_int("classes", classes, 1)
     dim = _check_int("dim", dim, 1)

@@ -36,8 +36,9 @@ class ShardStatistics(NamedTuple):
 class ShardedLossOutput(NamedTuple):
     """What ``return_details=True`` returns.
 
-    loss: the reduced loss (float32; [B] for reduction="none"), differentiable.
-    lse: [B] float32 per-row log-sum-exp over ALL classes of the logits the loss uses
+    loss: the reduced loss (float32, float64 for float64 weights; [B] for reduction="none"),
+        differentiable.
+    lse: [B] float32 (float64 for float64 weights) per-row log-sum-exp over ALL classes of the logits the loss uses
         (margin at the target column), differentiable: ``z_loss = (lse ** 2).mean()``.
         Defined for ignored rows too (their label plays no part in it except the margin,
         which they do not get).
@@ -55,8 +56,10 @@ class ShardedLossOutput(NamedTuple):
 
 
 def compute_dtype(weight: torch.Tensor) -> torch.dtype:
-    # Under autocast for the shard's device type, run in the autocast dtype as nn.Linear
-    # would (both operands cast); otherwise the embeddings follow the weights' dtype.
+    # Under autocast for the shard's device type, the embeddings take the autocast dtype as
+    # nn.Linear's input would (fp32 weights stay fp32: the GPU kernels convert their chunks to
+    # it, the CPU kernels compute in fp32 from them); otherwise the embeddings follow the
+    # weights' dtype.
     # float64 weights stay float64 under autocast, as torch's autocast never casts float64.
     device_type = weight.device.type
     if weight.dtype != torch.float64 and torch.is_autocast_enabled(device_type):

@@ -159,19 +159,21 @@ def sharded_cross_entropy(
             recompute (see the README).
 
     Returns:
-        The loss on the embeddings' device (float32; [B] for "none"), or a
+        The loss on the embeddings' device (float32, float64 for float64 weights; [B] for
+        "none"), or a
         :class:`ShardedLossOutput` with ``return_details=True``.
 
     dtypes: outside autocast the embeddings are cast to the weights' dtype; under
     ``torch.autocast`` for a shard's device type the embeddings are cast to the autocast
-    dtype, which is the compute dtype (as nn.Linear). fp32 weights under a bf16 / fp16
+    dtype, which is the compute dtype (as nn.Linear does for its input). fp32 weights under a bf16 / fp16
     autocast are NOT copied: the kernels convert them chunk by chunk (a chunk-sized
     temporary within ``chunk_memory``; on GPUs to the autocast dtype, the GEMMs' input
     dtype, while the CPU kernels compute in fp32 from the fp32 rows) and write their
     gradient in fp32 straight into the fp32 gradient, so no 16-bit copy of a shard or of its
     gradient is made. Other weight
     dtypes under autocast (e.g. bf16 weights with an fp16 autocast) are cast to the autocast
-    dtype. Statistics and the loss are float32 whatever the input dtype. With a margin and
+    dtype. Statistics and the loss are float32 for 16-bit and float32 inputs (float64 for
+    float64 weights). With a margin and
     fp16 autocast on a GPU, each fp32 row is rounded to fp16 before it is normalized, so
     rows of norm below ~1e-3 lose cosine accuracy (fp16 subnormals); bf16 has no such limit.
     """

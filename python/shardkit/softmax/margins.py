@@ -137,6 +137,8 @@ class CombinedMargin(Margin):
     ``CombinedMargin(64, 1.0, 0.3, 0.2)`` is InsightFace's "combined" setting. Embeddings
     and weights are L2-normalized by the loss. Past ``m1 * theta + m2 = pi`` the target
     logit continues linearly in cos(theta) (see :mod:`shardkit.softmax.margins`).
+    Raises ``TypeError`` naming the argument for a value that is not a real number (a bool, a
+    string), ``ValueError`` for one outside the range above or not finite.
     """
 
     __slots__ = ()
@@ -155,6 +157,8 @@ class CosFace(Margin):
     Embeddings and weights are L2-normalized by the loss. Equal to
     ``CombinedMargin(s, 1, 0, m)``; needs no acos, so its kernels take the fast path and
     the continuation past pi never applies.
+    Raises ``TypeError`` naming the argument for a value that is not a real number (a bool, a
+    string), ``ValueError`` for one outside the range above or not finite.
     """
 
     __slots__ = ()
@@ -184,6 +188,8 @@ class ArcFace(Margin):
     ``s * (-1 + cos(theta) - cos(pi - m))``: continuous and monotone, unlike the raw
     ``cos(theta + m)`` which would rise again as theta -> pi. Equal to
     ``CombinedMargin(s, 1, m, 0)``.
+    Raises ``TypeError`` naming the argument for a value that is not a real number (a bool, a
+    string), ``ValueError`` for one outside the range above or not finite.
     """
 
     __slots__ = ()

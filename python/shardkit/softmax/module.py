@@ -117,10 +117,11 @@ class ShardedSoftmaxLoss(ShardedHead):
     [C_r, D]); :func:`shardkit.save_sharded` / :func:`shardkit.load_sharded` write and read
     every rank's, re-sharded to any world size.
 
-    Raises (at construction): ``TypeError`` for a ``dtype`` the kernels lack, and naming the
-    argument for a ``check_inputs`` that is neither a bool nor a string (1, 1.0, None);
-    ``ValueError`` naming the argument for a bad ``embedding_dim``, ``num_classes``, ``margin``,
-    ``label_smoothing``, ``reduction``, ``check_inputs``, ``topk``, ``chunk_memory``,
+    Raises (at construction), naming the argument: ``TypeError`` for a ``dtype`` the kernels
+    lack and for an argument of the wrong type (a string ``margin``, a float ``ignore_index``,
+    a string ``sample_rate``, a ``check_inputs`` that is neither a bool nor a string);
+    ``ValueError`` for a bad value of ``embedding_dim``, ``num_classes``, ``label_smoothing``,
+    ``ignore_index``, ``reduction``, ``check_inputs``, ``topk``, ``chunk_memory``,
     ``memory_budget``, ``shard_sizes``, ``devices``, ``sample_rate`` or ``input_layout``;
     :class:`shardkit.distributed.DistributedInputError` when the ranks of a ``process_group`` disagree on
     the options. At ``forward``: see there.
