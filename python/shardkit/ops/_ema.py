@@ -208,8 +208,13 @@ def ema_swap_(ema_tensors: Sequence[torch.Tensor], model_tensors: Sequence[torch
 
 
 def ema_unswap_(ema_tensors: Sequence[torch.Tensor], model_tensors: Sequence[torch.Tensor]) -> None:
-    """Inverse of :func:`ema_swap_` on the same lists: restores both bit-exactly (the same
-    argument checks)."""
+    """Inverse of :func:`ema_swap_` on the same lists: restores both bit-exactly.
+
+    Args:
+        ema_tensors, model_tensors: the two lists given to :func:`ema_swap_`, unchanged
+            (floating tensors, pairwise of one shape and device; dtypes may differ).
+
+    Raises ``TypeError`` / ``ValueError`` naming the argument, as :func:`ema_swap_`."""
     ema_list, model_list = _swap_lists("ema_unswap_", ema_tensors, model_tensors, floating=True)
     if ema_list:
         torch.ops.shardkit.ema_unswap_(ema_list, model_list)

@@ -161,7 +161,10 @@ def kept_bytes(
     """Bytes a forward with ``keep_chunks`` kept chunks holds until its backward: the kept
     logits ``[batch, kept classes]`` in :func:`kept_logits_dtype` (``dtype`` is the
     embeddings') and one target value per row in the statistics' dtype (float32; float64 for
-    float64 ``dtype``). 0 when ``keep_chunks`` is 0."""
+    float64 ``dtype``). 0 when ``keep_chunks`` is 0.
+
+    Raises ``TypeError`` / ``ValueError`` naming the argument: a count that is not an int (or
+    below its minimum: 0, 1 for ``chunk_classes``), a ``dtype`` the kernels lack."""
     _check_counts(batch=(batch, 0), num_classes=(num_classes, 0), chunk_classes=(chunk_classes, 1))
     _check_counts(keep_chunks=(keep_chunks, 0))
     _check_dtype(dtype)
@@ -189,6 +192,8 @@ def kept_chunks_for_budget(
         budget_bytes: bytes the forward may hold for its backward (int >= 0).
         dtype: the embeddings' dtype; device: where the shard lives (the kept logits' dtype,
             :func:`kept_logits_dtype`, depends on both).
+
+    Raises ``TypeError`` / ``ValueError`` naming the argument, as :func:`kept_bytes`.
     """
     _check_counts(batch=(batch, 0), num_classes=(num_classes, 0), chunk_classes=(chunk_classes, 1))
     _check_counts(budget_bytes=(budget_bytes, 0))

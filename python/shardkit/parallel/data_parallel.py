@@ -148,7 +148,10 @@ class DataParallelModel(nn.DataParallel):
         self.split = U.check_split(split, self.chunk_sizes, self.gpu0_bsz)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """The per-device outputs (a list), or the module's output (see the class notes)."""
+        """The per-device outputs (a list, entry k on device k, each the module's output for
+        chunk k of every tensor in ``inputs`` / ``kwargs`` split along ``dim``), or with one
+        device the module's output (see the class notes). A worker's exception is re-raised;
+        ``ValueError`` naming the input for tensors whose sizes along ``dim`` differ."""
         with profiler_range("shardkit.DataParallelModel.forward"):
             if not self.device_ids:
                 return self.module(*inputs, **kwargs)

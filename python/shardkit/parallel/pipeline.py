@@ -228,7 +228,10 @@ class PipelineModel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [B, ...] (any device; moved to the first stage) -> the model's output [B, ...]
-        on ``output_device``, computed in ``min(chunks, B)`` pipelined micro-batches."""
+        on ``output_device``, computed in ``min(chunks, B)`` pipelined micro-batches.
+
+        Raises ``TypeError`` naming ``x`` for a non-tensor or a sparse / nested one,
+        ``ValueError`` for an empty batch; a stage's exception is re-raised as it was."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"argument `x` must be a Tensor with the batch along dim 0, got {type(x).__name__}")
         if x.is_nested or x.layout != torch.strided:  # not split by tensor_split (a nested one has no shape)

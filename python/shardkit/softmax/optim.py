@@ -291,7 +291,10 @@ class SparseRowSGD(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """One update of every parameter that has a gradient; returns the closure's loss."""
+        """One update of every parameter that has a gradient (dense: torch.optim.SGD's; sparse
+        rows: the rule in the class notes); returns the closure's loss (``closure`` re-evaluates
+        the model under grad mode, as torch's optimizers call it). ``ValueError`` for a sparse
+        gradient that is not row-sparse (sparse_dim 1)."""
         loss: float | None = None
         if closure is not None:
             with torch.enable_grad():
