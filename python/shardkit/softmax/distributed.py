@@ -180,7 +180,7 @@ class ProcessGroupShards:
                 parse_memory(module.chunk_memory)
             check_memory_budget(module.memory_budget)
             check_not_synced_by_ddp(module.weight_shards[0])
-            check_shard_shapes(module, self.ctx.num_local)
+            check_shard_shapes(module, list(module.weight_shards), self.ctx.num_local)
         except (TypeError, ValueError) as err:
             self.refuse(module, err)
         options: dict[str, ConfigValue] = {

@@ -52,16 +52,21 @@ class ShardedHead(nn.Module):
         def shard_sizes(self) -> Tuple[int, ...]: ...
 
 
-def check_shard_shapes(module: ShardedHead, rows: int) -> None:
-    """ValueError naming ``weight_shards`` when a shard was replaced by one of another shape:
-    ``rows`` classes in all (the head's, or with a process group this rank's) of width D."""
-    shapes = [tuple(p.shape) for p in module.weight_shards]
-    if sum(s[0] for s in shapes if len(s) == 2) != rows or any(
-        len(s) != 2 or s[1] != module.embedding_dim for s in shapes
-    ):
+def check_shard_shapes(module: ShardedHead, shards: Sequence[torch.Tensor], rows: int) -> None:
+    """ValueError naming ``weight_shards`` when a shard (of ``shards``, the module's, listed
+    once by the caller) was replaced by one of another shape: ``rows`` classes in all (the
+    head's, or with a process group this rank's) of width D. A few host operations a step."""
+    dim, total = module.embedding_dim, 0
+    for p in shards:
+        if p.dim() != 2 or p.shape[1] != dim:
+            total = -1
+            break
+        total += p.shape[0]
+    if total != rows:
+        shapes = [tuple(p.shape) for p in shards]
         raise ValueError(
             f"argument `weight_shards` was changed to shapes {shapes}: this head holds {rows} classes of width "
-            f"{module.embedding_dim} (fixed at construction; num_classes, checkpoints and labels follow it); "
+            f"{dim} (fixed at construction; num_classes, checkpoints and labels follow it); "
             "copy new rows into the shards in place, or build a new head"
         )
 

@@ -356,7 +356,8 @@ class LocalShards:
         return_details: bool,
         topk: Union[int, Sequence[int], None],
     ) -> Union[torch.Tensor, ShardedLossOutput]:
-        check_shard_shapes(module, module.num_classes)
+        shards = list(module.weight_shards)
+        check_shard_shapes(module, shards, module.num_classes)
         if (
             isinstance(embeddings, torch.Tensor)
             and not embeddings.is_nested
@@ -369,7 +370,7 @@ class LocalShards:
             )
         return sharded_cross_entropy(
             embeddings,
-            list(module.weight_shards),
+            shards,
             labels,
             margin=module.margin,
             label_smoothing=module.label_smoothing,
