@@ -72,3 +72,23 @@ def test_a_bad_latest_is_no_checkpoint(tmp_path):
             f.write(text)
         assert layout.generation(str(tmp_path)) is None and checkpoint.find(str(tmp_path)) is None
     assert checkpoint.find(gen) == gen  # --resume given the generation folder itself
+
+
+def test_what_killed_saves_leave_is_removed_by_the_next_save_or_a_resume(tmp_path):
+    # A save killed before its rename left .checkpoint.pt.tmp<pid> / .LATEST.tmp<pid>, and a
+    # clean-up cut short left a whole older generation, for good when the resume saved nothing.
+    ckpt = str(tmp_path)
+    _one_process_save(ckpt, 3)
+    open(os.path.join(ckpt, ".checkpoint.pt.tmp4242"), "wb").close()
+    _one_process_save(ckpt, 4)  # the next save removes it
+    assert os.listdir(ckpt) == [checkpoint.CKPT_FILE]
+    older = _torchrun_save(ckpt, 10)
+    newer = _torchrun_save(ckpt, 20, commit=False)
+    with open(os.path.join(ckpt, layout.LATEST), "w") as f:
+        f.write(os.path.basename(newer))  # committed, then killed before removing the older
+    open(os.path.join(ckpt, ".LATEST.tmp77"), "w").close()
+    open(os.path.join(ckpt, "notes.txt"), "w").close()  # not the trainer's: left alone
+    layout.tidy(ckpt)
+    assert sorted(os.listdir(ckpt)) == sorted([layout.LATEST, os.path.basename(newer), "notes.txt"])
+    assert not os.path.exists(older) and checkpoint.find(ckpt) == newer
+

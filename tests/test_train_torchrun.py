@@ -83,3 +83,28 @@ def test_one_process_flags_are_refused_under_torchrun(tmp_path, monkeypatch, fla
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(UsageError, match=f"{flag} runs in one process"):
         cli.parse([flag, "--devices", "cpu,cpu", "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize(
+    "error, lost",
+    [
+        (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [::1]:5"), True),
+        (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:590] Connection reset by peer"), True),
+        (RuntimeError("Timed out waiting 1800000ms for recv operation to complete"), True),
+        (RuntimeError("mat1 and mat2 shapes cannot be multiplied"), False),  # a bug: traceback, as before
+    ],
+)
+def test_a_rank_killed_outright_leaves_the_others_one_line(error, lost, capsys):
+    # A peer killed by SIGKILL (the out-of-memory killer) records no failure: the survivors'
+    # collective raised gloo's transport error, printed as an internal error with its traceback.
+    from types import SimpleNamespace
+
+    from shardkit.train import cli
+
+    got = cli._failed(error, SimpleNamespace(out="o"), World(2, 1))
+    err = capsys.readouterr().err
+    if lost:
+        assert got == 1 and err.count("\n") == 1, err
+        assert "[rank 1 of 2] stopped because a collective failed" in err and "another rank stopped" in err
+    else:
+        assert got is None  # re-raised by main(): an internal error keeps its traceback

@@ -314,6 +314,8 @@ def _failed(e: BaseException, args: argparse.Namespace, world: loop.World) -> Op
     if isinstance(e, ranks.Terminated):
         ranks.say(f"{ranks.tag(world.rank, world.size)}stopped by the launcher (SIGTERM)")
         return 143
+    if world.size > 1 and ranks.transport_failure(e):
+        return ranks.stopped_by_lost_peer(world, e)
     said = (str(e).strip().splitlines() or [""])[0]
     ranks.record(world, 1, f"internal error {type(e).__name__}: {said} (its traceback is in that rank's output)")
     return None

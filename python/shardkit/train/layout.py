@@ -21,6 +21,7 @@ from typing import List, Optional, Tuple
 CKPT_FILE = "checkpoint.pt"
 LATEST = "LATEST"
 _GENERATION = re.compile(r"step-\d{12}-[0-9a-f]{8}")
+_TEMPORARY = re.compile(r"\.(checkpoint\.pt(\.rank\d+)?|LATEST)\.tmp\d+")  # a write killed before its rename
 
 
 def generation_name(step: int, nonce: int) -> str:
@@ -96,6 +97,9 @@ def remove_others(ckpt_dir: str, keep: Optional[str]) -> None:
         return
     for name in names:
         path = os.path.join(ckpt_dir, name)
+        if _TEMPORARY.fullmatch(name):
+            _remove(path)
+            continue
         torchrun_file = name == "head" or name.startswith(CKPT_FILE + ".rank") or name == LATEST
         if keep is None:
             stale = torchrun_file or _GENERATION.fullmatch(name) is not None
@@ -104,6 +108,22 @@ def remove_others(ckpt_dir: str, keep: Optional[str]) -> None:
             stale = stale or (_GENERATION.fullmatch(name) is not None and name != keep)
         if stale:
             _remove(path)
+
+
+def tidy(ckpt_dir: str) -> None:
+    """What killed saves left in ``ckpt_dir`` beside the checkpoint a resume reads: temporary
+    files, and generation folders ``LATEST`` does not name (a save killed before its commit, or
+    a clean-up cut short). A resume calls it (rank 0): a resumed run that saves nothing more
+    would otherwise keep them for good."""
+    latest = generation(ckpt_dir)
+    try:
+        names = os.listdir(ckpt_dir)
+    except OSError:
+        return
+    for name in names:
+        stale_gen = _GENERATION.fullmatch(name) is not None and (latest is None or name != os.path.basename(latest))
+        if _TEMPORARY.fullmatch(name) or (stale_gen and latest is not None):
+            _remove(os.path.join(ckpt_dir, name))
 
 
 def _remove(path: str) -> None:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from shardkit.softmax import NonFiniteEmbeddingsError, ShardedLossOutput
-from shardkit.train import checkpoint, header, plots, resume, setup
+from shardkit.train import checkpoint, header, layout, plots, resume, setup
 from shardkit.train import report as report_mod
 from shardkit.train.errors import UsageError
 from shardkit.train.log import RunLog
@@ -173,6 +173,9 @@ def _run(args: argparse.Namespace, world: World, log: RunLog, earlier: bool) -> 
             raise UsageError(f"--resume {args.resume!r}: no checkpoint found there any more")
         start, saved = resume.load_checkpoint(found, parts, world)
         history.update(saved)
+        here = os.path.dirname(found) if layout.is_generation(found) else found
+        if lead and os.path.realpath(here) == os.path.realpath(os.path.join(args.out, "checkpoint")):
+            layout.tidy(here)  # what killed saves of this run left (its next save may never come)
         log.line(f"resumed from {found} at step {start} of {total}; writing to {args.out}")
         evaluated = os.path.exists(os.path.join(checkpoint.run_dir(found), "curves.png"))
         if start == total and not evaluated:

@@ -8,6 +8,8 @@
   transport raises ("Connection closed by peer"), or the launcher sends SIGTERM. Either way
   they look the record up and print one line naming the rank that failed and its error,
   instead of the transport's traceback.
+* A rank killed outright (SIGKILL, the out-of-memory killer) records nothing: the others'
+  collectives fail and each prints one line saying so (exit 1), no transport traceback.
 * Exit status: 2 for a user error (this rank's or the failed rank's), 1 with a traceback for an
   internal error, 143 when the launcher stopped a rank and no failure was recorded; torchrun
   then exits non-zero and names the first rank that failed.
@@ -114,6 +116,30 @@ def stopped_by_peer(world: World, peer: Tuple[int, int, str], own: BaseException
     why = "stopped by the launcher" if isinstance(own, Terminated) else "its collective failed"
     say(f"{tag(world.rank, world.size)}stopped ({why}) because rank {rank} failed: {line}")
     return code
+
+
+# What a collective raises when a peer's process is gone or stopped answering (gloo, NCCL).
+_TRANSPORT = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "timed out", "Timed out")
+
+
+def transport_failure(e: BaseException) -> bool:
+    """Whether ``e`` is a collective that failed because another rank went away (a peer
+    killed by a signal or the out-of-memory killer records no failure of its own)."""
+    backend_error = getattr(dist, "DistBackendError", None)
+    if backend_error is not None and isinstance(e, backend_error):
+        return True
+    return isinstance(e, RuntimeError) and any(s in str(e) for s in _TRANSPORT)
+
+
+def stopped_by_lost_peer(world: World, own: BaseException) -> int:
+    """This rank's collective failed and no rank recorded an error: one line, exit 1."""
+    said = (str(own).strip().splitlines() or [type(own).__name__])[0][:200]
+    say(
+        f"{tag(world.rank, world.size)}stopped because a collective failed ({said}): another rank stopped "
+        "without reporting an error (killed by a signal or out of memory?); torchrun's summary names it, and "
+        "--resume continues from the last checkpoint"
+    )
+    return 1
 
 
 @contextlib.contextmanager
