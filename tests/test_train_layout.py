@@ -88,7 +88,8 @@ def test_what_killed_saves_leave_is_removed_by_the_next_save_or_a_resume(tmp_pat
         f.write(os.path.basename(newer))  # committed, then killed before removing the older
     open(os.path.join(ckpt, ".LATEST.tmp77"), "w").close()
     open(os.path.join(ckpt, "notes.txt"), "w").close()  # not the trainer's: left alone
+    layout.tidy(ckpt, older)  # an older generation given to --resume is kept
+    assert os.path.isdir(older)
     layout.tidy(ckpt)
     assert sorted(os.listdir(ckpt)) == sorted([layout.LATEST, os.path.basename(newer), "notes.txt"])
     assert not os.path.exists(older) and checkpoint.find(ckpt) == newer
-

@@ -110,18 +110,20 @@ def remove_others(ckpt_dir: str, keep: Optional[str]) -> None:
             _remove(path)
 
 
-def tidy(ckpt_dir: str) -> None:
+def tidy(ckpt_dir: str, resumed: Optional[str] = None) -> None:
     """What killed saves left in ``ckpt_dir`` beside the checkpoint a resume reads: temporary
-    files, and generation folders ``LATEST`` does not name (a save killed before its commit, or
-    a clean-up cut short). A resume calls it (rank 0): a resumed run that saves nothing more
-    would otherwise keep them for good."""
+    files, and generation folders that neither ``LATEST`` nor ``resumed`` (the folder being
+    resumed, which may be an older one given to --resume) names: a save killed before its
+    commit, or a clean-up cut short. A resume calls it (rank 0): a resumed run that saves
+    nothing more would otherwise keep them for good."""
     latest = generation(ckpt_dir)
+    keep = {os.path.basename(p) for p in (latest, resumed) if p is not None}
     try:
         names = os.listdir(ckpt_dir)
     except OSError:
         return
     for name in names:
-        stale_gen = _GENERATION.fullmatch(name) is not None and (latest is None or name != os.path.basename(latest))
+        stale_gen = _GENERATION.fullmatch(name) is not None and name not in keep
         if _TEMPORARY.fullmatch(name) or (stale_gen and latest is not None):
             _remove(os.path.join(ckpt_dir, name))
 

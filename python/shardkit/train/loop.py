@@ -175,7 +175,7 @@ def _run(args: argparse.Namespace, world: World, log: RunLog, earlier: bool) -> 
         history.update(saved)
         here = os.path.dirname(found) if layout.is_generation(found) else found
         if lead and os.path.realpath(here) == os.path.realpath(os.path.join(args.out, "checkpoint")):
-            layout.tidy(here)  # what killed saves of this run left (its next save may never come)
+            layout.tidy(here, found)  # what killed saves of this run left (its next save may never come)
         log.line(f"resumed from {found} at step {start} of {total}; writing to {args.out}")
         evaluated = os.path.exists(os.path.join(checkpoint.run_dir(found), "curves.png"))
         if start == total and not evaluated:
