@@ -93,3 +93,15 @@ def test_what_killed_saves_leave_is_removed_by_the_next_save_or_a_resume(tmp_pat
     layout.tidy(ckpt)
     assert sorted(os.listdir(ckpt)) == sorted([layout.LATEST, os.path.basename(newer), "notes.txt"])
     assert not os.path.exists(older) and checkpoint.find(ckpt) == newer
+
+
+def test_one_run_per_out_folder(tmp_path):
+    # Two runs writing to one --out replaced each other's log and removed each other's
+    # checkpoints (both exited 0, no checkpoint left).
+    if os.name != "posix":
+        pytest.skip("file locks (fcntl) are POSIX only; elsewhere the lock is not taken")
+    held = layout.lock_out(str(tmp_path))
+    with pytest.raises(UsageError, match="another run is writing there"):
+        layout.lock_out(str(tmp_path))
+    held.close()
+    layout.lock_out(str(tmp_path)).close()  # free again once the first run ends

@@ -16,7 +16,9 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from typing import List, Optional, Tuple
+from typing import IO, List, Optional, Tuple
+
+from shardkit.train.errors import UsageError
 
 CKPT_FILE = "checkpoint.pt"
 LATEST = "LATEST"
@@ -108,6 +110,30 @@ def remove_others(ckpt_dir: str, keep: Optional[str]) -> None:
             stale = stale or (_GENERATION.fullmatch(name) is not None and name != keep)
         if stale:
             _remove(path)
+
+
+LOCK = ".shardkit-train.lock"
+
+
+def lock_out(out_dir: str) -> Optional[IO[str]]:
+    """An exclusive lock on ``out_dir`` for the run (rank 0 takes it, before the log or a
+    checkpoint is touched): two runs writing to one ``--out`` would replace each other's log and
+    remove each other's checkpoints. The returned file holds it until closed (or the process
+    ends). None where file locks are not available; a UsageError when another run holds it."""
+    try:
+        import fcntl
+    except ImportError:  # (not POSIX)
+        return None
+    f = open(os.path.join(out_dir, LOCK), "a", encoding="utf-8")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise UsageError(
+            f"--out {out_dir!r}: another run is writing there (it holds {os.path.join(out_dir, LOCK)}); give "
+            "another --out, or let that run finish"
+        ) from None
+    return f
 
 
 def tidy(ckpt_dir: str, resumed: Optional[str] = None) -> None:

@@ -88,15 +88,17 @@ def run(args: argparse.Namespace, world: World) -> int:
         # A new run in the folder of an earlier one replaces its log now and its checkpoint at
         # the first save: say so (on stderr), with the flags that keep or continue it.
         earlier = not (args.resume or args.profile) and os.path.isdir(ckpt) and bool(os.listdir(ckpt))
+        os.makedirs(args.out if args.profile else ckpt, exist_ok=True)  # (a profile trains nothing to keep)
+        lock = layout.lock_out(args.out) if world.rank == 0 else None  # one run per --out
         log = RunLog(args.out, enabled=world.rank == 0, append=bool(args.resume))
-        if not args.profile:  # a profile trains nothing to keep
-            os.makedirs(ckpt, exist_ok=True)
     except OSError as e:
         raise UsageError(f"--out {args.out!r}: cannot write there ({e.strerror or e}); give another --out") from None
     try:
         return _run(args, world, log, earlier)
     finally:
         log.close()
+        if lock is not None:
+            lock.close()
 
 
 def _diverged(
