@@ -105,3 +105,57 @@ def test_one_run_per_out_folder(tmp_path):
         layout.lock_out(str(tmp_path))
     held.close()
     layout.lock_out(str(tmp_path)).close()  # free again once the first run ends
+
+
+TINY = "--classes 16 --per-class 8 --image-size 16 --batch 32 --val-classes 4 --val-per-class 3 --dim 32".split()
+
+
+def _parts(tmp_path):
+    from shardkit.train import cli, setup
+    from shardkit.train.world import World
+
+    args = cli.parse(TINY + ["--steps", "1", "--no-progress", "--out", str(tmp_path / "run")])
+    return setup.build(args, World())
+
+
+def test_a_torchrun_save_that_cannot_write_is_one_line(tmp_path, monkeypatch):
+    # A read-only or full checkpoint folder gave a traceback and exit 1 under torchrun (one
+    # process said "cannot write <path>: <reason>" and exited 2, as documented).
+    import errno
+
+    import shardkit
+    from shardkit.train import resume
+    from shardkit.train.world import World
+
+    parts, ckpt = _parts(tmp_path), str(tmp_path / "ckpt")
+    os.makedirs(ckpt)
+    world = World(2, 0, torch.device("cpu"))  # (no process group: the agreements are local)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(shardkit, "save_sharded", full)
+        with pytest.raises(UsageError, match=r"cannot write .*step-000000000003-.*: No space left on device"):
+            resume.save_checkpoint(ckpt, parts, 3, {}, world)
+    with monkeypatch.context() as m:
+        m.setattr(layout, "commit", full)
+        with pytest.raises(UsageError, match=r"cannot write .*LATEST: No space left on device"):
+            resume.save_checkpoint(ckpt, parts, 4, {}, world)
+    assert layout.generation(ckpt) is None  # nothing was committed
+
+
+def test_a_checkpoint_of_more_ranks_is_refused_naming_their_number(tmp_path):
+    # 3 ranks' checkpoint resumed by 2 (their files exist) failed deep in the optimizer state
+    # ("momentum_buffer must have the parameter's shape"), pointing at another shardkit version.
+    from shardkit.train import resume
+    from shardkit.train.world import World
+
+    parts, ckpt = _parts(tmp_path), str(tmp_path / "ckpt")
+    os.makedirs(ckpt)
+    history = {k: [] for k in checkpoint.HISTORY_KEYS}
+    history["eval"] = {k: [] for k in checkpoint.EVAL_KEYS}
+    resume.save_checkpoint(ckpt, parts, 5, history, World(3, 0, torch.device("cpu")))
+    gen = layout.generation(ckpt)
+    with pytest.raises(UsageError, match=r"written by 3 process\(es\), this run has 2; .*--nproc_per_node=3"):
+        resume.load_checkpoint(gen, parts, World(2, 0, torch.device("cpu")))

@@ -101,6 +101,17 @@ def run(args: argparse.Namespace, world: World) -> int:
             lock.close()
 
 
+def _stop_agreed(flag: bool, world: World) -> bool:
+    """Whether any rank got Ctrl-C, seen by every rank after the same step: under torchrun one
+    host-side all-reduce of one int per step (no device sync). A rank acting on its own flag
+    would enter the save's collectives while another ran the next step's: a hang."""
+    if world.size <= 1 or not dist.is_initialized():
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world.host_group)
+    return bool(t.item())
+
+
 def _diverged(
     where: str, args: argparse.Namespace, what: str = "the embeddings became NaN or infinite", kept: str = ""
 ) -> UsageError:
@@ -236,7 +247,7 @@ def _run(args: argparse.Namespace, world: World, log: RunLog, earlier: bool) -> 
                 bar.set(step + 1, stats)
             if (step + 1) % steps_per_epoch == 0 or step + 1 == total:
                 last_saved = _save_if_finite(ckpt_dir, parts, step + 1, history, world, args, last_saved)
-            if stop["flag"]:
+            if _stop_agreed(stop["flag"], world):
                 raise _Interrupted
     except _Interrupted:
         _save_if_finite(ckpt_dir, parts, step + 1, history, world, args, last_saved)

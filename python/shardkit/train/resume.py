@@ -14,7 +14,7 @@ import torch.distributed as dist
 import shardkit
 from shardkit.softmax.optim import _check_hyperparameters
 from shardkit.train import checkpoint, layout, report
-from shardkit.train.errors import UsageError
+from shardkit.train.errors import UsageError, cannot_write
 from shardkit.train.setup import Parts
 from shardkit.train.world import World
 
@@ -94,11 +94,16 @@ def save_checkpoint(ckpt_dir: str, parts: Parts, step: int, history: Dict[str, A
     except Exception as e:  # every rank learns of it below, and none commits
         failed = e
     if _any_rank(world, failed is not None):
+        if isinstance(failed, OSError):  # a read-only place, a full disk: one line, as one process says it
+            raise cannot_write(gen, failed) from None
         if failed is not None:
             raise failed
         raise UsageError(f"another rank could not write its checkpoint files into {gen}; {ckpt_dir} keeps the last one")
     if world.rank == 0:
-        layout.commit(ckpt_dir, name)
+        try:
+            layout.commit(ckpt_dir, name)
+        except OSError as e:
+            raise cannot_write(os.path.join(ckpt_dir, layout.LATEST), e) from None
 
 
 def _agreed_nonce(world: World) -> int:
@@ -151,6 +156,13 @@ def load_checkpoint(ckpt_dir: str, parts: Parts, world: World) -> Tuple[int, Dic
     that is unreadable, unsafe, or does not fit the model built from the restored settings."""
     path = checkpoint.file_for(ckpt_dir, world.size, world.rank)
     state = checkpoint.read(path)
+    saved_world = state.get("world_size", world.size)
+    if saved_world != world.size:  # (fewer ranks than wrote it find their files too)
+        how = "one process" if saved_world == 1 else f"torchrun --nproc_per_node={saved_world}"
+        raise UsageError(
+            f"checkpoint {path} was written by {saved_world} process(es), this run has {world.size}; resume it "
+            f"with the same number ({how}), as the head's optimizer state is saved per rank"
+        )
     built = _settings(parts)  # what this run's flags (and the checkpoint's settings) give
     try:
         parts.backbone.load_state_dict(state["backbone"])

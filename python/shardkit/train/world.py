@@ -21,6 +21,9 @@ class World:
     size: int = 1
     rank: int = 0
     device: Optional[torch.device] = None
+    # under torchrun with NCCL: a gloo group of every rank for host-side agreements (the
+    # per-step stop flag) without a device sync; None: the default group is gloo already
+    host_group: Optional[dist.ProcessGroup] = None
 
 
 def init_distributed(args: argparse.Namespace) -> World:
@@ -40,8 +43,10 @@ def init_distributed(args: argparse.Namespace) -> World:
         dev = torch.device("cuda", local)
         torch.cuda.set_device(dev)
         dist.init_process_group("nccl", device_id=dev)
+        host: Optional[dist.ProcessGroup] = dist.new_group(backend="gloo")
     else:
         dev = torch.device("cpu")
         dist.init_process_group("gloo")
+        host = None
     args.devices = [dev]
-    return World(size, rank, dev)
+    return World(size, rank, dev, host)
