@@ -81,7 +81,7 @@ def _load_shard(
     return blob
 
 
-def _fsync_directory(directory: str) -> None:
+def fsync_directory(directory: str) -> None:
     """Makes a rename in ``directory`` durable (where the platform allows opening directories)."""
     try:
         fd = os.open(directory, os.O_RDONLY)
@@ -151,7 +151,7 @@ def save_shard_file(
             os.fsync(f.fileno())
         os.replace(tmp, path)
         tmp = None
-        _fsync_directory(directory)
+        fsync_directory(directory)
     except (OSError, RuntimeError) as err:  # a full disk: torch's writer raises RuntimeError
         raise OSError(f"cannot write shard file {path!r} (disk full or not writable?): {err}") from err
     finally:  # also on Ctrl-C: no partial temporary file is left

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
+from shardkit.softmax.shard_files import fsync_directory
 from shardkit.train import layout
 from shardkit.train.errors import UsageError, cannot_write
 
@@ -139,7 +140,7 @@ def write_atomic(state: Dict[str, Any], path: str) -> None:
         if isinstance(e, (OSError, RuntimeError)) and not isinstance(e, torch.OutOfMemoryError):
             raise cannot_write(path, e) from None
         raise
-    layout.fsync_dir(directory)  # make the rename itself durable
+    fsync_directory(directory)  # make the rename itself durable
 
 
 # Files whose CRCs were checked, by (inode, size, mtime, ctime): --resume reads rank 0's file

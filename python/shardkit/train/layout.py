@@ -18,6 +18,7 @@ import re
 import shutil
 from typing import IO, List, Optional, Tuple
 
+from shardkit.softmax.shard_files import fsync_directory
 from shardkit.train.errors import UsageError
 
 CKPT_FILE = "checkpoint.pt"
@@ -84,7 +85,7 @@ def commit(ckpt_dir: str, name: str) -> None:
     except BaseException:
         _remove(tmp)
         raise
-    fsync_dir(ckpt_dir)
+    fsync_directory(ckpt_dir)
     remove_others(ckpt_dir, keep=name)
 
 
@@ -162,15 +163,3 @@ def _remove(path: str) -> None:
             os.remove(path)
     except OSError:
         pass
-
-
-def fsync_dir(directory: str) -> None:
-    """fsync of a folder: the renames in it become durable (nothing where it cannot be opened)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
