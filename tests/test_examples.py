@@ -41,6 +41,7 @@ def test_train_ddp_runs_under_torchrun(tmp_path):
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=0", "--local-addr=127.0.0.1",
+           f"--log-dir={tmp_path / 'torchrun-logs'}",
            os.path.join(EXAMPLES, "train_ddp.py"), "--steps", "4", "--classes", "50", "--sample-rate", "0.5",
            "--uneven", "--checkpoint", str(tmp_path / "head")]  # fmt: skip
     r = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)

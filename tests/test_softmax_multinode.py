@@ -24,7 +24,8 @@ def _free_port():
 def _torchrun(nnodes, nproc, node_rank, port, args):
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
            f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-           "--rdzv-id=shardkit-multinode-test", "--max-restarts=0", "--local-addr=127.0.0.1", JOB] + args  # fmt: skip
+           "--rdzv-id=shardkit-multinode-test", "--max-restarts=0", "--local-addr=127.0.0.1",
+           f"--log-dir={os.path.join(args[1], 'torchrun-logs')}", JOB] + args  # args[1]: the test's folder  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -211,8 +211,10 @@ def test_torchrun_two_ranks_and_resume(tmp_path):
 
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(shardkit.__file__))))
     out = str(tmp_path / "ddp")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     cmd = (
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "shardkit.train"]
+        torchrun
+        + [f"--log-dir={tmp_path / 'torchrun-logs'}", "-m", "shardkit.train"]
         + TINY
         + ["--batch", "16", "--sample-rate", "0.5", "--devices", "cpu", "--out", out]
     )

@@ -45,7 +45,7 @@ def _torchrun(args, cwd):
     env["PYTHONPATH"] = os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=0", "--local-addr=127.0.0.1",
-           "-m", "shardkit.train", *args]  # fmt: skip
+           f"--log-dir={os.path.join(cwd, 'torchrun-logs')}", "-m", "shardkit.train", *args]  # fmt: skip
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
 
 
