@@ -148,3 +148,12 @@ def test_planner_and_module_agree_on_a_cpu_head():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         head(x, y)
     assert held - sum(seen.values()) == kept_logits(B, C, 64, FULL)[1]
+
+
+@pytest.mark.parametrize("gpu_memory", ["256TiB", "4000000TiB"])
+def test_largest_classes_has_no_fixed_ceiling(gpu_memory):
+    # The search stopped at 2**44 classes per device, reporting 2**44 where 3 x 2**44 fit.
+    args = dict(dim=1, devices=2, batch=1, dtype="fp16", optimizer="sgd", master_weights=False, gpu_memory=gpu_memory)
+    best = largest_classes(0, **args)
+    assert best > 2 * 2**44
+    assert _fits(plan_memory(classes=best, **args), 0) and not _fits(plan_memory(classes=best + 1, **args), 0)

@@ -165,3 +165,10 @@ def test_cli_size_hint_suggests_only_values_that_parse(value, capsys):
     hint = err.split("has no unit: ", 1)[1]
     suggested = re.findall(r"[0-9.eE+-]+(?:GiB|GB|B)\b", hint)
     assert suggested and all(parse_size(s) > 0 for s in suggested), hint
+
+
+def test_a_reserve_without_gpu_memory_is_refused():
+    # it used to be ignored: nothing is checked against the memory it is taken off
+    with pytest.raises(ValueError, match="argument `reserve` needs argument `gpu_memory`"):
+        plan_memory(**ARGS, reserve="8GiB")
+    assert plan_memory(**ARGS, reserve=0).devices[0].fits is None  # 0 is the default

@@ -297,6 +297,8 @@ def plan_memory(
         raise ValueError(f"argument `chunk_budget` must be > 0, got {chunk_budget!r}")
     if gpu is not None and gpu <= 0:
         raise ValueError(f"argument `gpu_memory` must be > 0, got {gpu_memory!r}")
+    if gpu is None and reserve:  # (a reserve is taken off gpu_memory: alone it would be ignored)
+        raise ValueError(f"argument `reserve` needs argument `gpu_memory`, got reserve={_short_size(reserve)} alone")
     if gpu is not None and reserve >= gpu:
         raise ValueError(
             f"argument `reserve` ({_short_size(reserve)}) must be less than argument `gpu_memory` ({_short_size(gpu)})"
