@@ -178,12 +178,12 @@ def largest_classes(budget: Budget, **plan_args: Any) -> int:
     def fits(classes: int) -> bool:
         return _fits(plan(classes), budget)
 
-    first = plan(1)  # (plan_memory checks the arguments first); more classes keep more bytes
-    if not _fits(first, budget):
+    one = plan(1)  # (plan_memory checks the arguments first); more classes keep more bytes
+    if not _fits(one, budget):
         return 0
     # A class keeps at least one byte (its weight row) on the device that holds it: no more
     # than gpu_memory classes fit per device.
-    top = int(first.gpu_memory or 1) * int(args.get("devices", 1))
+    top = int(one.gpu_memory or 1) * int(args.get("devices", 1))
     all_whole = _last_true(lambda c: whole(c, every=True), top)
     some_whole = _last_true(lambda c: whole(c, every=False), top)
     best = 0

@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from torch.nn.utils import parametrize
 
 from shardkit.softmax.collectives import DistributedInputError
+from shardkit.softmax.head import reparametrized
 from shardkit.softmax.optim import SparseRowSGD, momentum_state_problem
 from shardkit.softmax.shard_files import (
     _check_directory,
@@ -112,9 +112,9 @@ def _shards(module: ShardedSoftmaxLoss) -> Tuple[List[Tuple[int, torch.nn.Parame
             f"argument `module` must be a shardkit.ShardedSoftmaxLoss (a class-sharded head), got "
             f"{type(module).__name__}"
         )
-    if parametrize.is_parametrized(module.weight_shards):
+    if reparametrized(module):
         raise TypeError(
-            "argument `module` has parametrized weight shards (e.g. weight_norm): save_sharded, "
+            "argument `module` has parametrized weight shards (e.g. weight_norm, or pruned): save_sharded, "
             "load_sharded and import_full_weight copy plain rows and would miss the parametrization's "
             "originals; use the head's state_dict() / load_state_dict() (which hold them), or remove "
             "the parametrization first"

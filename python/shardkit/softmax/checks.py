@@ -179,6 +179,11 @@ def check_tensors(embeddings: torch.Tensor, labels: torch.Tensor, dim: int) -> t
         raise TypeError(
             f"argument `labels` must be an integer tensor of class ids (int64, int32, ...), got {labels.dtype}"
         )
+    if labels.dtype == getattr(torch, "uint64", None):  # (its ids past 2**63 - 1 would wrap to negatives)
+        raise TypeError(
+            "argument `labels` is uint64, whose ids past 2**63 - 1 have no int64 form; pass int64 (labels.long() "
+            "when every id fits)"
+        )
     if labels.dim() != 1 or labels.shape[0] != embeddings.shape[0]:
         raise ValueError(
             f"argument `labels` must be 1-D with {embeddings.shape[0]} entries (one per embedding row), "
@@ -236,7 +241,9 @@ def check_values(
             if _in_func_transform(embeddings) or _in_func_transform(labels):
                 raise ValueError(
                     "argument `check_inputs`=True reads the check's result on the host, which torch.vmap "
-                    "and the other torch.func transforms cannot do; pass check_inputs=False there"
+                    "cannot do; pass check_inputs=False there (torch.vmap of the loss's forward and of an outer "
+                    "backward works; torch.func.grad, vjp, jacrev and jvp cannot differentiate this loss, whose "
+                    "autograd is C++: use torch.autograd.grad)"
                 ) from None
             raise
     if negative:

@@ -39,7 +39,14 @@ from shardkit.softmax.core import (
     weights_for,
 )
 from shardkit.softmax.exchange import ConfigValue, check_same_config, exchange_batch_info
-from shardkit.softmax.head import ShardedHead, check_shard_shapes, checked_weight_loads, init_bound
+from shardkit.softmax.head import (
+    ShardedHead,
+    check_shard_shapes,
+    checked_weight_loads,
+    current_shards,
+    init_bound,
+    stand_in_weight,
+)
 from shardkit.softmax.margins import Margin
 from shardkit.softmax.sampling import check_sample_rate, mark_sampled, sample_shard, sampled_class_counts
 
@@ -179,8 +186,15 @@ class ProcessGroupShards:
             if module.chunk_memory is not None:
                 parse_memory(module.chunk_memory)
             check_memory_budget(module.memory_budget)
+            shards = current_shards(module)
             check_not_synced_by_ddp(module.weight_shards[0])
-            check_shard_shapes(module, list(module.weight_shards), self.ctx.num_local)
+            if stand_in_weight(module) is not None:
+                raise ValueError(
+                    "attribute `weight` (a class-ordered weight standing in for the shards) is the one-process form; "
+                    "with a process_group set `weight_shards.0` (this rank's shard), as torch.func.functional_call "
+                    "does with this head's state_dict()"
+                )
+            check_shard_shapes(module, shards, self.ctx.num_local)
         except (TypeError, ValueError) as err:
             self.refuse(module, err)
         options: dict[str, ConfigValue] = {
@@ -195,7 +209,7 @@ class ProcessGroupShards:
             self.ctx,
             embeddings,
             labels,
-            module.weight_shards[0],
+            shards[0],
             margin=module.margin,
             chunk_memory=module.chunk_memory,
             with_rank=bool(ks),

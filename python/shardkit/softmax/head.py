@@ -15,7 +15,7 @@ from torch.nn.utils import parametrize
 
 from shardkit.softmax.margins import Margin
 
-__all__ = ["ShardedHead", "class_ordered_checkpoints", "checked_weight_loads"]
+__all__ = ["ShardedHead", "class_ordered_checkpoints", "checked_weight_loads", "current_shards", "stand_in_weight"]
 
 
 class ShardedHead(nn.Module):
@@ -32,6 +32,7 @@ class ShardedHead(nn.Module):
     topk: Tuple[int, ...]
     sample_rate: float
     weight_shards: nn.ParameterList
+    weight: Optional[torch.Tensor]  # (a class attribute there: None)
 
     sample_generator: Union[torch.Generator, Sequence[torch.Generator], None]  # (a property there)
 
@@ -98,7 +99,9 @@ def check_weight_entries(module: ShardedHead, state_dict: Dict[str, Any], prefix
     naming the key; bool or integer rows would load as numbers, a sparse one fails in a copy).
     Non-tensor entries are left to the size-mismatch errors of load_state_dict."""
     full = prefix + "weight"
-    shard_keys = sorted(k for k in state_dict if k.startswith(prefix + "weight_shards."))
+    # weight_shards.<k> itself; not the entries torch's reparametrizations add beside it
+    # (weight_shards.0_orig and weight_shards.0_mask of torch.nn.utils.prune)
+    shard_keys = sorted(k for k in state_dict if _shard_index(k, prefix) is not None)
     if full in state_dict and shard_keys:
         per_shard = ", ".join(f"`{k}`" for k in shard_keys)
         raise ValueError(
@@ -136,7 +139,7 @@ def _state_dict_post_hook(
 ) -> None:
     # One class-ordered `weight` [C, D] replaces the per-shard entries, so checkpoints do
     # not depend on the shard count.
-    if parametrize.is_parametrized(module.weight_shards):
+    if reparametrized(module):
         return  # torch's own entries (the parametrizations' originals), loaded by torch as they are
     entries = [state_dict.pop(f"{prefix}weight_shards.{k}", None) for k in range(len(module.weight_shards))]
     # one shard: its own entry (the Parameter itself with keep_vars=True, as torch gives)
@@ -155,13 +158,13 @@ def _load_state_dict_pre_hook(
     errors: List[str],
 ) -> None:
     key = prefix + "weight"
-    if parametrize.is_parametrized(module.weight_shards):
+    if reparametrized(module):
         if key in state_dict:
             state_dict.pop(key)
             errors.append(
                 f"`{key}` is the class-ordered weight of an unparametrized head, but this head's weight shards are "
-                "parametrized (torch.nn.utils.parametrize); load it before registering the parametrization, or "
-                "load the state dict of a head parametrized alike"
+                "parametrized (torch.nn.utils.parametrize or torch.nn.utils.prune); load it before registering the "
+                "parametrization, or load the state dict of a head parametrized alike"
             )
         return
     check_weight_entries(module, state_dict, prefix)
@@ -215,6 +218,40 @@ def _load_state_dict_pre_hook(
         return
     for k, (offset, size) in enumerate(zip(module.class_offsets, module.shard_sizes)):
         state_dict[f"{prefix}weight_shards.{k}"] = full[offset : offset + size]
+
+
+def current_shards(module: ShardedHead) -> List[torch.Tensor]:
+    """The shards as a forward uses them: first the forward pre-hooks of ``weight_shards``
+    (a ParameterList is never called; torch.nn.utils.prune recomputes its pruned shards in
+    one), then ``list(weight_shards)``."""
+    shards = module.weight_shards
+    for hook in list(shards._forward_pre_hooks.values()):
+        hook(shards, ())
+    return list(shards)
+
+
+def stand_in_weight(module: ShardedHead) -> Optional[torch.Tensor]:
+    """The tensor set as ``module.weight`` to stand in for the shards (what
+    torch.func.functional_call sets from a state dict's ``weight``), else None. Read from the
+    instance, past any ``weight`` property of a subclass (PartialFC_V2's is its own shard)."""
+    value = module.__dict__.get("weight")
+    return module._parameters.get("weight") if value is None else value
+
+
+def reparametrized(module: ShardedHead) -> bool:
+    """Whether a shard is no longer a plain Parameter of ``weight_shards``: a parametrization
+    (torch.nn.utils.parametrize) or pruning (torch.nn.utils.prune: ``<k>_orig`` and ``<k>_mask``)."""
+    shards = module.weight_shards
+    if not isinstance(shards, nn.ParameterList):
+        return False
+    return parametrize.is_parametrized(shards) or any(str(k) not in shards._parameters for k in range(len(shards)))
+
+
+def _shard_index(key: str, prefix: str) -> Optional[int]:
+    """k for the key ``<prefix>weight_shards.<k>``, else None."""
+    head = prefix + "weight_shards."
+    rest = key[len(head) :] if key.startswith(head) else ""
+    return int(rest) if rest.isdigit() and rest.isascii() else None
 
 
 def _shape(value: object) -> Union[Tuple[int, ...], str]:

@@ -27,7 +27,14 @@ from shardkit.softmax.core import (
     shard_statistics,
     to_device,
 )
-from shardkit.softmax.head import ShardedHead, check_shard_shapes, class_ordered_checkpoints, init_bound
+from shardkit.softmax.head import (
+    ShardedHead,
+    check_shard_shapes,
+    class_ordered_checkpoints,
+    current_shards,
+    init_bound,
+    stand_in_weight,
+)
 from shardkit.softmax.margins import Margin
 from shardkit.softmax.sampling import check_sample_rate, mark_sampled, sample_shard, sampled_class_counts
 
@@ -356,8 +363,11 @@ class LocalShards:
         return_details: bool,
         topk: Union[int, Sequence[int], None],
     ) -> Union[torch.Tensor, ShardedLossOutput]:
-        shards = list(module.weight_shards)
+        shards = current_shards(module)
         check_shard_shapes(module, shards, module.num_classes)
+        stand_in = stand_in_weight(module)
+        if stand_in is not None:  # a class-ordered weight standing in (functional_call)
+            shards = stand_in_shards(module, stand_in, shards)
         if (
             isinstance(embeddings, torch.Tensor)
             and not embeddings.is_nested
@@ -385,3 +395,17 @@ class LocalShards:
             generator=module.sample_generator,
             memory_budget=module.memory_budget,
         )
+
+
+def stand_in_shards(module: ShardedHead, weight: object, shards: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """``weight`` [C, D] (the class-ordered form of ``state_dict()``) cut into the shards'
+    class ranges on their devices, differentiably; TypeError / ValueError naming ``weight``."""
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"attribute `weight` must be None or a [C, D] tensor, got {type(weight).__name__}")
+    expected = (module.num_classes, module.embedding_dim)
+    if tuple(weight.shape) != expected or not weight.is_floating_point():
+        raise ValueError(
+            f"attribute `weight` must be a floating [num_classes, embedding_dim] = {list(expected)} tensor (the "
+            f"class-ordered weight of state_dict()), got {weight.dtype} {list(weight.shape)}"
+        )
+    return [weight[off : off + p.shape[0]].to(p.device) for off, p in zip(module.class_offsets, shards)]

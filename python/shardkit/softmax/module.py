@@ -101,6 +101,11 @@ class ShardedSoftmaxLoss(ShardedHead):
     Attributes:
         weight_shards (nn.ParameterList): one [C_k, D] Parameter per device; shard k holds
             classes ``[class_offsets[k], class_offsets[k] + C_k)``.
+        weight: None (the weights are the shards). In one process, a class-ordered [C, D]
+            tensor set here stands in for the shards at ``forward`` (split over their devices,
+            differentiably): what ``torch.func.functional_call(model, state_dict)`` does with
+            the ``weight`` entry of ``state_dict()``. Not a parameter: optimizers, ``.to()``
+            and checkpoints see the shards only.
 
     Init: U(-1/sqrt(D), 1/sqrt(D)) like nn.Linear, drawn from the CPU generator in class
     order, so under the same seed ``full_weight()`` equals ``nn.Linear(D, C, bias=False)``'s
@@ -128,6 +133,9 @@ class ShardedSoftmaxLoss(ShardedHead):
     """
 
     _version = 1
+    # A class attribute, so getattr(head, "weight") works for every head, old pickles too
+    # (torch.distributed.checkpoint walks the state_dict keys with getattr).
+    weight: Optional[torch.Tensor] = None
     _sample_generator: Union[torch.Generator, Sequence[torch.Generator], None]
 
     def __init__(

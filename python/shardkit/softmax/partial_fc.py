@@ -220,8 +220,8 @@ class PartialFC_V2(ShardedSoftmaxLoss):
             self.register_state_dict_post_hook(_weight_key_out)
             self.register_load_state_dict_pre_hook(_weight_key_in)
 
-    @property
-    def weight(self) -> torch.nn.Parameter:
+    @property  # (ShardedSoftmaxLoss's `weight` is None, the stand-in of functional_call)
+    def weight(self) -> torch.nn.Parameter:  # type: ignore[override]
         """This rank's ``[C_r, D]`` weight rows (PartialFC_V2's ``weight``)."""
         return self.weight_shards[0]
 
