@@ -150,21 +150,35 @@ def test_all_chunks_valid_is_unchanged_and_eval_needs_no_gate():
         assert rel(crit(DataParallelModel(net, devices)(x), y), ref_loss) <= 1e-12
 
 
-def test_a_criterion_that_modifies_its_input_in_place_still_works():
-    """torch refuses in-place changes of the gate's view: such a criterion runs ungated."""
+def test_a_criterion_that_modifies_its_input_in_place_runs_once_and_gated():
+    """The gate's output may be changed in place. The criterion used to run twice per chunk
+    (first on the gate's view, where torch refused the in-place op, then ungated): a counter
+    counted twice, labels shifted in place were shifted twice (a wrong loss)."""
 
     class InPlaceCE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
         def forward(self, logits, target):
+            self.calls += 1
+            target.sub_(1)  # dataset ids 0 = void, 1..C: in place on the target
             logits.sub_(logits.max(1, keepdim=True).values.detach())  # in place on the model output
-            return nn.functional.cross_entropy(logits, target)
+            loss = nn.functional.cross_entropy(logits, target, ignore_index=-1)
+            return WeightedLoss(loss, (target != -1).sum()) if split else loss
 
     net = _net()
     ref = copy.deepcopy(net)
-    x, y = torch.randn(7, 4, dtype=torch.float64), torch.randint(0, 3, (7,))
+    x, y = torch.randn(7, 4, dtype=torch.float64), torch.randint(1, 4, (7,))
+    y[3:] = 0  # the second chunk (rows 4..6) is all void: weight 0, gated
     devices = ["cpu"] * 2
-    loss = DataParallelCriterion(InPlaceCE(), devices)(DataParallelModel(net, devices)(x), y)
+    crit = InPlaceCE()
+    split = True
+    loss = DataParallelCriterion(crit, devices)(DataParallelModel(net, devices)(x), y.clone())
     loss.backward()
-    ref_loss = InPlaceCE()(ref(x), y)
+    assert int(crit.calls) == 1  # chunk 0 runs on the criterion itself, once (it ran twice)
+    split = False
+    ref_loss = InPlaceCE()(ref(x), y.clone())
     ref_loss.backward()
     assert rel(loss, ref_loss) <= 1e-12
-    _check_grads(net, ref)
+    _check_grads(net, ref)  # no NaN from the void chunk: it was gated

@@ -25,14 +25,19 @@ from shardkit.parallel import scatter as U
 
 
 class _Gate(torch.autograd.Function):
-    """Identity forward (a view); backward: ``where(weight != 0, grad, 0)``, the weight read
-    from ``gate`` (a ChunkGate) when the backward runs. Its backward is differentiable (double
-    backward) and its jvp the identity (forward-mode AD)."""
+    """Identity forward; backward: ``where(weight != 0, grad, 0)``, the weight read from
+    ``gate`` (a ChunkGate) when the backward runs. Its backward is differentiable (double
+    backward) and its jvp the identity (forward-mode AD).
+
+    The forward's output shares the input's storage and version counter (``detach``) but is
+    not a view in autograd's sense: a criterion may change its input in place, as on one device
+    (torch refuses in-place changes of a view made inside a custom Function), and autograd
+    still sees the change where the input was saved for a backward."""
 
     @staticmethod
     def forward(ctx: Any, t: torch.Tensor, gate: ChunkGate) -> torch.Tensor:
         ctx.gate = gate
-        return t.view_as(t)
+        return t.detach()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
@@ -40,7 +45,7 @@ class _Gate(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: torch.Tensor, _: Any) -> torch.Tensor:
-        return tangent.view_as(tangent)  # a view, as the forward's output
+        return tangent.detach()  # (as the forward's output)
 
 
 class _FuncGate(torch.autograd.Function):
@@ -52,7 +57,7 @@ class _FuncGate(torch.autograd.Function):
 
     @staticmethod
     def forward(t: torch.Tensor, gate: ChunkGate) -> torch.Tensor:
-        return t.view_as(t)
+        return t.detach()
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -64,7 +69,7 @@ class _FuncGate(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: torch.Tensor, _: Any) -> torch.Tensor:
-        return tangent.view_as(tangent)
+        return tangent.detach()
 
 
 class ChunkGate:

@@ -84,17 +84,8 @@ def _chunk_loss(
     what the criterion reports, else (when ``auto``) the denominator of its mean on this
     chunk, else the chunk's sample count. ``gate`` (a loss_reduce.ChunkGate): the criterion
     gets ``output`` through it, and it learns the weight (no gradient from a chunk of weight 0)."""
-    if gate is None:
-        result = _call(module, output, targets, kwargs)
-    else:
-        try:
-            result = _call(module, gate.inputs(output), targets, kwargs)
-        except RuntimeError as e:
-            # torch refuses in-place changes of a custom Function's view: a criterion that
-            # modifies its inputs runs on them ungated (a chunk of weight 0 is then not gated)
-            if "created inside a custom Function" not in str(e):
-                raise
-            result = _call(module, output, targets, kwargs)
+    # (the gated inputs may be changed in place: the criterion runs once, gated)
+    result = _call(module, output if gate is None else gate.inputs(output), targets, kwargs)
     value, weight = _split_weight(result)
     if weight is None:
         weight = _auto_weight(module, _target_of(module, output, targets, kwargs), samples) if auto else samples
