@@ -5,6 +5,8 @@ compute on are refused before the caller's layers move, and `balance` / `sample`
 the argument."""
 
 import copy
+import os
+import signal
 
 import pytest
 import torch
@@ -214,3 +216,31 @@ def test_a_dim_no_input_has_is_named():
     model = DataParallelModel(nn.Linear(4, 2), device_ids=["cpu", "cpu"], dim=5)
     with pytest.raises(ValueError, match="argument `dim`=5"):
         model(torch.randn(6, 4))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX only")
+def test_a_process_forked_after_a_call_can_call_again():
+    # The child inherited the worker slots without their threads: its next call waited forever.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 3), nn.Tanh()).double()
+    dp = DataParallelModel(net, device_ids=["cpu"] * 3)
+    x = torch.randn(9, 4, dtype=torch.float64)
+    first = torch.cat(dp(x))
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: a call, its result through the pipe, then out without cleanup
+        code = 1
+        try:
+            signal.alarm(60)  # a hang ends the child, and the test fails on its exit status
+            again = torch.cat(dp(x))
+            os.write(write, b"same" if torch.equal(again, first) else b"diff")
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    answer = os.read(read, 16)
+    os.close(read)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"the child ended with status {status}"
+    assert answer == b"same"
+    assert torch.equal(torch.cat(dp(x)), first)  # and the parent's threads still serve it

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import queue
 import threading
 import traceback
@@ -44,6 +45,18 @@ class _Slot:
         done.acquire()
         self.queue.put((fn, done))
         return done
+
+
+def _after_fork_in_child() -> None:
+    # A forked child inherits the slots but not their threads: work queued to them would wait
+    # forever. It starts threads of its own on its first call.
+    global _slots_lock
+    _slots.clear()
+    _slots_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # (POSIX)
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _slot(k: int) -> _Slot:
