@@ -3,6 +3,8 @@ replicate() gives on distinct GPUs (one module object per chunk, parameters from
 module, replica 0 with the module's buffers, the others with copies, replication
 callbacks on each), so the CPU tests run the GPU users' path. Also the empty-input errors."""
 
+import queue
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -84,6 +86,48 @@ def test_replication_callbacks_run_on_distinct_replicas():
     # the replicas share the `calls` list (a shallow copy), each registers itself once
     assert sorted(c for _, c in rec.calls) == [0, 1, 2]
     assert len({i for i, _ in rec.calls}) == 3
+
+
+class _SyncBN(nn.BatchNorm1d):
+    """SyncBN in the style of encoding / Synchronized-BatchNorm-PyTorch: copy 0 waits for every
+    other copy's batch statistics, sums them and hands the totals back."""
+
+    def __data_parallel_replicate__(self, ctx, copy_id):
+        self.copy_id = copy_id
+        if copy_id == 0:
+            ctx.inbox, ctx.outboxes = queue.Queue(), {}
+        else:
+            ctx.outboxes[copy_id] = queue.Queue()
+        self.ctx = ctx
+
+    def forward(self, x):
+        if getattr(self, "ctx", None) is None:
+            return super().forward(x)
+        stats = torch.stack([x.sum(0), (x * x).sum(0), torch.full_like(x[0], x.shape[0])])
+        if self.copy_id == 0:
+            total = stats
+            for _ in self.ctx.outboxes:
+                total = total + self.ctx.inbox.get(timeout=30)  # a hang fails here instead
+            for box in self.ctx.outboxes.values():
+                box.put(total)
+        else:
+            self.ctx.inbox.put(stats)
+            total = self.ctx.outboxes[self.copy_id].get(timeout=30)
+        mean = total[0] / total[2]
+        var = total[1] / total[2] - mean * mean
+        return (x - mean) / torch.sqrt(var + self.eps) * self.weight + self.bias
+
+
+@pytest.mark.parametrize("devices", [["cpu"] * 2, ["cpu"] * 3])
+def test_syncbn_replicas_on_a_shared_device_run_concurrently(devices):
+    # Calls on one device ran in chunk order: copy 0 waited for statistics of copies that
+    # could only start after it had finished (a deadlock).
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), _SyncBN(6)).double()
+    x = torch.randn(9, 4, dtype=torch.float64)
+    out = torch.cat(DataParallelModel(net, device_ids=devices)(x))
+    whole = F.batch_norm(net[0](x), None, None, net[1].weight, net[1].bias, training=True, eps=net[1].eps)
+    torch.testing.assert_close(out, whole, rtol=1e-10, atol=1e-12)
 
 
 def test_criterion_with_state_is_replicated_on_cpu():

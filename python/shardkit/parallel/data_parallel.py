@@ -232,7 +232,13 @@ class DataParallelModel(nn.DataParallel):
         """Calls replica k on (inputs[k], kwargs[k]) in its device's thread; the outputs."""
         devices = devices if devices is not None else self._devices[: len(replicas)]
         calls = [functools.partial(m, *a, **k) for m, a, k in zip(replicas, inputs, kwargs)]
-        return run_parallel(calls, devices, "DataParallelModel", after=same_device_order(devices))
+        # Replicas with replication callbacks (SyncBN) wait for each other inside their forward:
+        # they run concurrently even where they share a device (in order, copy 0 would wait
+        # for copies that start after it).
+        synced = len(replicas) > 1 and any(
+            getattr(m, "__data_parallel_replicate__", None) is not None for m in replicas[0].modules()
+        )
+        return run_parallel(calls, devices, "DataParallelModel", after=None if synced else same_device_order(devices))
 
     def gather(self, outputs: list[Any], output_device: int | torch.device | None) -> list[Any]:
         """No gather: the per-device outputs, for DataParallelCriterion."""
