@@ -211,3 +211,37 @@ def test_a_recomputation_under_another_mode_leaves_batchnorm_counters(switch):
     for m, (count, mean) in zip(bns, after_forward):
         assert int(m.num_batches_tracked) == count
         assert torch.equal(m.running_mean, mean)
+
+
+def test_a_batchnorm_given_in_a_list_of_layers_is_the_callers_own():
+    # A top-level BatchNorm of a list was replaced by a new object sharing its tensors: after
+    # pipe.double() (or a move to a GPU) the caller's layer kept stale running statistics.
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2)]
+    ref = copy.deepcopy(nn.Sequential(*layers)).double()
+    pipe = PipelineModel(layers, ["cpu"] * 2, chunks=2).double()
+    assert layers[1] is pipe.partitions[0][1] and isinstance(layers[1], DeferredBatchNorm)
+    for _ in range(3):
+        x = _x(8, 4) * 3 + 2
+        pipe(x)
+        ref(x)
+    saved = nn.Sequential(*layers).state_dict()  # "save the model you passed"
+    assert saved["1.running_mean"].dtype == torch.float64
+    torch.testing.assert_close(saved["1.running_mean"], ref[1].running_mean, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(saved["1.running_var"], ref[1].running_var, rtol=1e-12, atol=1e-14)
+
+
+def test_a_batchnorm_subclass_is_not_deferred_and_says_so():
+    class BatchNormAct2d(nn.BatchNorm2d):  # timm-style: BatchNorm and an activation in one layer
+        def forward(self, x):
+            return torch.relu(super().forward(x))
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(3, 4, 1), BatchNormAct2d(4), nn.Conv2d(4, 4, 1)).double()
+    with pytest.warns(UserWarning, match="BatchNormAct2d is a subclass of a BatchNorm class.*not deferred"):
+        pipe = PipelineModel(copy.deepcopy(ref), ["cpu", "cpu"], chunks=4)
+    bn = pipe.partitions[0][1]
+    assert type(bn) is BatchNormAct2d  # its forward kept (the activation)
+    x = _x(8, 3, 4, 4)
+    pipe(x)
+    assert int(bn.num_batches_tracked) == 4  # once per micro-batch, as the warning says

@@ -170,12 +170,10 @@ class PipelineModel(nn.Module):
             raise ValueError(
                 f"argument `balance` {balance} sums to {sum(balance)}, but the model has {len(layers)} layers"
             )
-        if batchnorm == "deferred":
-            if isinstance(stages, nn.Sequential):  # in place, so the caller's model holds them too
-                DeferredBatchNorm.convert(stages)
-                layers = _layers(stages)
-            else:
-                layers = [DeferredBatchNorm.convert(m) for m in layers]
+        if batchnorm == "deferred":  # in place: the caller's layers are the pipeline's
+            memo: set[int] = set()
+            for m in layers:
+                DeferredBatchNorm.convert(m, memo)
         check_shared(layers, balance, devs)
         parts: list[nn.Module] = []
         start = 0

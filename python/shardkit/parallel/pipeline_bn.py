@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator
+import warnings
+from typing import Iterator, cast
 
 import torch
 import torch.nn.functional as F
@@ -90,32 +91,37 @@ class DeferredBatchNorm(_BatchNorm):
             self._reset_step(1, False)
 
     @classmethod
-    def convert(cls, module: nn.Module, memo: dict[int, nn.Module] | None = None) -> nn.Module:
-        """``module`` with every BatchNorm{1,2,3}d that tracks running statistics replaced by
-        a DeferredBatchNorm{1,2,3}d sharing its Parameters and buffers (SyncBatchNorm is left
-        alone); a layer held under several names is replaced by one layer under all of them."""
-        memo = {} if memo is None else memo
+    def convert(cls, module: nn.Module, memo: set[int] | None = None) -> nn.Module:
+        """``module`` with every BatchNorm{1,2,3}d that tracks running statistics turned, in
+        place (the same object: its class is swapped), into a DeferredBatchNorm{1,2,3}d with
+        the same Parameters and buffers (SyncBatchNorm is left alone). A subclass of those
+        (its forward may do more, e.g. an activation) is left as it is, with a warning: its
+        running statistics update once per micro-batch. Returns ``module``."""
+        memo = set() if memo is None else memo
         if id(module) in memo:
-            return memo[id(module)]
+            return module
+        memo.add(id(module))
         kind = _DEFERRED.get(type(module))
         if kind is not None and module.track_running_stats:
-            new = kind.__new__(kind)
-            nn.Module.__init__(new)
-            new.__dict__.update(
-                {k: v for k, v in module.__dict__.items() if k not in ("_parameters", "_buffers", "_modules")}
+            module.__class__ = kind  # (a subclass adding no slots: the same object, the caller's)
+            cast(DeferredBatchNorm, module)._reset_step(1, False)
+            return module
+        if (
+            isinstance(module, _BatchNorm)
+            and module.track_running_stats
+            and not isinstance(module, (DeferredBatchNorm, nn.SyncBatchNorm))
+            and type(module) not in _WARNED
+        ):
+            _WARNED.add(type(module))
+            warnings.warn(
+                f"PipelineModel(batchnorm='deferred'): {type(module).__name__} is a subclass of a BatchNorm class, "
+                "whose forward may do more than BatchNorm's, so it is not deferred: its running statistics update "
+                "once per micro-batch (batchnorm='micro'), not once per step",
+                stacklevel=3,
             )
-            new._parameters = dict(module._parameters)
-            new._buffers = dict(module._buffers)
-            new._modules = dict(module._modules)
-            new._reset_step(1, False)
-            memo[id(module)] = new
-            return new
-        memo[id(module)] = module
-        for name, child in list(module._modules.items()):  # every name, repeated layers included
+        for child in module._modules.values():  # every name, repeated layers included
             if child is not None:
-                converted = cls.convert(child, memo)
-                if converted is not child:
-                    setattr(module, name, converted)
+                cls.convert(child, memo)
         return module
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
@@ -209,6 +215,7 @@ class DeferredBatchNorm3d(DeferredBatchNorm, nn.BatchNorm3d):
     _check_input_dim = nn.BatchNorm3d._check_input_dim
 
 
+_WARNED: set[type] = set()  # the BatchNorm subclasses warned about, once each
 _DEFERRED: dict[type, type[DeferredBatchNorm]] = {
     nn.BatchNorm1d: DeferredBatchNorm1d,
     nn.BatchNorm2d: DeferredBatchNorm2d,
