@@ -245,3 +245,47 @@ def test_a_batchnorm_subclass_is_not_deferred_and_says_so():
     x = _x(8, 3, 4, 4)
     pipe(x)
     assert int(bn.num_batches_tracked) == 4  # once per micro-batch, as the warning says
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+@pytest.mark.parametrize("balance", [[1, 4], [3, 2]])
+def test_a_stage_starting_with_an_in_place_layer_trains_under_checkpointing(checkpoint, balance):
+    # The checkpoint saved the stage's input, which LeakyReLU(inplace=True) changed before the
+    # recomputation: torch's bare version-counter error in the backward.
+    torch.manual_seed(0)
+    ref = nn.Sequential(
+        nn.Linear(6, 16), nn.LeakyReLU(0.1, inplace=True), nn.Linear(16, 16), nn.LeakyReLU(0.1, inplace=True),
+        nn.Linear(16, 3),
+    ).double()  # fmt: skip
+    model = copy.deepcopy(ref)
+    x, y = _x(8, 6), torch.randint(0, 3, (8,))
+    nn.functional.cross_entropy(ref(x), y).backward()
+    pipe = PipelineModel(model, ["cpu", "cpu"], chunks=2, balance=balance, checkpoint=checkpoint)
+    nn.functional.cross_entropy(pipe(x), y).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+
+
+def test_a_checkpointed_stage_that_changes_its_input_in_place_is_named_at_the_forward():
+    class Shift(nn.Module):  # not one of torch's in-place layers: it changes its input anyway
+        def forward(self, x):
+            return x.add_(1.0)
+
+    pipe = PipelineModel(
+        nn.Sequential(nn.Linear(4, 4), Shift(), nn.Linear(4, 2)).double(), ["cpu", "cpu"], balance=[1, 2],
+        checkpoint="always",
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="changed the stage's input in place") as err:
+        pipe(_x(4, 4))
+    assert "stage 1" in "".join(getattr(err.value, "__notes__", []))
+
+
+def test_balance_by_time_profiles_in_place_layers():
+    # The profiler fed each layer a leaf requiring grad, which an in-place ReLU refuses: the
+    # error blamed `sample`.
+    layers = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+        nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3),
+    )  # fmt: skip
+    plan = PipelineModel.balance_by(layers, torch.randn(8, 3, 16, 16), 2, by="time")
+    assert sum(plan) == 9 and len(plan) == 2 and min(plan) >= 1

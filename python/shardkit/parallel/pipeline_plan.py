@@ -76,6 +76,9 @@ def layer_costs(layers: Sequence[nn.Module], sample: torch.Tensor, by: str, repe
                 times = []
                 for _ in range(repeats):
                     inp = x.detach().requires_grad_(x.is_floating_point())
+                    # a copy (not a leaf): a layer may change its input in place (ReLU(inplace=True)),
+                    # and each repeat starts from the same values
+                    inp = inp.clone()
                     _sync(inp.device)
                     start = time.perf_counter()
                     y = _profiled_call(layer, i, inp, sample)

@@ -51,9 +51,15 @@ def run_checkpointed(part: nn.Module, x: torch.Tensor) -> torch.Tensor:
     failed: list[BaseException] = []
 
     modes = [(mod, mod.training) for mod in part.modules()]
+    # The checkpoint recomputes from the stage's input, which an in-place first layer
+    # (ReLU(inplace=True) just after a stage boundary) would change: it gets a copy.
+    copy_input = _changes_its_input(part)
+    version = x._version
 
     def run(inp: torch.Tensor) -> torch.Tensor:
         calls["n"] += 1
+        if copy_input:
+            inp = inp.clone()
         if calls["n"] > 1:  # the recomputation in the backward replays the forward's modes
             with _modes_of(modes), no_running_stats_update(part):  # modes first: they pick the layers
                 return part(inp)
@@ -74,7 +80,21 @@ def run_checkpointed(part: nn.Module, x: torch.Tensor) -> torch.Tensor:
             raise error
         finally:
             del error  # no reference cycle through this frame
+    if x._version != version:  # (torch's own error would come in the backward, naming nothing)
+        raise RuntimeError(
+            "a layer of this checkpointed stage changed the stage's input in place, so the backward cannot "
+            "recompute the stage from it: make that layer out of place (inplace=False), or pass checkpoint='never'"
+        )
     return y
+
+
+def _changes_its_input(part: nn.Module) -> bool:
+    """Whether ``part``'s first layer (through nested Sequentials) is one of torch's in-place
+    layers (``inplace=True``: ReLU, LeakyReLU, Dropout, Hardswish, ...)."""
+    first: nn.Module | None = part
+    while isinstance(first, nn.Sequential):
+        first = next(iter(first), None)
+    return first is not None and getattr(first, "inplace", False) is True
 
 
 @contextlib.contextmanager
