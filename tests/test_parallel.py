@@ -465,8 +465,10 @@ def test_bad_inputs_get_clear_errors():
         DataParallelModel(nn.Linear(7, 2, device="meta"), device_ids=["cpu"] * 2)(torch.randn(4, 7))
     with pytest.raises(TypeError, match="`device_ids` must be a list of devices"):
         DataParallelModel(Net(), device_ids="cpu")
-    with pytest.raises(TypeError, match="`outputs` must be the list of per-device outputs"):
-        gather(torch.randn(3), "cpu")
+    with pytest.raises(
+        TypeError, match="`outputs` must be the list of per-device outputs.*returns its module's output"
+    ):
+        gather(DataParallelModel(nn.Linear(7, 2), device_ids=["cpu"])(torch.randn(4, 7)), "cpu")  # one device
     shape_varies = DataParallelCriterion(Lambda(lambda out, t: out.sum(0)[: out.shape[0]]), device_ids=["cpu"] * 3)
     with pytest.raises(ValueError, match="losses of shapes .*must be a scalar.*reduction='none'"):
         shape_varies(net3(torch.randn(8, 7)), torch.randint(0, 5, (8,)))  # chunks 3, 3, 2

@@ -148,3 +148,37 @@ def test_empty_inputs_are_clear_errors():
         crit([torch.randn(0, 4)], torch.zeros(0, dtype=torch.long))
     with pytest.raises(ValueError, match="argument `outputs` must be a non-empty list"):
         gather([], "cpu")
+
+
+def test_a_subclass_s_scatter_and_parallel_apply_hooks_are_called():
+    # forward split the inputs itself, bypassing a subclass's scatter (a caption list then
+    # reached every replica whole), and called parallel_apply with a `devices` keyword that
+    # an override with nn.DataParallel's signature does not take.
+    class Captioner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+
+        def forward(self, images, captions):
+            assert len(captions) == images.shape[0], "one caption per image"
+            return self.lin(images)
+
+    calls = []
+
+    class ListAware(DataParallelModel):
+        def scatter(self, inputs, kwargs, device_ids):
+            args, kws = super().scatter(inputs, kwargs, device_ids)
+            sizes = [a[0].shape[0] for a in args]
+            starts = [sum(sizes[:k]) for k in range(len(sizes))]
+            calls.append("scatter")
+            return tuple((a[0], inputs[1][s : s + n]) for a, s, n in zip(args, starts, sizes)), kws
+
+        def parallel_apply(self, replicas, inputs, kwargs):  # torch's signature
+            calls.append("parallel_apply")
+            return super().parallel_apply(replicas, inputs, kwargs)
+
+    net = Captioner().double()
+    images = torch.randn(7, 4, dtype=torch.float64)
+    outs = ListAware(net, ["cpu"] * 3)(images, [f"caption {i}" for i in range(7)])
+    assert calls == ["scatter", "parallel_apply"]
+    torch.testing.assert_close(torch.cat(outs), net.lin(images), rtol=0, atol=0)

@@ -41,7 +41,7 @@ from shardkit.parallel import scatter as U
 from shardkit.parallel.loss_reduce import ChunkGate, reduce_results
 from shardkit.parallel.loss_weights import WeightedLoss, _chunk_loss, direct_call, warn_own_forward
 from shardkit.parallel.replicate import replicate_module, share_replicas
-from shardkit.parallel.sync import execute_replication_callbacks
+from shardkit.parallel.sync import execute_replication_callbacks, has_replication_callbacks
 from shardkit.parallel.threads import profiler_range, run_parallel, same_device_order
 
 __all__ = ["DataParallelModel", "DataParallelCriterion", "WeightedLoss"]
@@ -165,16 +165,24 @@ class DataParallelModel(nn.DataParallel):
             if len(self._devices) == 1:
                 inputs, kwargs = U.to_device((inputs, kwargs), src)
                 return self.module(*inputs, **kwargs)
-            devices, per_device, first = self._split(inputs, kwargs)
+            cls = type(self)  # a subclass's hooks (nn.DataParallel's, its signatures) run in place of these
+            if cls.scatter is DataParallelModel.scatter:
+                devices, per_device, first = self._split(inputs, kwargs)
+                args, kws = [a for a, _ in per_device], [k for _, k in per_device]
+            else:
+                scattered = self.scatter(inputs, kwargs, self.device_ids)
+                args, kws = list(scattered[0]), list(scattered[1])
+                found = [U.first_batched_tensor((a, k), self.dim) for a, k in zip(args, kws)]
+                devices = [t.device if t is not None else d for t, d in zip(found, self._devices)]
+                first = 0 if devices[:1] == self._devices[:1] else 1
             ids = [d.index if d.type == "cuda" else d for d in devices]
             # device_ids[0] left out (gpu0_bsz=0): no replica keeps the module's buffers, as on GPUs
-            own = type(self).replicate is DataParallelModel.replicate  # (a subclass's takes two arguments)
+            own = cls.replicate is DataParallelModel.replicate  # (a subclass's takes two arguments)
             replicas = (
                 self.replicate(self.module, ids) if first == 0 or not own else self.replicate(self.module, ids, False)
             )
-            outputs = self.parallel_apply(
-                replicas, [a for a, _ in per_device], [k for _, k in per_device], devices=devices
-            )
+            own_apply = cls.parallel_apply is DataParallelModel.parallel_apply
+            outputs = self.parallel_apply(replicas, args, kws, **({"devices": devices} if own_apply else {}))
             return self.gather(outputs, self.output_device)
 
     def _split(
@@ -232,13 +240,9 @@ class DataParallelModel(nn.DataParallel):
         """Calls replica k on (inputs[k], kwargs[k]) in its device's thread; the outputs."""
         devices = devices if devices is not None else self._devices[: len(replicas)]
         calls = [functools.partial(m, *a, **k) for m, a, k in zip(replicas, inputs, kwargs)]
-        # Replicas with replication callbacks (SyncBN) wait for each other inside their forward:
-        # they run concurrently even where they share a device (in order, copy 0 would wait
-        # for copies that start after it).
-        synced = len(replicas) > 1 and any(
-            getattr(m, "__data_parallel_replicate__", None) is not None for m in replicas[0].modules()
-        )
-        return run_parallel(calls, devices, "DataParallelModel", after=None if synced else same_device_order(devices))
+        # SyncBN copies wait for each other inside their forward: concurrent on a shared device too
+        after = None if has_replication_callbacks(replicas) else same_device_order(devices)
+        return run_parallel(calls, devices, "DataParallelModel", after=after)
 
     def gather(self, outputs: list[Any], output_device: int | torch.device | None) -> list[Any]:
         """No gather: the per-device outputs, for DataParallelCriterion."""

@@ -259,7 +259,10 @@ def gather(outputs: Sequence[Any], target_device: Any, dim: int = 0) -> Any:
     losses) -> a ``[K]`` vector. Entries that differ in kind, keys or length between the devices
     are refused naming them (TypeError / ValueError)."""
     if isinstance(outputs, torch.Tensor):
-        raise TypeError("argument `outputs` must be the list of per-device outputs, got a Tensor")
+        raise TypeError(
+            "argument `outputs` must be the list of per-device outputs, got a Tensor (a DataParallelModel with one "
+            "device, or device_ids=None without a GPU, returns its module's output itself, not a list: use it as it is)"
+        )
     if not isinstance(outputs, (list, tuple)) or len(outputs) == 0:
         raise ValueError(
             "argument `outputs` must be a non-empty list of per-device outputs (what DataParallelModel returns), "

@@ -115,6 +115,14 @@ def execute_replication_callbacks(modules: Sequence[nn.Module]) -> None:
                 callback(ctxs[j], copy_id)
 
 
+def has_replication_callbacks(replicas: Sequence[nn.Module]) -> bool:
+    """Whether the replicas (two or more) have sub-modules with replication callbacks
+    (SyncBN: its copies then wait for each other inside their forward)."""
+    return len(replicas) > 1 and any(
+        getattr(m, "__data_parallel_replicate__", None) is not None for m in replicas[0].modules()
+    )
+
+
 def patch_replication_callback(data_parallel: nn.DataParallel) -> None:
     """Makes an existing ``nn.DataParallel`` (or a customised one) run the replication
     callbacks after each replication. A no-op for DataParallelModel, which runs them
