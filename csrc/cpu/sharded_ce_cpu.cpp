@@ -74,9 +74,12 @@ Stats stats_forward(const Tensor& x, const Tensor& w, const Tensor& labels,
   const Tensor lab = labels.contiguous();
   const int64_t chunk = std::min(chunk_classes, C);
   const int64_t nt = threads_for(C, chunk);
-  // Per-thread running statistics: max, sum of exp(z - max), sum of z, count.
+  // Per-thread running statistics: max, sum of exp(z - max), sum of z, count. The sums run
+  // over every chunk of the shard (a million classes in chunks of ~100: ~10^4 additions a
+  // row), so they are kept in double: in float their rounding reached ~1e-5 of the loss.
   Tensor Mt = at::full({nt, B}, -std::numeric_limits<double>::infinity(), opts);
-  Tensor St = at::zeros({nt, B}, opts), LSt = at::zeros({nt, B}, opts);
+  const auto opts64 = x.options().dtype(at::kDouble);
+  Tensor St = at::zeros({nt, B}, opts64), LSt = at::zeros({nt, B}, opts64);
   Tensor CNt = at::zeros({nt, B}, x.options().dtype(at::kLong));
   const Rows xr = load_x(x, normalize);
   AT_DISPATCH_FLOATING_TYPES(acc, "ce_shard_stats_cpu", [&] {
@@ -89,8 +92,8 @@ Stats stats_forward(const Tensor& x, const Tensor& w, const Tensor& labels,
     for_each_chunk(
         xr.x, C, chunk, nt, false, [&](int64_t tid, Workspace& ws, int64_t k, int64_t j0, int64_t n) {
           T* M = Mt.mutable_data_ptr<T>() + tid * B;
-          T* S = St.mutable_data_ptr<T>() + tid * B;
-          T* ls = LSt.mutable_data_ptr<T>() + tid * B;
+          double* S = St.mutable_data_ptr<double>() + tid * B;
+          double* ls = LSt.mutable_data_ptr<double>() + tid * B;
           int64_t* cn = CNt.mutable_data_ptr<int64_t>() + tid * B;
           const bool keep = kept != nullptr && kept->set.kept(k);
           // A kept chunk's GEMM writes straight into its slot: the row pass below leaves there the
@@ -121,9 +124,12 @@ Stats stats_forward(const Tensor& x, const Tensor& w, const Tensor& labels,
             // reference gives the right sum, 0 (NaN logits, skipped by the max, still give NaN).
             const T se = expsum_f(z, n, m_new == -std::numeric_limits<T>::infinity() ? T(0) : m_new, &zs);
             // While the max is -inf, S is 0, or NaN from a NaN logit (the max skips NaN): keep it.
-            S[i] = (M[i] == -std::numeric_limits<T>::infinity() ? S[i] : S[i] * std::exp(M[i] - m_new)) + se;
+            S[i] = (M[i] == -std::numeric_limits<T>::infinity()
+                        ? S[i]
+                        : S[i] * std::exp(double(M[i]) - double(m_new))) +
+                   double(se);
             M[i] = m_new;
-            ls[i] += zs;
+            ls[i] += double(zs);
             cn[i] += c;
             if (has_t) tg[i] = z[t];  // the target column lies in exactly one chunk: no race
           }
@@ -132,10 +138,10 @@ Stats stats_forward(const Tensor& x, const Tensor& w, const Tensor& labels,
   // Merge the threads' statistics (threads without chunks have max -inf and sum 0). Rows
   // whose logits are all -inf get lse = log(0) = -inf, as a shard without classes (and the
   // CUDA kernel): shift by 0 there, not by M (Mt - M would be -inf - -inf = NaN).
-  Tensor M = Mt.amax(0);
+  const Tensor M = Mt.amax(0).to(at::kDouble);
   const Tensor shift = M.masked_fill(M == -std::numeric_limits<double>::infinity(), 0);
-  Tensor lse = M + (St * (Mt - shift).exp_()).sum(0).log_();
-  return {lse, tgt, LSt.sum(0), CNt.sum(0)};
+  const Tensor lse = M + (St * (Mt.to(at::kDouble) - shift).exp_()).sum(0).log_();
+  return {lse.to(acc), tgt, LSt.sum(0).to(acc), CNt.sum(0)};
 }
 
 Stats ce_shard_stats_cpu(const Tensor& x, const Tensor& w, const Tensor& labels,
