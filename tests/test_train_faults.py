@@ -159,7 +159,7 @@ def _faces(root, classes=6, per=6, size=8):
 
 
 # --batch 8: BatchNorm gets the 8 images below which the trainer warns (the tests expect one line)
-DATA = ["--val-classes", "2", "--val-per-class", "2", "--image-size", "8", "--batch", "8", "--steps", "2"]
+DATA = ["--val-classes", "2", "--image-size", "8", "--batch", "8", "--steps", "2"]
 DATA += ["--dim", "8", "--devices", "cpu", "--no-progress", "--ema", "0"]
 
 
@@ -332,3 +332,50 @@ def test_checkpoint_state_holds_the_head_tensors_without_copies():
     assert head.state_dict()["weight"].data_ptr() == head.weight_shards[0].data_ptr()
     state = checkpoint.head_optimizer_state(opt, head)
     assert state["momentum_buffer"][0].data_ptr() == opt.state[head.weight_shards[0]]["momentum_buffer"].data_ptr()
+
+
+def test_an_empty_data_flag_and_synthetic_sizes_with_data_are_refused(tmp_path, capsys, monkeypatch):
+    # `--data "$DATA"` with DATA unset trained on the current folder; --classes, --per-class and
+    # --val-per-class were ignored silently with --data.
+    monkeypatch.chdir(_faces(tmp_path / "faces"))
+    assert train.main(["--data", "", "--out", str(tmp_path / "o")] + DATA) == 2
+    _one_line(capsys, "--data is empty")
+    root = str(tmp_path / "faces")
+    for extra in (["--classes", "5000"], ["--per-class", "3", "--val-per-class", "50"]):
+        assert train.main(["--data", root, "--out", str(tmp_path / "o")] + DATA + extra) == 2
+        _one_line(capsys, "size the synthetic data; with --data", extra[0])
+
+
+def test_an_empty_class_folder_is_refused_naming_it(tmp_path, capsys):
+    # It became a class of the head that no image is of, silently.
+    root = _faces(tmp_path / "faces")
+    (root / "id2b").mkdir()
+    (root / "id2c").mkdir()
+    (root / "id2c" / "notes.txt").write_text("not an image")
+    assert train.main(["--data", str(root), "--out", str(tmp_path / "o")] + DATA) == 2
+    _one_line(capsys, "2 class folder(s) hold no image files", "'id2b', 'id2c'")
+
+
+def test_images_are_read_upright_and_16_bit_grayscale_is_scaled(tmp_path):
+    import numpy as np
+
+    from shardkit.train.data import ImageFolderDataset
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    ramp = (np.arange(64, dtype=np.uint32).reshape(8, 8) * 1040).astype(np.uint16)  # 0 .. 65520
+    Image.fromarray(ramp).save(tmp_path / "a" / "ramp16.png")  # mode I;16
+    Image.fromarray((ramp / 65535.0).astype(np.float32)).save(tmp_path / "a" / "float.tif")  # mode F, 0..1
+    photo = np.zeros((8, 8, 3), dtype=np.uint8)
+    photo[:, :4] = 255  # stored left white; EXIF orientation 6: shown rotated 90 degrees clockwise
+    im = Image.fromarray(photo)
+    exif = im.getexif()
+    exif[0x0112] = 6
+    im.save(tmp_path / "b" / "phone.jpg", exif=exif, quality=100)
+    ds = ImageFolderDataset(str(tmp_path), image_size=8, channels=1)
+    by_name = {os.path.basename(p): ds[i][0][..., 0].float() for i, (p, _) in enumerate(ds.samples)}
+    expected = torch.from_numpy(ramp / 257.0).round()
+    for name in ("ramp16.png", "float.tif"):  # clipped at 255 (16-bit) or truncated to 0 / 1 (float)
+        assert (by_name[name] - expected).abs().max() <= 1, name
+    shown = by_name["phone.jpg"]
+    assert shown[:4].mean() > 200 and shown[4:].mean() < 50  # top white, bottom black, as a viewer shows it

@@ -143,3 +143,23 @@ def test_impostor_pairs_are_distinct_pairs_of_different_classes(classes, per_cla
             torch.randn(classes * per_class, 6, dtype=torch.float64), far=1e-3
         )
         assert res.num_impostor == min(10000, total) and res.far_reliable == (min(10000, total) >= 1e4)
+
+
+@pytest.mark.parametrize("per_class, classes", [(20, 3), (12, 2), (4, 6)])
+def test_verification_accuracy_is_balanced_whatever_the_pair_counts(per_class, classes):
+    # With more genuine than impostor pairs (large held-out classes, few of them) accuracy took
+    # every genuine pair: a model that learned nothing scored the genuine share (65-80%) beside
+    # "chance accuracy 50%".
+    from shardkit.train.setup import _pairs_from
+
+    ids = torch.arange(classes).repeat_interleave(per_class)
+    ids = torch.cat([ids, torch.tensor([classes] * 2)])  # and one small class (uneven classes)
+    images = torch.zeros(len(ids), 4, 4, 3, dtype=torch.uint8)
+    vs = _pairs_from(images, ids, seed=0, num_impostor=100)
+    genuine, impostor = vs.num_genuine, len(vs.is_same) - vs.num_genuine
+    constant = torch.ones(len(ids), 8)  # every pair scores 1: accepted
+    res = vs.evaluate(constant)
+    assert res.best_accuracy == 0.5 and res.accuracy <= 0.5  # (k-fold thresholds on constant scores: <= chance)
+    assert (res.num_genuine, res.num_impostor, res.num_balanced) == (genuine, impostor, min(genuine, impostor))
+    perfect = torch.nn.functional.one_hot(ids).float()  # same class: cosine 1, else 0
+    assert vs.evaluate(perfect).accuracy == 1.0

@@ -156,7 +156,7 @@ def test_class_folder_that_is_a_looping_link_is_one_line(tmp_path, capsys):
         for i in range(4):
             Image.new("RGB", (8, 8), (k * 40, i * 60, 7)).save(root / f"id{k}" / f"{i}.png")
     os.symlink(root / "id9", root / "id9")
-    flags = ["--data", str(root), "--val-classes", "2", "--val-per-class", "2", "--image-size", "8", "--batch", "8"]
+    flags = ["--data", str(root), "--val-classes", "2", "--image-size", "8", "--batch", "8"]
     assert train.main(flags + ["--steps", "1", "--dim", "8", "--devices", "cpu", "--out", str(tmp_path / "r")]) == 2
     _one_line(capsys, f"cannot read the entry {str(root / 'id9')!r}", "Too many levels of symbolic links")
 

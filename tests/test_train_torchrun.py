@@ -16,7 +16,7 @@ from shardkit.train.setup import _RankBatches
 from shardkit.train.world import World
 
 BATCH, VAL_CLASSES = 4, 2
-FLAGS = ["--val-classes", str(VAL_CLASSES), "--val-per-class", "2", "--image-size", "8", "--batch", str(BATCH)]
+FLAGS = ["--val-classes", str(VAL_CLASSES), "--image-size", "8", "--batch", str(BATCH)]
 FLAGS += ["--steps", "6", "--dim", "8", "--devices", "cpu", "--no-progress", "--ema", "0"]
 
 

@@ -247,6 +247,8 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """The run's settings: the flags, and on --resume the checkpoint's saved settings."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.data == "":  # (`--data "$DATA"` with DATA unset: it would name the current folder)
+        raise UsageError("--data is empty; give a folder of class subfolders of images")
     if args.data is not None and not os.path.isabs(args.data):  # saved absolute: a resume elsewhere finds it
         args.data = os.path.join(os.getcwd(), args.data)  # (not normpath: "link/.." must keep its meaning)
     if args.resume is not None:
@@ -265,6 +267,13 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             args.out = checkpoint.run_dir(found)
     if args.out is None:
         args.out = "runs/train"
+    synthetic_only = sorted(_explicit(argv) & {"classes", "per_class", "val_per_class"})
+    if args.data is not None and synthetic_only:  # (the folder's classes and images count: they did nothing)
+        flags = ", ".join("--" + d.replace("_", "-") for d in synthetic_only)
+        raise UsageError(
+            f"{flags} size the synthetic data; with --data the folder's class folders and images count: drop "
+            f"{'it' if len(synthetic_only) == 1 else 'them'}"
+        )
     checks.check_args(args)
     return args
 

@@ -234,8 +234,9 @@ class VerificationSet:
 
     ``images`` uint8 ``[M, S, S, C]``; ``identities`` int64 ``[M]``; ``pairs`` int64 ``[P, 2]``
     (indices into ``images``), ``is_same`` bool ``[P]``: the first ``num_genuine`` pairs are
-    genuine, then impostors. Accuracy uses the genuine pairs and as many impostors (balanced,
-    as LFW); TAR@FAR uses all impostors.
+    genuine, then impostors. Accuracy uses as many genuine as impostor pairs (balanced, as LFW:
+    the genuine pairs and the first as many impostors, or, where there are more genuine pairs,
+    a subset of them spread over the identities); TAR@FAR uses every pair.
     """
 
     images: torch.Tensor
@@ -257,11 +258,17 @@ class VerificationSet:
         from shardkit.train import metrics
 
         e1, e2 = embeddings[self.pairs[:, 0]], embeddings[self.pairs[:, 1]]
-        bal = slice(0, 2 * self.num_genuine)
+        # Balanced, so that accepting every pair scores 50% (with more genuine than impostor pairs,
+        # taking them all scored the share of genuine pairs for a model that learned nothing).
+        genuine, impostor = self.num_genuine, len(self.is_same) - self.num_genuine
+        n = min(genuine, impostor)
+        spread = torch.linspace(0, genuine - 1, n).round().long() if n < genuine else torch.arange(n)
+        bal = torch.cat([spread, genuine + torch.arange(n)])
         res = metrics.evaluate_verification(e1[bal], e2[bal], self.is_same[bal], far=far, folds=folds)
         scores = metrics.cosine_scores(e1, e2)
         res.tar, res.far_threshold, res.far_achieved = metrics.tar_at_far(scores, self.is_same, far)
-        res.num_impostor = int((~self.is_same).sum())
+        res.num_genuine, res.num_balanced = genuine, n
+        res.num_impostor = impostor
         res.far_resolution = 1.0 / res.num_impostor
         res.far_reliable = res.num_impostor >= 10.0 / far
         return res

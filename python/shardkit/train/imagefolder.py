@@ -8,7 +8,7 @@ import io
 import os
 import re
 from types import ModuleType
-from typing import Dict, List, Literal, Sequence, Tuple
+from typing import Any, Dict, List, Literal, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -82,6 +82,32 @@ def _class_folders(root: str) -> List[str]:
     return sorted(names)
 
 
+def _eight_bit(im: Any) -> Any:
+    """``im`` with 8-bit samples: Pillow's convert() clips 16-bit grayscale (``I;16``, ``I``:
+    a 16-bit PNG or TIFF) at 255 and truncates float (``F``) samples; scaled here instead,
+    16-bit from 0..65535 (``I`` too when a value passes 255), float from 0..1 (0..255 when a
+    value passes 1)."""
+    if not (im.mode.startswith("I") or im.mode == "F"):
+        return im
+    a = np.asarray(im).astype(np.float64)
+    if im.mode.startswith("I;16") or (im.mode == "I" and a.size and a.max() > 255):
+        a = a / 257.0
+    elif im.mode == "F" and a.size and np.nanmax(a) <= 1.0:
+        a = a * 255.0
+    return _pil().fromarray(np.clip(np.nan_to_num(a), 0, 255).round().astype(np.uint8), mode="L")
+
+
+def _upright(im: Any) -> Any:
+    """``im`` as a viewer shows it: a photo's EXIF orientation (phones store the rotation
+    there) applied; an image without one as it is (no copy)."""
+    orientation = im.getexif().get(0x0112, 1)  # (read from the header)
+    if orientation in (None, 1):
+        return im
+    from PIL import ImageOps
+
+    return ImageOps.exif_transpose(im)
+
+
 def _read(path: str) -> bytes:
     """A file's bytes; a ValueError naming it when it cannot be read."""
     try:
@@ -106,8 +132,10 @@ class ImageFolderDataset(Dataset):
         extensions: file suffixes taken as images (case-insensitive).
 
     ``dataset[i]`` -> (uint8 ``[S, S, C]``, int64 label). ``classes`` lists the class names,
-    ``samples`` the ``(path, label)`` pairs. Raises ValueError when ``root`` is not a
-    directory, has no class subfolders, or no image files.
+    ``samples`` the ``(path, label)`` pairs. Images are taken upright (their EXIF orientation
+    applied) and 16-bit or float grayscale is scaled to 8 bits (not clipped). Raises ValueError
+    when ``root`` is not a directory, has no class subfolders, or a class folder holds no
+    image files.
     """
 
     def __init__(
@@ -137,6 +165,14 @@ class ImageFolderDataset(Dataset):
             raise ValueError(
                 f"--data {root!r}: {len(self.classes)} class folders but no image files ({', '.join(exts)})"
             )
+        counts = np.bincount([lb for _, lb in self.samples], minlength=len(self.classes))
+        empty = [self.classes[k] for k in np.flatnonzero(counts == 0)]
+        if empty:  # (a class of the head that no image is of: as torchvision's ImageFolder, refused)
+            names = ", ".join(repr(n) for n in empty[:5]) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
+            raise ValueError(
+                f"--data {root!r}: {len(empty)} class folder(s) hold no image files ({', '.join(exts)}): {names}; "
+                "remove them or add images"
+            )
         self.labels = torch.tensor([lb for _, lb in self.samples], dtype=torch.int64)
         self._encoded: List[bytes] = []
         self._decoded = None
@@ -158,6 +194,7 @@ class ImageFolderDataset(Dataset):
         Image = _pil()
         try:
             with Image.open(io.BytesIO(data)) as im:
+                im = _upright(_eight_bit(im))
                 im = im.convert("RGB" if self.channels == 3 else "L")
                 if im.size != (self.image_size, self.image_size):
                     im = im.resize((self.image_size, self.image_size), Image.BILINEAR)

@@ -141,6 +141,7 @@ class VerificationResult:
     far_reliable: bool  # at least 10 / far impostor pairs
     num_genuine: int
     num_impostor: int
+    num_balanced: int = 0  # genuine pairs (and as many impostors) the accuracy is on; 0: all genuine
 
     def summary(self) -> str:
         note = (

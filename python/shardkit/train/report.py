@@ -157,8 +157,10 @@ def report_lines(report: Dict[str, Dict[str, Any]], history: Dict[str, Any], arg
         v = r["verification"]
         lines.append(f"  {name:<6} {100 * r['top1']:>11.2f}% {100 * v.accuracy:>11.2f}% {100 * v.tar:>13.2f}%")
     v = report["raw"]["verification"]
+    subset = v.num_balanced < v.num_genuine  # more genuine than impostor pairs: accuracy on a balanced subset
     lines.append(
-        f"  ({v.num_genuine} genuine / {v.num_impostor} impostor pairs; chance accuracy 50%"
+        f"  ({v.num_genuine} genuine / {v.num_impostor} impostor pairs; "
+        + (f"accuracy on {v.num_balanced} of each, chance 50%" if subset else "chance accuracy 50%")
         + ("" if v.far_reliable else f"; FAR resolution {v.far_resolution:.1e}")
         + ")"
     )
