@@ -39,8 +39,8 @@ def _rank(rank, init_file, tmp):
         ddp.register_comm_hook(dist.group.WORLD, counting_allreduce)
         gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
 
-        def micro_step(parts, args, index, steps_per_epoch):  # the real step's backward through DDP
-            x = torch.randn(4, 5, generator=gen)
+        def micro_step(parts, args, batch):  # the real step's backward through DDP
+            x = batch
             loss = parts.backbone_train(x).pow(2).mean()
             loss.backward()
             return loss, None
@@ -52,6 +52,7 @@ def _rank(rank, init_file, tmp):
             backbone=model,
             scaler=None,
             ema=None,
+            batches=SimpleNamespace(get=lambda index, per_epoch: torch.randn(4, 5, generator=gen)),
         )
         args = SimpleNamespace(lr=0.1, accumulate=ACCUMULATE)
         per_step = []

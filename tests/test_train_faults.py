@@ -379,3 +379,21 @@ def test_images_are_read_upright_and_16_bit_grayscale_is_scaled(tmp_path):
         assert (by_name[name] - expected).abs().max() <= 1, name
     shown = by_name["phone.jpg"]
     assert shown[:4].mean() > 200 and shown[4:].mean() < 50  # top white, bottom black, as a viewer shows it
+
+
+def test_an_image_failing_mid_epoch_keeps_the_steps_before_it(tmp_path, capsys):
+    # The run exited 2 with nothing saved: every step of the epoch before the bad file was lost.
+    root = _faces(tmp_path / "faces", classes=6, per=16)
+    good = (root / "id1" / "3.png").read_bytes()
+    (root / "id1" / "3.png").write_bytes(good[:40])  # a truncated download
+    out = str(tmp_path / "o")
+    flags = ["--val-classes", "2", "--image-size", "8", "--batch", "8", "--epochs", "2", "--eval-every", "0"]
+    flags += ["--dim", "8", "--devices", "cpu", "--no-progress", "--ema", "0"]
+    assert train.main(["--data", str(root), "--out", out] + flags) == 2
+    err = _one_line(capsys, "cannot decode image", "3.png", "steps before it are saved", f"--resume {out}")
+    saved = int(err.split("(the ")[1].split(" steps")[0])
+    assert saved >= 1
+    found = checkpoint.find(out)
+    assert found is not None and checkpoint.read(checkpoint.layout.newest_file(found))["step"] == saved
+    (root / "id1" / "3.png").write_bytes(good)  # replaced: the run continues from there
+    assert train.main(["--resume", out]) == 0

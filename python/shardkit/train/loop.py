@@ -151,6 +151,28 @@ def _save_if_finite(
     raise _diverged(f"by step {step}", args, bad, kept)
 
 
+def _data_error(
+    err: UsageError,
+    ckpt_dir: str,
+    parts: setup.Parts,
+    step: int,
+    history: Dict[str, Any],
+    world: World,
+    args: argparse.Namespace,
+    last_saved: Optional[int],
+) -> UsageError:
+    """The error of a step whose data could not be read (read before the step changed the
+    model): in one process the ``step`` steps done are saved first, unless the last save
+    holds them already. (Under torchrun the failing rank alone knows; the others are in the
+    step's collectives: the run stops as before, from its last save.)"""
+    if world.size > 1 or step == 0 or step == last_saved or setup.decode_error_line(err) is None:
+        return err
+    _save_if_finite(ckpt_dir, parts, step, history, world, args, last_saved)
+    return UsageError(
+        f"{err} (the {step} steps before it are saved: replace that file and continue with --resume {args.out})"
+    )
+
+
 def _run(args: argparse.Namespace, world: World, log: RunLog, earlier: bool) -> int:
     lead = world.rank == 0
     if args.deterministic:
@@ -227,6 +249,8 @@ def _run(args: argparse.Namespace, world: World, log: RunLog, earlier: bool) -> 
                 loss, top1 = train_step(parts, args, step, steps_per_epoch, total, world)
             except NonFiniteEmbeddingsError as err:  # the head's input check: the backbone went NaN/inf
                 raise _diverged(f"at step {step + 1}", args) from err
+            except UsageError as err:  # an image that does not decode: the steps before it are kept
+                raise _data_error(err, ckpt_dir, parts, step, history, world, args, last_saved) from None
             history["step"].append(step + 1)
             history["loss"].append(loss)
             history["top1"].append(top1)
@@ -310,12 +334,16 @@ def train_step(
     loss_sum, correct, valid = 0.0, 0, 0
     # under torchrun the backbone is DistributedDataParallel (--dp and --pipeline are one-process)
     ddp = parts.backbone_train if isinstance(parts.backbone_train, DistributedDataParallel) else None
+    # Every micro-batch read first: an image that does not decode stops the step before any of
+    # its forwards changed the model (BatchNorm statistics), so the steps before it can be saved.
+    per_epoch = steps_per_epoch * args.accumulate
+    data = [parts.batches.get(step * args.accumulate + m, per_epoch) for m in range(args.accumulate)]
     for micro in range(args.accumulate):
         # DDP all-reduces the backbone's gradients once per step, on the last micro-batch.
         last = micro == args.accumulate - 1
         sync: ContextManager[object] = contextlib.nullcontext() if last or ddp is None else ddp.no_sync()
         with sync:
-            loss, top = _micro_step(parts, args, step * args.accumulate + micro, steps_per_epoch)
+            loss, top = _micro_step(parts, args, data[micro])
         loss_sum += float(loss.detach())
         if top is not None:
             correct += int(top.correct[1])
@@ -335,10 +363,10 @@ def train_step(
 
 
 def _micro_step(
-    parts: setup.Parts, args: argparse.Namespace, index: int, steps_per_epoch: int
+    parts: setup.Parts, args: argparse.Namespace, batch: Tuple[torch.Tensor, torch.Tensor]
 ) -> Tuple[torch.Tensor, Optional[ShardedLossOutput]]:
-    """Forward and backward of micro-batch ``index`` of the run; returns (loss, head output or None)."""
-    images, labels = parts.batches.get(index, steps_per_epoch * args.accumulate)
+    """Forward and backward of one micro-batch (images, labels); returns (loss, head output or None)."""
+    images, labels = batch
     with parts.autocast():
         x = parts.normalize(images.to(parts.devices[0], non_blocking=True))
         emb = parts.backbone_train(x)
