@@ -314,6 +314,13 @@ def _two_rank_worker(rank, init_file, tmp, data):
             split=(head.num_local, head.class_start, head.rank, head.world_size),
             keys=list(head.state_dict()),
         )
+        # load errors name `weight` (the checkpoint's key), not the shard's inner name
+        for bad in ({"weight": torch.randn(3, data["x"].shape[1], dtype=torch.float64)}, {"weights": head.weight}):
+            try:
+                head.load_state_dict(bad)
+            except RuntimeError as err:
+                out.setdefault("load_errors", []).append(str(err))
+        out["missing"] = head.load_state_dict({}, strict=False).missing_keys
     except Exception:
         out["fatal"] = traceback.format_exc()
     finally:
@@ -336,6 +343,12 @@ def test_two_gloo_ranks_split_classes_like_partial_fc_v2(tmp_path):
     # PartialFC_V2's split: num_local = C // W + (rank < C % W), class_start in rank order
     assert res[0]["split"] == (12, 0, 0, 2) and res[1]["split"] == (11, 12, 1, 2)
     assert res[0]["keys"] == res[1]["keys"] == ["weight"]
+    for r in range(2):
+        shape, missing = res[r]["load_errors"], res[r]["missing"]
+        assert len(shape) == 2 and all("weight_shards" not in e for e in shape), shape
+        assert "size mismatch for weight: the checkpoint has (3, 5)" in shape[0], shape[0]
+        assert 'Missing key(s) in state_dict: "weight"' in shape[1] and '"weights"' in shape[1], shape[1]
+        assert missing == ["weight"]
     torch.manual_seed(data["seed"])
     assert torch.equal(res[1]["weight"], torch.normal(0, 0.01, (11, dim), dtype=torch.float64))
     w = torch.cat([res[0]["weight"], res[1]["weight"]])

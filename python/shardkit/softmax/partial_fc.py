@@ -296,5 +296,18 @@ def _weight_key_in(
     unexpected: List[str],
     errors: List[str],
 ) -> None:
-    if prefix + "weight" in state_dict:
-        state_dict[prefix + "weight_shards.0"] = state_dict.pop(prefix + "weight")
+    # Errors name `weight`, the key of PartialFC_V2's checkpoints, not the shard's inner name.
+    key, inner = prefix + "weight", prefix + "weight_shards.0"
+    shard = module.weight_shards[0]
+    if key in state_dict:
+        value = state_dict.pop(key)
+        if isinstance(value, torch.Tensor) and tuple(value.shape) != tuple(shard.shape):
+            errors.append(
+                f"size mismatch for {key}: the checkpoint has {tuple(value.shape)}, this rank's shard is "
+                f"{tuple(shard.shape)} (this rank's classes of the head, from num_classes and the world size)"
+            )
+            value = shard.detach()  # (kept: the error above is the one reported)
+        state_dict[inner] = value
+    elif inner not in state_dict:
+        missing.append(key)
+        state_dict[inner] = shard.detach()  # (kept: `weight` is reported missing, not the inner name)
