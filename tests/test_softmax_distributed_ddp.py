@@ -97,6 +97,15 @@ def _rank(rank, init_file, tmp, data):
         except TypeError as err:
             out["wrapped"] = str(err)
         del whole
+
+        # DDP around the compiled model, marked: the check read the running DDP's module while
+        # dynamo traced the head (dynamo's own AssertionError on every rank)
+        net = _net(group, data)
+        compiled = torch.compile(net)
+        ddp_ignore_heads(compiled)
+        whole = DistributedDataParallel(compiled)
+        out["compiled"] = _train(rank, net, whole, data)
+        del whole, compiled
     except Exception:
         out["fatal"] = traceback.format_exc()
     finally:
@@ -138,6 +147,10 @@ def test_a_marked_head_trains_inside_ddp_as_with_the_backbone_alone(ranks):
         torch.testing.assert_close(backbone, ref_backbone, rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(head, ref_head, rtol=1e-12, atol=1e-14)
         assert "already a DistributedDataParallel" in res["wrapped"]
+        losses, backbone, head = res["compiled"]  # DistributedDataParallel(torch.compile(model))
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-10, atol=0)
+        torch.testing.assert_close(backbone, ref_backbone, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(head, ref_head, rtol=1e-10, atol=1e-12)
     assert ranks[0]["marked"][0] == ranks[1]["marked"][0]  # the global batch's loss on both ranks
 
 

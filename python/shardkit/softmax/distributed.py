@@ -60,7 +60,11 @@ def check_not_synced_by_ddp(shard: torch.Tensor) -> None:
     """Refuses (``ValueError``) a shard that the DistributedDataParallel running this forward
     synchronizes: DDP copied rank 0's shard over the other ranks' at construction and would
     average the gradients of different classes. One class-attribute read per step; the
-    module's parameters are searched once per DDP module."""
+    module's parameters are searched once per DDP module. Not while torch.compile traces the
+    head (``DistributedDataParallel(torch.compile(model))``): reading the running DDP's module,
+    which holds the module being traced, fails dynamo's own mutation tracking."""
+    if torch.compiler.is_compiling():
+        return
     active = getattr(DistributedDataParallel, "_get_active_ddp_module", None)
     ddp = active() if active is not None else None
     if ddp is None:
