@@ -118,7 +118,7 @@ def unavailable(method, device):
 
 def peer_forward(method, x, weight, y):
     """The loss closure of peer ``method`` on embeddings ``x`` [B, D], weight [C, D], labels y."""
-    if method == "linear+cross_entropy":
+    if method == "linear+cross_entropy":  # the cross-entropy in fp32, as torch.autocast runs it
         return lambda: F.cross_entropy(F.linear(x, weight).float(), y)
     if method == "torch.linear_cross_entropy":
         return lambda: F.linear_cross_entropy(x, weight, y)

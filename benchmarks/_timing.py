@@ -33,6 +33,22 @@ def prefer_in_place_build():
         sys.path.insert(0, src)
 
 
+def checked_devices(parser, flag, names):
+    """``names`` (device strings) as torch.devices; ``parser.error`` (exit 2, one line) for a name
+    torch cannot parse or a CUDA device where no GPU is visible (torch's own error there is a
+    traceback about the driver)."""
+    devices = []
+    for name in names:
+        try:
+            dev = torch.device(name)
+        except RuntimeError as err:
+            parser.error(f"{flag} {name!r}: {err}")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            parser.error(f"{flag} {name!r}: no CUDA GPU is visible on this machine (use cpu)")
+        devices.append(dev)
+    return devices
+
+
 def out_dir():
     """The folder for benchmark outputs (created): $SHARDKIT_BENCH_OUT or benchmarks/out."""
     path = os.environ.get(OUT_ENV) or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")

@@ -45,7 +45,7 @@ sys.path.insert(0, HERE)  # _timing, whatever the cwd (also under python -m)
 import _timing  # noqa: E402
 
 _timing.prefer_in_place_build()  # before the first import of shardkit
-from _timing import out_dir, target_line, time_once  # noqa: E402
+from _timing import checked_devices, out_dir, target_line, time_once  # noqa: E402
 
 import shardkit  # noqa: E402
 from shardkit.distributed import split_classes  # noqa: E402
@@ -69,6 +69,7 @@ def parse():
     p.add_argument("--port", type=int, default=0, help="rendezvous port of the spawned rank (0: a free one)")
     p.add_argument("--timeout", type=float, default=480.0, help="seconds to wait for the spawned rank")
     a = p.parse_args()
+    checked_devices(p, "--device", [a.device])
     cpu = a.device == "cpu"
     a.classes = a.classes or (200_000 if cpu else 1_000_000)
     a.dim = a.dim or (128 if cpu else 512)

@@ -37,6 +37,7 @@ import argparse
 import copy
 import json
 import os
+import random
 import statistics
 import sys
 
@@ -46,7 +47,7 @@ from torch import nn
 import shardkit
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _timing, whatever the cwd
-from _timing import burst_of, cpu_description, out_dir, target_line, time_once  # noqa: E402
+from _timing import burst_of, checked_devices, cpu_description, out_dir, target_line, time_once  # noqa: E402
 
 
 # ---- models ---------------------------------------------------------------------------
@@ -365,10 +366,13 @@ def run_case(which, dtype_name, device, methods, reps, loop_max_params, burst=1)
     for r in range(reps):
         for k, fn in copies.items():
             copy_times[k].append(timed(fn))
-        # The order rotates every round: a method that runs right after another one has read
-        # the model finds the last-read part of it in cache (a few % on the CPU's 32 MB L3),
-        # so no method may always come first or always follow a given one.
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+        # The order is shuffled every round (seeded: the same run to run): a method that runs
+        # right after another one has read the model finds the last-read part of it in cache (a
+        # few % on the CPU's 32 MB L3), so no method may always come first or always follow a
+        # given one (a rotation kept every method behind the same predecessor).
+        order = list(names)
+        random.Random(r).shuffle(order)
+        for name in order:
             times[name].append(timed(lambda impl=impls[name]: impl.update(model)))  # noqa: F821
     bw = 2 * copy_src.numel() * 4 / min(statistics.median(v) for v in copy_times.values())
     floor = nbytes / bw
@@ -548,7 +552,7 @@ def main():
         bad = [v for v in (given or "").split(",") if v and v not in known]
         if bad:
             ap.error(f"{flag}: unknown {bad}; choose from {', '.join(known)}")
-    device = torch.device(args.device)
+    (device,) = checked_devices(ap, "--device", [args.device])
     reps = args.reps or (15 if device.type == "cpu" else 50)
     if args.burst < 0 or args.reps < 0:
         ap.error("--burst and --reps take a count >= 0 (0: the default)")

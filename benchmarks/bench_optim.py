@@ -33,7 +33,7 @@ def main():
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--reps", type=int, default=10, help="timed steps per optimizer (default 10)")
     args = parser.parse_args()
-    device = torch.device(args.device)
+    (device,) = _timing.checked_devices(parser, "--device", [args.device])
     shapes = [p.shape for p in build_backbone("iresnet50", 512).parameters()]
     kw = dict(lr=0.1, momentum=0.9, weight_decay=5e-4)
     makers = {

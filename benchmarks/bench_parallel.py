@@ -34,7 +34,7 @@ sys.path.insert(0, HERE)  # _timing, whatever the cwd (also under python -m)
 import _timing  # noqa: E402
 
 _timing.prefer_in_place_build()  # before the first import of shardkit
-from _timing import copy_bandwidth, out_dir, target_line, time_once  # noqa: E402
+from _timing import checked_devices, copy_bandwidth, out_dir, target_line, time_once  # noqa: E402
 
 from shardkit.parallel import DataParallelCriterion  # noqa: E402
 
@@ -126,7 +126,7 @@ def main():
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    (device,) = checked_devices(ap, "--device", [args.device])
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     hw = args.hw or (512 if device.type == "cuda" else 128)

@@ -7,14 +7,16 @@ next to the one measured (1 - busy stage time / (K x forward wall time); the sta
 busy time is taken by hooks around each stage call).
 
     python benchmarks/bench_pipeline.py --devices cpu,cpu            # 2-core CPU: small images
-    python benchmarks/bench_pipeline.py --devices cpu,cpu --stage-threads 1   # a core per stage
+    python benchmarks/bench_pipeline.py --devices cpu,cpu --stage-threads 1   # one intra-op thread
     python benchmarks/bench_pipeline.py --devices cuda:0,cuda:1      # two GPUs
     python benchmarks/bench_pipeline.py --devices cuda:0,cuda:0      # one GPU, two streams
 
 On ONE GPU the two stages are two streams of the same device: that times the schedule and
 its overhead (threads, events, copies), but both stages share the same SMs, so it cannot
-show the speed-up of two devices working at once. On a 2-core CPU the two stage threads
-share the cores with intra-op threads: it shows the schedule runs and what it costs.
+show the speed-up of two devices working at once. Stages that share a device run one after
+another (a seeded step then draws the same random numbers run to run), so on "cpu,cpu" the
+forward's bubble is 1/2 by construction: the CPU run shows the schedule runs and what its
+micro-batches cost, not an overlap.
 
 Writes benchmarks/out/bench_pipeline_<devices>.json.
 """
@@ -34,7 +36,7 @@ sys.path.insert(0, HERE)  # _timing, whatever the cwd (also under python -m)
 import _timing  # noqa: E402
 
 _timing.prefer_in_place_build()  # before the first import of shardkit
-from _timing import out_dir  # noqa: E402
+from _timing import checked_devices, out_dir  # noqa: E402
 
 from shardkit.parallel import PipelineModel  # noqa: E402
 from shardkit.parallel.pipeline import bubble_fraction  # noqa: E402
@@ -126,11 +128,11 @@ def main():
         "--stage-threads",
         type=int,
         default=None,
-        help="CPU: torch intra-op threads while the split cases run (e.g. 1 on 2 cores: each stage thread "
-        "then has a core, as each stage has a device); the unsplit case keeps torch's default",
+        help="CPU: torch intra-op threads while the split cases run (stages on one device run one after "
+        "another); the unsplit case keeps torch's default",
     )
     args = ap.parse_args()
-    devices = [torch.device(d) for d in args.devices.split(",")]
+    devices = checked_devices(ap, "--devices", args.devices.split(","))
     cuda = devices[0].type == "cuda"
     batch = args.batch or (128 if cuda else 16)
     image = args.image or (224 if cuda else 64)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import shardkit
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _timing, whatever the cwd
-from _timing import out_dir, time_median, time_once  # noqa: E402
+from _timing import checked_devices, out_dir, time_median, time_once  # noqa: E402
 
 # The environment of each kernel set (read by the op on every call).
 KERNEL_ENV = {
@@ -95,7 +95,7 @@ def main():
     if not kernels or any(k not in KERNEL_ENV for k in kernels):
         ap.error(f"--kernels takes some of {', '.join(KERNEL_ENV)}, got {args.kernels!r}")
 
-    dev = torch.device(args.device)
+    (dev,) = checked_devices(ap, "--device", [args.device])
     args.out = args.out or os.path.join(out_dir(), f"sharded_ce_kernels_{dev.type}.json")
     dt = getattr(torch, args.dtype)
     B, D, C = args.batch, args.dim, args.classes

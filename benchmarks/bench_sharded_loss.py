@@ -1,14 +1,16 @@
 """Benchmark: ShardedSoftmaxLoss fwd+bwd time and extra memory against its peers.
 
 Peers, in the same run and on the same inputs:
-  (a) nn.Linear(D, C, bias=False) + F.cross_entropy (full logits),
+  (a) nn.Linear(D, C, bias=False) + F.cross_entropy (full logits; the cross-entropy in fp32,
+      `.float()` on 16-bit logits, as torch.autocast runs F.cross_entropy: that fp32 copy is in
+      its memory),
   (b) torch's F.linear_cross_entropy, where the installed torch has it,
   (c) Apple's cut-cross-entropy, twice: "cce_filtered" with its default ``filter_eps`` (its
       backward skips the gradient tiles whose softmax values all fall below eps: an
       approximate gradient, and at random init most tiles are skipped) and "cce_exact" with
       ``filter_eps=None`` (every tile: the exact gradient, the fair comparison),
-      (both GPU only), and its impl="torch_compile" mode, "cce_torch_compile" (a
-      torch.compile'd chunked loop that also runs on the CPU),
+      (both GPU only), and its impl="torch_compile" mode, "cce_torch_compile" (the full
+      logits and a torch.compile'd fp32 cross-entropy over them; it also runs on the CPU),
   (d) Liger's fused linear cross-entropy (GPU only; each peer when importable: see
       benchmarks/requirements.txt),
   (e) QuACK's chunked_linear_cross_entropy (GPU only, sm90+; `pip install quack-kernels`),
@@ -22,10 +24,12 @@ the ratio of the two medians, with the 25th-75th percentiles of the per-repetiti
 (embeddings, weights) and the gradients it produces (every step starts with .grad = None,
 as after optimizer.zero_grad()):
   GPU: torch.cuda.max_memory_allocated() minus memory_allocated() before the step (exact).
-  CPU: each method runs in a fresh subprocess with MALLOC_MMAP_THRESHOLD_=65536 (glibc then
-       maps every large buffer on its own and unmaps it when freed, so freed memory does
-       not hide in the heap); after a warm-up step the peak-RSS counter is reset
-       (/proc/self/clear_refs = 5) and extra = VmHWM after the step - VmRSS before it.
+  CPU: each method's memory is measured in a fresh subprocess with MALLOC_MMAP_THRESHOLD_=65536
+       (glibc then maps every large buffer on its own and unmaps it when freed, so freed memory
+       does not hide in the heap); after a warm-up step the peak-RSS counter is reset
+       (/proc/self/clear_refs = 5) and extra = VmHWM after the step - VmRSS before it. Its times
+       come from a second fresh subprocess with glibc's default allocation (mapping every large
+       buffer afresh would slow the methods that allocate per step, the peers above all).
 
 Usage:
   python benchmarks/bench_sharded_loss.py --cpu-target          # CPU, fp32, B=256: D=128 C=200k and D=512 C=100k
@@ -235,10 +239,11 @@ def _rss_kib(field):
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def measure(method, batch, classes, dim, dtype, device, repeat):
+def measure(method, batch, classes, dim, dtype, device, repeat, part="both"):
     """{'times_s', 'floor_times_s', 'extra_mib'} for one method in this process: its step
     times and those of the three-GEMM baseline timed interleaved with them, and extra = peak
-    of one step beyond the memory live before it and the gradients it leaves."""
+    of one step beyond the memory live before it and the gradients it leaves (``part``:
+    "memory" or "times" for one of the two)."""
     step, params = build_step(method, batch, classes, dim, dtype, device)
     step()  # warm-up (allocator pools, kernels' first-use costs)
     for p in params:
@@ -257,19 +262,34 @@ def measure(method, batch, classes, dim, dtype, device, repeat):
         step()
         peak = _rss_kib("VmHWM") * 1024 - base
     grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    res = {"extra_mib": (peak - grads) / 2**20}
+    if part == "memory":
+        return res
     gemms = build_gemms(batch, classes, dim, dtype, device)  # after the memory figure: not in it
-    times, floor = time_interleaved(step, gemms, device, repeat)
-    return {"times_s": times, "floor_times_s": floor, "extra_mib": (peak - grads) / 2**20}
+    res["times_s"], res["floor_times_s"] = time_interleaved(step, gemms, device, repeat)
+    if part == "times":
+        del res["extra_mib"]
+    return res
 
 
 def measure_isolated(method, batch, classes, dim, dtype_name, device, repeat):
-    """CPU: one fresh subprocess per method (see the module docstring)."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    """CPU: two fresh subprocesses per method, its memory and its times (see the module docstring)."""
+    res = _child_run(method, batch, classes, dim, dtype_name, device, repeat, "memory")
+    res.update(_child_run(method, batch, classes, dim, dtype_name, device, repeat, "times"))
+    return res
+
+
+def _child_run(method, batch, classes, dim, dtype_name, device, repeat, part):
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    if part == "memory":
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     cmd = [
         sys.executable,
         os.path.abspath(__file__),
         "--_child",
         method,
+        "--_part",
+        part,
         "--batch",
         str(batch),
         "--classes",
@@ -635,6 +655,7 @@ def main():
         help="also the large-vocabulary shapes: tokens 4096 and 8192 x vocabulary 128256 and 256000 x hidden 4096",
     )
     p.add_argument("--_child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_part", default="both", help=argparse.SUPPRESS)
     args = p.parse_args()
     for flag, value in (("--repeat", args.repeat), ("--rounds", args.rounds), ("--threads", args.threads)):
         if value is not None and value < 1:
@@ -684,6 +705,7 @@ def main():
             DTYPES[args.dtype],
             torch.device(args.device),
             args.repeat,
+            args._part,
         )
         print(json.dumps(res))
         return

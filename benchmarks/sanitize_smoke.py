@@ -107,9 +107,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        assert shardkit.cuda_built(), "shardkit was built without CUDA kernels"
+    (device,) = _timing.checked_devices(ap, "--device", [args.device])
+    if device.type == "cuda" and not shardkit.cuda_built():
+        ap.error("--device cuda: this build of shardkit has no CUDA kernels (python -m shardkit.info says why)")
     torch.manual_seed(0)
     ok = sharded_loss(device, torch.bfloat16, None)
     ok &= sharded_loss(device, torch.float32, ArcFace(s=64.0, m=0.5))

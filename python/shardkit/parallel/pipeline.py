@@ -100,8 +100,8 @@ class PipelineModel(nn.Module):
             and returns one tensor with the batch along dim 0 (a stage that changes the
             size of dim 0 raises ValueError when the batch is split into several micro-batches).
         devices: one device per stage, e.g. ``["cuda:0", "cuda:1"]`` (repeats allowed:
-            ``["cpu", "cpu"]`` runs the same schedule in threads on the CPU); CUDA devices
-            must be visible (ValueError otherwise).
+            ``["cpu", "cpu"]`` runs the same schedule on the CPU, the stages of one device one
+            after another, so without overlap); CUDA devices must be visible (ValueError otherwise).
         chunks: micro-batches per step (>= 1; fewer when the batch is smaller), sizes
             differing by at most one (``x.tensor_split(chunks)``).
         balance: layers per device (ints summing to the layer count), or ``"time"`` /
