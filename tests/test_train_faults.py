@@ -397,3 +397,29 @@ def test_an_image_failing_mid_epoch_keeps_the_steps_before_it(tmp_path, capsys):
     assert found is not None and checkpoint.read(checkpoint.layout.newest_file(found))["step"] == saved
     (root / "id1" / "3.png").write_bytes(good)  # replaced: the run continues from there
     assert train.main(["--resume", out]) == 0
+
+
+def test_a_resume_finds_the_same_data_folder_or_says_what_changed(tmp_path, capsys):
+    # The folder's path alone was compared: one class swapped for another (same count) resumed
+    # silently onto other labels; a class added said "resume it with the version of shardkit
+    # that wrote it"; the unchanged folder moved could not be resumed at all.
+    root = _faces(tmp_path / "faces", classes=6, per=8)
+    out = str(tmp_path / "o")
+    assert train.main(["--data", str(root), "--out", out] + DATA) == 0
+    capsys.readouterr()
+
+    moved = tmp_path / "moved"
+    shutil.move(str(root), moved)
+    assert train.main(["--resume", out, "--steps", "3"]) == 2
+    _one_line(capsys, "the checkpoint's, is not a directory any more", "give --data with the folder's new place")
+    assert train.main(["--resume", out, "--data", str(moved), "--steps", "3"]) == 0  # the same folder, moved
+    capsys.readouterr()
+
+    shutil.rmtree(moved / "id2")  # a class swapped for another: the same counts
+    _faces(tmp_path / "other", classes=1, per=8)
+    shutil.move(str(tmp_path / "other" / "id0"), moved / "zz")
+    assert train.main(["--resume", out, "--data", str(moved), "--steps", "4"]) == 2
+    _one_line(capsys, "has changed since checkpoint", "the same counts, but other class folders")
+    (moved / "zz" / "0.png").unlink()  # and an image fewer
+    assert train.main(["--resume", out, "--data", str(moved), "--steps", "4"]) == 2
+    _one_line(capsys, "it held 6 class folders and 48 images, now 6 and 47")

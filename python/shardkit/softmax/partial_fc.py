@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Dict, List, Literal, Optional, Sequence, Union
+from typing import Any, Dict, List, Literal, Optional, Sequence, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -298,7 +298,7 @@ def _weight_key_in(
 ) -> None:
     # Errors name `weight`, the key of PartialFC_V2's checkpoints, not the shard's inner name.
     key, inner = prefix + "weight", prefix + "weight_shards.0"
-    shard = module.weight_shards[0]
+    shard = cast(nn.ParameterList, module.weight_shards)[0]
     if key in state_dict:
         value = state_dict.pop(key)
         if isinstance(value, torch.Tensor) and tuple(value.shape) != tuple(shard.shape):

@@ -291,6 +291,8 @@ def restore_settings(args: argparse.Namespace, explicit: Set[str], saved: Dict[s
         flag = "--" + key.replace("_", "-")
         given = getattr(args, key)
         if key == "data" and isinstance(given, str) and isinstance(value, str):
+            if key in explicit and os.path.isdir(given):  # the folder, moved or mounted elsewhere: its
+                continue  # contents are checked against the checkpoint's record when the run is built
             same = os.path.realpath(given) == os.path.realpath(value)  # data/ and ./data are one folder
         else:
             same = given == value
@@ -301,6 +303,11 @@ def restore_settings(args: argparse.Namespace, explicit: Set[str], saved: Dict[s
                 f"listed in --help), or start a new run with another --out"
             )
         setattr(args, key, value)
+        if key == "data" and isinstance(value, str) and not os.path.isdir(value):
+            raise UsageError(
+                f"--data {value!r}, the checkpoint's, is not a directory any more: give --data with the folder's "
+                "new place (its class folders and images must be the same)"
+            )
     for key in CHANGEABLE:
         if key == "steps" and "epochs" in explicit:
             continue  # --epochs given on resume sets the length (a run saved with --steps said so)

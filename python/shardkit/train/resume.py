@@ -74,6 +74,7 @@ def save_checkpoint(ckpt_dir: str, parts: Parts, step: int, history: Dict[str, A
         "ema": parts.ema.state_dict() if parts.ema is not None else None,
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
         "args": checkpoint.settings_of(parts.args),
+        "data": parts.data_fingerprint,
     }
     if world.size == 1:
         state["head"] = parts.head.state_dict()
@@ -151,6 +152,23 @@ def _check_head_tag(directory: str, tag: Optional[int], path: str) -> None:
         )
 
 
+def _check_same_data(saved: Any, now: Optional[Dict[str, Any]], data: Optional[str], path: str) -> None:
+    """--data must hold what it held when the checkpoint was written (the labels, the batches
+    and the head's rows follow from its class folders and their images); a checkpoint of an
+    earlier version holds no record of it (None): not checked."""
+    if not isinstance(saved, dict) or now is None or saved == now:
+        return
+    then = f"{saved.get('classes')} class folders and {saved.get('images')} images"
+    here = f"{now['classes']} and {now['images']}"
+    if (saved.get("classes"), saved.get("images")) == (now["classes"], now["images"]):
+        here += " (the same counts, but other class folders or images per class)"
+    raise UsageError(
+        f"--data {data!r} has changed since checkpoint {path} was written: it held {then}, now {here}; a resume "
+        "continues on the same images (its labels and batches follow from them): restore the folder, or start a "
+        "new run without --resume"
+    )
+
+
 def load_checkpoint(ckpt_dir: str, parts: Parts, world: World) -> Tuple[int, Dict[str, Any]]:
     """Restore a checkpoint into ``parts``; returns (step, history). A UsageError for a file
     that is unreadable, unsafe, or does not fit the model built from the restored settings."""
@@ -163,6 +181,7 @@ def load_checkpoint(ckpt_dir: str, parts: Parts, world: World) -> Tuple[int, Dic
             f"checkpoint {path} was written by {saved_world} process(es), this run has {world.size}; resume it "
             f"with the same number ({how}), as the head's optimizer state is saved per rank"
         )
+    _check_same_data(state.get("data"), parts.data_fingerprint, parts.args.data, path)
     built = _settings(parts)  # what this run's flags (and the checkpoint's settings) give
     try:
         parts.backbone.load_state_dict(state["backbone"])

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 from dataclasses import dataclass
-from typing import Any, ContextManager, Iterator, List, Optional, Sized, Tuple, Union
+from typing import Any, ContextManager, Dict, Iterator, List, Optional, Sized, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -128,6 +129,7 @@ class Parts:
     scaler: Optional[Any]
     ema: Optional[shardkit.ModelEMA]
     batches: Batches
+    data_fingerprint: Optional[Dict[str, Any]] = None  # --data: what a resume must find there again
 
     def autocast(self) -> ContextManager[object]:
         if self.args.amp is None:
@@ -171,6 +173,15 @@ def _folder_data(args: argparse.Namespace) -> Tuple[TrainSet, int, VerificationS
             "genuine or no impostor pairs; they need two or more images each, and two or more classes"
         ) from None
     return Subset(full, train_idx), train_k, pairs
+
+
+def data_fingerprint(full: ImageFolderDataset) -> Dict[str, Any]:
+    """What --data holds, as a resume must find it again (its labels and batches follow from it):
+    the class folders' names and image counts (a digest of them), and the totals."""
+    counts = torch.bincount(full.labels, minlength=len(full.classes)).tolist()
+    text = "\n".join(f"{name}\t{n}" for name, n in zip(full.classes, counts))
+    digest = hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:32]
+    return {"classes": len(full.classes), "images": len(full.samples), "digest": digest}
 
 
 def _pairs_from(images: torch.Tensor, ids: torch.Tensor, seed: int, num_impostor: int = 10000) -> VerificationSet:
@@ -253,7 +264,10 @@ def init_weights(kind: str, backbone: nn.Module, head: nn.Module, num_classes: i
 def build(args: argparse.Namespace, world: World) -> Parts:
     if args.data:
         train_set, num_classes, val_set = _folder_data(args)
+        assert isinstance(train_set, Subset) and isinstance(train_set.dataset, ImageFolderDataset)
+        fingerprint = data_fingerprint(train_set.dataset)
     else:
+        fingerprint = None
         train_set = SyntheticIdentities(args.classes, args.per_class, args.image_size, args.seed)
         num_classes = args.classes
         val_set = verification_split(
@@ -328,6 +342,7 @@ def build(args: argparse.Namespace, world: World) -> Parts:
         scaler,
         ema,
         Batches(train_set, args.batch, world, args.seed, args.workers),
+        fingerprint,
     )
     return parts
 
