@@ -15,6 +15,7 @@ from shardkit import train
 from shardkit.train import checkpoint
 from shardkit.train import loop as train_loop
 from shardkit.train import resume as train_resume
+from shardkit.train.errors import UsageError
 
 TINY = "--classes 16 --per-class 8 --image-size 16 --batch 8 --val-classes 4 --val-per-class 3 --dim 16".split()
 TINY += ["--no-progress", "--devices", "cpu", "--ema", "0.9", "--ema-tau", "2"]
@@ -423,3 +424,31 @@ def test_a_resume_finds_the_same_data_folder_or_says_what_changed(tmp_path, caps
     (moved / "zz" / "0.png").unlink()  # and an image fewer
     assert train.main(["--resume", out, "--data", str(moved), "--steps", "4"]) == 2
     _one_line(capsys, "it held 6 class folders and 48 images, now 6 and 47")
+
+
+def test_data_runs_get_the_fit_checks_of_the_synthetic_data(tmp_path, capsys, monkeypatch):
+    # They were skipped for --data: a head or a held-out set larger than the machine started anyway.
+    import argparse
+
+    from shardkit.train import argtypes
+    from shardkit.train import setup as train_setup
+
+    root = tmp_path / "faces"
+    _faces(root, classes=4, per=4)
+    for k in (4, 5):  # two held-out classes of 120 images: 14,280 genuine pairs
+        (root / f"id{k}").mkdir()
+        for i in range(120):
+            Image.new("RGB", (4, 4), (k, i, 7)).save(root / f"id{k}" / f"{i}.png")
+    monkeypatch.setattr(train_setup, "_ram_bytes", lambda: 64 * 2**20)
+    flags = ["--val-classes", "2", "--image-size", "8", "--batch", "8", "--steps", "1", "--dim", "512"]
+    flags += ["--devices", "cpu", "--no-progress", "--ema", "0"]
+    assert train.main(["--data", str(root), "--out", str(tmp_path / "o")] + flags) == 2
+    _one_line(capsys, "--data's held-out classes", "240 images and 14280 genuine pairs need over", "--val-classes")
+
+    args = argparse.Namespace(devices=[torch.device("cpu")], batch=8, dim=4096, sample_rate=1.0, val_classes=2)
+    args.image_size = 8
+    monkeypatch.setattr(argtypes, "_ram_bytes", lambda: 2**30)
+    monkeypatch.setattr(train_setup, "_ram_bytes", lambda: 2**30)
+    with pytest.raises(UsageError, match="--data.s 20022 training classes x --dim 4096: the head needs about"):
+        train_setup._check_folder_fits(args, 1, 20022, [0, 0, 1, 1])
+    train_setup._check_folder_fits(args, 1, 100, [0, 0, 1, 1])  # fits

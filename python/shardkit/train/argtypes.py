@@ -118,6 +118,13 @@ def _held_out_bytes(a: argparse.Namespace) -> int:
     fp32 embeddings gathered to score it."""
     images = a.val_classes * a.val_per_class
     pairs = a.val_classes * (a.val_per_class * (a.val_per_class - 1) // 2) + 10000
+    return held_out_bytes(images, pairs, a)
+
+
+def held_out_bytes(images: int, pairs: int, a: argparse.Namespace) -> int:
+    """A lower bound of the RAM of ``images`` held-out images and their ``pairs``: the uint8
+    images and their embeddings, and per pair its indices and the two fp32 embeddings gathered
+    to score it."""
     return images * (3 * a.image_size**2 + 4 * a.dim) + pairs * (16 + 8 * a.dim)
 
 
@@ -128,20 +135,23 @@ def _capacity(dev: torch.device) -> Optional[int]:
     return _ram_bytes()
 
 
-def _head_misfit(a: argparse.Namespace, world_size: int) -> Optional[str]:
-    """None if the head of --classes x --dim (the planner's bytes per shard: weights, momentum,
-    gradient, loss working set) fits the memory of the devices holding it, else a message.
-    Shards on one device (``--devices cpu,cpu``) add up; under torchrun each rank holds one."""
+def _head_misfit(a: argparse.Namespace, world_size: int, classes: Optional[int] = None) -> Optional[str]:
+    """None if the head of --classes (or ``classes``: --data's training classes) x --dim (the
+    planner's bytes per shard: weights, momentum, gradient, loss working set) fits the memory
+    of the devices holding it, else a message. Shards on one device (``--devices cpu,cpu``) add
+    up; under torchrun each rank holds one."""
     n = world_size if world_size > 1 else len(a.devices)
     batch = a.batch if world_size > 1 else max(1, a.batch // n)
-    plan = plan_memory(a.classes, a.dim, n, batch, sample_rate=a.sample_rate)
+    what = f"--classes {a.classes}" if classes is None else f"--data's {classes} training classes"
+    classes = a.classes if classes is None else classes
+    plan = plan_memory(classes, a.dim, n, batch, sample_rate=a.sample_rate)
     per_shard = plan.shardkit_max.total
     held = [a.devices[0]] if world_size > 1 else a.devices
     for dev in dict.fromkeys(held):
         need, cap = per_shard * held.count(dev), _capacity(dev)
         if cap is not None and need > cap:
             return (
-                f"--classes {a.classes} x --dim {a.dim}: the head needs about {format_size(need)} on {dev} "
+                f"{what} x --dim {a.dim}: the head needs about {format_size(need)} on {dev} "
                 f"(python -m shardkit.plan's figure), which has {format_size(cap)}; use fewer classes, a smaller "
                 "--dim, --sample-rate, or more devices"
             )

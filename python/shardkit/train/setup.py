@@ -18,6 +18,7 @@ import shardkit
 from shardkit.parallel import DataParallelCriterion, DataParallelModel, PipelineModel
 from shardkit.plan import balance_shards
 from shardkit.train import checkpoint
+from shardkit.train.argtypes import _head_misfit, _ram_bytes, held_out_bytes
 from shardkit.train.cpu_bf16 import use_float32_where_bf16_fails
 from shardkit.train.data import (
     ImageFolderDataset,
@@ -138,7 +139,7 @@ class Parts:
         return torch.autocast(self.devices[0].type, dtype=dtype)
 
 
-def _folder_data(args: argparse.Namespace) -> Tuple[TrainSet, int, VerificationSet]:
+def _folder_data(args: argparse.Namespace, world_size: int) -> Tuple[TrainSet, int, VerificationSet]:
     try:
         full = ImageFolderDataset(args.data, args.image_size, cache_ram=args.cache_ram)
     except ValueError as e:  # an empty or broken folder, an image that does not decode
@@ -160,6 +161,7 @@ def _folder_data(args: argparse.Namespace) -> Tuple[TrainSet, int, VerificationS
     if not train_idx or not val_idx:
         which = "training" if not train_idx else "held-out (the last --val-classes)"
         raise UsageError(f"--data {args.data!r}: the {which} class folders hold no images")
+    _check_folder_fits(args, world_size, train_k, [labels[i] for i in val_idx])
     try:
         images = torch.stack([full[i][0] for i in val_idx])
     except ValueError as e:  # a held-out image that cannot be read or decoded
@@ -173,6 +175,25 @@ def _folder_data(args: argparse.Namespace) -> Tuple[TrainSet, int, VerificationS
             "genuine or no impostor pairs; they need two or more images each, and two or more classes"
         ) from None
     return Subset(full, train_idx), train_k, pairs
+
+
+def _check_folder_fits(args: argparse.Namespace, world_size: int, train_classes: int, held_out: List[int]) -> None:
+    """The checks the synthetic data gets before the run starts, on --data's own sizes once the
+    folder is listed: the head of its training classes on --devices, its held-out images and
+    their pairs in RAM (a UsageError before anything large is built)."""
+    misfit = _head_misfit(args, world_size, classes=train_classes)
+    if misfit is not None:
+        raise UsageError(misfit)
+    ram = _ram_bytes()
+    sizes = torch.bincount(torch.tensor(held_out)).tolist()
+    genuine = sum(min(n * (n - 1) // 2, MAX_GENUINE_PER_CLASS) for n in sizes)
+    need = held_out_bytes(len(held_out), genuine + 10000, args)
+    if ram is not None and need > ram:
+        raise UsageError(
+            f"--data's held-out classes (the last --val-classes={args.val_classes}): {len(held_out)} images and "
+            f"{genuine} genuine pairs need over {need / 2**30:.3g} GiB of RAM, this machine has {ram / 2**30:.3g} "
+            "GiB; hold out fewer classes (--val-classes)"
+        )
 
 
 def data_fingerprint(full: ImageFolderDataset) -> Dict[str, Any]:
@@ -263,7 +284,7 @@ def init_weights(kind: str, backbone: nn.Module, head: nn.Module, num_classes: i
 
 def build(args: argparse.Namespace, world: World) -> Parts:
     if args.data:
-        train_set, num_classes, val_set = _folder_data(args)
+        train_set, num_classes, val_set = _folder_data(args, world.size)
         assert isinstance(train_set, Subset) and isinstance(train_set.dataset, ImageFolderDataset)
         fingerprint = data_fingerprint(train_set.dataset)
     else:
