@@ -373,7 +373,11 @@ def test_images_are_read_upright_and_16_bit_grayscale_is_scaled(tmp_path):
     exif = im.getexif()
     exif[0x0112] = 6
     im.save(tmp_path / "b" / "phone.jpg", exif=exif, quality=100)
+    (tmp_path / "b" / "._phone.jpg").write_bytes(b"\x00\x05\x16\x07 macOS metadata")  # hidden: not taken
+    (tmp_path / "b" / ".picasaoriginals").mkdir()
+    (tmp_path / "b" / ".picasaoriginals" / "phone.jpg").write_bytes(b"")
     ds = ImageFolderDataset(str(tmp_path), image_size=8, channels=1)
+    assert sorted(os.path.basename(p) for p, _ in ds.samples) == ["float.tif", "phone.jpg", "ramp16.png"]
     by_name = {os.path.basename(p): ds[i][0][..., 0].float() for i, (p, _) in enumerate(ds.samples)}
     expected = torch.from_numpy(ramp / 257.0).round()
     for name in ("ramp16.png", "float.tif"):  # clipped at 255 (16-bit) or truncated to 0 / 1 (float)
