@@ -31,8 +31,9 @@ def _pil() -> ModuleType:
 def _image_files(folder: str, exts: Tuple[str, ...]) -> List[str]:
     """The image files under ``folder`` (recursively; symlinked folders not followed, hidden
     entries skipped): folder by folder in sorted path order, each folder's files sorted
-    (``sorted(os.walk(folder))``'s order). A name with an image suffix that is not a regular file (a broken or looping link,
-    a pipe, a device) is a ValueError naming it: reading it would fail or block forever."""
+    (``sorted(os.walk(folder))``'s order). A name with an image suffix that is not a regular
+    file (a broken or looping link, a pipe, a device) is a ValueError naming it: reading it
+    would fail or block forever."""
     found: Dict[str, List[str]] = {}
     todo = [folder]
     while todo:
