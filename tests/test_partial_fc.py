@@ -320,7 +320,9 @@ def _two_rank_worker(rank, init_file, tmp, data):
                 head.load_state_dict(bad)
             except RuntimeError as err:
                 out.setdefault("load_errors", []).append(str(err))
-        out["missing"] = head.load_state_dict({}, strict=False).missing_keys
+        before = head.weight
+        out["missing"] = head.load_state_dict({}, strict=False, assign=True).missing_keys
+        out["kept"] = head.weight is before  # assign=True installed the pre-hook's stand-in
     except Exception:
         out["fatal"] = traceback.format_exc()
     finally:
@@ -348,7 +350,7 @@ def test_two_gloo_ranks_split_classes_like_partial_fc_v2(tmp_path):
         assert len(shape) == 2 and all("weight_shards" not in e for e in shape), shape
         assert "size mismatch for weight: the checkpoint has (3, 5)" in shape[0], shape[0]
         assert 'Missing key(s) in state_dict: "weight"' in shape[1] and '"weights"' in shape[1], shape[1]
-        assert missing == ["weight"]
+        assert missing == ["weight"] and res[r]["kept"]
     torch.manual_seed(data["seed"])
     assert torch.equal(res[1]["weight"], torch.normal(0, 0.01, (11, dim), dtype=torch.float64))
     w = torch.cat([res[0]["weight"], res[1]["weight"]])

@@ -159,3 +159,20 @@ def test_the_process_group_mode_takes_its_own_shard_under_functional_call(tmp_pa
         assert head.weight is None
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("devices", [None, ["cpu"] * 2])
+def test_assign_loads_never_replace_a_shard_the_state_dict_does_not_give(devices):
+    # The load pre-hook put the shards' own values in for the keys it answered: with
+    # assign=True torch installed them as new Parameters, which the optimizer did not hold.
+    net = _net(devices)
+    shards = list(net.head.weight_shards)
+    body = {k: v for k, v in net.state_dict().items() if k.startswith("body.")}
+    result = net.load_state_dict(body, strict=False, assign=True)
+    assert result.missing_keys == ["head.weight"] and result.unexpected_keys == []
+    assert all(a is b for a, b in zip(net.head.weight_shards, shards))
+    bad = dict(body, **{"head.weight": torch.zeros(C + 1, D, dtype=torch.float64)})
+    with pytest.raises(RuntimeError, match=r"size mismatch for head\.weight") as err:
+        net.load_state_dict(bad, assign=True)
+    assert "weight_shards" not in str(err.value)
+    assert all(a is b for a, b in zip(net.head.weight_shards, shards))

@@ -84,6 +84,7 @@ def class_ordered_checkpoints(module: ShardedHead) -> None:
     shard count, and its load_state_dict take that form (or the per-shard one)."""
     module.register_state_dict_post_hook(_state_dict_post_hook)
     module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
+    module.register_load_state_dict_post_hook(unreport_answered_keys)
 
 
 def checked_weight_loads(module: ShardedHead) -> None:
@@ -174,8 +175,7 @@ def _load_state_dict_pre_hook(
             # Neither form: report the key state_dict() writes (`weight`), not the per-shard ones;
             # the shards keep their values (loaded from themselves).
             missing.append(key)
-            for name, shard in zip(shard_keys, module.weight_shards):
-                state_dict[name] = shard.detach()
+            unreport_keys(module, shard_keys)
             return
         # Per-shard keys (same shard count) load as ordinary parameters, all or none: a partial
         # set (even with strict=False) or one of the wrong shape is an error (load_state_dict's
@@ -188,8 +188,7 @@ def _load_state_dict_pre_hook(
                 + ", ".join(f'"{name}"' for name in absent)
                 + f" (given {given}); no shard was loaded"
             )
-            for name, shard in zip(shard_keys, module.weight_shards):
-                state_dict[name] = shard.detach()
+            _hold_back(module, state_dict, shard_keys)
             return
         wrong = [
             (name, _shape(state_dict[name]), tuple(shard.shape))
@@ -199,9 +198,7 @@ def _load_state_dict_pre_hook(
         for name, got, expected in wrong:
             errors.append(f"size mismatch for {name}: the checkpoint has {got}, this module's shard is {expected}")
         if wrong:
-            for name, shard in zip(shard_keys, module.weight_shards):
-                if name in state_dict:
-                    state_dict[name] = shard.detach()
+            _hold_back(module, state_dict, shard_keys)
         return
     full = state_dict.pop(key)
     expected = (module.num_classes, module.embedding_dim)
@@ -211,10 +208,9 @@ def _load_state_dict_pre_hook(
             f"size mismatch for {key}: the checkpoint has {shape}, this module expects {expected} "
             "[num_classes, embedding_dim]"
         )
-        # The shards' own values stand in, so the error is this size mismatch alone, not also
-        # "missing" per-shard keys the checkpoint was never meant to hold.
-        for k, shard in enumerate(module.weight_shards):
-            state_dict.setdefault(f"{prefix}weight_shards.{k}", shard.detach())
+        # The error is this size mismatch alone, not also "missing" per-shard keys the
+        # checkpoint was never meant to hold.
+        _hold_back(module, state_dict, shard_keys)
         return
     for k, (offset, size) in enumerate(zip(module.class_offsets, module.shard_sizes)):
         state_dict[f"{prefix}weight_shards.{k}"] = full[offset : offset + size]
@@ -252,6 +248,31 @@ def _shard_index(key: str, prefix: str) -> Optional[int]:
     head = prefix + "weight_shards."
     rest = key[len(head) :] if key.startswith(head) else ""
     return int(rest) if rest.isdigit() and rest.isascii() else None
+
+
+# Shard keys a load's pre-hook answered for (reported under `weight`, or as an error), which
+# torch would report missing as well: its post-hook takes them out of missing_keys. Nothing of
+# the shards is put in the state dict in their place: with load_state_dict(assign=True) torch
+# would install it as a new Parameter, which the optimizer does not hold.
+_UNREPORTED = "_shard_keys_unreported"
+
+
+def unreport_keys(module: nn.Module, keys: Sequence[str]) -> None:
+    module.__dict__.setdefault(_UNREPORTED, set()).update(keys)
+
+
+def _hold_back(module: nn.Module, state_dict: Dict[str, Any], keys: Sequence[str]) -> None:
+    """No shard loads (the load fails with the errors already recorded): the shard keys leave
+    the state dict, and they are not reported missing besides."""
+    for name in keys:
+        state_dict.pop(name, None)
+    unreport_keys(module, keys)
+
+
+def unreport_answered_keys(module: nn.Module, incompatible_keys: Any) -> None:
+    """The load post-hook of :func:`unreport_keys`."""
+    keys = module.__dict__.pop(_UNREPORTED, set())
+    incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if k not in keys]
 
 
 def _shape(value: object) -> Union[Tuple[int, ...], str]:

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardkit.softmax.core import ShardedLossOutput
+from shardkit.softmax.head import unreport_answered_keys, unreport_keys
 from shardkit.softmax.margins import ArcFace, CombinedMargin, CosFace, Margin
 from shardkit.softmax.module import ShardedSoftmaxLoss
 from shardkit.softmax.sampling import _SAMPLED
@@ -219,6 +220,7 @@ class PartialFC_V2(ShardedSoftmaxLoss):
         if group is not None:
             self.register_state_dict_post_hook(_weight_key_out)
             self.register_load_state_dict_pre_hook(_weight_key_in)
+            self.register_load_state_dict_post_hook(unreport_answered_keys)
 
     @property  # (ShardedSoftmaxLoss's `weight` is None, the stand-in of functional_call)
     def weight(self) -> torch.nn.Parameter:  # type: ignore[override]
@@ -306,8 +308,9 @@ def _weight_key_in(
                 f"size mismatch for {key}: the checkpoint has {tuple(value.shape)}, this rank's shard is "
                 f"{tuple(shard.shape)} (this rank's classes of the head, from num_classes and the world size)"
             )
-            value = shard.detach()  # (kept: the error above is the one reported)
+            unreport_keys(module, [inner])  # (the error above is the one reported; nothing loads)
+            return
         state_dict[inner] = value
     elif inner not in state_dict:
         missing.append(key)
-        state_dict[inner] = shard.detach()  # (kept: `weight` is reported missing, not the inner name)
+        unreport_keys(module, [inner])  # (`weight` is reported missing, not the inner name)
