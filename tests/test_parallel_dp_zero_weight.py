@@ -182,3 +182,20 @@ def test_a_criterion_that_modifies_its_input_in_place_runs_once_and_gated():
     ref_loss.backward()
     assert rel(loss, ref_loss) <= 1e-12
     _check_grads(net, ref)  # no NaN from the void chunk: it was gated
+
+
+def test_an_in_place_change_of_a_leaf_that_requires_grad_is_refused_as_on_one_device():
+    # The gate's output shared the leaf's storage without being its view: the change went
+    # through silently, onto the caller's leaves.
+    class InPlace(nn.Module):
+        def forward(self, logits, target):
+            logits.sub_(1.0)
+            return nn.functional.cross_entropy(logits, target)
+
+    outs = [torch.randn(3, 4, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    before = [o.detach().clone() for o in outs]
+    with pytest.raises(RuntimeError, match="in-?place"):
+        DataParallelCriterion(InPlace(), ["cpu"] * 2)(outs, torch.randint(0, 4, (6,)))
+    assert all(torch.equal(o.detach(), b) for o, b in zip(outs, before))
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        InPlace()(outs[0], torch.randint(0, 4, (3,)))  # (what one device says)

@@ -289,3 +289,19 @@ def test_balance_by_time_profiles_in_place_layers():
     )  # fmt: skip
     plan = PipelineModel.balance_by(layers, torch.randn(8, 3, 16, 16), 2, by="time")
     assert sum(plan) == 9 and len(plan) == 2 and min(plan) >= 1
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_a_first_stage_starting_with_an_in_place_layer_trains(checkpoint, chunks):
+    # The micro-batches were views of the input, sharing its version counter: the in-place
+    # layer's change of one made the others' saved tensors stale (torch's version error).
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(6, 8), nn.ReLU(inplace=True), nn.Linear(8, 3)).double()
+    model = copy.deepcopy(ref)
+    x, y = _x(6, 6), torch.randint(0, 3, (6,))
+    nn.functional.cross_entropy(ref(x.clone()), y).backward()
+    pipe = PipelineModel(model, ["cpu", "cpu"], chunks=chunks, balance=[2, 2], checkpoint=checkpoint)
+    nn.functional.cross_entropy(pipe(x.clone()), y).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)

@@ -157,3 +157,10 @@ def test_largest_classes_has_no_fixed_ceiling(gpu_memory):
     best = largest_classes(0, **args)
     assert best > 2 * 2**44
     assert _fits(plan_memory(classes=best, **args), 0) and not _fits(plan_memory(classes=best + 1, **args), 0)
+
+
+def test_largest_classes_stops_at_the_class_count_limit():
+    # gpu_memory x devices passed 2**63 - 1 classes: the search asked plan_memory for more and
+    # failed with an error about `classes`, which the caller never gave.
+    best = largest_classes(0, dim=1, devices=65536, batch=1, gpu_memory=2**51)
+    assert 0 < best <= 2**63 - 1

@@ -176,3 +176,21 @@ def test_assign_loads_never_replace_a_shard_the_state_dict_does_not_give(devices
         net.load_state_dict(bad, assign=True)
     assert "weight_shards" not in str(err.value)
     assert all(a is b for a, b in zip(net.head.weight_shards, shards))
+
+
+def test_a_stand_in_weight_takes_the_gradient_of_a_sampled_head():
+    # A sampled shard's gradient is row-sparse: the stand-in's slicing refused it in the backward.
+    torch.manual_seed(0)
+    head = shardkit.ShardedSoftmaxLoss(D, C, devices=["cpu"] * 3, sample_rate=0.5, dtype=torch.float64)
+    x, y = torch.randn(6, D, dtype=torch.float64), torch.randint(0, C, (6,))
+    w = head.full_weight().clone().requires_grad_(True)
+    head.sample_generator = [torch.Generator().manual_seed(k) for k in range(3)]
+    loss = torch.func.functional_call(head, {"weight": w}, (x, y))
+    (gw,) = torch.autograd.grad(loss, w)
+    head.sample_generator = [torch.Generator().manual_seed(k) for k in range(3)]  # the same sample
+    with torch.no_grad():
+        for p, part in zip(head.weight_shards, w.detach().split(list(head.shard_sizes))):
+            p.copy_(part)
+    head(x, y).backward()
+    expected = torch.cat([p.grad.to_dense() for p in head.weight_shards])
+    assert gw.layout == torch.strided and torch.allclose(gw, expected, rtol=1e-12, atol=1e-14)

@@ -456,3 +456,19 @@ def test_data_runs_get_the_fit_checks_of_the_synthetic_data(tmp_path, capsys, mo
     with pytest.raises(UsageError, match="--data.s 20022 training classes x --dim 4096: the head needs about"):
         train_setup._check_folder_fits(args, 1, 20022, [0, 0, 1, 1])
     train_setup._check_folder_fits(args, 1, 100, [0, 0, 1, 1])  # fits
+
+
+def test_a_checkpoint_without_a_data_record_keeps_its_folder(tmp_path, capsys):
+    # Written before checkpoints recorded --data's contents: another folder given on resume was
+    # accepted silently (nothing to check it against).
+    root = _faces(tmp_path / "faces", classes=6, per=8)
+    other = _faces(tmp_path / "other", classes=6, per=8)
+    out = str(tmp_path / "o")
+    assert train.main(["--data", str(root), "--out", out] + DATA) == 0
+    path = checkpoint.layout.newest_file(checkpoint.find(out))
+    state = checkpoint.read(path)
+    del state["data"]
+    checkpoint.write_atomic(state, path)
+    capsys.readouterr()
+    assert train.main(["--resume", out, "--data", str(other), "--steps", "3"]) == 2
+    _one_line(capsys, "contradicts the checkpoint")

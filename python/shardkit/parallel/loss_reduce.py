@@ -24,6 +24,13 @@ from shardkit.ops import weighted_loss_reduce
 from shardkit.parallel import scatter as U
 
 
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """The gate's output: ``t``'s storage and version counter, not a view in autograd's sense
+    (so the criterion may change it in place); a view where ``t`` is a leaf that requires grad,
+    so that an in-place change is refused, as torch refuses it on that leaf on one device."""
+    return t.view_as(t) if t.is_leaf and t.requires_grad else t.detach()
+
+
 class _Gate(torch.autograd.Function):
     """Identity forward; backward: ``where(weight != 0, grad, 0)``, the weight read from
     ``gate`` (a ChunkGate) when the backward runs. Its backward is differentiable (double
@@ -37,7 +44,7 @@ class _Gate(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, t: torch.Tensor, gate: ChunkGate) -> torch.Tensor:
         ctx.gate = gate
-        return t.detach()
+        return _alias(t)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
@@ -57,7 +64,7 @@ class _FuncGate(torch.autograd.Function):
 
     @staticmethod
     def forward(t: torch.Tensor, gate: ChunkGate) -> torch.Tensor:
-        return t.detach()
+        return _alias(t)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:

@@ -38,7 +38,14 @@ from torch import nn
 from shardkit.ops._devices import unavailable_cuda, visible_gpus
 from shardkit.parallel.pipeline_bn import DeferredBatchNorm, micro_batch
 from shardkit.parallel.pipeline_plan import BALANCE_BY, layer_costs, partition, split_evenly
-from shardkit.parallel.pipeline_tasks import TaskLabel, check_shared, null_context, rng_lock, run_checkpointed
+from shardkit.parallel.pipeline_tasks import (
+    TaskLabel,
+    changes_its_input,
+    check_shared,
+    null_context,
+    rng_lock,
+    run_checkpointed,
+)
 from shardkit.parallel.scatter import as_device
 from shardkit.parallel.threads import run_parallel
 
@@ -241,6 +248,8 @@ class PipelineModel(nn.Module):
         if x.dim() == 0 or x.shape[0] == 0:
             raise ValueError(f"argument `x` must have a non-empty batch along dim 0, got shape {tuple(x.shape)}")
         micro = list(x.tensor_split(min(self.chunks, x.shape[0])))
+        if len(micro) > 1 and changes_its_input(self.partitions[0]):  # views of x share its version
+            micro = [t.clone() for t in micro]  # counter: each in-place change would stale the others
         m = len(micro)
         self._micro_count = m
         deferred = (

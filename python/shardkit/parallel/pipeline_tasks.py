@@ -53,7 +53,7 @@ def run_checkpointed(part: nn.Module, x: torch.Tensor) -> torch.Tensor:
     modes = [(mod, mod.training) for mod in part.modules()]
     # The checkpoint recomputes from the stage's input, which an in-place first layer
     # (ReLU(inplace=True) just after a stage boundary) would change: it gets a copy.
-    copy_input = _changes_its_input(part)
+    copy_input = changes_its_input(part)
     version = x._version
 
     def run(inp: torch.Tensor) -> torch.Tensor:
@@ -88,7 +88,7 @@ def run_checkpointed(part: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def _changes_its_input(part: nn.Module) -> bool:
+def changes_its_input(part: nn.Module) -> bool:
     """Whether ``part``'s first layer (through nested Sequentials) is one of torch's in-place
     layers (``inplace=True``: ReLU, LeakyReLU, Dropout, Hardswish, ...)."""
     first: nn.Module | None = part

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from numbers import Integral
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
-from shardkit.plan.memory import MAX_SIZE, DeviceMemory, MemoryPlan, _check_int, plan_memory, sampled_rows
+from shardkit.plan.memory import MAX_COUNT, MAX_SIZE, DeviceMemory, MemoryPlan, _check_int, plan_memory, sampled_rows
 
 #: The budget label that stands for "the whole shard's logits".
 FULL = "full"
@@ -183,7 +183,7 @@ def largest_classes(budget: Budget, **plan_args: Any) -> int:
         return 0
     # A class keeps at least one byte (its weight row) on the device that holds it: no more
     # than gpu_memory classes fit per device.
-    top = int(one.gpu_memory or 1) * int(args.get("devices", 1))
+    top = min(int(one.gpu_memory or 1) * int(args.get("devices", 1)), MAX_COUNT)  # (classes' own limit)
     all_whole = _last_true(lambda c: whole(c, every=True), top)
     some_whole = _last_true(lambda c: whole(c, every=False), top)
     best = 0

@@ -408,4 +408,17 @@ def stand_in_shards(module: ShardedHead, weight: object, shards: Sequence[torch.
             f"attribute `weight` must be a floating [num_classes, embedding_dim] = {list(expected)} tensor (the "
             f"class-ordered weight of state_dict()), got {weight.dtype} {list(weight.shape)}"
         )
-    return [weight[off : off + p.shape[0]].to(p.device) for off, p in zip(module.class_offsets, shards)]
+    return [_Dense.apply(weight[off : off + p.shape[0]].to(p.device)) for off, p in zip(module.class_offsets, shards)]
+
+
+class _Dense(torch.autograd.Function):
+    """Identity whose backward makes a row-sparse gradient (a sampled shard's) dense: the
+    slicing of a stand-in weight takes only dense ones."""
+
+    @staticmethod
+    def forward(ctx: object, t: torch.Tensor) -> torch.Tensor:
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return grad.to_dense() if grad.layout != torch.strided else grad

@@ -283,15 +283,18 @@ def settings_of(args: argparse.Namespace) -> Dict[str, Any]:
     return out
 
 
-def restore_settings(args: argparse.Namespace, explicit: Set[str], saved: Dict[str, Any], where: str) -> None:
+def restore_settings(
+    args: argparse.Namespace, explicit: Set[str], saved: Dict[str, Any], where: str, data_recorded: bool = False
+) -> None:
     """Fill ``args`` from a checkpoint's settings: a FIXED flag given with another value than
-    the checkpoint's is a UsageError naming both; CHANGEABLE flags keep the value given."""
+    the checkpoint's is a UsageError naming both; CHANGEABLE flags keep the value given.
+    ``data_recorded``: the checkpoint records what its --data held (its folder may then move)."""
     for key in FIXED:
         value = saved.get(key)
         flag = "--" + key.replace("_", "-")
         given = getattr(args, key)
         if key == "data" and isinstance(given, str) and isinstance(value, str):
-            if key in explicit and os.path.isdir(given):  # the folder, moved or mounted elsewhere: its
+            if key in explicit and data_recorded and os.path.isdir(given):  # moved or mounted elsewhere: its
                 continue  # contents are checked against the checkpoint's record when the run is built
             same = os.path.realpath(given) == os.path.realpath(value)  # data/ and ./data are one folder
         else:

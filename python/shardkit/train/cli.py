@@ -262,7 +262,8 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         assert path is not None  # (find returned its folder)
         saved = checkpoint.read(path)
         checks.check_saved_settings(parser, saved["args"], path)
-        checkpoint.restore_settings(args, _explicit(argv), saved["args"], found)
+        recorded = isinstance(saved.get("data"), dict)  # (checkpoints before 2026-11-28 hold no record)
+        checkpoint.restore_settings(args, _explicit(argv), saved["args"], found, recorded)
         if args.out is None:
             args.out = checkpoint.run_dir(found)
     if args.out is None:
