@@ -33,6 +33,7 @@ from shardkit.softmax.head import (
     class_ordered_checkpoints,
     current_shards,
     init_bound,
+    stand_in_shards,
     stand_in_weight,
 )
 from shardkit.softmax.margins import Margin
@@ -395,30 +396,3 @@ class LocalShards:
             generator=module.sample_generator,
             memory_budget=module.memory_budget,
         )
-
-
-def stand_in_shards(module: ShardedHead, weight: object, shards: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    """``weight`` [C, D] (the class-ordered form of ``state_dict()``) cut into the shards'
-    class ranges on their devices, differentiably; TypeError / ValueError naming ``weight``."""
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"attribute `weight` must be None or a [C, D] tensor, got {type(weight).__name__}")
-    expected = (module.num_classes, module.embedding_dim)
-    if tuple(weight.shape) != expected or not weight.is_floating_point():
-        raise ValueError(
-            f"attribute `weight` must be a floating [num_classes, embedding_dim] = {list(expected)} tensor (the "
-            f"class-ordered weight of state_dict()), got {weight.dtype} {list(weight.shape)}"
-        )
-    return [_Dense.apply(weight[off : off + p.shape[0]].to(p.device)) for off, p in zip(module.class_offsets, shards)]
-
-
-class _Dense(torch.autograd.Function):
-    """Identity whose backward makes a row-sparse gradient (a sampled shard's) dense: the
-    slicing of a stand-in weight takes only dense ones."""
-
-    @staticmethod
-    def forward(ctx: object, t: torch.Tensor) -> torch.Tensor:
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
-        return grad.to_dense() if grad.layout != torch.strided else grad
