@@ -130,3 +130,31 @@ def test_functional_sampling_with_user_weights():
     counts = sampled_class_counts([13, 8], 0.5, 4)
     assert [int(p.grad.coalesce().indices().shape[1]) for p in w] == counts
     assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_sampled_gradients_accumulate_over_backwards_in_every_dtype(dtype):
+    # torch cannot add two float16 sparse COO tensors on the CPU: a second backward before the
+    # optimizer step (gradient accumulation) raised NotImplementedError for float16 heads
+    torch.manual_seed(20)
+    head = shardkit.ShardedSoftmaxLoss(16, 11, devices=["cpu", "cpu"], dtype=dtype, sample_rate=0.5)
+    ref = shardkit.ShardedSoftmaxLoss(16, 11, devices=["cpu", "cpu"], dtype=torch.float64, sample_rate=0.5)
+    with torch.no_grad():
+        for w, r in zip(head.weight_shards, ref.weight_shards):
+            r.copy_(w)
+    head.sample_generator = torch.Generator().manual_seed(5)
+    ref.sample_generator = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(6, 16), torch.randint(0, 11, (6,))) for _ in range(3)]
+    for x, y in batches:
+        head(x.to(dtype), y).backward()
+        ref(x.to(dtype).double(), y).backward()
+    # torch.autograd.grad returns its gradient and leaves .grad alone
+    x, y = batches[0]
+    before = [w.grad.to_dense().clone() for w in head.weight_shards]
+    (g,) = torch.autograd.grad(head(x.to(dtype), y), [head.weight_shards[0]])
+    assert g.is_sparse and all(torch.equal(b, w.grad.to_dense()) for b, w in zip(before, head.weight_shards))
+    tol = {torch.float16: 2e-3, torch.bfloat16: 2e-2, torch.float32: 1e-5}[dtype]
+    for w, r in zip(head.weight_shards, ref.weight_shards):
+        assert w.grad.is_sparse and w.grad.dtype == dtype
+        torch.testing.assert_close(w.grad.to_dense().double(), r.grad.to_dense(), rtol=tol, atol=tol)
+    shardkit.SparseRowSGD(head.parameters(), lr=0.1, momentum=0.9).step()  # the joined gradient steps

@@ -87,7 +87,49 @@ def sample_shard(
     index, sub_labels = partial_fc_sample(
         labels, class_offset=class_offset, num_local=weight.shape[0], num_sample=num_sample, generator=generator
     )
+    _fold_half_grads(weight)
     return F.embedding(index, weight, sparse=True), sub_labels, index
+
+
+class _HalfSparseFold:
+    """A gradient hook of a float16 CPU shard: torch cannot add two float16 sparse COO tensors
+    on the CPU ("cadd_sparse" not implemented for 'Half'), which a second backward before the
+    optimizer step (gradient accumulation, ``retain_graph``) needs. When a backward is about to
+    accumulate a sparse gradient into a sparse ``.grad``, the hook joins the two (their rows side
+    by side: an uncoalesced sum, as torch's own sparse add leaves it) and hands
+    the result to torch as the whole gradient. ``torch.autograd.grad`` calls, which do not
+    accumulate, pass through untouched."""
+
+    __torch_unserializable__ = True  # not pickled with the Parameter: the next forward adds it again
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weakref.ref(weight)
+
+    def __call__(self, grad: torch.Tensor) -> Optional[torch.Tensor]:
+        weight = self.weight()
+        old = None if weight is None else weight.grad
+        if old is None or not (grad.is_sparse and old.is_sparse) or old.dtype != torch.float16:
+            return None
+        try:  # torch.autograd.grad does not accumulate: it returns the gradient, .grad is left alone
+            if not torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(weight).node):
+                return None
+        except RuntimeError:  # raised for a leaf under torch.autograd.grad
+            return None
+        # float32's sparse add joins the two uncoalesced (no arithmetic on the values, so the
+        # round trip through float32 is exact)
+        joined = (old.float() + grad.float()).to(torch.float16)
+        weight.grad = None  # AccumulateGrad then takes the joined gradient as it is
+        return joined
+
+
+def _fold_half_grads(weight: torch.Tensor) -> None:
+    if weight.dtype != torch.float16 or weight.device.type != "cpu" or torch.compiler.is_compiling():
+        return
+    if not (weight.is_leaf and weight.requires_grad):
+        return
+    hooks = getattr(weight, "_backward_hooks", None) or {}
+    if not any(isinstance(h, _HalfSparseFold) for h in hooks.values()):
+        weight.register_hook(_HalfSparseFold(weight))
 
 
 # optimizer -> parameter count when last checked
