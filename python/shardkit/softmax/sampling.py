@@ -107,7 +107,9 @@ class _HalfSparseFold:
 
     def __call__(self, grad: torch.Tensor) -> Optional[torch.Tensor]:
         weight = self.weight()
-        old = None if weight is None else weight.grad
+        if weight is None:
+            return None
+        old = weight.grad
         if old is None or not (grad.is_sparse and old.is_sparse) or old.dtype != torch.float16:
             return None
         try:  # torch.autograd.grad does not accumulate: it returns the gradient, .grad is left alone
