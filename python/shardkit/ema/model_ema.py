@@ -20,7 +20,14 @@ from shardkit.ema.graph import GraphedEMA
 from shardkit.ema.hooks import attach_update
 from shardkit.ema.settings import Settings, pickled_state, unpickled_state
 from shardkit.ema.stage import HostStage
-from shardkit.ema.state import FORMAT, check_module_state, check_state, load_module_state, timm_state
+from shardkit.ema.state import (
+    FORMAT,
+    check_module_state,
+    check_rounding_state,
+    check_state,
+    load_module_state,
+    timm_state,
+)
 from shardkit.ema.structure import ModelTracker, _unwrap, check_structure, slot_tensor
 from shardkit.ema.swap import SwapPairs, swapped
 from shardkit.ema.watch import ModuleWatch
@@ -101,6 +108,7 @@ class ModelEMA(Settings, nn.Module):
     FSDP1 (``FullyShardedDataParallel``'s flat parameters) is refused with a TypeError.
     """
 
+    @torch.inference_mode(False)  # built under torch.inference_mode(), its tensors still take updates
     def __init__(
         self,
         model: nn.Module,
@@ -185,6 +193,13 @@ class ModelEMA(Settings, nn.Module):
 
     def __setstate__(self, state: Dict[str, Any]) -> None:  # a pickle of an earlier release too
         super().__setstate__(unpickled_state(state))
+        module = self._module
+        if module is not None and self._dtensor is None:
+            slots = structure._slots(module)
+            if [s[0] for s in slots] != self._names:  # pickled when non-persistent buffers were averaged too
+                self._names = [s[0] for s in slots]
+                self._ema = self._refs = [slot_tensor(s) for s in slots]
+                self._regroup([s[3] for s in slots])
 
     # ---- schedule (the attributes: ema/settings.py) --------------------------------------
     def get_decay(self, step: Optional[int] = None) -> float:
@@ -327,10 +342,10 @@ class ModelEMA(Settings, nn.Module):
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:  # type: ignore[override]
         """Everything to resume: EMA weights (``module``, a plain module state_dict), the
-        counters and the schedule. Only tensors, numbers, None and strings, so
-        ``torch.load(..., weights_only=True)`` reads it. With arguments (``prefix=``,
-        ``keep_vars=``, as a parent module's state_dict calls it), ``nn.Module``'s: the EMA
-        weights under ``module.`` (timm ModelEmaV3's keys).
+        counters, the schedule and the rounding (``stochastic_rounding`` and its seed). Only
+        tensors, numbers, None and strings, so ``torch.load(..., weights_only=True)`` reads it. With
+        arguments (``prefix=``, ``keep_vars=``, as a parent module's state_dict calls it),
+        ``nn.Module``'s: the EMA weights under ``module.`` (timm ModelEmaV3's keys).
 
         A sharded model's EMA: ``module`` maps the model's state_dict keys to DTensors over
         this rank's EMA shards (the model's mesh and placements, the EMA dtype), sharing the
@@ -350,6 +365,8 @@ class ModelEMA(Settings, nn.Module):
             **{name: getattr(self, name) for name in SCHEDULE},
             "copy_float_buffers": self.copy_float_buffers,
             "enabled": self.enabled,
+            "stochastic_rounding": self.stochastic_rounding,
+            "stochastic_rounding_seed": self.stochastic_rounding_seed,
         }
 
     def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
@@ -370,6 +387,7 @@ class ModelEMA(Settings, nn.Module):
             self._follow_module()  # assign=True replaced the module's tensors
             return result
         schedule = None if weights_only is not None else check_state(state_dict, FORMAT)
+        rounding = {} if weights_only is not None else check_rounding_state(state_dict)
         module_state = state_dict["module"] if weights_only is None else weights_only
         check_module_state(self._module_state(keep_vars=True), module_state)
         self._follow_module()
@@ -378,6 +396,8 @@ class ModelEMA(Settings, nn.Module):
             self._set_schedule(*schedule)
             self.updates, self._calls, self.enabled = (state_dict[k] for k in ("updates", "calls", "enabled"))
             self.copy_float_buffers = state_dict["copy_float_buffers"]
+            for key, value in rounding.items():
+                setattr(self, key, value)
         return _IncompatibleKeys([], [])
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:

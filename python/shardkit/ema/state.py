@@ -14,7 +14,7 @@ from shardkit.ema.checks import _MAX_COUNT, Schedule, _dtype_kind, _short, check
 
 FORMAT = "shardkit.ModelEMA/1"
 
-__all__ = ["FORMAT", "check_state", "check_module_state", "load_module_state", "timm_state"]
+__all__ = ["FORMAT", "check_rounding_state", "check_state", "check_module_state", "load_module_state", "timm_state"]
 
 
 # Every key of a state_dict and the types it may hold (load_state_dict names a bad one).
@@ -81,6 +81,23 @@ def check_state(state_dict: object, expected_format: str) -> Schedule:
     except (TypeError, ValueError) as err:
         raise ValueError(f"argument `state_dict`: {err}") from err
     return schedule
+
+
+def check_rounding_state(state_dict: Dict[str, Any]) -> Dict[str, Any]:
+    """The rounding settings of a ModelEMA state_dict, checked: ``stochastic_rounding`` (a bool)
+    and ``stochastic_rounding_seed`` (an int in [0, 2**63 - 1]), each where present (a state
+    saved before they were saved has neither: the EMA keeps its own). ValueError naming a bad one."""
+    out: Dict[str, Any] = {}
+    for key, kind in (("stochastic_rounding", bool), ("stochastic_rounding_seed", int)):
+        if key not in state_dict:
+            continue
+        value = state_dict[key]
+        bad = not isinstance(value, kind) or (kind is int and (isinstance(value, bool) or not 0 <= value <= _MAX_COUNT))
+        if bad:
+            expected = "a bool" if kind is bool else "an int in [0, 2**63 - 1]"
+            raise ValueError(f"argument `state_dict` has a corrupt {key!r}: expected {expected}, got {_short(value)}")
+        out[key] = value
+    return out
 
 
 def check_module_state(expected: Dict[str, Any], module_state: Dict[str, Any]) -> None:

@@ -39,15 +39,19 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 
 def _slots(root: nn.Module) -> List[Slot]:
-    """(name, owner dict, key, is_param) for every parameter and buffer, once per tensor
-    (tied weights appear once, so they are averaged once), in a fixed order."""
+    """(name, owner dict, key, is_param) for every parameter and persistent buffer, once per
+    tensor (tied weights appear once, so they are averaged once), in a fixed order.
+    Non-persistent buffers (``register_buffer(..., persistent=False)``: caches such as rotary
+    tables, which a model may rebuild at another size) are neither averaged nor swapped, as
+    timm's ModelEmaV3 (which walks ``state_dict()``) leaves them: the EMA's module keeps its own."""
     out: List[Slot] = []
     seen = set()
     for prefix, mod in root.named_modules():
         tables: Tuple[Tuple[bool, Dict[str, Any]], ...] = ((True, mod._parameters), (False, mod._buffers))
+        skip = mod._non_persistent_buffers_set
         for is_param, table in tables:
             for key, t in table.items():
-                if t is None or id(t) in seen:
+                if t is None or id(t) in seen or (not is_param and key in skip):
                     continue
                 seen.add(id(t))
                 out.append((f"{prefix}.{key}" if prefix else key, table, key, is_param))
@@ -156,9 +160,15 @@ def check_model(slots: Sequence[Slot], where: str) -> None:
     """A model ModelEMA can average, checked at construction: TypeError naming the first complex
     parameter or buffer, float8 (any floating dtype the op does not average) parameter, or sparse
     (or other non-strided) tensor;
-    ValueError naming the first tensor on the meta device (a model not yet materialized)."""
+    ValueError naming the first tensor on the meta device (a model not yet materialized) or
+    not yet initialized (a lazy module before its first forward)."""
     for slot in slots:
         t = slot_tensor(slot)
+        if isinstance(t, nn.parameter.UninitializedTensorMixin):
+            raise ValueError(
+                f"{where}: argument `model` has {slot[0]} not yet initialized (a lazy module such as "
+                "nn.LazyLinear); build the ModelEMA after a first forward has given it its shape"
+            )
         if t.is_complex():
             raise TypeError(
                 f"{where}: argument `model` has {slot[0]} of dtype {t.dtype}; ModelEMA averages "

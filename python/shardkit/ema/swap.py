@@ -47,6 +47,12 @@ def plan_swap(
     stash: List[Tuple[Tensor, Tensor, Tensor]] = []
     seen: Dict[Tuple[torch.device, int], List[Tuple[int, Tensor]]] = {}
     for i, (e, m) in enumerate(zip(ema, src)):
+        if m.layout == torch.strided and any(size > 1 and stride == 0 for size, stride in zip(m.shape, m.stride())):
+            raise ValueError(
+                f"ModelEMA.swap: argument `model` has {names[i]} as a view whose elements share memory (a zero "
+                "stride, e.g. made by expand()); swap writes the EMA's values into the model's tensors in place, "
+                "so each element needs memory of its own: register a copy of it (.clone())"
+            )
         if m.numel() and m.layout == torch.strided and not m.is_nested:
             key = (m.device, m.untyped_storage().data_ptr())
             earlier = seen.setdefault(key, [])
