@@ -114,6 +114,13 @@ def _bad_input(rank, world, group):
         out["raised_nan"] = None
     except shardkit.NonFiniteEmbeddingsError as err:
         out["raised_nan"] = f"{type(err).__name__}: {err}"
+    # One rank under torch.autocast: the same embeddings, another compute dtype there
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=rank == world - 1):
+            head(torch.randn(3, D), labels.clamp(max=10))
+        out["raised_autocast"] = None
+    except DistributedInputError as err:
+        out["raised_autocast"] = str(err)
     return out
 
 
@@ -459,6 +466,12 @@ def test_bad_input_raises_on_every_rank(runs, world):
         assert msg_int is not None
         assert "DistributedNonFiniteError" in (results[world][r]["bad_input"]["raised_nan"] or ""), r
         msg_empty = results[world][r]["bad_input"]["raised_empty"]
+        msg_autocast = results[world][r]["bad_input"]["raised_autocast"]
+        if world == 1:  # one rank alone under autocast: nothing differs
+            assert msg_autocast is None
+        else:
+            dtypes = ", ".join(["'float32'"] * (world - 1) + ["'bfloat16'"])
+            assert f"dtypes [{dtypes}]" in msg_autocast and "same autocast" in msg_autocast
         assert msg_empty is not None and results[world][r]["bad_input"]["seconds_empty"] < 10
         if r == world - 1:
             assert "argument `labels` has class ids >= num_classes=11" in msg

@@ -222,10 +222,13 @@ def exchange_batch_info(
     widths = sorted({row[1] for row in info})
     dtypes = sorted({row[2] for row in info})
     if len(widths) > 1 or len(dtypes) > 1:
+        names = {code: str(dtype).replace("torch.", "") for dtype, code in _DTYPE_CODES.items()}
         raise DistributedInputError(
             f"ShardedSoftmaxLoss rank {ctx.rank}: argument `embeddings` must have the same width and "
-            f"dtype on every rank, got widths {[row[1] for row in info]} and dtype codes "
-            f"{[row[2] for row in info]}"
+            f"compute dtype on every rank, got widths {[row[1] for row in info]} and dtypes "
+            f"{[names.get(row[2], 'unsupported') for row in info]} (the dtype the loss computes in: the "
+            "embeddings', or torch.autocast's where a rank runs under autocast; run every rank under the "
+            "same autocast)"
         )
     sizes = [row[0] for row in info]
     if ctx.layout == REPLICATED and len(set(sizes)) > 1:
