@@ -43,15 +43,18 @@ def no_running_stats_update(module: nn.Module) -> Iterator[None]:
             saved.append((m, "recomputing", m.recomputing, None))
             m.recomputing = True
         elif isinstance(m, _BatchNorm) and m.training and m.track_running_stats:
-            saved.append((m, "momentum", m.momentum, m.num_batches_tracked))
+            counter = m.num_batches_tracked
+            saved.append((m, "momentum", m.momentum, None if counter is None else counter.clone()))
             m.momentum = 0.0  # running = 1 * running + 0 * batch: unchanged
     try:
         yield
     finally:
-        for m, attr, value, counter in saved:
+        for m, attr, value, count in saved:
             setattr(m, attr, value)
-            if counter is not None:
-                counter.sub_(1)  # the forward counted this batch once more
+            if count is not None and m.num_batches_tracked is not None:
+                # as it was: the recomputation counted each use of the layer once more (none if it
+                # failed before reaching it)
+                m.num_batches_tracked.copy_(count)
 
 
 class DeferredBatchNorm(_BatchNorm):
