@@ -301,6 +301,32 @@ def test_no_sampling_warning_for_a_head_whose_gradients_are_dense():
         opt.step()
 
 
+@pytest.mark.parametrize("later", ["sampling", "momentum"])
+def test_sgd_warns_when_sampling_or_momentum_starts_after_its_first_steps(later):
+    # a head trained densely first (or an SGD whose momentum a schedule raises later): the check
+    # of the first step was cached and no later step warned
+    head = shardkit.ShardedSoftmaxLoss(7, 200, devices=["cpu"] * 2, sample_rate=1.0 if later == "sampling" else 0.1)
+    opt = torch.optim.SGD(head.parameters(), lr=0.1, momentum=0.9 if later == "sampling" else 0.0)
+    x, y = torch.randn(5, 7), torch.randint(0, 200, (5,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        head(x, y).backward()
+        opt.step()
+    if later == "sampling":
+        head.sample_rate = 0.1
+    else:
+        opt.param_groups[0]["momentum"] = 0.9
+    opt.zero_grad()
+    head(x, y).backward()
+    with pytest.warns(UserWarning, match="use shardkit.SparseRowSGD"):
+        opt.step()
+    opt.zero_grad()
+    head(x, y).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()  # once per optimizer
+
+
 @pytest.mark.gpu
 def test_sample_generator_must_be_on_the_labels_device():
     labels = torch.randint(0, 100, (9,), device="cuda")

@@ -10,6 +10,7 @@ from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tu
 
 import torch
 from torch import nn
+from torch.nn.parameter import UninitializedTensorMixin
 
 from shardkit.ema.checks import EMA_DTYPES
 from shardkit.ema.graph import GraphedEMA
@@ -164,7 +165,7 @@ def check_model(slots: Sequence[Slot], where: str) -> None:
     not yet initialized (a lazy module before its first forward)."""
     for slot in slots:
         t = slot_tensor(slot)
-        if isinstance(t, nn.parameter.UninitializedTensorMixin):
+        if isinstance(t, UninitializedTensorMixin):
             raise ValueError(
                 f"{where}: argument `model` has {slot[0]} not yet initialized (a lazy module such as "
                 "nn.LazyLinear); build the ModelEMA after a first forward has given it its shape"

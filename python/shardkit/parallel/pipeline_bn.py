@@ -51,10 +51,11 @@ def no_running_stats_update(module: nn.Module) -> Iterator[None]:
     finally:
         for m, attr, value, count in saved:
             setattr(m, attr, value)
-            if count is not None and m.num_batches_tracked is not None:
+            now = getattr(m, "num_batches_tracked", None)
+            if count is not None and isinstance(now, torch.Tensor):
                 # as it was: the recomputation counted each use of the layer once more (none if it
                 # failed before reaching it)
-                m.num_batches_tracked.copy_(count)
+                now.copy_(count)
 
 
 class DeferredBatchNorm(_BatchNorm):

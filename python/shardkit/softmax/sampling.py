@@ -134,8 +134,11 @@ def _fold_half_grads(weight: torch.Tensor) -> None:
         weight.register_hook(_HalfSparseFold(weight))
 
 
-# optimizer -> parameter count when last checked
-_checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+# optimizer -> what it was when last checked and found nothing to warn about (its parameter count,
+# the marks so far, which groups had momentum or weight decay), or _WARNED
+_checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, object] = weakref.WeakKeyDictionary()
+_WARNED = object()
+_marks = 0  # shards marked so far (a shard sampled for the first time makes the check run again)
 _hook: Optional[RemovableHandle] = None
 # The attribute that marks a sampled shard (a plain attribute on the Parameter, read by the hook).
 _SAMPLED = "_shardkit_sampled"
@@ -145,9 +148,17 @@ def _sgd_step_pre_hook(optimizer: torch.optim.Optimizer, args: Tuple[Any, ...], 
     # Runs before every optimizer step in the process: cheap after the first check.
     if not isinstance(optimizer, torch.optim.SGD):
         return
-    count = sum(len(g["params"]) for g in optimizer.param_groups)
-    if _checked.get(optimizer) == count:
-        return  # checked: no sampled shard in it, or warned already
+    seen = _checked.get(optimizer)
+    if seen is _WARNED:
+        return
+    groups = optimizer.param_groups
+    key = (
+        sum(len(g["params"]) for g in groups),
+        _marks,
+        tuple(bool(g.get("momentum", 0) or g.get("weight_decay", 0)) for g in groups),
+    )
+    if seen == key:
+        return  # checked as it is: no sampled shard under momentum or weight decay
     marked = False
     for group in optimizer.param_groups:
         if not (group.get("momentum", 0) or group.get("weight_decay", 0)):
@@ -157,7 +168,7 @@ def _sgd_step_pre_hook(optimizer: torch.optim.Optimizer, args: Tuple[Any, ...], 
         # warn when a shard's gradient IS row-sparse: one trained without sampling this step
         # (a head whose sample_rate went to 1, an eval-mode forward) has a dense gradient
         if any(p.grad is not None and p.grad.layout == torch.sparse_coo for p in shards):
-            _checked[optimizer] = count
+            _checked[optimizer] = _WARNED
             warnings.warn(
                 "torch.optim.SGD with momentum or weight_decay updates rows of a PartialFC-sampled "
                 "ShardedSoftmaxLoss shard that were not sampled this step (or raises on weight decay with "
@@ -167,15 +178,17 @@ def _sgd_step_pre_hook(optimizer: torch.optim.Optimizer, args: Tuple[Any, ...], 
             )
             return
     if not marked:
-        _checked[optimizer] = count
+        _checked[optimizer] = key
 
 
 def mark_sampled(weight: torch.Tensor) -> None:
     """Tag a shard trained with sampling so that a ``torch.optim.SGD`` step with momentum or
     weight decay over it warns (once per optimizer)."""
-    global _hook
+    global _hook, _marks
     if torch.compiler.is_compiling():
         return  # a traced setattr would break the graph; the module marks its shards at construction
-    setattr(weight, _SAMPLED, True)
+    if not getattr(weight, _SAMPLED, False):
+        setattr(weight, _SAMPLED, True)
+        _marks += 1
     if _hook is None:
         _hook = register_optimizer_step_pre_hook(_sgd_step_pre_hook)
