@@ -10,7 +10,7 @@ from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tu
 
 import torch
 from torch import nn
-from torch.nn.parameter import UninitializedTensorMixin
+from torch.nn.parameter import is_lazy
 
 from shardkit.ema.checks import EMA_DTYPES
 from shardkit.ema.graph import GraphedEMA
@@ -165,7 +165,7 @@ def check_model(slots: Sequence[Slot], where: str) -> None:
     not yet initialized (a lazy module before its first forward)."""
     for slot in slots:
         t = slot_tensor(slot)
-        if isinstance(t, UninitializedTensorMixin):
+        if is_lazy(t):
             raise ValueError(
                 f"{where}: argument `model` has {slot[0]} not yet initialized (a lazy module such as "
                 "nn.LazyLinear); build the ModelEMA after a first forward has given it its shape"
