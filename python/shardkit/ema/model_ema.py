@@ -14,20 +14,13 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils.hooks import RemovableHandle
 
 from shardkit.ema import checks, sharded, structure
+from shardkit.ema import state as saved
 from shardkit.ema.checks import _MAX_COUNT, SCHEDULE, _check_int, _check_step, check_device, schedule_decay
 from shardkit.ema.diagnose import named_failure
 from shardkit.ema.graph import GraphedEMA
 from shardkit.ema.hooks import attach_update
-from shardkit.ema.settings import Settings, pickled_state, unpickled_state
+from shardkit.ema.settings import Settings, pickled_state, refreshed_slots, unpickled_state
 from shardkit.ema.stage import HostStage
-from shardkit.ema.state import (
-    FORMAT,
-    check_module_state,
-    check_rounding_state,
-    check_state,
-    load_module_state,
-    timm_state,
-)
 from shardkit.ema.structure import ModelTracker, _unwrap, check_structure, slot_tensor
 from shardkit.ema.swap import SwapPairs, swapped
 from shardkit.ema.watch import ModuleWatch
@@ -193,13 +186,11 @@ class ModelEMA(Settings, nn.Module):
 
     def __setstate__(self, state: Dict[str, Any]) -> None:  # a pickle of an earlier release too
         super().__setstate__(unpickled_state(state))
-        module = self._module
-        if module is not None and self._dtensor is None:
-            slots = structure._slots(module)
-            if [s[0] for s in slots] != self._names:  # pickled when non-persistent buffers were averaged too
-                self._names = [s[0] for s in slots]
-                self._ema = self._refs = [slot_tensor(s) for s in slots]
-                self._regroup([s[3] for s in slots])
+        slots = refreshed_slots(self._module, self._names, self._dtensor)
+        if slots is not None:  # pickled when non-persistent buffers were averaged too
+            self._names, self._ema = [s[0] for s in slots], [slot_tensor(s) for s in slots]
+            self._refs = self._ema
+            self._regroup([s[3] for s in slots])
 
     # ---- schedule (the attributes: ema/settings.py) --------------------------------------
     def get_decay(self, step: Optional[int] = None) -> float:
@@ -358,15 +349,14 @@ class ModelEMA(Settings, nn.Module):
             self._flush()
             return super().state_dict(*args, **kwargs)
         return {
-            "format": FORMAT,
+            "format": saved.FORMAT,
             "module": self._module_state(),
             "updates": self.updates,
             "calls": self._calls,
             **{name: getattr(self, name) for name in SCHEDULE},
             "copy_float_buffers": self.copy_float_buffers,
             "enabled": self.enabled,
-            "stochastic_rounding": self.stochastic_rounding,
-            "stochastic_rounding_seed": self.stochastic_rounding_seed,
+            **{key: getattr(self, key) for key in saved.ROUNDING_KEYS},
         }
 
     def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
@@ -381,23 +371,22 @@ class ModelEMA(Settings, nn.Module):
         Refused inside :meth:`swap`."""
         if self._swapped:
             raise checks.in_swap("ModelEMA.load_state_dict", "load after the block")
-        weights_only = timm_state(state_dict)
+        weights_only = saved.timm_state(state_dict)
         if weights_only is not None and (not strict or assign):
             result = super().load_state_dict(state_dict, strict=strict, assign=assign)
             self._follow_module()  # assign=True replaced the module's tensors
             return result
-        schedule = None if weights_only is not None else check_state(state_dict, FORMAT)
-        rounding = {} if weights_only is not None else check_rounding_state(state_dict)
+        schedule = None if weights_only is not None else saved.check_state(state_dict, saved.FORMAT)
+        rounding = {} if weights_only is not None else saved.check_rounding_state(state_dict)
         module_state = state_dict["module"] if weights_only is None else weights_only
-        check_module_state(self._module_state(keep_vars=True), module_state)
+        saved.check_module_state(self._module_state(keep_vars=True), module_state)
         self._follow_module()
-        load_module_state(self._module, self._keys, self._ema, self._refs, module_state)
+        saved.load_module_state(self._module, self._keys, self._ema, self._refs, module_state)
         if schedule is not None:
             self._set_schedule(*schedule)
             self.updates, self._calls, self.enabled = (state_dict[k] for k in ("updates", "calls", "enabled"))
             self.copy_float_buffers = state_dict["copy_float_buffers"]
-            for key, value in rounding.items():
-                setattr(self, key, value)
+            self.__dict__.update(rounding)  # (checked above)
         return _IncompatibleKeys([], [])
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:

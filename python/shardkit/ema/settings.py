@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
+from torch import nn
+
 from shardkit.ema import checks, sharded, structure
 from shardkit.ema.swap import copy_unswapped
 
@@ -94,3 +96,12 @@ def unpickled_state(state: Dict[str, Any]) -> Dict[str, Any]:
         params: List[bool] = [s[3] for s in structure._slots(module)] if module is not None else averaged
         state = dict(state, _params=params, _averaged=averaged, _swap_pairs=None)
     return state
+
+
+def refreshed_slots(module: Optional[nn.Module], names: List[str], dtensor: object) -> Optional[List[Any]]:
+    """The slots of an unpickled EMA's ``module`` where they differ from its pickled ``names``
+    (an EMA pickled when non-persistent buffers were averaged too), else None."""
+    if module is None or dtensor is not None:
+        return None
+    slots = structure._slots(module)
+    return slots if [s[0] for s in slots] != names else None

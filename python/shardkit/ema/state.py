@@ -14,7 +14,15 @@ from shardkit.ema.checks import _MAX_COUNT, Schedule, _dtype_kind, _short, check
 
 FORMAT = "shardkit.ModelEMA/1"
 
-__all__ = ["FORMAT", "check_rounding_state", "check_state", "check_module_state", "load_module_state", "timm_state"]
+__all__ = [
+    "FORMAT",
+    "ROUNDING_KEYS",
+    "check_rounding_state",
+    "check_state",
+    "check_module_state",
+    "load_module_state",
+    "timm_state",
+]
 
 
 # Every key of a state_dict and the types it may hold (load_state_dict names a bad one).
@@ -81,6 +89,10 @@ def check_state(state_dict: object, expected_format: str) -> Schedule:
     except (TypeError, ValueError) as err:
         raise ValueError(f"argument `state_dict`: {err}") from err
     return schedule
+
+
+#: The rounding settings a state_dict carries (optional on load: older states lack them).
+ROUNDING_KEYS = ("stochastic_rounding", "stochastic_rounding_seed")
 
 
 def check_rounding_state(state_dict: Dict[str, Any]) -> Dict[str, Any]:
