@@ -160,3 +160,21 @@ def test_a_state_without_rounding_settings_keeps_the_emas_own_and_bad_ones_are_n
         with pytest.raises(ValueError, match=f"corrupt '{key}'"):
             other.load_state_dict(dict(state, **{key: bad}))
         assert (other.stochastic_rounding, other.stochastic_rounding_seed) == (True, 9)
+
+
+def test_non_persistent_buffers_take_the_emas_dtype():
+    # not averaged, but converted with the rest: a bf16 model's cache used in a matmul with
+    # float32 EMA weights must be float32 too
+    class Mixer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("mix", torch.eye(4), persistent=False)
+
+        def forward(self, x):
+            return self.lin(x) @ self.mix
+
+    model = Mixer().bfloat16()
+    ema = shardkit.ModelEMA(model, dtype=torch.float32)
+    assert ema.module.mix.dtype == torch.float32 and ema.module.lin.weight.dtype == torch.float32
+    assert ema.module(torch.randn(2, 4)).dtype == torch.float32

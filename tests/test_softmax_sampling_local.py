@@ -158,3 +158,22 @@ def test_sampled_gradients_accumulate_over_backwards_in_every_dtype(dtype):
         assert w.grad.is_sparse and w.grad.dtype == dtype
         torch.testing.assert_close(w.grad.to_dense().double(), r.grad.to_dense(), rtol=tol, atol=tol)
     shardkit.SparseRowSGD(head.parameters(), lr=0.1, momentum=0.9).step()  # the joined gradient steps
+
+
+def test_a_float16_sampled_head_converts_with_swapped_parameters():
+    # the accumulation hook held its shard weakly, and torch.utils.swap_tensors refuses a tensor
+    # with a weak reference: conversions and loads failed under the swap setting
+    head = shardkit.ShardedSoftmaxLoss(8, 20, devices=["cpu", "cpu"], dtype=torch.float16, sample_rate=0.5)
+    x, y = torch.randn(6, 8), torch.randint(0, 20, (6,))
+    head(x.half(), y).backward()
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        head.zero_grad()
+        head.float()
+        head.load_state_dict({k: v.clone() for k, v in head.state_dict().items()})
+        for _ in range(2):
+            head(x, y).backward()
+        assert head.weight_shards[0].dtype == torch.float32 and head.weight_shards[0].grad.is_sparse
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)

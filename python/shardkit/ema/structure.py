@@ -100,6 +100,11 @@ def copy_module(
         original = slot_tensor(slot)
         t = ema_copy(original, device, dtype)
         memo[id(original)] = nn.Parameter(t, requires_grad=False) if slot[3] else t
+    for mod in src.modules():  # non-persistent buffers: not averaged, but of the EMA's device and dtype
+        for key in mod._non_persistent_buffers_set:
+            buf = mod._buffers.get(key)
+            if buf is not None and id(buf) not in memo:
+                memo[id(buf)] = ema_copy(buf, device, dtype)
     module = copy.deepcopy(src, memo).eval()
     return module.requires_grad_(False)
 

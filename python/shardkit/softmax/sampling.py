@@ -103,12 +103,16 @@ class _HalfSparseFold:
     __torch_unserializable__ = True  # not pickled with the Parameter: the next forward adds it again
 
     def __init__(self, weight: torch.Tensor) -> None:
-        self.weight = weakref.ref(weight)
+        # A strong reference (a cycle the garbage collector frees): a weak one would stop
+        # torch.utils.swap_tensors, which module conversions use under
+        # torch.__future__.set_swap_module_params_on_conversion(True).
+        self.weight = weight
+        self.cdata = weight._cdata  # the tensor it was registered on (swap_tensors changes it)
 
     def __call__(self, grad: torch.Tensor) -> Optional[torch.Tensor]:
-        weight = self.weight()
-        if weight is None:
-            return None
+        weight = self.weight
+        if weight._cdata != self.cdata:
+            return None  # the Parameter now holds another tensor (swapped): its own hook acts
         old = weight.grad
         if old is None or not (grad.is_sparse and old.is_sparse) or old.dtype != torch.float16:
             return None
@@ -130,7 +134,7 @@ def _fold_half_grads(weight: torch.Tensor) -> None:
     if not (weight.is_leaf and weight.requires_grad):
         return
     hooks = getattr(weight, "_backward_hooks", None) or {}
-    if not any(isinstance(h, _HalfSparseFold) for h in hooks.values()):
+    if not any(isinstance(h, _HalfSparseFold) and h.cdata == weight._cdata for h in hooks.values()):
         weight.register_hook(_HalfSparseFold(weight))
 
 
