@@ -66,6 +66,9 @@ def test_architecture_coverage():
     assert covers(["9.0"], 9, 0) and not covers(["9.0"], 8, 0) and not covers(["8.0"], 9, 0)
     assert covers(["8.0"], 8, 6)  # same major, older minor: machine code runs
     assert covers(["8.0+PTX"], 9, 0) and not covers(["9.0+PTX"], 8, 9)
+    # an architecture-specific target runs on that compute capability alone; a family one on its family
+    assert covers(["9.0a"], 9, 0) and covers(["10.0a"], 10, 0) and not covers(["10.0a"], 10, 3)
+    assert covers(["10.0f"], 10, 3) and not covers(["10.0f"], 12, 0)
     assert covers(["7.5", "9.0a"], 9, 0)
 
 

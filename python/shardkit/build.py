@@ -51,16 +51,21 @@ def _arch_list(text: str | None) -> list[str]:
 
 def covers(archs: list[str], major: int, minor: int) -> bool:
     """Whether kernels compiled for ``archs`` (TORCH_CUDA_ARCH_LIST entries such as "8.0",
-    "9.0a", "8.6+PTX") run on a GPU of compute capability major.minor: machine code of the
-    same major and a minor up to the GPU's, or PTX of an older architecture."""
+    "9.0a", "10.0f", "8.6+PTX") run on a GPU of compute capability major.minor: machine code of
+    the same major and a minor up to the GPU's (an architecture-specific "a" target: that very
+    compute capability only), or PTX of an older architecture."""
     for a in archs:
         ptx = a.endswith("+PTX")
-        base = a.removesuffix("+PTX").rstrip("af")
+        base = a.removesuffix("+PTX")
+        specific = base.endswith("a")
         try:
-            amaj, amin = (int(v) for v in base.split("."))
+            amaj, amin = (int(v) for v in base.rstrip("af").split("."))
         except ValueError:
             continue
-        if (amaj == major and amin <= minor) or (ptx and (amaj, amin) <= (major, minor)):
+        if specific:  # (its PTX too: compute_90a code JIT-compiles for 9.0 alone)
+            if (amaj, amin) == (major, minor):
+                return True
+        elif (amaj == major and amin <= minor) or (ptx and (amaj, amin) <= (major, minor)):
             return True
     return False
 
