@@ -206,7 +206,26 @@ def _extension():
     )
 
 
+#: The oldest torch the build and the test suite were run on.
+MIN_TORCH = (2, 6)
+
+
+def _requirements() -> list[str]:
+    """The package's dependencies: the torch release this build compiles against, exactly (the
+    extension loads with it alone; a local label such as +cu130 is left out, so any build of that
+    release fits), and the pure-Python ones."""
+    release = torch.__version__.split("+")[0]
+    parts = release.split(".")
+    if tuple(int(p) for p in parts[:2] if p.isdigit()) < MIN_TORCH:
+        sys.exit(
+            f"shardkit needs torch {MIN_TORCH[0]}.{MIN_TORCH[1]} or later to build; torch {torch.__version__} "
+            "is installed (pip install torch==2.11.0, then build again)"
+        )
+    return [f"torch=={release}", "numpy", "tqdm", "matplotlib", "pillow"]
+
+
 setup(
+    install_requires=_requirements(),
     packages=find_packages("python"),
     package_dir={"": "python"},
     # py.typed: type checkers read the package's annotations; _C.pyi: the compiled module's stub

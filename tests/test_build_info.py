@@ -76,3 +76,18 @@ def test_info_command():
     r = subprocess.run([sys.executable, "-m", "shardkit.info"], capture_output=True, text=True, timeout=120)
     assert r.returncode == (1 if shardkit.build_info()["problems"] else 0), r.stderr
     assert r.stdout.startswith(f"shardkit {shardkit.__version__}") and "CUDA kernels:" in r.stdout
+
+
+def test_the_installed_package_requires_the_torch_it_was_built_against():
+    # a wheel declared torch>=2.6: pip installed it beside the newest torch, which it cannot load
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution("shardkit")
+    except metadata.PackageNotFoundError:
+        pytest.skip("shardkit is not installed here (the suite runs from the source tree): no metadata to read")
+    if os.path.realpath(os.path.dirname(shardkit.__file__)) != os.path.realpath(dist.locate_file("shardkit")):
+        pytest.skip("the shardkit imported is the source tree's, not the installed one whose metadata pip wrote")
+    built = shardkit.build_info()["torch_built"]
+    assert built, "the build record names the torch the extension was compiled against"
+    assert f"torch=={built.split('+')[0]}" in (dist.requires or [])
